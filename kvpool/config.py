@@ -1,0 +1,303 @@
+"""Configuration: one dataclass per component, TOML files mapped onto them.
+
+Every knob is declared once here, with its type, unit and default. TOML files
+(``conf/*.toml``, read with :mod:`tomllib`) and command-line flags
+(``--tiers.dram.capacity 2GiB``, generated from these dataclasses) override the
+defaults; keys left out keep them. An unknown key or a bad value raises
+:class:`kvpool.errors.ConfigError` naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvpool import errors
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"2GiB"``, ``"64KB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    raise ValueError(f"expected a size like 1073741824 or '1GiB', got {value!r}")
+
+
+def format_size(nbytes: float) -> str:
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _size(default: int | str, doc: str) -> Any:
+    return field(default=parse_size(default), metadata={"size": True, "doc": doc})
+
+
+def _opt(default: Any, doc: str, choices: tuple[Any, ...] | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "choices": choices})
+
+
+# -- sections -----------------------------------------------------------------
+
+
+@dataclass
+class PoolSection:
+    name: str = _opt("default", "pool name; the cxl arena and log lines are named after it")
+    data_dir: str = _opt("~/.local/share/kvpool", "directory holding nvme segments and the index")
+    chunk_tokens: int = _opt(256, "tokens per prefix chunk (one object per chunk)")
+    token_dtype: str = _opt("int32", "token width used in prefix hashes", ("int32", "int64"))
+    max_key_bytes: int = _opt(256, "longest key accepted, in bytes")
+
+    def resolved_data_dir(self) -> Path:
+        return Path(os.path.expandvars(os.path.expanduser(self.data_dir)))
+
+
+@dataclass
+class HbmSection:
+    capacity: int = _size(0, "bytes of GPU memory; 0 disables the tier")
+    put: bool = _opt(True, "new objects may land in this tier")
+    device: int = _opt(0, "CUDA device ordinal")
+    emulate: bool = _opt(True, "without a CUDA device, emulate it with host memory (reported in stats)")
+
+
+@dataclass
+class DramSection:
+    capacity: int = _size("1GiB", "bytes of host memory; 0 disables the tier")
+    put: bool = _opt(True, "new objects may land in this tier")
+    mlock: bool = _opt(True, "page-lock the arena as far as RLIMIT_MEMLOCK allows")
+    prefault: bool = _opt(True, "touch every page at start so first puts run at memcpy speed")
+
+
+@dataclass
+class CxlSection:
+    capacity: int = _size("1GiB", "bytes of the shared-memory arena; 0 disables the tier")
+    put: bool = _opt(True, "new objects may land in this tier")
+    path: str = _opt("", "arena file; default /dev/shm/kvpool-<pool name>-cxl")
+    latency_ns: float = _opt(0.0, "emulated access latency per operation (0 = no model)")
+    bandwidth_gbps: float = _opt(0.0, "emulated bandwidth in GB/s (0 = no model; CXL 3.0 Type 3 ~64)")
+
+
+@dataclass
+class NvmeSection:
+    capacity: int = _size("8GiB", "bytes of segment files; 0 disables the tier")
+    put: bool = _opt(True, "new objects may land in this tier")
+    path: str = _opt("", "directory of segment files and index; default <data_dir>/nvme")
+    segment_size: int = _size("1GiB", "bytes per preallocated segment file (largest object)")
+    direct_io: str = _opt("auto", "O_DIRECT: auto (use where supported), on (required), off", ("auto", "on", "off"))
+    fsync: bool = _opt(False, "fdatasync data and index on every put (survive power loss, not only crashes)")
+    io_threads: int = _opt(4, "parallel I/Os per large read/write")
+    io_chunk: int = _size("4MiB", "bytes per I/O when a read or write is split across threads")
+
+
+@dataclass
+class TiersSection:
+    hbm: HbmSection = field(default_factory=HbmSection)
+    dram: DramSection = field(default_factory=DramSection)
+    cxl: CxlSection = field(default_factory=CxlSection)
+    nvme: NvmeSection = field(default_factory=NvmeSection)
+
+
+@dataclass
+class EvictionSection:
+    policy: str = _opt("lru", "which object a full tier demotes first", ("lru", "s3fifo"))
+    promote: bool = _opt(True, "copy an object up a tier when it is hit below the top")
+    promote_min_hits: int = _opt(2, "hits in a lower tier before promotion (one-off reads never churn)")
+
+
+@dataclass
+class MasterSection:
+    listen: str = _opt("tcp://127.0.0.1:7700", "ZeroMQ address the master binds / clients connect to")
+    heartbeat_ms: int = _opt(1000, "node heartbeat period")
+    dead_after_missed: int = _opt(3, "missed heartbeats before a node is declared dead")
+    reservation_timeout_s: float = _opt(30.0, "a put reserved but never committed is reclaimed after this")
+    lease_s: float = _opt(10.0, "a located replica is pinned for this long unless released")
+    request_timeout_s: float = _opt(5.0, "client deadline for one master round trip")
+
+
+@dataclass
+class NodeSection:
+    host: str = _opt("127.0.0.1", "interface the node's UCX listener binds to")
+    port: int = _opt(0, "UCX listener port; 0 picks a free one")
+    max_message: int = _size("16MiB", "large layer ranges are split into messages of at most this many bytes")
+    durable: bool = _opt(False, "puts default to durable placement on storage nodes")
+    replicas: int = _opt(1, "replicas for durable puts")
+    pull_timeout_s: float = _opt(10.0, "deadline for one pull from a peer")
+
+
+@dataclass
+class MetricsSection:
+    port: int = _opt(0, "Prometheus/health HTTP port on 127.0.0.1; 0 disables")
+
+
+@dataclass
+class Config:
+    pool: PoolSection = field(default_factory=PoolSection)
+    tiers: TiersSection = field(default_factory=TiersSection)
+    eviction: EvictionSection = field(default_factory=EvictionSection)
+    master: MasterSection = field(default_factory=MasterSection)
+    node: NodeSection = field(default_factory=NodeSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    # -- loading ------------------------------------------------------------
+
+    @classmethod
+    def load(cls, source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None) -> Config:
+        """Defaults overridden by a TOML file path, a mapping, or a Config (returned as is)."""
+        if isinstance(source, Config):
+            return source
+        config = cls()
+        if source is None:
+            return config
+        if isinstance(source, Mapping):
+            config.update(source, origin="<mapping>")
+            return config
+        path = Path(source)
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise errors.ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise errors.ConfigError(f"{path}: not valid TOML: {exc}") from None
+        config.update(data, origin=str(path))
+        return config
+
+    def update(self, data: Mapping[str, Any], *, origin: str) -> None:
+        _apply(self, data, prefix="", origin=origin)
+        self.validate(origin)
+
+    def set(self, dotted_key: str, value: Any, *, origin: str = "<command line>") -> None:
+        """Set one setting by its dotted name, e.g. ``tiers.dram.capacity``."""
+        *parents, leaf = dotted_key.split(".")
+        nested: dict[str, Any] = {leaf: value}
+        for part in reversed(parents):
+            nested = {part: nested}
+        self.update(nested, origin=origin)
+
+    def validate(self, origin: str) -> None:
+        def bad(key: str, why: str) -> errors.ConfigError:
+            return errors.ConfigError(f"{origin}: {key}: {why}")
+
+        if self.pool.chunk_tokens <= 0:
+            raise bad("pool.chunk_tokens", "must be positive")
+        nvme = self.tiers.nvme
+        if nvme.capacity and nvme.segment_size <= 0:
+            raise bad("tiers.nvme.segment_size", "must be positive")
+        if nvme.io_threads <= 0:
+            raise bad("tiers.nvme.io_threads", "must be positive")
+        if self.eviction.promote_min_hits < 1:
+            raise bad("eviction.promote_min_hits", "must be >= 1")
+        if self.master.heartbeat_ms <= 0 or self.master.dead_after_missed <= 0:
+            raise bad("master.heartbeat_ms", "heartbeat period and dead_after_missed must be positive")
+        if self.node.replicas < 1:
+            raise bad("node.replicas", "must be >= 1")
+        if self.node.max_message < 4096:
+            raise bad("node.max_message", "must be at least 4096 bytes")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _apply(obj: Any, data: Mapping[str, Any], *, prefix: str, origin: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        f = fields.get(key)
+        if f is None:
+            raise errors.ConfigError(
+                f"{origin}: unknown key {dotted!r} (known here: {', '.join(sorted(fields))})"
+            )
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, Mapping):
+                raise errors.ConfigError(f"{origin}: {dotted} must be a table, got {value!r}")
+            _apply(current, value, prefix=f"{dotted}.", origin=origin)
+            continue
+        try:
+            setattr(obj, key, _coerce(f, current, value))
+        except ValueError as exc:
+            raise errors.ConfigError(f"{origin}: {dotted}: {exc}") from None
+
+
+def _coerce(f: dataclasses.Field[Any], current: Any, value: Any) -> Any:
+    if f.metadata.get("size"):
+        return parse_size(value)
+    if isinstance(current, bool):
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true/false, got {value!r}")
+        result: Any = value
+    elif isinstance(current, int):
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected an integer, got {value!r}")
+        result = int(value)
+    elif isinstance(current, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"expected a number, got {value!r}")
+        result = float(value)
+        if result < 0:
+            raise ValueError(f"must be >= 0, got {value!r}")
+    else:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        result = value
+    choices = f.metadata.get("choices")
+    if choices and result not in choices:
+        raise ValueError(f"must be one of {list(choices)}, got {value!r}")
+    return result
+
+
+# -- command-line flags -------------------------------------------------------------
+
+
+def iter_settings(obj: Any = None, prefix: str = "") -> list[tuple[str, dataclasses.Field[Any], Any]]:
+    """Every leaf setting as (dotted name, field, default value)."""
+    obj = Config() if obj is None else obj
+    out: list[tuple[str, dataclasses.Field[Any], Any]] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.extend(iter_settings(value, f"{prefix}{f.name}."))
+        else:
+            out.append((f"{prefix}{f.name}", f, value))
+    return out
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--section.key VALUE`` flag per setting (values parsed like TOML values)."""
+    group = parser.add_argument_group("settings (override the config file)")
+    for dotted, f, default in iter_settings():
+        shown = format_size(default) if f.metadata.get("size") else default
+        group.add_argument(
+            f"--{dotted}", dest=f"set:{dotted}", default=None, metavar="VALUE",
+            help=f"{f.metadata.get('doc', '')} (default: {shown!r})",
+        )
+
+
+def apply_setting_flags(config: Config, args: argparse.Namespace) -> None:
+    for name, value in vars(args).items():
+        if name.startswith("set:") and value is not None:
+            config.set(name[4:], value)

@@ -1,0 +1,123 @@
+"""Every exception a kvpool user can catch.
+
+One hierarchy under :class:`KVPoolError`. A cache miss is never an exception
+(``get`` returns ``None``); these are raised for bad input, corruption,
+exhausted capacity and failures of the pool's own machinery.
+"""
+
+from __future__ import annotations
+
+
+class KVPoolError(Exception):
+    """Base class of every kvpool error."""
+
+
+# -- configuration ----------------------------------------------------------
+
+
+class ConfigError(KVPoolError, ValueError):
+    """A configuration file or value is invalid; the message names key and file."""
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+class InvalidKVError(KVPoolError, ValueError):
+    """A KV tensor has the wrong rank, shape, dtype or memory layout."""
+
+
+class ShapeError(InvalidKVError):
+    """Wrong rank or shape (expected ``[layers, 2, tokens, kv_heads, head_dim]``)."""
+
+
+class DTypeError(InvalidKVError):
+    """A dtype kvpool does not store, or one that disagrees with the object."""
+
+
+class InvalidKeyError(KVPoolError, ValueError):
+    """A key (prefix hash) that is not bytes/str or has an unusable length."""
+
+
+class LayerRangeError(KVPoolError, IndexError):
+    """A requested layer range lies outside the object's layers."""
+
+
+class OutBufferError(KVPoolError, ValueError):
+    """An ``out=`` buffer has the wrong size, dtype, or is not writable/contiguous."""
+
+
+class KeyNotFoundError(KVPoolError, KeyError):
+    """``delete`` (or another operation that needs the key) named an absent key."""
+
+
+# -- capacity -----------------------------------------------------------------
+
+
+class CapacityError(KVPoolError):
+    """There is no room for an object."""
+
+
+class ObjectTooLargeError(CapacityError):
+    """The object is larger than every tier that accepts puts."""
+
+
+class PoolFullError(CapacityError):
+    """Every tier is full of objects that cannot be evicted right now (pinned by readers)."""
+
+
+class DiskFullError(CapacityError, OSError):
+    """The filesystem under the nvme tier ran out of space."""
+
+
+# -- stored bytes ---------------------------------------------------------------
+
+
+class FormatError(KVPoolError):
+    """Stored or received bytes are not a valid kvpool object."""
+
+
+class BadMagicError(FormatError):
+    """The object header does not start with kvpool's magic bytes."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The object header names a format version this build cannot read."""
+
+
+class TruncatedObjectError(FormatError):
+    """Fewer bytes than the header promises."""
+
+
+class ChecksumError(FormatError):
+    """A layer's (or the header's) xxh3-64 checksum does not match its bytes."""
+
+
+# -- lifecycle and cluster ------------------------------------------------------
+
+
+class PoolClosedError(KVPoolError, RuntimeError):
+    """The pool (or tier) was closed."""
+
+
+class PoolLockedError(KVPoolError, RuntimeError):
+    """Another live process already owns this pool's data directory or arena."""
+
+
+class TierError(KVPoolError):
+    """A tier failed in a way that is not one of the more specific errors."""
+
+
+class MasterUnreachableError(KVPoolError, ConnectionError):
+    """The metadata master did not answer within the deadline."""
+
+
+class ProtocolError(KVPoolError):
+    """A peer sent a message that could not be parsed or names an unknown version."""
+
+
+class TransferError(KVPoolError):
+    """A pull of KV bytes from a peer node failed."""
+
+
+class KVTimeoutError(KVPoolError, TimeoutError):
+    """An operation did not finish within its deadline."""

@@ -1,0 +1,427 @@
+"""The stored object format: one prefix chunk's KV for all layers.
+
+Owns the byte layout of an object (header + layer-major payload), the dtype
+table, layer/byte range value types, per-layer checksums, and turning user
+arrays into contiguous layer-major views. It does not own where bytes live
+(``tiers``) or how they move (``kvpool.transfer``).
+
+Layout of one object ("blob")::
+
+    offset 0                      header_nbytes                 total_nbytes
+    | fixed header | layer xxh3-64 | pad | layer 0 | layer 1 | ... | layer L-1 |
+
+Fixed header (little-endian, 48 bytes)::
+
+    magic 4s "KVPL" | version u16 | dtype u8 | flags u8 | header_nbytes u32
+    | layers u32 | kv u32 (=2) | tokens u32 | kv_heads u32 | head_dim u32
+    | reserved u32 | layer_nbytes u64 | header_xxh3_64 u64
+
+followed by ``layers`` u64 per-layer checksums, zero-padded to a multiple of
+64 bytes. Each layer is ``[2 (K,V)][tokens][kv_heads][head_dim]`` elements, so
+layers ``[a, b)`` are the single byte range
+``header_nbytes + a*layer_nbytes .. header_nbytes + b*layer_nbytes``.
+The header checksum covers the fixed header (with its own field zeroed) and
+the layer checksums, so a flipped bit in the dims is caught, not trusted.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from kvpool import errors
+
+MAGIC = b"KVPL"
+FORMAT_VERSION = 1
+HEADER_ALIGN = 64
+_FIXED = struct.Struct("<4sHBBIIIIIIIQQ")
+FIXED_HEADER_NBYTES = _FIXED.size  # 48
+_CHECKSUM_OFFSET = FIXED_HEADER_NBYTES - 8
+
+
+# -- dtypes -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    code: int
+    name: str
+    storage: str  # numpy dtype the bytes are viewed as when no richer type exists
+
+
+# Codes are part of the on-disk format: never renumber, only append.
+DTYPES: dict[str, DTypeInfo] = {
+    d.name: d
+    for d in (
+        DTypeInfo(1, "float16", "<f2"),
+        DTypeInfo(2, "bfloat16", "<u2"),
+        DTypeInfo(3, "float32", "<f4"),
+        DTypeInfo(4, "uint8", "u1"),
+        DTypeInfo(5, "float8_e4m3fn", "u1"),
+        DTypeInfo(6, "float8_e5m2", "u1"),
+        DTypeInfo(7, "int8", "i1"),
+    )
+}
+_DTYPE_BY_CODE = {d.code: d for d in DTYPES.values()}
+
+
+def dtype_info(name: str) -> DTypeInfo:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise errors.DTypeError(
+            f"unsupported dtype {name!r}; kvpool stores {sorted(DTYPES)}"
+        ) from None
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype arrays of ``name`` are returned as.
+
+    bfloat16 and fp8 have no numpy dtype; when ``ml_dtypes`` is importable its
+    types are used, otherwise the raw storage type (uint16 / uint8) so the bytes
+    stay exact.
+    """
+    info = dtype_info(name)
+    if info.storage != name and name not in ("uint8", "int8"):
+        try:
+            import ml_dtypes  # type: ignore[import-not-found]
+
+            return np.dtype(getattr(ml_dtypes, name))
+        except (ImportError, AttributeError):
+            pass
+    return np.dtype(info.storage)
+
+
+# -- value types ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRange:
+    """Half-open range of layers ``[start, stop)``."""
+
+    start: int
+    stop: int
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    @classmethod
+    def resolve(cls, layers: Any, num_layers: int) -> LayerRange:
+        """Normalise ``None`` / int / ``range`` / ``slice`` / ``(a, b)`` / LayerRange.
+
+        Raises LayerRangeError if empty, stepped, or outside ``[0, num_layers)``.
+        """
+        if layers is None:
+            start, stop = 0, num_layers
+        elif isinstance(layers, LayerRange):
+            start, stop = layers.start, layers.stop
+        elif isinstance(layers, (int, np.integer)):
+            start, stop = int(layers), int(layers) + 1
+        elif isinstance(layers, range):
+            if layers.step != 1:
+                raise errors.LayerRangeError(f"layer range {layers!r} must have step 1")
+            start, stop = layers.start, layers.stop
+        elif isinstance(layers, slice):
+            start, stop, step = layers.indices(num_layers)
+            if step != 1:
+                raise errors.LayerRangeError(f"layer slice {layers!r} must have step 1")
+        elif isinstance(layers, tuple) and len(layers) == 2:
+            start, stop = int(layers[0]), int(layers[1])
+        else:
+            raise errors.LayerRangeError(f"cannot read {layers!r} as a layer range")
+        if not 0 <= start < stop <= num_layers:
+            raise errors.LayerRangeError(
+                f"layers [{start}, {stop}) outside the object's {num_layers} layers"
+            )
+        return cls(start, stop)
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """``nbytes`` bytes starting at ``offset`` (relative to the object's first byte)."""
+
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectSpec:
+    """Shape and dtype of one object: ``[layers, 2, tokens, kv_heads, head_dim]``."""
+
+    dtype: str
+    layers: int
+    tokens: int
+    kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        dtype_info(self.dtype)
+        for field in ("layers", "tokens", "kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0 or value >= 2**32:
+                raise errors.ShapeError(f"{field} must be a positive 32-bit int, got {value!r}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.tokens, self.kv_heads, self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(dtype_info(self.dtype).storage).itemsize
+
+    @property
+    def layer_nbytes(self) -> int:
+        return 2 * self.tokens * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.layers * self.layer_nbytes
+
+    @property
+    def header_nbytes(self) -> int:
+        return _round_up(FIXED_HEADER_NBYTES + 8 * self.layers, HEADER_ALIGN)
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.header_nbytes + self.payload_nbytes
+
+    def layer_bytes(self, layer_range: LayerRange) -> ByteRange:
+        """Byte range of ``layer_range`` within the whole object (header included)."""
+        return ByteRange(
+            self.header_nbytes + layer_range.start * self.layer_nbytes,
+            layer_range.count * self.layer_nbytes,
+        )
+
+    def array_shape(self, layer_range: LayerRange | None = None) -> tuple[int, ...]:
+        count = self.layers if layer_range is None else layer_range.count
+        return (count, 2, self.tokens, self.kv_heads, self.head_dim)
+
+    def to_wire(self) -> list[Any]:
+        return [self.dtype, self.layers, self.tokens, self.kv_heads, self.head_dim]
+
+    @classmethod
+    def from_wire(cls, fields: Sequence[Any]) -> ObjectSpec:
+        dtype, layers, tokens, kv_heads, head_dim = fields
+        return cls(str(dtype), int(layers), int(tokens), int(kv_heads), int(head_dim))
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+# -- header -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    """An object's spec plus one xxh3-64 checksum per layer."""
+
+    spec: ObjectSpec
+    layer_checksums: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.layer_checksums) != self.spec.layers:
+            raise errors.FormatError(
+                f"{len(self.layer_checksums)} checksums for {self.spec.layers} layers"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.header_nbytes
+
+    def pack(self) -> bytes:
+        spec = self.spec
+        buf = bytearray(spec.header_nbytes)
+        _FIXED.pack_into(
+            buf, 0, MAGIC, FORMAT_VERSION, dtype_info(spec.dtype).code, 0,
+            spec.header_nbytes, spec.layers, 2, spec.tokens, spec.kv_heads,
+            spec.head_dim, 0, spec.layer_nbytes, 0,
+        )
+        end = FIXED_HEADER_NBYTES + 8 * spec.layers
+        buf[FIXED_HEADER_NBYTES:end] = np.asarray(self.layer_checksums, dtype="<u8").tobytes()
+        struct.pack_into("<Q", buf, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf[:end])))
+        return bytes(buf)
+
+    @classmethod
+    def unpack(cls, data: Any) -> ObjectHeader:
+        """Parse and verify a header from the first bytes of ``data``.
+
+        Raises BadMagicError, UnsupportedVersionError, TruncatedObjectError,
+        ChecksumError (header checksum) or FormatError (impossible dims).
+        """
+        mv = memoryview(data).cast("B")
+        if len(mv) < FIXED_HEADER_NBYTES:
+            raise errors.TruncatedObjectError(
+                f"{len(mv)} bytes is shorter than the {FIXED_HEADER_NBYTES}-byte header"
+            )
+        (magic, version, code, _flags, header_nbytes, layers, kv, tokens, kv_heads,
+         head_dim, _reserved, layer_nbytes, header_sum) = _FIXED.unpack_from(mv, 0)
+        if magic != MAGIC:
+            raise errors.BadMagicError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+        if version != FORMAT_VERSION:
+            raise errors.UnsupportedVersionError(
+                f"object format version {version}; this build reads {FORMAT_VERSION}"
+            )
+        end = FIXED_HEADER_NBYTES + 8 * layers
+        if len(mv) < end:
+            raise errors.TruncatedObjectError(f"header needs {end} bytes, got {len(mv)}")
+        fixed = bytearray(mv[:end])
+        struct.pack_into("<Q", fixed, _CHECKSUM_OFFSET, 0)
+        if xxhash.xxh3_64_intdigest(bytes(fixed)) != header_sum:
+            raise errors.ChecksumError("object header checksum mismatch")
+        info = _DTYPE_BY_CODE.get(code)
+        if info is None:
+            raise errors.FormatError(f"unknown dtype code {code}")
+        if kv != 2:
+            raise errors.FormatError(f"kv dimension is {kv}, expected 2")
+        try:
+            spec = ObjectSpec(info.name, layers, tokens, kv_heads, head_dim)
+        except errors.ShapeError as exc:
+            raise errors.FormatError(f"impossible dims in header: {exc}") from None
+        if spec.header_nbytes != header_nbytes or spec.layer_nbytes != layer_nbytes:
+            raise errors.FormatError("header sizes disagree with its dims")
+        sums = np.frombuffer(mv[FIXED_HEADER_NBYTES:end], dtype="<u8")
+        return cls(spec, tuple(int(s) for s in sums))
+
+    def verify(self, layer_range: LayerRange, data: Any) -> None:
+        """Check that ``data`` holds exactly the layers of ``layer_range``, intact.
+
+        Raises TruncatedObjectError on a short buffer, ChecksumError naming the
+        first bad layer.
+        """
+        mv = memoryview(data).cast("B")
+        step = self.spec.layer_nbytes
+        if len(mv) < layer_range.count * step:
+            raise errors.TruncatedObjectError(
+                f"{len(mv)} bytes for {layer_range.count} layers of {step} bytes"
+            )
+        for i, layer in enumerate(range(layer_range.start, layer_range.stop)):
+            if xxhash.xxh3_64_intdigest(mv[i * step:(i + 1) * step]) != self.layer_checksums[layer]:
+                raise errors.ChecksumError(f"layer {layer} checksum mismatch")
+
+
+def layer_checksums(payload: Any, layer_nbytes: int) -> tuple[int, ...]:
+    """xxh3-64 of each ``layer_nbytes`` slice of ``payload``."""
+    mv = memoryview(payload).cast("B")
+    return tuple(
+        xxhash.xxh3_64_intdigest(mv[i:i + layer_nbytes]) for i in range(0, len(mv), layer_nbytes)
+    )
+
+
+# -- user arrays ----------------------------------------------------------------------
+
+
+def _dtype_name_of(dt: np.dtype) -> str:
+    if dt.name in DTYPES:
+        return dt.name
+    raise errors.DTypeError(f"unsupported dtype {dt}; kvpool stores {sorted(DTYPES)}")
+
+
+def as_host_array(obj: Any) -> np.ndarray:
+    """A numpy view of ``obj`` without copying when possible.
+
+    Accepts numpy arrays, CuPy arrays (copied to host), anything with
+    ``__dlpack__`` (e.g. torch CPU tensors) and buffer-protocol objects.
+    """
+    if isinstance(obj, np.ndarray):
+        return obj
+    if hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "get"):
+        return obj.get()  # CuPy: device -> host
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return np.from_dlpack(obj)
+        except (TypeError, BufferError, RuntimeError) as exc:
+            # numpy refuses dtypes it lacks (torch.bfloat16): reinterpret the
+            # same bytes as a 2-byte integer type on the producer's side.
+            view = getattr(obj, "view", None)
+            if view is not None and "bfloat16" in str(getattr(obj, "dtype", "")):
+                import torch  # only reachable with a torch tensor in hand
+
+                return np.from_dlpack(obj.view(torch.int16)).view("<u2")
+            raise errors.DTypeError(f"cannot view {type(obj).__name__} on the host: {exc}") from exc
+    try:
+        return np.asarray(memoryview(obj))
+    except TypeError:
+        raise errors.InvalidKVError(
+            f"{type(obj).__name__} is not an array (numpy, CuPy, __dlpack__ or buffer)"
+        ) from None
+
+
+def spec_of(kv: Any, dtype: str | None = None) -> tuple[ObjectSpec, np.ndarray]:
+    """Validate a user KV array and return its spec and a C-contiguous host view.
+
+    ``dtype`` names the stored type when numpy cannot (``"bfloat16"`` for a
+    uint16/int16 array, ``"float8_e4m3fn"`` for uint8 bytes). A non-contiguous
+    array is copied once. Raises ShapeError / DTypeError.
+    """
+    arr = as_host_array(kv)
+    if arr.ndim != 5:
+        raise errors.ShapeError(
+            f"KV must have rank 5 [layers, 2, tokens, kv_heads, head_dim], got shape {arr.shape}"
+        )
+    if arr.shape[1] != 2:
+        raise errors.ShapeError(f"dimension 1 must be 2 (K and V), got shape {arr.shape}")
+    if 0 in arr.shape:
+        raise errors.ShapeError(f"KV has an empty dimension: shape {arr.shape}")
+    if dtype is None:
+        name = _dtype_name_of(arr.dtype)
+    else:
+        info = dtype_info(dtype)
+        if arr.dtype.itemsize != np.dtype(info.storage).itemsize:
+            raise errors.DTypeError(
+                f"dtype={dtype!r} needs {np.dtype(info.storage).itemsize}-byte elements, "
+                f"array has {arr.dtype}"
+            )
+        name = info.name
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    layers, _, tokens, kv_heads, head_dim = (int(d) for d in arr.shape)
+    return ObjectSpec(name, layers, tokens, kv_heads, head_dim), arr
+
+
+def byte_view(arr: np.ndarray) -> memoryview:
+    """Flat, writable-if-possible byte view of a C-contiguous array."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def encode(kv: Any, dtype: str | None = None) -> bytes:
+    """Serialise an array to one self-describing object (header + payload)."""
+    spec, arr = spec_of(kv, dtype)
+    payload = byte_view(arr)
+    header = ObjectHeader(spec, layer_checksums(payload, spec.layer_nbytes))
+    return header.pack() + payload.tobytes()
+
+
+def decode(blob: Any, layers: Any = None, *, verify: bool = True) -> tuple[ObjectHeader, np.ndarray]:
+    """Parse an object and return (header, array view of the requested layers).
+
+    The array is a view into ``blob`` (no copy). Raises the FormatError family
+    on bad magic, version, truncation or checksum mismatch.
+    """
+    mv = memoryview(blob).cast("B")
+    header = ObjectHeader.unpack(mv)
+    spec = header.spec
+    layer_range = LayerRange.resolve(layers, spec.layers)
+    rng = spec.layer_bytes(layer_range)
+    if len(mv) < rng.end:
+        raise errors.TruncatedObjectError(f"object needs {rng.end} bytes, got {len(mv)}")
+    data = mv[rng.offset:rng.end]
+    if verify:
+        header.verify(layer_range, data)
+    arr = np.frombuffer(data, dtype=numpy_dtype(spec.dtype)).reshape(spec.array_shape(layer_range))
+    return header, arr
+
+
+def iter_chunks(total: int, step: int) -> Iterable[tuple[int, int]]:
+    """(offset, nbytes) pieces of at most ``step`` bytes covering ``total`` bytes."""
+    for offset in range(0, total, step):
+        yield offset, min(step, total - offset)

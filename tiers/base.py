@@ -1,0 +1,293 @@
+"""The ``Tier`` ABC and the extent allocator every tier shares.
+
+A tier owns space and bytes: it allocates extents, copies object bytes in and
+out, and (if persistent) remembers which key lives in which extent. It does not
+know about other tiers, eviction order, or the master: the tier manager decides
+what goes where, and calls a tier only with extents it allocated from it.
+
+Objects are stored whole (header + layer-major payload, see
+``kvpool.objformat``), so a layer range is one byte range of one extent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
+
+from kvpool import errors
+from kvpool.objformat import LayerRange, ObjectHeader
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """Where one object lives inside a tier: ``nbytes`` at ``offset`` of ``segment``."""
+
+    segment: int
+    offset: int
+    nbytes: int
+
+
+def round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class ExtentAllocator:
+    """Best-fit allocator over ``[0, capacity)`` with coalescing of freed blocks.
+
+    Best fit plus immediate coalescing keeps fragmentation bounded under churn
+    of mixed sizes: freeing everything always restores one block of the whole
+    capacity. Not thread-safe; the owning tier serialises calls.
+    """
+
+    def __init__(self, capacity: int, alignment: int) -> None:
+        self.capacity = capacity // alignment * alignment
+        self.alignment = alignment
+        self.used = 0
+        self._by_offset: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._sizes: list[tuple[int, int]] = []  # sorted (size, offset)
+        if self.capacity:
+            self._add(0, self.capacity)
+
+    def _add(self, offset: int, size: int) -> None:
+        self._by_offset[offset] = size
+        self._by_end[offset + size] = offset
+        bisect.insort(self._sizes, (size, offset))
+
+    def _remove(self, offset: int, size: int) -> None:
+        del self._by_offset[offset]
+        del self._by_end[offset + size]
+        i = bisect.bisect_left(self._sizes, (size, offset))
+        del self._sizes[i]
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Offset of a fresh block of ``nbytes`` (rounded up), or None if none fits."""
+        size = round_up(max(nbytes, 1), self.alignment)
+        i = bisect.bisect_left(self._sizes, (size, -1))
+        if i == len(self._sizes):
+            return None
+        block_size, offset = self._sizes[i]
+        self._remove(offset, block_size)
+        if block_size > size:
+            self._add(offset + size, block_size - size)
+        self.used += size
+        return offset
+
+    def reserve(self, offset: int, nbytes: int) -> None:
+        """Mark a specific block used (rebuilding state from a persistent index)."""
+        size = round_up(max(nbytes, 1), self.alignment)
+        for start, free_size in list(self._by_offset.items()):
+            if start <= offset and offset + size <= start + free_size:
+                self._remove(start, free_size)
+                if offset > start:
+                    self._add(start, offset - start)
+                if offset + size < start + free_size:
+                    self._add(offset + size, start + free_size - offset - size)
+                self.used += size
+                return
+        raise errors.TierError(f"extent [{offset}, {offset + size}) overlaps a used block")
+
+    def free(self, offset: int, nbytes: int) -> None:
+        size = round_up(max(nbytes, 1), self.alignment)
+        self.used -= size
+        start, end = offset, offset + size
+        after = self._by_offset.get(end)
+        if after is not None:
+            self._remove(end, after)
+            end += after
+        before = self._by_end.get(start)
+        if before is not None:
+            self._remove(before, start - before)
+            start = before
+        self._add(start, end - start)
+
+    @property
+    def largest_free(self) -> int:
+        return self._sizes[-1][0] if self._sizes else 0
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._sizes)
+
+
+class Tier(ABC):
+    """One storage tier: exact-capacity space plus byte copies in and out.
+
+    Thread-safe: allocation is serialised by the tier's lock; reads and writes
+    of distinct extents may run concurrently.
+    """
+
+    name: ClassVar[str]
+    #: ``view()`` returns a zero-copy memoryview of tier memory.
+    supports_views: ClassVar[bool] = False
+    #: objects survive a restart (``recover()`` yields them).
+    persistent: ClassVar[bool] = False
+    #: ``read_layers`` verifies per-layer checksums (storage that can rot).
+    verifies_reads: ClassVar[bool] = False
+
+    def __init__(self, capacity_bytes: int, alignment: int, segment_bytes: int | None = None) -> None:
+        if capacity_bytes < alignment:
+            raise errors.TierError(f"{self.name}: capacity {capacity_bytes} is below one {alignment}-byte block")
+        segment_bytes = segment_bytes or capacity_bytes
+        self.alignment = alignment
+        self._segments: list[ExtentAllocator] = []
+        left = capacity_bytes
+        while left >= alignment:
+            self._segments.append(ExtentAllocator(min(left, segment_bytes), alignment))
+            left -= min(left, segment_bytes)
+        self.capacity_bytes = sum(s.capacity for s in self._segments)
+        self._prepared: set[int] = set()
+        self._alloc_lock = threading.Lock()
+        self.closed = False
+
+    # -- space ----------------------------------------------------------------
+
+    def allocated_size(self, nbytes: int) -> int:
+        """Bytes of capacity an object of ``nbytes`` consumes here."""
+        return round_up(max(nbytes, 1), self.alignment)
+
+    def fits_ever(self, nbytes: int) -> bool:
+        """Whether an object of ``nbytes`` could fit once the tier is empty."""
+        return any(self.allocated_size(nbytes) <= s.capacity for s in self._segments)
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        """Reserve space for an ``nbytes`` object, or None if no block fits now."""
+        self._check_open()
+        with self._alloc_lock:
+            for index, segment in enumerate(self._segments):
+                offset = segment.allocate(nbytes)
+                if offset is None:
+                    continue
+                if index not in self._prepared:
+                    try:
+                        self._prepare_segment(index, segment.capacity)
+                    except BaseException:
+                        segment.free(offset, nbytes)
+                        raise
+                    self._prepared.add(index)
+                return Extent(index, offset, nbytes)
+        return None
+
+    def free(self, extent: Extent) -> None:
+        with self._alloc_lock:
+            self._segments[extent.segment].free(extent.offset, extent.nbytes)
+
+    def _reserve_recovered(self, extent: Extent) -> None:
+        with self._alloc_lock:
+            self._segments[extent.segment].reserve(extent.offset, extent.nbytes)
+
+    def _prepare_segment(self, index: int, nbytes: int) -> None:
+        """Hook: make segment ``index`` usable before its first allocation."""
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.used for s in self._segments)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    # -- bytes ----------------------------------------------------------------
+
+    @abstractmethod
+    def write(self, extent: Extent, offset: int, data: Any) -> None:
+        """Copy ``data`` (a buffer) to ``offset`` bytes into ``extent``."""
+
+    @abstractmethod
+    def read_into(self, extent: Extent, offset: int, out: Any) -> None:
+        """Fill the writable buffer ``out`` from ``offset`` bytes into ``extent``."""
+
+    def view(self, extent: Extent, offset: int, nbytes: int) -> memoryview:
+        """Zero-copy view of tier memory (only where ``supports_views``)."""
+        raise NotImplementedError(f"the {self.name} tier cannot expose its bytes in place")
+
+    def write_object(self, extent: Extent, header: ObjectHeader, payload: Any) -> None:
+        """Write a whole object (header + payload) into ``extent``."""
+        self.write(extent, 0, header.pack())
+        self.write(extent, header.nbytes, payload)
+
+    def read_layers(self, extent: Extent, header: ObjectHeader, layer_range: LayerRange, out: Any) -> None:
+        """Fill ``out`` with the bytes of ``layer_range``; verify them if this tier can rot.
+
+        Raises ChecksumError (``verifies_reads`` tiers) instead of returning bad bytes.
+        """
+        rng = header.spec.layer_bytes(layer_range)
+        mv = memoryview(out).cast("B")
+        if len(mv) != rng.nbytes:
+            raise errors.OutBufferError(f"out holds {len(mv)} bytes, layers need {rng.nbytes}")
+        self.read_into(extent, rng.offset, mv)
+        if self.verifies_reads:
+            header.verify(layer_range, mv)
+
+    # -- persistence ------------------------------------------------------------
+
+    def commit(self, key: bytes, extent: Extent, header: ObjectHeader) -> None:
+        """Make a fully written object durable and findable after a restart."""
+
+    def forget(self, key: bytes, extent: Extent) -> None:
+        """Remove a key from the persistent index (before its extent is freed)."""
+
+    def recover(self) -> Iterator[tuple[bytes, Extent, ObjectHeader]]:
+        """Objects found again at open (persistent tiers only); their space is reserved."""
+        return iter(())
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "tier": self.name,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "free_bytes": self.free_bytes,
+            "largest_free_bytes": max((s.largest_free for s in self._segments), default=0),
+            "free_blocks": sum(s.free_blocks for s in self._segments),
+        }
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise errors.PoolClosedError(f"the {self.name} tier is closed")
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.used_bytes}/{self.capacity_bytes} bytes>"
+
+
+class ArenaTier(Tier):
+    """A tier whose bytes are one contiguous host-addressable arena (a uint8 array).
+
+    Memory tiers (dram, cxl, emulated hbm) differ only in where the arena comes
+    from; reads, writes and zero-copy views are the same slice copies.
+    """
+
+    supports_views = True
+
+    def __init__(self, capacity_bytes: int, alignment: int = 64) -> None:
+        super().__init__(capacity_bytes, alignment)
+        self._arena: Any = None  # set by the subclass: np.ndarray[uint8] of capacity_bytes
+
+    def _slice(self, extent: Extent, offset: int, nbytes: int) -> Any:
+        if offset < 0 or offset + nbytes > extent.nbytes:
+            raise errors.TierError(
+                f"{self.name}: bytes [{offset}, {offset + nbytes}) outside a {extent.nbytes}-byte object"
+            )
+        start = extent.offset + offset
+        return self._arena[start:start + nbytes]
+
+    def write(self, extent: Extent, offset: int, data: Any) -> None:
+        self._check_open()
+        src = memoryview(data).cast("B")
+        self._slice(extent, offset, len(src))[:] = src
+
+    def read_into(self, extent: Extent, offset: int, out: Any) -> None:
+        self._check_open()
+        dst = memoryview(out).cast("B")
+        dst[:] = self._slice(extent, offset, len(dst)).data
+
+    def view(self, extent: Extent, offset: int, nbytes: int) -> memoryview:
+        self._check_open()
+        return self._slice(extent, offset, nbytes).data
