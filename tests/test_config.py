@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpool import errors
+from kvpool.config import Config, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_toml_mirrors_the_dataclass_defaults() -> None:
+    assert Config.load(ROOT / "conf" / "default.toml") == Config()
+
+
+def test_every_file_under_conf_loads() -> None:
+    for path in (ROOT / "conf").glob("*.toml"):
+        Config.load(path)
+
+
+def test_partial_file_overrides_and_keeps_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[tiers.dram]\ncapacity = "64MiB"\n[eviction]\npolicy = "s3fifo"\n')
+    config = Config.load(path)
+    assert config.tiers.dram.capacity == 64 << 20
+    assert config.eviction.policy == "s3fifo"
+    assert config.tiers.cxl.capacity == Config().tiers.cxl.capacity
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[tiers.dram]\ncapcity = 1\n", "tiers.dram.capcity"),
+    ("[nope]\nx = 1\n", "nope"),
+    ('[tiers.dram]\ncapacity = "lots"\n', "tiers.dram.capacity"),
+    ('[eviction]\npolicy = "random"\n', "eviction.policy"),
+    ("[pool]\nchunk_tokens = \"x\"\n", "pool.chunk_tokens"),
+    ("[tiers.dram]\nmlock = 3\n", "tiers.dram.mlock"),
+])
+def test_unknown_key_or_bad_value_names_key_and_file(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(errors.ConfigError) as info:
+        Config.load(path)
+    assert key in str(info.value) and str(path) in str(info.value)
+
+
+def test_missing_file_and_invalid_toml_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(errors.ConfigError):
+        Config.load(tmp_path / "absent.toml")
+    (tmp_path / "x.toml").write_text("[[[")
+    with pytest.raises(errors.ConfigError):
+        Config.load(tmp_path / "x.toml")
+
+
+def test_sizes() -> None:
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("512 MiB") == 512 << 20
+    assert parse_size("64KB") == 64_000
+    assert parse_size(4096) == 4096
+    for bad in ("1 parsec", -1, True, "GiB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_dotted_set_from_command_line() -> None:
+    config = Config()
+    config.set("tiers.nvme.capacity", "2GiB")
+    assert config.tiers.nvme.capacity == 2 << 30
+    with pytest.raises(errors.ConfigError, match="<command line>"):
+        config.set("tiers.nvme.nope", "1")

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from kvpool import errors
+from kvpool.objformat import (FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, decode, encode, numpy_dtype,
+                              spec_of)
+
+SHAPE = (6, 2, 16, 4, 8)
+
+
+def sample(dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    if dtype in ("uint8",):
+        return rng.integers(0, 256, SHAPE, dtype=np.uint8)
+    return rng.standard_normal(SHAPE).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "uint8"])
+def test_round_trip(dtype: str) -> None:
+    arr = sample(dtype)
+    header, out = decode(encode(arr))
+    assert header.spec.dtype == dtype
+    np.testing.assert_array_equal(out, arr)
+
+
+@pytest.mark.parametrize("dtype, raw", [("bfloat16", np.uint16), ("float8_e4m3fn", np.uint8),
+                                        ("float8_e5m2", np.uint8)])
+def test_round_trip_of_types_numpy_lacks_as_raw_bytes(dtype: str, raw: type) -> None:
+    arr = np.random.default_rng(2).integers(0, np.iinfo(raw).max, SHAPE, dtype=raw)
+    header, out = decode(encode(arr, dtype=dtype))
+    assert header.spec.dtype == dtype
+    assert out.dtype.itemsize == np.dtype(raw).itemsize
+    assert out.view(raw).tobytes() == arr.tobytes()
+    assert numpy_dtype(dtype).itemsize == np.dtype(raw).itemsize
+
+
+def test_every_layer_range_is_one_contiguous_byte_range() -> None:
+    arr = sample("float16")
+    blob = encode(arr)
+    spec, _ = spec_of(arr)
+    for start in range(6):
+        for stop in range(start + 1, 7):
+            rng = spec.layer_bytes(LayerRange(start, stop))
+            assert blob[rng.offset:rng.end] == arr[start:stop].tobytes()
+            _, part = decode(blob, layers=range(start, stop))
+            np.testing.assert_array_equal(part, arr[start:stop])
+
+
+def test_bad_magic_version_truncation_and_checksum_each_raise_their_own_error() -> None:
+    blob = bytearray(encode(sample("float16")))
+    with pytest.raises(errors.BadMagicError):
+        decode(b"XXXX" + bytes(blob[4:]))
+    bad_version = bytearray(blob)
+    struct.pack_into("<H", bad_version, 4, 99)
+    with pytest.raises(errors.UnsupportedVersionError):
+        decode(bad_version)
+    with pytest.raises(errors.TruncatedObjectError):
+        decode(blob[:-1])
+    with pytest.raises(errors.TruncatedObjectError):
+        decode(blob[:FIXED_HEADER_NBYTES - 1])
+    flipped = bytearray(blob)
+    flipped[-1] ^= 0x01
+    with pytest.raises(errors.ChecksumError, match="layer 5"):
+        decode(flipped)
+    dims = bytearray(blob)
+    dims[20] ^= 0x01  # a bit in the token count: caught by the header checksum
+    with pytest.raises(errors.ChecksumError):
+        decode(dims)
+    # a partial read of intact layers still verifies when another layer is corrupt
+    _, ok = decode(flipped, layers=range(0, 5))
+    assert ok.shape[0] == 5
+
+
+def test_header_pack_unpack_is_identity() -> None:
+    spec, arr = spec_of(sample("float32"))
+    blob = encode(arr)
+    header = ObjectHeader.unpack(blob)
+    assert header.spec == spec and header.pack() == blob[:spec.header_nbytes]
+    assert spec.header_nbytes % 64 == 0
+
+
+@pytest.mark.parametrize("bad, error", [
+    (np.zeros((2, 2, 4, 4)), errors.ShapeError),
+    (np.zeros((2, 3, 4, 4, 4), dtype=np.float16), errors.ShapeError),
+    (np.zeros((2, 2, 0, 4, 4), dtype=np.float16), errors.ShapeError),
+    (np.zeros((2, 2, 4, 4, 4), dtype=np.int64), errors.DTypeError),
+    (np.zeros((2, 2, 4, 4, 4), dtype=np.complex64), errors.DTypeError),
+])
+def test_bad_arrays_raise_typed_errors(bad: np.ndarray, error: type) -> None:
+    with pytest.raises(error):
+        spec_of(bad)
+
+
+def test_explicit_dtype_must_match_element_width() -> None:
+    with pytest.raises(errors.DTypeError):
+        spec_of(np.zeros(SHAPE, dtype=np.float32), dtype="bfloat16")
+
+
+def test_layer_range_forms_and_errors() -> None:
+    assert LayerRange.resolve(None, 8) == LayerRange(0, 8)
+    assert LayerRange.resolve(3, 8) == LayerRange(3, 4)
+    assert LayerRange.resolve(range(2, 5), 8) == LayerRange(2, 5)
+    assert LayerRange.resolve(slice(-2, None), 8) == LayerRange(6, 8)
+    assert LayerRange.resolve((1, 2), 8) == LayerRange(1, 2)
+    for bad in (range(0, 9), range(0, 8, 2), (5, 5), 8, "x"):
+        with pytest.raises(errors.LayerRangeError):
+            LayerRange.resolve(bad, 8)
