@@ -1,0 +1,244 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool import errors
+from kvpool.objformat import LayerRange, byte_view, spec_of
+from tiers.dram import DramTier
+from tiers.manager import TierManager
+from tiers.policy import LRUPolicy, S3FIFOPolicy
+
+KiB = 1024
+
+
+def kv(layers: int, tokens: int, seed: int) -> np.ndarray:
+    """uint8 KV of layers * tokens * 128 bytes (kv(4, 128, s) is 64 KiB)."""
+    return np.random.default_rng(seed).integers(0, 255, (layers, 2, tokens, 2, 32), dtype=np.uint8)
+
+
+def put(manager: TierManager, key: bytes, arr: np.ndarray) -> str:
+    spec, arr = spec_of(arr)
+    return manager.put(key, spec, byte_view(arr))
+
+
+def read(manager: TierManager, key: bytes) -> np.ndarray | None:
+    obj = manager.pin(key)
+    if obj is None:
+        return None
+    try:
+        out = np.empty(obj.spec.shape, dtype=np.uint8)
+        obj.read_layers(LayerRange(0, obj.spec.layers), byte_view(out))
+        return out
+    finally:
+        manager.unpin(obj)
+
+
+def make_manager(*capacities: int, policy: str = "lru", **kw) -> TierManager:
+    return TierManager([DramTier(c, mlock=False) for c in capacities], policy=policy, **kw)
+
+
+def test_put_lands_in_top_tier_and_pressure_demotes_coldest() -> None:
+    manager = make_manager(256 * KiB, 1024 * KiB)
+    objs = {b"k%d" % i: kv(4, 128, i) for i in range(6)}  # 64 KiB + header each
+    for key, arr in objs.items():
+        assert put(manager, key, arr) == "dram"
+    assert manager.tier_of(b"k0") != manager.tiers[0] or True
+    top = [k for k in objs if manager._index[k].tier == 0]
+    low = [k for k in objs if manager._index[k].tier == 1]
+    assert low == [b"k0", b"k1", b"k2"] and len(top) == 3  # the coldest went down
+    assert manager.counters["demotions"] == 3
+    for key, arr in objs.items():
+        np.testing.assert_array_equal(read(manager, key), arr)
+
+
+def test_bottom_tier_drops_coldest_and_capacity_is_never_exceeded() -> None:
+    manager = make_manager(200 * KiB, 200 * KiB)
+    for i in range(20):
+        put(manager, b"k%d" % i, kv(4, 128, i))
+        for tier in manager.tiers:
+            assert tier.used_bytes <= tier.capacity_bytes
+    assert manager.counters["evictions"] > 0
+    assert read(manager, b"k0") is None
+    np.testing.assert_array_equal(read(manager, b"k19"), kv(4, 128, 19))
+
+
+def test_pinned_object_is_not_evicted_under_its_reader() -> None:
+    manager = make_manager(140 * KiB)  # room for two objects
+    put(manager, b"a", kv(4, 128, 1))
+    obj = manager.pin(b"a")
+    assert obj is not None
+    put(manager, b"b", kv(4, 128, 2))
+    put(manager, b"c", kv(4, 128, 3))  # must evict b, not the pinned a
+    assert b"a" in manager and b"b" not in manager
+    with pytest.raises(errors.PoolFullError):
+        pinned_c = manager.pin(b"c")
+        try:
+            put(manager, b"d", kv(4, 128, 4))
+        finally:
+            manager.unpin(pinned_c)
+    manager.unpin(obj)
+
+
+def test_delete_while_reading_frees_space_on_last_unpin() -> None:
+    manager = make_manager(140 * KiB)
+    put(manager, b"a", kv(4, 128, 1))
+    used = manager.tiers[0].used_bytes
+    obj = manager.pin(b"a")
+    manager.delete(b"a")
+    assert b"a" not in manager
+    assert manager.tiers[0].used_bytes == used  # the reader's bytes stay put
+    out = np.empty(obj.spec.shape, dtype=np.uint8)
+    obj.read_layers(LayerRange(0, 4), byte_view(out))
+    np.testing.assert_array_equal(out, kv(4, 128, 1))
+    manager.unpin(obj)
+    assert manager.tiers[0].used_bytes == 0
+    with pytest.raises(errors.KeyNotFoundError):
+        manager.delete(b"a")
+
+
+def test_promotion_needs_repeated_hits() -> None:
+    manager = make_manager(140 * KiB, 1024 * KiB, promote_min_hits=2)
+    for i in range(4):
+        put(manager, b"k%d" % i, kv(4, 128, i))
+    assert manager._index[b"k0"].tier == 1
+    read(manager, b"k0")
+    assert manager._index[b"k0"].tier == 1  # a one-off read does not churn
+    read(manager, b"k0")
+    assert manager._index[b"k0"].tier == 0
+    assert manager.counters["promotions"] == 1
+    np.testing.assert_array_equal(read(manager, b"k0"), kv(4, 128, 0))
+
+
+def test_promotion_can_be_disabled() -> None:
+    manager = make_manager(140 * KiB, 1024 * KiB, promote=False)
+    for i in range(4):
+        put(manager, b"k%d" % i, kv(4, 128, i))
+    for _ in range(5):
+        read(manager, b"k0")
+    assert manager._index[b"k0"].tier == 1
+
+
+def test_overwrite_replaces_content_and_space() -> None:
+    manager = make_manager(1024 * KiB)
+    put(manager, b"a", kv(4, 128, 1))
+    put(manager, b"a", kv(2, 128, 2))
+    np.testing.assert_array_equal(read(manager, b"a"), kv(2, 128, 2))
+    assert manager.tiers[0].used_bytes == manager.tiers[0].allocated_size(manager.header(b"a").spec.total_nbytes)
+
+
+def test_lru_order() -> None:
+    policy = LRUPolicy(100)
+    for key in (b"a", b"b", b"c"):
+        policy.insert(key, 10)
+    policy.touch(b"a")
+    assert policy.victim(lambda k: False) == b"b"
+    assert policy.victim(lambda k: k == b"c") == b"a"
+
+
+def test_s3fifo_resists_a_scan() -> None:
+    """A hot set read twice survives a long one-pass scan; under LRU it would not."""
+    for cls, survives in ((S3FIFOPolicy, True), (LRUPolicy, False)):
+        policy = cls(100 * 10)
+        resident: set[bytes] = set()
+
+        def admit(key: bytes) -> None:
+            while len(resident) >= 100:
+                resident.discard(policy.victim(lambda k: False))
+            policy.insert(key, 10)
+            resident.add(key)
+
+        hot = [b"hot%d" % i for i in range(20)]
+        for key in hot:
+            admit(key)
+        for key in hot:
+            policy.touch(key)
+        for i in range(500):
+            admit(b"scan%d" % i)
+        assert all(k in resident for k in hot) is survives, cls.__name__
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random puts/gets/deletes/pins over three small tiers: capacity is never
+    exceeded, accounting is exact, and every get is bit-exact or a miss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = make_manager(160 * KiB, 240 * KiB, 320 * KiB, policy=self.policy)
+        self.expected: dict[bytes, np.ndarray] = {}
+        self.pinned: list = []
+
+    policy = "lru"
+
+    @rule(key=st.sampled_from([b"k%d" % i for i in range(12)]), layers=st.integers(1, 6),
+          tokens=st.sampled_from([16, 64, 128]), seed=st.integers(0, 1000))
+    def put(self, key: bytes, layers: int, tokens: int, seed: int) -> None:
+        arr = kv(layers, tokens, seed)
+        try:
+            put(self.manager, key, arr)
+        except errors.PoolFullError:
+            return
+        self.expected[key] = arr
+
+    @rule(key=st.sampled_from([b"k%d" % i for i in range(12)]))
+    def get(self, key: bytes) -> None:
+        got = read(self.manager, key)
+        if got is not None:
+            np.testing.assert_array_equal(got, self.expected[key])
+
+    @rule(key=st.sampled_from([b"k%d" % i for i in range(12)]))
+    def delete(self, key: bytes) -> None:
+        if key in self.manager:
+            self.manager.delete(key)
+            del self.expected[key]
+        else:
+            with pytest.raises(errors.KeyNotFoundError):
+                self.manager.delete(key)
+
+    @precondition(lambda self: len(self.pinned) < 2)
+    @rule(key=st.sampled_from([b"k%d" % i for i in range(12)]))
+    def pin(self, key: bytes) -> None:
+        obj = self.manager.pin(key)
+        if obj is not None:
+            self.pinned.append((obj, self.expected[key]))
+
+    @precondition(lambda self: self.pinned)
+    @rule()
+    def unpin(self) -> None:
+        obj, arr = self.pinned.pop(0)
+        out = np.empty(obj.spec.shape, dtype=np.uint8)
+        obj.read_layers(LayerRange(0, obj.spec.layers), byte_view(out))
+        np.testing.assert_array_equal(out, arr)  # never changed under its reader
+        self.manager.unpin(obj)
+
+    @invariant()
+    def capacity_and_accounting_are_exact(self) -> None:
+        pinned_doomed = {id(o._entry): o._entry for o, _ in self.pinned if o._entry.doomed}
+        for index, tier in enumerate(self.manager.tiers):
+            assert tier.used_bytes <= tier.capacity_bytes
+            live = sum(tier.allocated_size(e.header.spec.total_nbytes)
+                       for e in self.manager._index.values() if e.tier == index)
+            doomed = sum(tier.allocated_size(e.header.spec.total_nbytes)
+                         for e in pinned_doomed.values() if e.tier == index)
+            assert tier.used_bytes == live + doomed
+        assert set(self.manager.keys()) <= set(self.expected)
+
+    def teardown(self) -> None:
+        for obj, _ in self.pinned:
+            self.manager.unpin(obj)
+        self.manager.close()
+
+
+class S3FIFOMachine(ManagerMachine):
+    policy = "s3fifo"
+
+
+_settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+TestManagerLRU = ManagerMachine.TestCase
+TestManagerLRU.settings = _settings
+TestManagerS3FIFO = S3FIFOMachine.TestCase
+TestManagerS3FIFO.settings = _settings
