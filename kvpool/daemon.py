@@ -1,0 +1,88 @@
+"""``kvpool-server``: the standalone daemon.
+
+Owns process concerns only: command line, logging, signals, and starting the
+roles (``master``, ``node``, or ``all`` = both in one process, the default: a
+one-machine pool). Every setting of :mod:`kvpool.config` is also a flag
+(``--tiers.dram.capacity 2GiB``). SIGTERM and SIGINT shut down cleanly: the
+node stops serving, its tiers are closed (the nvme index flushed), the master
+stops last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Sequence
+
+from kvpool.config import Config, add_setting_flags, apply_setting_flags, format_size
+
+log = logging.getLogger("kvpool.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool-server",
+        description="Run a kvpool master, storage node, or both (a one-machine pool).",
+    )
+    parser.add_argument("--role", choices=("all", "master", "node"), default="all",
+                        help="master: metadata only; node: tiers + pull server; all: both (default)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file (see conf/default.toml)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_setting_flags(parser)
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    config = Config.load(args.config)
+    apply_setting_flags(config, args)
+    return config
+
+
+def describe_tiers(stats: dict) -> str:
+    parts = []
+    for name, tier in stats["tiers"].items():
+        extra = []
+        if tier.get("emulated"):
+            extra.append("emulated")
+        if "direct_io" in tier:
+            extra.append("O_DIRECT" if tier["direct_io"] else "buffered")
+        if "locked_bytes" in tier:
+            extra.append(f"{format_size(tier['locked_bytes'])} locked")
+        if tier.get("objects"):
+            extra.append(f"{tier['objects']} objects")
+        suffix = f" ({', '.join(extra)})" if extra else ""
+        parts.append(f"{name} {format_size(tier['capacity_bytes'])}{suffix}")
+    return "; ".join(parts)
+
+
+def run(config: Config, role: str, stop: threading.Event) -> int:
+    """Run ``role`` until ``stop`` is set. Returns the process exit status."""
+    from kvpool.server import serve  # imported late: --help must not start UCX
+
+    return serve(config, role, stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args)
+    except Exception as exc:  # a bad config is the operator's to fix: say what, no traceback
+        print(f"kvpool-server: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return run(config, args.role, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
