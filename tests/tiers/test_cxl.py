@@ -1,0 +1,361 @@
+"""The cxl tier: conformance, a real second process reading in place, ownership, the model."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvpool import errors
+from kvpool.config import Config
+from kvpool.objformat import LayerRange, byte_view
+from tests.tiers.tier_suite import TierTests, make_object, store
+from tiers.cxl import DATA_OFFSET, CxlArenaReader, CxlTier, default_arena_path
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD_TIMEOUT_S = 20.0
+
+
+@pytest.fixture
+def arena_path(tmp_path: Path) -> Iterator[Path]:
+    """A fresh arena path in /dev/shm (real shared memory), removed after the test."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    path = base / f"kvpool-test-{uuid.uuid4().hex[:12]}-cxl"
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def digest(arr: Any) -> str:
+    return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+
+class TestCxlTier(TierTests):
+    def make_tier(self, tmp_path, capacity_bytes):
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+        return CxlTier(base / f"kvpool-test-{uuid.uuid4().hex[:12]}-cxl", capacity_bytes)
+
+
+# -- a real second process ------------------------------------------------------------
+
+# Reads JSON commands on stdin, answers one JSON line each. Keeps the last view so
+# the parent can change arena bytes and ask for the *same* view's digest again.
+READER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np, xxhash
+    from kvpool import errors
+    from kvpool.objformat import LayerRange
+    from tiers.cxl import CxlArenaReader
+
+    def digest(arr):
+        return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+    reader, view = None, None
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            op = cmd["op"]
+            if op == "open":
+                reader = CxlArenaReader.from_location(cmd["location"])
+                reply = {"capacity": reader.header.capacity_bytes, "owner_alive": reader.owner_alive()}
+            elif op == "read":
+                layers = tuple(cmd["layers"]) if "layers" in cmd else None
+                header, view = reader.read_object(cmd["offset"], layers, nbytes=cmd.get("nbytes"))
+                reply = {"digest": digest(view), "shape": list(view.shape), "dtype": str(view.dtype),
+                         "in_place": bool(np.shares_memory(view, reader.arena)),
+                         "writeable": bool(view.flags.writeable)}
+            elif op == "redigest":
+                reply = {"digest": digest(view)}
+            elif op == "read_into":
+                header = reader.read_header(cmd["offset"])
+                rng = LayerRange(*cmd["layers"])
+                out = np.empty(header.spec.array_shape(rng), dtype=view.dtype)
+                reader.read_layers_into(cmd["offset"], header, rng, memoryview(out.reshape(-1).view(np.uint8)))
+                reply = {"digest": digest(out)}
+            elif op == "owner_alive":
+                reply = {"owner_alive": reader.owner_alive()}
+            else:
+                reply = {"error": "unknown op " + op}
+        except errors.KVPoolError as exc:
+            reply = {"error": type(exc).__name__, "message": str(exc)}
+        print(json.dumps(reply), flush=True)
+    """
+)
+
+
+class Child:
+    """A Python subprocess spoken to in JSON lines, with a deadline on every answer."""
+
+    def __init__(self, script: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        self._selector = selectors.DefaultSelector()
+        assert self.proc.stdout is not None
+        self._selector.register(self.proc.stdout, selectors.EVENT_READ)
+        assert self.recv() == {"ready": True}
+
+    def recv(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        if not self._selector.select(timeout=CHILD_TIMEOUT_S):
+            raise TimeoutError(f"child said nothing within {CHILD_TIMEOUT_S} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"child exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.recv()
+
+    def stop(self) -> None:
+        self._selector.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def reader_process() -> Iterator[Child]:
+    child = Child(READER_SCRIPT)
+    try:
+        yield child
+    finally:
+        child.stop()
+
+
+@pytest.fixture
+def cxl(arena_path: Path) -> Iterator[CxlTier]:
+    tier = CxlTier(arena_path, 8 << 20)
+    try:
+        yield tier
+    finally:
+        tier.close()
+
+
+def test_second_process_reads_objects_in_place(cxl: CxlTier, reader_process: Child) -> None:
+    arr, header, payload = make_object(layers=6, tokens=32, seed=3)
+    store(cxl, *make_object(seed=1)[1:])  # so the object of interest is not at offset 0
+    extent = store(cxl, header, payload)
+    location = cxl.location(extent)
+    assert location["offset"] == extent.offset > 0
+
+    opened = reader_process.ask(op="open", location=location)
+    assert opened == {"capacity": cxl.capacity_bytes, "owner_alive": True}
+
+    whole = reader_process.ask(op="read", offset=extent.offset, nbytes=extent.nbytes)
+    assert whole == {"digest": digest(arr), "shape": list(arr.shape), "dtype": "float16",
+                     "in_place": True, "writeable": False}
+    part = reader_process.ask(op="read", offset=extent.offset, layers=[1, 3])
+    assert part["digest"] == digest(arr[1:3]) and part["shape"][0] == 2
+    copied = reader_process.ask(op="read_into", offset=extent.offset, layers=[2, 5])
+    assert copied["digest"] == digest(arr[2:5])
+
+    # In place, not a copy: bytes the owner changes show through the child's existing
+    # view (still the one of layers 1..2).
+    new_layer2 = np.ascontiguousarray(-arr[2])
+    rng = header.spec.layer_bytes(LayerRange(2, 3))
+    cxl.write(extent, rng.offset, byte_view(new_layer2))
+    assert reader_process.ask(op="redigest") == {"digest": digest(np.stack([arr[1], new_layer2]))}
+
+
+def test_second_process_detects_a_corrupt_object(cxl: CxlTier, reader_process: Child) -> None:
+    arr, header, payload = make_object(layers=4)
+    extent = store(cxl, header, payload)
+    reader_process.ask(op="open", location=cxl.location(extent))
+    assert reader_process.ask(op="read", offset=extent.offset)["digest"] == digest(arr)
+
+    flip_at = header.spec.layer_bytes(LayerRange(3, 4)).offset + 17
+    byte = cxl.view(extent, flip_at, 1)
+    byte[0] ^= 0x40
+    assert reader_process.ask(op="read", offset=extent.offset)["error"] == "ChecksumError"
+    assert reader_process.ask(op="read", offset=extent.offset, layers=[0, 3])["digest"] == digest(arr[:3])
+    assert reader_process.ask(op="read_into", offset=extent.offset, layers=[2, 4])["error"] == "ChecksumError"
+    # No object starts in the middle of one.
+    assert reader_process.ask(op="read", offset=extent.offset + 64)["error"] == "BadMagicError"
+
+
+def test_reader_refuses_an_arena_with_a_bad_header(arena_path: Path) -> None:
+    arena_path.write_bytes(b"NOTKVPL!" + bytes(2 * DATA_OFFSET))
+    with pytest.raises(errors.BadMagicError):
+        CxlArenaReader.open(arena_path, require_owner=False)
+
+
+def test_reader_refuses_a_torn_header_and_another_instance(cxl: CxlTier) -> None:
+    with pytest.raises(errors.TierError, match="another owner instance"):
+        CxlArenaReader.open(cxl.path, instance=b"\0" * 16)
+    with CxlArenaReader.open(cxl.path, instance=cxl.instance.hex()) as reader:
+        assert reader.header.capacity_bytes == cxl.capacity_bytes
+        assert reader.header.owner_pid == os.getpid()
+    with open(cxl.path, "r+b") as raw:  # a byte inside the header's capacity field
+        raw.seek(20)
+        raw.write(b"\xff")
+    with pytest.raises(errors.ChecksumError):
+        CxlArenaReader.open(cxl.path)
+
+
+def test_reader_in_this_process_matches_and_checks_ranges(cxl: CxlTier) -> None:
+    arr, header, payload = make_object(layers=5)
+    extent = store(cxl, header, payload)
+    with CxlArenaReader.open(cxl.path) as reader:
+        got_header, view = reader.read_object(extent.offset, layers=range(1, 4))
+        assert got_header == header
+        np.testing.assert_array_equal(view, arr[1:4])
+        with pytest.raises(errors.LayerRangeError):
+            reader.read_object(extent.offset, layers=range(3, 9))
+        with pytest.raises(errors.FormatError):
+            reader.read_object(cxl.capacity_bytes + 64)
+        with pytest.raises(errors.FormatError):
+            reader.read_object(extent.offset, nbytes=extent.nbytes + 1)
+        with pytest.raises(errors.OutBufferError):
+            reader.read_layers_into(extent.offset, header, LayerRange(0, 2), bytearray(10))
+        with pytest.raises(errors.OutBufferError):
+            reader.read_layers_into(extent.offset, header, LayerRange(0, 1), bytes(header.spec.layer_nbytes))
+    with pytest.raises(errors.PoolClosedError):
+        reader.read_header(extent.offset)
+
+
+# -- ownership -------------------------------------------------------------------------
+
+
+OWNER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from tiers.cxl import CxlTier
+    tier = CxlTier(sys.argv[1], 1 << 20)
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()  # hold the arena until killed
+    """
+)
+
+
+def test_second_owner_is_refused_and_close_unlinks(arena_path: Path) -> None:
+    tier = CxlTier(arena_path, 1 << 20)
+    try:
+        assert arena_path.stat().st_size == DATA_OFFSET + tier.capacity_bytes
+        with pytest.raises(errors.PoolLockedError):
+            CxlTier(arena_path, 1 << 20)
+        assert arena_path.exists()  # the refused owner did not touch the live arena
+    finally:
+        tier.close()
+    assert not arena_path.exists()
+    with pytest.raises(errors.TierError):
+        CxlArenaReader.open(arena_path)
+
+
+def test_stale_arena_of_a_killed_owner_is_detected_and_reused(arena_path: Path) -> None:
+    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
+    try:
+        with pytest.raises(errors.PoolLockedError):  # a live owner in another process
+            CxlTier(arena_path, 1 << 20)
+        with CxlArenaReader.open(arena_path) as reader:
+            assert reader.owner_alive()
+            assert reader.header.owner_pid == owner.proc.pid
+            owner.proc.send_signal(signal.SIGKILL)
+            owner.proc.wait()
+            assert not reader.owner_alive()
+        assert arena_path.exists()  # SIGKILL: nobody unlinked it
+        with pytest.raises(errors.TierError, match="no live owner"):
+            CxlArenaReader.open(arena_path)
+    finally:
+        owner.stop()
+    tier = CxlTier(arena_path, 2 << 20)  # the stale file is taken over, resized
+    try:
+        with CxlArenaReader.open(arena_path) as reader:
+            assert reader.header.owner_pid == os.getpid()
+            assert reader.header.capacity_bytes == 2 << 20
+    finally:
+        tier.close()
+
+
+def test_arena_too_large_for_shm_fails_at_start(arena_path: Path) -> None:
+    fs = os.statvfs(arena_path.parent)
+    too_big = 2 * fs.f_blocks * fs.f_frsize + (1 << 30)
+    with pytest.raises(errors.CapacityError):
+        CxlTier(arena_path, too_big)
+    assert not arena_path.exists()
+
+
+def test_from_config_names_the_arena_after_the_pool() -> None:
+    config = Config()
+    config.pool.name = f"test {uuid.uuid4().hex[:8]}/x"
+    config.tiers.cxl.capacity = 1 << 20
+    config.tiers.cxl.bandwidth_gbps = 64.0
+    tier = CxlTier.from_config(config.tiers.cxl, config)
+    try:
+        assert tier.path == default_arena_path(config.pool.name)
+        assert tier.path.parent == Path("/dev/shm") and "/" not in tier.path.name
+        assert tier.path.exists()
+        stats = tier.stats()
+        assert stats["shared"] is True and stats["path"] == str(tier.path)
+        assert stats["model"]["bandwidth_gbps"] == 64.0
+    finally:
+        tier.close()
+    assert not tier.path.exists()
+
+
+# -- the latency / bandwidth model ------------------------------------------------------
+
+
+def test_bandwidth_model_slows_a_large_read(arena_path: Path) -> None:
+    nbytes = 16 << 20
+    tier = CxlTier(arena_path, nbytes + (1 << 20), bandwidth_gbps=1.0)
+    try:
+        extent = tier.allocate(nbytes)
+        assert extent is not None
+        tier.write(extent, 0, np.full(nbytes, 7, dtype=np.uint8))
+        out = np.empty(nbytes, dtype=np.uint8)
+        start = time.perf_counter()
+        tier.read_into(extent, 0, out)
+        elapsed = time.perf_counter() - start
+        assert elapsed >= 0.014  # modelled: 16.8 ms at 1 GB/s, minus at most the sleep threshold
+        assert out[0] == out[-1] == 7
+        model = tier.stats()["model"]
+        assert model["modelled_delay_s"] >= 2 * nbytes / 1e9 * 0.99  # the write and the read
+    finally:
+        tier.close()
+
+
+def test_latency_model_accumulates_small_accesses(arena_path: Path) -> None:
+    tier = CxlTier(arena_path, 1 << 20, latency_ns=50_000)  # 50 us: below the sleep threshold
+    try:
+        extent = tier.allocate(4096)
+        assert extent is not None
+        out = bytearray(64)
+        start = time.perf_counter()
+        for _ in range(400):
+            tier.read_into(extent, 0, out)
+        assert time.perf_counter() - start >= 400 * 50e-6 - 2 * 100e-6
+        assert tier.stats()["model"]["slept_s"] > 0
+    finally:
+        tier.close()
+
+
+def test_no_model_means_no_sleeping(arena_path: Path) -> None:
+    tier = CxlTier(arena_path, 1 << 20)
+    try:
+        extent = tier.allocate(4096)
+        assert extent is not None
+        tier.read_into(extent, 0, bytearray(4096))
+        model = tier.stats()["model"]
+        assert model["enabled"] is False and model["slept_s"] == 0.0
+    finally:
+        tier.close()
