@@ -326,19 +326,19 @@ def _dtype_name_of(dt: np.dtype) -> str:
     raise errors.DTypeError(f"unsupported dtype {dt}; kvpool stores {sorted(DTYPES)}")
 
 
-def as_host_array(obj: Any) -> np.ndarray:
-    """A numpy view of ``obj`` without copying when possible.
+def as_host_array(obj: Any) -> tuple[np.ndarray, str | None]:
+    """A numpy view of ``obj`` (no copy when possible) and the dtype name numpy lacks, if any.
 
     Accepts numpy arrays, CuPy arrays (copied to host), anything with
     ``__dlpack__`` (e.g. torch CPU tensors) and buffer-protocol objects.
     """
     if isinstance(obj, np.ndarray):
-        return obj
+        return obj, None
     if hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "get"):
-        return obj.get()  # CuPy: device -> host
+        return obj.get(), None  # CuPy: device -> host
     if hasattr(obj, "__dlpack__"):
         try:
-            return np.from_dlpack(obj)
+            return np.from_dlpack(obj), None
         except (TypeError, BufferError, RuntimeError) as exc:
             # numpy refuses dtypes it lacks (torch.bfloat16): reinterpret the
             # same bytes as a 2-byte integer type on the producer's side.
@@ -346,10 +346,10 @@ def as_host_array(obj: Any) -> np.ndarray:
             if view is not None and "bfloat16" in str(getattr(obj, "dtype", "")):
                 import torch  # only reachable with a torch tensor in hand
 
-                return np.from_dlpack(obj.view(torch.int16)).view("<u2")
+                return np.from_dlpack(obj.view(torch.int16)).view("<u2"), "bfloat16"
             raise errors.DTypeError(f"cannot view {type(obj).__name__} on the host: {exc}") from exc
     try:
-        return np.asarray(memoryview(obj))
+        return np.asarray(memoryview(obj)), None
     except TypeError:
         raise errors.InvalidKVError(
             f"{type(obj).__name__} is not an array (numpy, CuPy, __dlpack__ or buffer)"
@@ -363,7 +363,8 @@ def spec_of(kv: Any, dtype: str | None = None) -> tuple[ObjectSpec, np.ndarray]:
     uint16/int16 array, ``"float8_e4m3fn"`` for uint8 bytes). A non-contiguous
     array is copied once. Raises ShapeError / DTypeError.
     """
-    arr = as_host_array(kv)
+    arr, hint = as_host_array(kv)
+    dtype = dtype or hint
     if arr.ndim != 5:
         raise errors.ShapeError(
             f"KV must have rank 5 [layers, 2, tokens, kv_heads, head_dim], got shape {arr.shape}"
