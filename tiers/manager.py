@@ -25,7 +25,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import xxhash
@@ -77,6 +77,16 @@ class PinnedObject:
         return self.tier.view(self.extent, rng.offset, rng.nbytes)
 
 
+class ManagerListener(Protocol):
+    """Told of every change to the index (called with the manager's lock held: keep it cheap)."""
+
+    def stored(self, key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> None: ...
+
+    def moved(self, key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> None: ...
+
+    def removed(self, key: bytes, reason: str) -> None: ...
+
+
 class TierManager:
     """Places objects in ``tiers`` (fastest first) and moves them between them."""
 
@@ -102,6 +112,10 @@ class TierManager:
         self._lock = threading.RLock()
         self.counters: Counter[str] = Counter()
         self.closed = False
+        #: told of puts, moves and removals (the cluster node publishes them)
+        self.listener: ManagerListener | None = None
+        #: asked before the bottom tier drops an object; False keeps it (a remote reader holds a lease)
+        self.may_drop: Callable[[bytes], bool] | None = None
         self._recover()
 
     # -- lookup ---------------------------------------------------------------
@@ -154,9 +168,11 @@ class TierManager:
         with self._lock:
             old = self._index.get(key)
             if old is not None:
-                self._unindex(old, keep_persistent_record=old.tier == index)
+                self._unindex(old, keep_persistent_record=old.tier == index, reason=None)
             self._index[key] = _Entry(key, index, extent, header)
             self.policies[index].insert(key, nbytes)
+            if self.listener is not None:
+                self.listener.stored(key, tier, extent, header)
             self.counters["puts"] += 1
             self.counters["bytes_put"] += spec.payload_nbytes
         return tier.name
@@ -191,8 +207,12 @@ class TierManager:
 
     def _allocate_making_room(self, index: int, nbytes: int) -> Extent | None:
         tier, policy = self.tiers[index], self.policies[index]
+        is_pinned = self._is_pinned
+        if index == len(self.tiers) - 1 and self.may_drop is not None:
+            may_drop = self.may_drop
+            is_pinned = lambda key: self._is_pinned(key) or not may_drop(key)  # noqa: E731
         while (extent := tier.allocate(nbytes)) is None:
-            victim = policy.victim(self._is_pinned)
+            victim = policy.victim(is_pinned)
             if victim is None:
                 return None
             self._demote(self._index[victim])
@@ -215,7 +235,7 @@ class TierManager:
             self._move(entry, lower, extent)
             self.counters["demotions"] += 1
             return
-        self._unindex(entry, policy_removed=True)
+        self._unindex(entry, policy_removed=True, reason="evicted")
         self.counters["evictions"] += 1
 
     def _move(self, entry: _Entry, dest_index: int, extent: Extent) -> None:
@@ -237,6 +257,8 @@ class TierManager:
         src.free(entry.extent)
         entry.tier, entry.extent, entry.lower_hits = dest_index, extent, 0
         self.policies[dest_index].insert(entry.key, header.spec.total_nbytes)
+        if self.listener is not None:
+            self.listener.moved(entry.key, dest, extent, header)
 
     def _maybe_promote(self, entry: _Entry) -> None:
         """Copy a hot object from a lower tier up to the highest put-enabled tier (lock held)."""
@@ -260,7 +282,7 @@ class TierManager:
             self._move(entry, target, extent)
         except errors.KVPoolError as exc:
             log.warning("promotion of %s failed: %s", entry.key.hex(), exc)
-            self._unindex(entry, policy_removed=True)
+            self._unindex(entry, policy_removed=True, reason="error")
             return
         self.counters["promotions"] += 1
 
@@ -300,7 +322,7 @@ class TierManager:
             entry = obj._entry
             if self._index.get(entry.key) is entry:
                 log.warning("dropping %s from %s: checksum mismatch", entry.key.hex(), obj.tier.name)
-                self._unindex(entry)
+                self._unindex(entry, reason="checksum")
 
     # -- delete ---------------------------------------------------------------
 
@@ -311,14 +333,19 @@ class TierManager:
             entry = self._index.get(key)
             if entry is None:
                 raise errors.KeyNotFoundError(key)
-            self._unindex(entry)
+            self._unindex(entry, reason="deleted")
             self.counters["deletes"] += 1
 
-    def _unindex(self, entry: _Entry, *, policy_removed: bool = False,
+    def _unindex(self, entry: _Entry, *, reason: str | None, policy_removed: bool = False,
                  keep_persistent_record: bool = False) -> None:
-        """Hide an entry now; free its space now or, if pinned, on its last unpin."""
+        """Hide an entry now; free its space now or, if pinned, on its last unpin.
+
+        ``reason`` is told to the listener; None when a new version replaces it.
+        """
         if self._index.get(entry.key) is entry:
             del self._index[entry.key]
+            if reason is not None and self.listener is not None:
+                self.listener.removed(entry.key, reason)
         if not policy_removed:
             self.policies[entry.tier].remove(entry.key)
         tier = self.tiers[entry.tier]
