@@ -1,0 +1,621 @@
+"""The nvme tier on real files: conformance, restart, kill -9, corruption, full disk.
+
+Everything runs against real segment files, a real LMDB index and real
+O_DIRECT I/O on the disk under pytest's tmp_path (checked not to be tmpfs).
+The full-disk cases are real too: RLIMIT_FSIZE makes the kernel refuse writes
+and fallocate past a size with EFBIG, and (as root) a tiny tmpfs mount runs out
+of space with ENOSPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import queue
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import lmdb
+import msgpack
+import numpy as np
+import pytest
+
+from kvpool import errors
+from kvpool.config import Config
+from kvpool.objformat import LayerRange, ObjectHeader, byte_view, layer_checksums, spec_of
+from tests.tiers.tier_suite import TierTests, make_object, store
+from tiers.base import Extent
+from tiers.nvme import ALIGN, INDEX_DIR, NvmeTier, _filesystem_type, _MEMORY_FILESYSTEMS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a real disk (so O_DIRECT is exercised), never tmpfs."""
+    if _filesystem_type(tmp_path) not in _MEMORY_FILESYSTEMS:
+        yield tmp_path / "nvme"
+        return
+    base = Path(tempfile.mkdtemp(prefix="kvpool-nvme-test-", dir="/var/tmp"))
+    try:
+        yield base / "nvme"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def read_all(tier: NvmeTier, extent: Extent, header: ObjectHeader) -> np.ndarray:
+    from kvpool.objformat import numpy_dtype
+
+    out = np.empty(header.spec.array_shape(), dtype=numpy_dtype(header.spec.dtype))
+    tier.read_layers(extent, header, LayerRange(0, header.spec.layers), byte_view(out))
+    return out
+
+
+def put(tier: NvmeTier, key: bytes, seed: int, **shape: int) -> tuple[Extent, np.ndarray]:
+    arr, header, payload = make_object(seed=seed, **shape)
+    extent = store(tier, header, payload)
+    tier.commit(key, extent, header)
+    return extent, arr
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+# -- conformance ----------------------------------------------------------------
+
+
+class TestNvmeTier(TierTests):
+    def make_tier(self, tmp_path, capacity_bytes):
+        # One segment (the suite allocates the whole capacity at once); small
+        # io_chunk so the suite's objects go through the parallel I/O path.
+        return NvmeTier(tmp_path / "nvme", capacity_bytes, segment_size=capacity_bytes, io_chunk=16 * KiB)
+
+
+# -- I/O paths ----------------------------------------------------------------------
+
+
+def test_o_direct_is_used_on_a_disk(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        stats = tier.stats()
+        assert stats["direct_io"] is True, stats["direct_io_reason"]
+        assert stats["path"] == str(disk_dir)
+        assert stats["fsync"] is False
+    finally:
+        tier.close()
+    tier = NvmeTier(disk_dir, 4 * MiB, direct_io="off")
+    try:
+        assert tier.stats()["direct_io"] is False
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_large_object_split_across_threads_and_unaligned_access(disk_dir: Path, direct_io: str) -> None:
+    tier = NvmeTier(disk_dir, 64 * MiB, segment_size=32 * MiB, direct_io=direct_io, io_chunk=1 * MiB)
+    try:
+        arr, header, payload = make_object(layers=8, tokens=8192, seed=3)  # 16 MiB
+        extent = store(tier, header, payload)
+        np.testing.assert_array_equal(read_all(tier, extent, header), arr)
+        blob = header.pack() + bytes(payload)
+        # Unaligned offsets and lengths, crossing chunk boundaries, into unaligned buffers.
+        for offset, nbytes in ((1, 100), (4095, 2), (MiB - 7, 3 * MiB + 11), (len(blob) - 5000, 5000)):
+            out = bytearray(nbytes)
+            tier.read_into(extent, offset, out)
+            assert out == blob[offset:offset + nbytes]
+        # Aligned offset, length and buffer: read straight into `out`.
+        out_aligned = aligned_buffer(4 * MiB)
+        tier.read_into(extent, 0, out_aligned)
+        assert out_aligned.tobytes() == blob[:4 * MiB]
+        # A partial write keeps the neighbouring bytes of its edge blocks.
+        patch = bytes(range(256)) * 40
+        tier.write(extent, 4000, patch)
+        out = bytearray(5 * ALIGN)
+        tier.read_into(extent, 0, out)
+        expected = bytearray(blob[:5 * ALIGN])
+        expected[4000:4000 + len(patch)] = patch
+        assert out == expected
+        with pytest.raises(errors.TierError):
+            tier.read_into(extent, len(blob) - 10, bytearray(11))
+        with pytest.raises(errors.OutBufferError):
+            tier.read_into(extent, 0, bytes(10))
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_any_read_or_write_range_matches_a_byte_model(disk_dir: Path, direct_io: str) -> None:
+    """Reads and partial writes at arbitrary offsets, lengths and buffer alignments."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    tier = NvmeTier(disk_dir, 4 * MiB, direct_io=direct_io, io_chunk=8 * KiB)
+    try:
+        _, header, payload = make_object(layers=3, tokens=100, seed=8)  # not a multiple of 4 KiB
+        extent = store(tier, header, payload)
+        model = bytearray(header.pack() + bytes(payload))
+        size = len(model)
+        arena = aligned_buffer(size + 2 * ALIGN)
+
+        @settings(max_examples=60, deadline=None, derandomize=True)
+        @given(st.data())
+        def check(data: st.DataObject) -> None:
+            offset = data.draw(st.integers(0, size - 1))
+            nbytes = data.draw(st.integers(1, size - offset))
+            shift = data.draw(st.sampled_from([0, 0, 1, 64, 513, ALIGN - 1]))
+            if data.draw(st.booleans()):
+                patch = data.draw(st.binary(min_size=nbytes, max_size=nbytes))
+                tier.write(extent, offset, patch)
+                model[offset:offset + nbytes] = patch
+            out = arena[shift:shift + nbytes]
+            tier.read_into(extent, offset, out)
+            assert out.tobytes() == model[offset:offset + nbytes]
+
+        check()
+        whole = bytearray(size)
+        tier.read_into(extent, 0, whole)
+        assert whole == model  # no write disturbed bytes outside its range
+    finally:
+        tier.close()
+
+
+# -- persistence ------------------------------------------------------------------------
+
+
+def test_reopen_finds_every_committed_object_bit_exact(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 8 * MiB, segment_size=1 * MiB, io_chunk=64 * KiB)
+    shapes = [dict(layers=4, tokens=t) for t in (64, 512, 700, 1000, 96)]
+    originals = {}
+    try:
+        for seed, shape in enumerate(shapes):
+            originals[b"key-%d" % seed] = put(tier, b"key-%d" % seed, seed, **shape)
+        # Written but never committed: must not exist after the restart.
+        _, header, payload = make_object(seed=99, layers=4, tokens=300)
+        store(tier, header, payload)
+        # Forgotten and freed: gone too.
+        gone_extent, _ = originals.pop(b"key-1")
+        tier.forget(b"key-1", gone_extent)
+        tier.free(gone_extent)
+        used = sum(tier.allocated_size(extent.nbytes) for extent, _ in originals.values())
+        segments = tier.stats()["segments_created"]
+        assert segments >= 2  # objects really spread over several segment files
+    finally:
+        tier.close()
+    tier.close()  # idempotent
+
+    tier = NvmeTier(disk_dir, 8 * MiB, segment_size=1 * MiB)
+    try:
+        recovered = {key: (extent, header) for key, extent, header in tier.recover()}
+        assert set(recovered) == set(originals)
+        for key, (extent, header) in recovered.items():
+            assert extent == originals[key][0]
+            np.testing.assert_array_equal(read_all(tier, extent, header), originals[key][1])
+        assert tier.used_bytes == used
+        stats = tier.stats()
+        assert stats["recovered_objects"] == len(originals) == stats["indexed_objects"]
+        assert stats["segments_created"] == segments
+    finally:
+        tier.close()
+
+
+def test_space_is_rebuilt_from_the_index_and_reused_after_reopen(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 2 * MiB, segment_size=1 * MiB)
+    try:
+        _, header, _ = make_object(layers=4, tokens=256)
+        keys = []
+        while (extent := tier.allocate(header.spec.total_nbytes)) is not None:
+            _, h, p = make_object(layers=4, tokens=256, seed=len(keys))
+            tier.write_object(extent, h, p)
+            tier.commit(b"k%d" % len(keys), extent, h)
+            keys.append(b"k%d" % len(keys))
+        assert tier.allocate(header.spec.total_nbytes) is None
+    finally:
+        tier.close()
+
+    tier = NvmeTier(disk_dir, 2 * MiB, segment_size=1 * MiB)
+    try:
+        found = {key: extent for key, extent, _ in tier.recover()}
+        assert sorted(found) == sorted(keys)
+        assert tier.allocate(header.spec.total_nbytes) is None  # the allocator knows it is full
+        victim = found[keys[3]]
+        tier.forget(keys[3], victim)
+        tier.free(victim)
+        reused = tier.allocate(header.spec.total_nbytes)
+        assert reused is not None and (reused.segment, reused.offset) == (victim.segment, victim.offset)
+        arr, h, p = make_object(layers=4, tokens=256, seed=1000)
+        tier.write_object(reused, h, p)
+        tier.commit(b"new", reused, h)
+    finally:
+        tier.close()
+
+    tier = NvmeTier(disk_dir, 2 * MiB, segment_size=1 * MiB)
+    try:
+        found_headers = {key: (extent, header) for key, extent, header in tier.recover()}
+        assert keys[3] not in found_headers
+        np.testing.assert_array_equal(read_all(tier, *found_headers[b"new"]), arr)
+    finally:
+        tier.close()
+
+
+def test_forget_keeps_a_newer_commit_of_the_same_key(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        old, _ = put(tier, b"k", seed=1)
+        new, arr = put(tier, b"k", seed=2)
+        tier.forget(b"k", old)  # the manager retiring the old copy must not delete the new record
+        tier.free(old)
+    finally:
+        tier.close()
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        [(key, extent, header)] = list(tier.recover())
+        assert (key, extent) == (b"k", new)
+        np.testing.assert_array_equal(read_all(tier, extent, header), arr)
+    finally:
+        tier.close()
+
+
+def test_bad_index_records_are_dropped_and_logged(disk_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        good, arr = put(tier, b"good", seed=1)
+        _, header, _ = make_object(seed=1)
+    finally:
+        tier.close()
+    env = lmdb.open(str(disk_dir / INDEX_DIR), max_dbs=2, subdir=True)
+    try:
+        db = env.open_db(b"objects")
+        with env.begin(write=True, db=db) as txn:
+            txn.put(b"garbage", b"\xc1 not msgpack")
+            txn.put(b"overlap", msgpack.packb([good.segment, good.offset, good.nbytes, header.pack()]))
+            txn.put(b"beyond", msgpack.packb([7, 0, good.nbytes, header.pack()]))
+            txn.put(b"bad-header", msgpack.packb([0, 1 * MiB, good.nbytes, b"KVPL" + bytes(60)]))
+    finally:
+        env.close()
+    with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+        tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        assert [key for key, _, _ in tier.recover()] == [b"good"]
+        assert tier.stats()["dropped_records"] == 4
+        assert tier.used_bytes == tier.allocated_size(good.nbytes)
+        assert sum("dropped index record" in r.message for r in caplog.records) == 4
+        np.testing.assert_array_equal(read_all(tier, good, header), arr)
+    finally:
+        tier.close()
+
+
+def test_other_segment_size_on_an_existing_directory_is_refused(disk_dir: Path) -> None:
+    NvmeTier(disk_dir, 4 * MiB, segment_size=1 * MiB).close()
+    with pytest.raises(errors.TierError, match="segment_size=1048576"):
+        NvmeTier(disk_dir, 4 * MiB, segment_size=2 * MiB)
+    NvmeTier(disk_dir, 4 * MiB, segment_size=1 * MiB).close()  # the refused open released the lock
+
+
+def test_overlong_key_is_refused(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        arr, header, payload = make_object()
+        extent = store(tier, header, payload)
+        with pytest.raises(errors.InvalidKeyError):
+            tier.commit(b"x" * 4096, extent, header)
+    finally:
+        tier.close()
+
+
+# -- crashes ---------------------------------------------------------------------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import sys
+    from tests.tiers.test_nvme import crash_object, crash_seed
+    from tiers.nvme import NvmeTier
+
+    tier = NvmeTier(sys.argv[1], 24 << 20, segment_size=8 << 20, io_chunk=512 << 10)
+    live = sorted(((key, extent) for key, extent, _ in tier.recover()), key=lambda item: crash_seed(item[0]))
+    seed = int(sys.argv[2])
+    while True:
+        arr, header, payload = crash_object(seed)
+        extent = tier.allocate(header.spec.total_nbytes)
+        while extent is None:  # full: retire the oldest, so new objects overwrite freed space
+            key, old = live.pop(0)
+            print("deleting", key.decode(), flush=True)
+            tier.forget(key, old)
+            tier.free(old)
+            extent = tier.allocate(header.spec.total_nbytes)
+        key = b"obj-%d" % seed
+        print("writing", key.decode(), flush=True)
+        tier.write_object(extent, header, payload)
+        tier.commit(key, extent, header)
+        live.append((key, extent))
+        print("committed", key.decode(), flush=True)
+        seed += 1
+    """
+)
+_CRASH_BASES: dict[int, np.ndarray] = {}
+
+
+def crash_seed(key: bytes) -> int:
+    return int(key.split(b"-")[1])
+
+
+def crash_object(seed: int) -> tuple[np.ndarray, ObjectHeader, memoryview]:
+    """Object ``seed`` of the kill -9 test: 1-4 MiB, cheap to make, so the child spends its time writing.
+
+    The returned array is reused by the next call with the same size.
+    """
+    tokens = 512 * (1 + seed % 4)
+    base = _CRASH_BASES.get(tokens)
+    if base is None:
+        base = _CRASH_BASES[tokens] = make_object(layers=8, tokens=tokens, seed=tokens)[0]
+    base[:, :, 0, 0, 0] = seed % 2048  # every layer's bytes, hence checksums, differ per object
+    spec, arr = spec_of(base)
+    payload = byte_view(arr)
+    return arr, ObjectHeader(spec, layer_checksums(payload, spec.layer_nbytes)), payload
+
+
+@contextlib.contextmanager
+def _child(script: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], queue.Queue[str | None]]]:
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.endswith("\n"):  # a line cut short by kill -9 was never reported
+                lines.put(line[:-1])
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        reader.join(timeout=10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def _next_line(proc: subprocess.Popen[str], lines: queue.Queue[str | None], deadline: float) -> str:
+    try:
+        line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+        raise AssertionError("the child reported nothing before the deadline") from None
+    if line is None:
+        assert proc.stderr is not None
+        raise AssertionError(f"the child exited early: {proc.wait()}: {proc.stderr.read()}")
+    return line
+
+
+def test_kill_9_mid_stream_loses_nothing_committed_and_leaves_nothing_half_written(disk_dir: Path) -> None:
+    committed: set[bytes] = set()
+    deleting: set[bytes] = set()
+    in_flight: set[bytes] = set()  # objects being written when a child died
+    # Each child recovers what the last one left. Rounds 0 and 2 are killed as
+    # an object's write starts (so mid-write), round 1 just after a commit.
+    for round_, kill_on in enumerate(("writing", "committed", "writing")):
+        with _child(_CHILD, str(disk_dir), str(round_ * 1000)) as (proc, lines):
+            deadline = time.monotonic() + 20
+            reported = 0
+            while True:
+                verb, name = _next_line(proc, lines, deadline).split()
+                key = name.encode()
+                if verb == "committed":
+                    committed.add(key)
+                    reported += 1
+                elif verb == "deleting":
+                    deleting.add(key)
+                if round_ == 0 and reported == 1:
+                    with pytest.raises(errors.PoolLockedError, match=str(proc.pid)):
+                        NvmeTier(disk_dir, 24 * MiB, segment_size=8 * MiB)
+                if reported >= 12 and verb == kill_on:  # by now the child has reused freed space
+                    break
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+            # Lines already in the pipe were reported before the kill, too.
+            while (line := lines.get(timeout=10)) is not None:
+                verb, name = line.split()
+                {"committed": committed, "deleting": deleting, "writing": in_flight}[verb].add(name.encode())
+        in_flight.add(b"obj-%d" % (max(crash_seed(k) for k in committed) + 1))
+        assert deleting, "the child never wrapped around; the test would not cover space reuse"
+
+        tier = NvmeTier(disk_dir, 24 * MiB, segment_size=8 * MiB)
+        try:
+            recovered = {key: (extent, header) for key, extent, header in tier.recover()}
+            assert committed - deleting <= set(recovered)
+            # Beyond those, at most an object in flight that committed before the kill.
+            assert set(recovered) <= committed | in_flight
+            for key, (extent, header) in recovered.items():  # every object present verifies
+                np.testing.assert_array_equal(read_all(tier, extent, header), crash_object(crash_seed(key))[0])
+        finally:
+            tier.close()
+
+
+# -- corruption, locking, filesystems -------------------------------------------------------
+
+
+def test_flipped_byte_on_disk_is_a_checksum_error(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        arr, header, payload = make_object(layers=4, tokens=64)
+        extent = store(tier, header, payload)
+        position = extent.offset + header.spec.layer_bytes(LayerRange(2, 3)).offset + 17
+        with open(disk_dir / "seg-00000.kvs", "r+b") as segment:  # buffered; O_DIRECT reads flush it
+            segment.seek(position)
+            byte = segment.read(1)
+            segment.seek(position)
+            segment.write(bytes([byte[0] ^ 0x40]))
+        out = np.empty(header.spec.array_shape(LayerRange(2, 4)), dtype=arr.dtype)
+        with pytest.raises(errors.ChecksumError, match="layer 2"):
+            tier.read_layers(extent, header, LayerRange(2, 4), byte_view(out))
+        # The untouched layers still read (and verify).
+        out = np.empty(header.spec.array_shape(LayerRange(0, 2)), dtype=arr.dtype)
+        tier.read_layers(extent, header, LayerRange(0, 2), byte_view(out))
+        np.testing.assert_array_equal(out, arr[0:2])
+    finally:
+        tier.close()
+
+
+def test_second_tier_on_the_same_directory_is_refused(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        with pytest.raises(errors.PoolLockedError, match=str(os.getpid())):
+            NvmeTier(disk_dir, 4 * MiB)
+        put(tier, b"still-mine", seed=5)  # the refused open disturbed nothing
+    finally:
+        tier.close()
+    NvmeTier(disk_dir, 4 * MiB).close()  # released on close
+
+
+def test_tmpfs_falls_back_to_buffered_io_and_says_so() -> None:
+    if _filesystem_type(Path("/dev/shm")) != 0x01021994:
+        pytest.skip("/dev/shm is not tmpfs here")
+    base = Path(tempfile.mkdtemp(prefix="kvpool-nvme-test-", dir="/dev/shm"))
+    try:
+        tier = NvmeTier(base, 4 * MiB)
+        try:
+            stats = tier.stats()
+            assert stats["direct_io"] is False
+            assert "tmpfs" in stats["direct_io_reason"]
+            extent, arr = put(tier, b"k", seed=4)
+        finally:
+            tier.close()
+        tier = NvmeTier(base, 4 * MiB)
+        try:
+            [(key, extent, header)] = list(tier.recover())
+            np.testing.assert_array_equal(read_all(tier, extent, header), arr)
+        finally:
+            tier.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _mount(tmp_path: Path, fstype: str, options: str = "") -> Iterator[Path]:
+    """A fresh filesystem mounted under tmp_path (root only; skips where mounting is refused)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a test filesystem needs root")
+    target = tmp_path / f"mnt-{fstype}"
+    target.mkdir()
+    command = ["mount", "-t", fstype, *(["-o", options] if options else []), "none", str(target)]
+    if subprocess.run(command, capture_output=True).returncode != 0:
+        pytest.skip(f"cannot mount {fstype} here")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_filesystem_refusing_o_direct(tmp_path: Path) -> None:
+    with _mount(tmp_path, "ramfs") as mount:  # ramfs has no direct I/O: open(O_DIRECT) is EINVAL
+        with pytest.raises(errors.TierError, match="refuses O_DIRECT"):
+            NvmeTier(mount / "nvme", 4 * MiB, direct_io="on")
+        tier = NvmeTier(mount / "nvme", 4 * MiB, direct_io="auto")
+        try:
+            assert tier.stats()["direct_io"] is False
+            assert "EINVAL" in tier.stats()["direct_io_reason"]
+            extent, arr = put(tier, b"k", seed=2)
+            np.testing.assert_array_equal(read_all(tier, extent, tier_header(tier, b"k")), arr)
+        finally:
+            tier.close()
+
+
+def tier_header(tier: NvmeTier, key: bytes) -> ObjectHeader:
+    return next(header for k, _, header in tier.recover() if k == key)
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int) -> Iterator[None]:
+    """The kernel refuses to grow any file of this process past ``nbytes`` (EFBIG)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_file_size_limit_is_disk_full_and_loses_nothing(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB, segment_size=1 * MiB, io_chunk=64 * KiB)
+    try:
+        kept, kept_arr = put(tier, b"kept", seed=1, layers=4, tokens=256)  # 128 KiB in segment 0
+        kept_header = tier_header(tier, b"kept")
+        used = tier.used_bytes
+        _, header, payload = make_object(seed=2, layers=4, tokens=256)
+        with _file_size_limit(tier.allocated_size(kept.nbytes)):
+            # Space in an existing segment, but the write past the limit fails.
+            extent = tier.allocate(header.spec.total_nbytes)
+            assert extent is not None and extent.segment == 0
+            with pytest.raises(errors.DiskFullError) as info:
+                tier.write_object(extent, header, payload)
+            assert isinstance(info.value, OSError) and info.value.errno is not None
+            tier.free(extent)  # what the tier manager does with a failed put
+            # A new segment cannot be preallocated: refused at allocation.
+            with pytest.raises(errors.DiskFullError):
+                tier.allocate(900 * KiB)
+            assert not (disk_dir / "seg-00001.kvs").exists()
+            assert tier.used_bytes == used
+            # Still serving what it holds.
+            np.testing.assert_array_equal(read_all(tier, kept, kept_header), kept_arr)
+        # With room again, the same puts work.
+        assert tier.allocate(900 * KiB) is not None
+        again, arr = put(tier, b"again", seed=2, layers=4, tokens=256)
+        np.testing.assert_array_equal(read_all(tier, again, tier_header(tier, b"again")), arr)
+    finally:
+        tier.close()
+
+
+def test_tiny_filesystem_runs_out_of_space(tmp_path: Path) -> None:
+    with _mount(tmp_path, "tmpfs", "size=3m") as mount:
+        tier = NvmeTier(mount / "nvme", 8 * MiB, segment_size=2 * MiB)
+        try:
+            kept, kept_arr = put(tier, b"kept", seed=1, layers=4, tokens=256)
+            with pytest.raises(errors.DiskFullError, match="No space left"):
+                tier.allocate(1900 * KiB)  # segment 0 has no room; segment 1 does not fit the disk
+            assert not (mount / "nvme" / "seg-00001.kvs").exists()  # its partial space was given back
+            np.testing.assert_array_equal(read_all(tier, kept, tier_header(tier, b"kept")), kept_arr)
+            put(tier, b"small", seed=3, layers=4, tokens=64)  # room left in segment 0 is still usable
+        finally:
+            tier.close()
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_from_config_paths(tmp_path: Path) -> None:
+    config = Config.load({"pool": {"data_dir": str(tmp_path / "data")},
+                          "tiers": {"nvme": {"capacity": "4MiB", "segment_size": "1MiB", "fsync": True}}})
+    tier = NvmeTier.from_config(config.tiers.nvme, config)
+    try:
+        assert tier.path == tmp_path / "data" / "nvme"
+        assert tier.capacity_bytes == 4 * MiB and tier.segment_bytes == 1 * MiB
+        assert tier.stats()["fsync"] is True
+        put(tier, b"durable", seed=1)  # the fsync path (fdatasync + synced LMDB) really runs
+    finally:
+        tier.close()
+    config.tiers.nvme.path = str(tmp_path / "elsewhere")
+    tier = NvmeTier.from_config(config.tiers.nvme, config)
+    try:
+        assert tier.path == tmp_path / "elsewhere"
+    finally:
+        tier.close()
