@@ -229,10 +229,14 @@ class TierManager:
         for lower in range(entry.tier + 1, len(self.tiers)):
             if not self.tiers[lower].fits_ever(nbytes):
                 continue
-            extent = self._allocate_making_room(lower, nbytes)
-            if extent is None:
+            try:
+                extent = self._allocate_making_room(lower, nbytes)
+                if extent is None:
+                    continue
+                self._move(entry, lower, extent)
+            except errors.DiskFullError as exc:  # treat as no room below; never fail the put
+                log.warning("demotion of %s to %s failed: %s", entry.key.hex(), self.tiers[lower].name, exc)
                 continue
-            self._move(entry, lower, extent)
             self.counters["demotions"] += 1
             return
         self._unindex(entry, policy_removed=True, reason="evicted")
