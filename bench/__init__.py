@@ -1,0 +1,1 @@
+"""kvpool benchmarks: tiers, transfers, master; shared CLI and output in ``bench.common``."""
