@@ -374,10 +374,16 @@ class TierManager:
                 self.policies[index].insert(key, header.spec.total_nbytes)
                 self.counters["recovered"] += 1
 
-    def iter_entries(self) -> Iterator[tuple[bytes, str, ObjectHeader]]:
+    def describe(self, key: bytes) -> tuple[Tier, Extent, ObjectHeader] | None:
+        """Where an object lives now (may change as soon as the lock is released)."""
         with self._lock:
-            items = [(k, self.tiers[e.tier].name, e.header) for k, e in self._index.items()]
-        return iter(items)
+            entry = self._index.get(key)
+            return None if entry is None else (self.tiers[entry.tier], entry.extent, entry.header)
+
+    def snapshot(self) -> list[tuple[bytes, Tier, Extent, ObjectHeader]]:
+        """Every object with its tier, extent and header, taken under the lock."""
+        with self._lock:
+            return [(k, self.tiers[e.tier], e.extent, e.header) for k, e in self._index.items()]
 
     def tier_stats(self) -> list[dict[str, Any]]:
         with self._lock:

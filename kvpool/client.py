@@ -1,0 +1,322 @@
+"""``kvpool.connect``: the cluster client, a :class:`Pool` that also sees the other nodes.
+
+Owns the read and write paths across nodes: a put is stored locally and made
+visible with the master's two-phase reserve/commit (optionally replicated to
+storage nodes for durability); a get tries the local tiers, then asks the
+master where the key lives and reads the requested layers from a replica —
+in place from a same-host ``cxl`` arena, else pulled over UCX into ``out`` —
+verifying every layer's checksum. A replica that fails (checksum, holder gone,
+timeout) is skipped for the next one; when none is left the get is a miss.
+
+The process is also a :class:`kvpool.node.Node`: its own puts are served to
+peers from its tiers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+
+import numpy as np
+import zmq
+
+from kvpool import errors
+from kvpool.config import Config
+from kvpool.node import Node, NodeAddress, request_replication
+from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, byte_view, spec_of
+from kvpool.pool import Key, Pool
+from kvpool.protocol import LocatedReplica
+from kvpool.transfer import PullClient
+
+log = logging.getLogger("kvpool.client")
+
+
+def connect(master_address: str | None = None, *, config: str | Config | Mapping[str, Any] | None = None,
+            transport: str = "auto") -> ClusterPool:
+    """A pool backed by the cluster whose master listens on ``master_address``.
+
+    ``transport``: ``"auto"`` (same-host peers over shared memory, others over
+    TCP) or ``"tcp"`` (always the UCX listener, with UCX's own peer-failure
+    detection). Raises MasterUnreachableError if the master does not answer.
+    """
+    return ClusterPool(master_address, config=config, transport=transport)
+
+
+class ClusterPool(Pool):
+    """The :class:`Pool` API over the whole cluster (see the module docstring)."""
+
+    def __init__(self, master_address: str | None = None, *,
+                 config: str | Config | Mapping[str, Any] | None = None, transport: str = "auto") -> None:
+        super().__init__(config)
+        self.master_address = master_address or self.config.master.listen
+        self._remote = Counter[str]()
+        self._cxl_readers: dict[tuple[str, str], Any] = {}
+        self._readers_lock = threading.Lock()
+        try:
+            self._node = Node(self.config, self._manager, self.master_address)
+            self._master = self._node.master
+            self._master.ping()
+            self._node.start()
+            self._puller = PullClient(transport=transport, max_message=self.config.node.max_message)
+        except BaseException:
+            self._close_cluster_parts()
+            self._manager.close()
+            self._closed = True
+            raise
+
+    @property
+    def node_id(self) -> str:
+        return self._node.node_id
+
+    # -- writes -------------------------------------------------------------------------
+
+    def put(self, prefix_hash: Key, kv: Any, *, dtype: str | None = None, durable: bool | None = None,
+            replicas: int | None = None) -> None:
+        """Store locally and publish (two-phase); ``durable=True`` also keeps ``replicas``
+        copies on other nodes chosen by the master, so the object outlives this process.
+
+        Raises what :meth:`Pool.put` raises, MasterUnreachableError, and (durable)
+        CapacityError / TransferError when no storage node could take a copy.
+        """
+        self._check_open()
+        key = self._key(prefix_hash)
+        spec, arr = spec_of(kv, dtype)
+        self._put_many([(key, spec, byte_view(arr))])
+        if durable if durable is not None else self.config.node.durable:
+            self._replicate(key, replicas or self.config.node.replicas)
+
+    def put_many(self, items: Mapping[Key, Any] | Iterable[tuple[Key, Any]], *, dtype: str | None = None) -> None:
+        """Validate everything, then reserve all, store all, commit all: two master round trips."""
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        prepared = []
+        for prefix_hash, kv in pairs:
+            spec, arr = spec_of(kv, dtype)
+            prepared.append((self._key(prefix_hash), spec, byte_view(arr)))
+        self._check_open()
+        self._put_many(prepared)
+
+    def _put_many(self, prepared: Sequence[tuple[bytes, ObjectSpec, memoryview]]) -> None:
+        node_id = self._node.node_id
+        reservations = self._master.reserve_many([(k, spec.total_nbytes, node_id) for k, spec, _ in prepared])
+        commits = []
+        try:
+            for (key, spec, payload), reservation in zip(prepared, reservations):
+                self._put_local(key, spec, payload)
+                record = self._node.record(key)
+                if record is not None:  # already evicted again by a concurrent flood: nothing to show
+                    commits.append((reservation, record))
+        except BaseException:
+            done = {rid for rid, _ in commits}
+            self._master.revoke([rid for rid in reservations if rid not in done])
+            if commits:
+                self._master.commit_many(commits)
+            raise
+        self._master.commit_many(commits)
+
+    def _replicate(self, key: bytes, replicas: int) -> None:
+        record = self._node.record(key)
+        if record is None:
+            raise errors.CapacityError("object was evicted locally before it could be replicated")
+        targets = self._master.place(record["nbytes"], replicas, exclude=[self._node.node_id], key=key)
+        if not targets:
+            raise errors.CapacityError("no storage node can take a durable copy")
+        assert self._node.address is not None
+        source = self._node.address.encode()
+        context = zmq.Context.instance()
+        for target in targets:
+            control = NodeAddress.decode(target.address).control
+            request_replication(context, control, {
+                "key": key, "header": record["header"], "source": source, "reservation": target.reservation_id,
+            }, timeout_s=self.config.node.pull_timeout_s + 5.0)
+        self._remote["replicated"] += len(targets)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, prefix_hash: Key, *, layers: Any = None, out: Any = None) -> np.ndarray | None:
+        """Local tiers first, then a replica elsewhere; None on a miss anywhere."""
+        self._check_open()
+        key = self._key(prefix_hash)
+        local = self._get_local(key, layers, out)
+        if local is not None:
+            return local
+        located = self._master.locate(key, lease=True)
+        try:
+            return self._get_remote(key, located.replicas[0], layers, out)
+        finally:
+            self._master.release([located.lease_id])
+
+    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None) -> list[np.ndarray | None]:
+        """Local hits first; every other key is located in one master round trip."""
+        self._check_open()
+        keys = [self._key(h) for h in prefix_hashes]
+        results = [self._get_local(k, layers, None) for k in keys]
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            located = self._master.locate_many([keys[i] for i in missing], lease=True)
+            try:
+                for i, replicas in zip(missing, located.replicas):
+                    results[i] = self._get_remote(keys[i], replicas, layers, None)
+            finally:
+                self._master.release([located.lease_id])
+        return results
+
+    def _get_remote(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any,
+                    out: Any) -> np.ndarray | None:
+        if not replicas:
+            self._remote["miss_absent"] += 1
+            return None
+        for replica in self._ordered(replicas):
+            try:
+                header = ObjectHeader.unpack(replica["header"])
+                layer_range = LayerRange.resolve(layers, header.spec.layers)
+                arr, buf = self._out_view(header.spec, layer_range, out)
+                self._read_replica(key, replica, header, layer_range, buf)
+                self._remote["hits_remote"] += 1
+                self._remote["bytes_pulled"] += len(buf)
+                return arr
+            except (errors.LayerRangeError, errors.OutBufferError):
+                raise  # the caller's mistake, the same on every replica
+            except errors.RemoteMissError:
+                self._remote["miss_evicted"] += 1
+            except errors.ChecksumError:
+                self._remote["miss_checksum"] += 1
+            except errors.KVTimeoutError:
+                self._remote["miss_timeout"] += 1
+            except (errors.TransferError, errors.FormatError, errors.TierError) as exc:
+                log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
+                self._remote["miss_holder_gone"] += 1
+        return None
+
+    def _ordered(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
+        """Same-host replicas first (no network), skipping this node's own (already missed)."""
+        mine, host = self._node.node_id, self._node.host_id
+        others = [r for r in replicas if r.get("node_id") != mine]
+        return sorted(others, key=lambda r: (r.get("host_id") != host, r.get("tier") != "cxl"))
+
+    def _read_replica(self, key: bytes, replica: LocatedReplica, header: ObjectHeader,
+                      layer_range: LayerRange, buf: memoryview) -> None:
+        location = replica.get("location") or {}
+        if replica.get("host_id") == self._node.host_id and replica.get("tier") == "cxl" and location:
+            try:
+                reader = self._cxl_reader(location)
+                reader.read_layers_into(location["offset"], header, layer_range, buf, verify=True)
+                self._remote["reads_in_place"] += 1
+                return
+            except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
+                log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
+        peer = NodeAddress.decode(replica["address"]).peer
+        self._puller.pull_into(peer, key, layer_range, buf, timeout_s=self.config.node.pull_timeout_s)
+        header.verify(layer_range, buf)
+        self._remote["pulls"] += 1
+
+    def _cxl_reader(self, location: Mapping[str, Any]) -> Any:
+        from tiers.cxl import CxlArenaReader
+
+        ident = (str(location["path"]), str(location.get("instance", "")))
+        with self._readers_lock:
+            reader = self._cxl_readers.get(ident)
+            if reader is None:
+                reader = self._cxl_readers[ident] = CxlArenaReader.from_location(dict(location))
+            return reader
+
+    async def iter_layers(self, prefix_hash: Key, *, layers: Any = None,
+                          out: Any = None) -> AsyncIterator[tuple[int, np.ndarray]]:
+        """Layer-wise: layer i is yielded while layer i+1 is read or pulled."""
+        self._check_open()
+        key = self._key(prefix_hash)
+        if key in self._manager:
+            async for item in super().iter_layers(key, layers=layers, out=out):
+                yield item
+            return
+        located = await asyncio.to_thread(self._master.locate, key, True)
+        try:
+            replicas = self._ordered(located.replicas[0] or [])
+            if not replicas:
+                return
+            header = ObjectHeader.unpack(replicas[0]["header"])
+            layer_range = LayerRange.resolve(layers, header.spec.layers)
+            arr, _ = self._out_view(header.spec, layer_range, out)
+
+            def fetch(i: int) -> None:
+                one = LayerRange(layer_range.start + i, layer_range.start + i + 1)
+                buf = byte_view(arr[i])
+                for replica in replicas:
+                    try:
+                        self._read_replica(key, replica, header, one, buf)
+                        return
+                    except (errors.TransferError, errors.ChecksumError, errors.KVTimeoutError) as exc:
+                        log.info("layer %d of %s: replica failed (%s)", one.start, key.hex(), exc)
+                raise errors.TransferError(f"layer {one.start} of {key.hex()}: every replica failed")
+
+            pending = asyncio.ensure_future(asyncio.to_thread(fetch, 0))
+            for i in range(layer_range.count):
+                await pending
+                if i + 1 < layer_range.count:
+                    pending = asyncio.ensure_future(asyncio.to_thread(fetch, i + 1))
+                yield layer_range.start + i, arr[i]
+        finally:
+            await asyncio.to_thread(self._master.release, [located.lease_id])
+
+    # -- metadata -------------------------------------------------------------------------
+
+    def exists(self, prefix_hash: Key) -> bool:
+        self._check_open()
+        key = self._key(prefix_hash)
+        return key in self._manager or self._master.exists(key)
+
+    def exists_many(self, prefix_hashes: Sequence[Key]) -> list[bool]:
+        """One master round trip for the whole batch."""
+        self._check_open()
+        return self._master.exists_many([self._key(h) for h in prefix_hashes])
+
+    def lookup(self, prefix_hashes: Sequence[Key]) -> int:
+        """Longest cached prefix anywhere in the cluster, in one master round trip."""
+        self._check_open()
+        return self._master.lookup([self._key(h) for h in prefix_hashes])
+
+    def delete(self, prefix_hash: Key) -> None:
+        """Delete everywhere: gone from lookups at once; holders drop it on their next heartbeat."""
+        self._check_open()
+        key = self._key(prefix_hash)
+        deleted = self._master.delete([key])[0]
+        try:
+            self._manager.delete(key)
+        except errors.KeyNotFoundError:
+            if not deleted:
+                raise
+
+    def stats(self) -> dict[str, Any]:
+        stats = super().stats()
+        stats["role"] = "client"
+        stats["node"] = self._node.stats()
+        stats["remote"] = dict(self._remote)
+        stats["pull_client"] = self._puller.stats()
+        for reason in ("evicted", "checksum", "timeout", "holder_gone"):
+            stats["misses"][reason] = self._remote.get(f"miss_{reason}", 0)
+        # every remote read starts with a local miss: count where the key really was absent
+        stats["misses"]["absent"] = self._remote.get("miss_absent", 0)
+        return stats
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _close_cluster_parts(self) -> None:
+        for name in ("_puller", "_node"):
+            part = getattr(self, name, None)
+            if part is not None:
+                try:
+                    part.close()
+                except Exception as exc:  # keep closing the rest
+                    log.warning("closing %s: %s", name, exc)
+        with self._readers_lock:
+            for reader in self._cxl_readers.values():
+                reader.close()
+            self._cxl_readers.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._close_cluster_parts()
+        super().close()

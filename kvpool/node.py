@@ -1,0 +1,301 @@
+"""A cluster node: local tiers made visible to the pool.
+
+Owns the glue between one process's :class:`tiers.manager.TierManager` and the
+cluster: it serves pulls of ``(key, layer range)`` straight out of tier memory
+(:class:`kvpool.transfer.PullServer`), keeps the master's index in step with
+what the tiers hold (moves and removals are published in batches from a
+background thread; puts are published by the pool with a two-phase
+reserve/commit), heartbeats on its own thread, re-registers everything after a
+master restart, asks the master before the bottom tier drops an object a
+remote reader holds a lease on, and accepts replication requests for durable
+puts on a small ZeroMQ control socket.
+
+It never decides placement (the master does) and never reads KV bytes except
+to serve or replicate them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvpool import errors
+from kvpool.config import Config
+from kvpool.master_client import Heartbeater, MasterClient
+from kvpool.objformat import LayerRange, ObjectHeader
+from kvpool.protocol import ReplicaRecord, replica_record
+from kvpool.transfer import PeerAddress, PullClient, PullServer, ServeSource, local_host_id
+from tiers.base import Extent, Tier
+from tiers.manager import TierManager
+
+log = logging.getLogger("kvpool.node")
+
+_PUBLISH_BATCH = 512
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    """How peers reach a node: UCX pulls, and the control socket for replication.
+
+    Published to the master as one opaque string (JSON), so the master needs
+    to know nothing about transports.
+    """
+
+    peer: PeerAddress
+    control: str
+
+    def encode(self) -> str:
+        return json.dumps({
+            "ucx": [self.peer.host, self.peer.port],
+            "worker": base64.b64encode(self.peer.worker_address).decode(),
+            "host_id": self.peer.host_id,
+            "control": self.control,
+        }, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, text: str) -> NodeAddress:
+        try:
+            data = json.loads(text)
+            host, port = data["ucx"]
+            peer = PeerAddress(host, int(port), base64.b64decode(data["worker"]), data["host_id"])
+            return cls(peer, data["control"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise errors.ProtocolError(f"unreadable node address {text!r}: {exc}") from None
+
+
+def record_for(key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> ReplicaRecord:
+    """The master's replica record for an object this node holds."""
+    location = tier.location(extent) if hasattr(tier, "location") else {}
+    return replica_record(tier.name, header.spec, header.spec.total_nbytes, key=key,
+                          header=header.pack(), location=location)
+
+
+class Node:
+    """Serves this process's tiers to the cluster (see the module docstring)."""
+
+    def __init__(self, config: Config, manager: TierManager, master_address: str) -> None:
+        self.config = config
+        self.manager = manager
+        self.node_id = uuid.uuid4().hex
+        self.host_id = local_host_id()
+        self.master_address = master_address
+        self.master = MasterClient(master_address, config=config)
+        self.server = PullServer(self._provide, host=config.node.host, port=config.node.port,
+                                 max_message=config.node.max_message, name=f"kvpool-node-{self.node_id[:8]}")
+        self._events: queue.Queue[tuple[str, bytes, Any]] = queue.Queue()
+        self._stopping = threading.Event()
+        self._publisher = threading.Thread(target=self._publish_loop, name="kvpool-node-publish", daemon=True)
+        self._control_thread = threading.Thread(target=self._control_loop, name="kvpool-node-control",
+                                                daemon=True)
+        self._zmq = zmq.Context.instance()
+        self._control = self._zmq.socket(zmq.ROUTER)
+        self._control.setsockopt(zmq.LINGER, 0)
+        port = self._control.bind_to_random_port(f"tcp://{config.node.host}")
+        self.control_address = f"tcp://{config.node.host}:{port}"
+        self._replicator: PullClient | None = None
+        self._replicator_lock = threading.Lock()
+        self.heartbeater: Heartbeater | None = None
+        self.address: NodeAddress | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> Node:
+        self.server.start()
+        self.address = NodeAddress(self.server.peer_address, self.control_address)
+        self.manager.listener = self
+        self.manager.may_drop = self._may_drop
+        self._publisher.start()
+        self._control_thread.start()
+        self.register()
+        self.heartbeater = Heartbeater(
+            lambda: MasterClient(self.master_address, config=self.config), self.node_id,
+            self.config.master.heartbeat_ms / 1000.0, self.tier_state, self.register, self._on_delete,
+        ).start()
+        log.info("node %s serving pulls on %s:%d, control %s, master %s", self.node_id[:8],
+                 self.address.peer.host, self.address.peer.port, self.control_address, self.master_address)
+        return self
+
+    def close(self) -> None:
+        """Stop serving; the master learns of it through missed heartbeats (or a restart's register)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self.manager.listener = None
+        self.manager.may_drop = None
+        if self.heartbeater is not None:
+            self.heartbeater.stop()
+        self._events.put(("stop", b"", None))
+        for thread in (self._publisher, self._control_thread):
+            if thread.is_alive():
+                thread.join(5.0)
+        self._control.close(0)
+        self.server.close()
+        if self._replicator is not None:
+            self._replicator.close()
+        self.master.close()
+
+    # -- master bookkeeping -----------------------------------------------------------
+
+    def tier_state(self) -> dict[str, dict[str, int]]:
+        return {t.name: {"capacity": t.capacity_bytes, "free": t.free_bytes} for t in self.manager.tiers}
+
+    def register(self) -> None:
+        """Tell the master this node exists and everything it holds (one message)."""
+        assert self.address is not None
+        records = [record_for(key, tier, extent, header)
+                   for key, tier, extent, header in self.manager.snapshot()]
+        reply = self.master.register(self.node_id, self.address.encode(), self.host_id,
+                                     self.tier_state(), records)
+        log.info("registered with master %s: %d objects indexed", self.master_address,
+                 reply.get("indexed", len(records)))
+
+    def record(self, key: bytes) -> ReplicaRecord | None:
+        found = self.manager.describe(key)
+        return None if found is None else record_for(key, *found)
+
+    # ManagerListener: called under the manager's lock, so only enqueue.
+    def stored(self, key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> None:
+        """Puts are published by the pool's two-phase put, not here."""
+
+    def moved(self, key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> None:
+        self._events.put(("moved", key, record_for(key, tier, extent, header)))
+
+    def removed(self, key: bytes, reason: str) -> None:
+        self._events.put(("removed", key, reason))
+
+    def _publish_loop(self) -> None:
+        while True:
+            kind, key, payload = self._events.get()
+            batch = [(kind, key, payload)]
+            while len(batch) < _PUBLISH_BATCH:
+                try:
+                    batch.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            moved = {k: p for kind, k, p in batch if kind == "moved"}
+            removed = [k for kind, k, _ in batch if kind == "removed"]
+            stop = any(kind == "stop" for kind, _, _ in batch)
+            try:
+                if removed:
+                    self.master.removed(self.node_id, removed)
+                if moved:
+                    self.master.publish(self.node_id, [r for k, r in moved.items() if k not in removed])
+            except errors.KVPoolError as exc:
+                # The next register (after a master restart) resends the truth.
+                log.warning("could not publish %d changes to the master: %s", len(batch), exc)
+            if stop:
+                return
+
+    def _may_drop(self, key: bytes) -> bool:
+        """The bottom tier asks before dropping: a remotely leased object stays."""
+        try:
+            decision = self.master.evict_request(self.node_id, [key])
+        except errors.KVPoolError as exc:
+            log.debug("master unreachable for evict_request (%s): dropping %s", exc, key.hex())
+            return True  # a cache must make room; readers verify and fall back
+        return key in decision.allowed or key not in decision.pinned
+
+    def _on_delete(self, keys: list[bytes]) -> None:
+        for key in keys:
+            try:
+                self.manager.delete(key)
+            except errors.KeyNotFoundError:
+                pass
+
+    # -- serving pulls ----------------------------------------------------------------
+
+    def _provide(self, key: bytes, layer_range: LayerRange) -> ServeSource | None:
+        obj = self.manager.pin(key)
+        if obj is None:
+            return None
+        try:
+            layer_range = LayerRange.resolve(layer_range, obj.spec.layers)
+            rng = obj.spec.layer_bytes(layer_range)
+            release: Callable[[], None] = lambda: self.manager.unpin(obj, bytes_read=rng.nbytes)  # noqa: E731
+            view = obj.view_layers(layer_range)
+            if view is not None:
+                return ServeSource(rng.nbytes, buffers=[view], release=release)
+            tier, extent = obj.tier, obj.extent
+
+            def read_into(offset: int, out: memoryview) -> int:
+                tier.read_into(extent, rng.offset + offset, out)
+                return len(out)
+
+            return ServeSource(rng.nbytes, read_into=read_into, release=release)
+        except BaseException:
+            self.manager.unpin(obj)
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "address": self.address.encode() if self.address else None,
+                "transfer": self.server.stats()}
+
+    # -- replication for durable puts ----------------------------------------------------
+
+    def _control_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._control, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(200):
+                continue
+            frames = self._control.recv_multipart()
+            ident, payload = frames[0], frames[-1]
+            try:
+                op, body = msgpack.unpackb(payload, raw=False)
+                if op != "replicate":
+                    raise errors.ProtocolError(f"unknown control op {op!r}")
+                reply: Any = ["ok", self._replicate(body)]
+            except Exception as exc:  # every failure becomes a typed reply; the loop keeps serving
+                reply = ["error", {"type": type(exc).__name__, "message": str(exc)}]
+            self._control.send_multipart([ident, msgpack.packb(reply, use_bin_type=True)])
+
+    def _puller(self) -> PullClient:
+        with self._replicator_lock:
+            if self._replicator is None:
+                self._replicator = PullClient(transport="auto", max_message=self.config.node.max_message)
+            return self._replicator
+
+    def _replicate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Pull a whole object from its writer, verify it, store it, commit the reservation."""
+        key, header = body["key"], ObjectHeader.unpack(body["header"])
+        source = NodeAddress.decode(body["source"]).peer
+        spec = header.spec
+        payload = np.empty(spec.payload_nbytes, dtype=np.uint8)
+        whole = LayerRange(0, spec.layers)
+        self._puller().pull_into(source, key, whole, payload, timeout_s=self.config.node.pull_timeout_s)
+        header.verify(whole, payload)
+        self.manager.put(key, spec, memoryview(payload))
+        record = self.record(key)
+        if record is None:
+            raise errors.CapacityError("replica evicted before it could be committed")
+        self.master.commit(int(body["reservation"]), record)
+        return {"node_id": self.node_id}
+
+
+def request_replication(context: zmq.Context, control: str, body: dict[str, Any], timeout_s: float) -> None:
+    """Ask a storage node to pull and keep a replica; raises the node's typed error."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(control)
+        sock.send(msgpack.packb(["replicate", body], use_bin_type=True))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise errors.KVTimeoutError(f"storage node {control} did not replicate within {timeout_s} s")
+        status, reply = msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close(0)
+    if status != "ok":
+        cls = getattr(errors, str(reply.get("type")), None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.KVPoolError)):
+            cls = errors.TransferError
+        raise cls(f"replication on {control} failed: {reply.get('message')}")
