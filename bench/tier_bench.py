@@ -251,6 +251,16 @@ def filesystem_type(path: Path) -> str:
     return fstype
 
 
+def transparent_hugepages() -> str:
+    """The kernel's THP mode (``always``/``madvise``/``never``): copies from huge pages run faster."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else text.strip()
+
+
 # -- one tier ------------------------------------------------------------------------------
 
 
@@ -450,10 +460,12 @@ def print_report(args: argparse.Namespace, rows: list[Row], plan: list[tuple[int
           f"working set, then gets each into one preallocated out= array")
     print("working set per size: " + ", ".join(f"{size_label(s)} x{n}" for s, n in plan))
     # Other processes move both tier and reference numbers; the load says how busy the machine was.
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end of the run")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end of the run, "
+          f"transparent huge pages: {transparent_hugepages()}")
     print(f"references (same run, single thread, each tier operation right after the same one on the "
           f"reference): "
-          f"memcpy = np.copyto between pre-faulted buffers (get: ws->1 buffer, put: ws->ws); "
+          f"memcpy = np.copyto between pre-faulted numpy buffers, which numpy backs with huge pages where "
+          f"THP allows (get: ws->1 buffer, put: ws->ws); "
           f"nvme = raw O_DIRECT preadv/pwritev, one syscall per object, on a preallocated file in "
           f"{data_dir.parent} ({fstype})")
     if any(r.tier == "nvme" for r in rows):
