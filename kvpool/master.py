@@ -1,0 +1,834 @@
+"""The metadata master: node registry, key index, reservations, leases, placement.
+
+Owns, in memory, which node holds which key in which tier (with the object's
+spec, checksums and an opaque location), the node registry and its liveness,
+two-phase put reservations, read leases, delete/evict coordination and
+placement of durable puts. It serves these over one ZeroMQ ROUTER socket with
+the protocol of :mod:`kvpool.protocol`, from one thread, and never sees KV
+bytes. It does not own storage (nodes do) or persistence: after a restart the
+state is rebuilt by nodes re-registering everything they hold (heartbeat
+replies to an unknown node say ``reregister``).
+
+Semantics worth knowing:
+
+* **Liveness.** A node that sends no heartbeat for ``heartbeat_ms *
+  dead_after_missed`` is declared dead on the master's own timer: all its
+  replicas leave the index at once and its reservations are dropped. A later
+  heartbeat from it is answered ``reregister``; ``register`` brings it back.
+* **register** is authoritative for a node: the list it carries replaces
+  whatever the master believed that node held (thousands of records per
+  message are fine; the whole list is one message).
+* **Two-phase put.** ``reserve`` returns an id; the key stays invisible until
+  ``commit`` with the replica's record. A reservation not committed within
+  ``reservation_timeout_s`` is reclaimed. Re-putting a key *adds* a replica on
+  a node that did not hold it and *replaces* the record on a node that did
+  (new tier/location); other nodes' replicas are untouched. ``publish`` is the
+  one-step form for a node announcing bytes it already holds (its own puts,
+  tier moves).
+* **Leases.** ``locate`` with ``lease=True`` pins every replica it returns
+  until ``release`` or ``lease_s``. ``evict_request`` from a node only allows
+  unpinned keys, and removes what it allows from the index before replying,
+  so no reader can be pointed at bytes the node is about to drop.
+* **Delete** removes keys from the index at once (lookup misses immediately);
+  holders learn through heartbeat replies, but only once no lease pins their
+  replica. A heartbeat acknowledges (``delete_ack``) the deletes of the
+  previous reply; unacknowledged ones are sent again.
+* **Placement** (``place``): among alive nodes that are not excluded and have
+  a tier large enough for the object, those whose *effective free bytes*
+  (free bytes the node last reported, minus bytes reserved but not committed,
+  minus bytes committed since that report) can take the object are chosen by
+  smooth weighted round robin, weighted by effective free bytes. A node that
+  just joined empty therefore gets a share proportional to its room, not every
+  put, and each reservation lowers its weight at once. When no node has room,
+  every candidate will have to evict, and weights are their capacities.
+  Replicas go to distinct nodes, on distinct hosts where possible. Passing
+  ``key`` reserves on every chosen node in the same round trip.
+
+Ids (reservations, leases) carry a random per-process prefix, so an id from
+before a master restart never names something of the new master. Leases,
+reservations and undelivered deletes live only in memory: after a restart a
+lease from before no longer pins anything, a commit of an old reservation
+fails (ReservationError), and a node may re-register a key deleted just
+before the restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import zmq
+
+from kvpool import errors
+from kvpool import protocol as P
+from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
+from kvpool.objformat import ObjectSpec
+
+log = logging.getLogger("kvpool.master")
+
+# Deletes sent to one node per heartbeat reply; the rest follow on later beats
+# so a heartbeat stays a small message.
+MAX_DELETES_PER_BEAT = 4096
+# A dead node's entry (kept so `stats` shows it and its pending deletes survive
+# a quick comeback) is forgotten after this long.
+DEAD_NODE_RETENTION_S = 600.0
+
+COUNTERS = (
+    "requests", "protocol_errors", "errors",
+    "lookups", "lookup_hashes", "lookup_hits",
+    "key_hits", "key_misses",
+    "leases_granted", "leases_released", "leases_expired",
+    "reservations", "bytes_reserved", "commits", "bytes_committed", "commits_failed",
+    "revokes", "reservations_expired", "published",
+    "deletes", "evictions_allowed", "evictions_refused", "removed",
+    "registers", "heartbeats", "nodes_dead", "placements",
+)
+
+
+@dataclass(slots=True)
+class NodeInfo:
+    node_id: str
+    address: str
+    host_id: str
+    tiers: dict[str, dict[str, int]]
+    last_seen: float
+    alive: bool = True
+    died_at: float = 0.0
+    objects: set[bytes] = field(default_factory=set)
+    reserved_bytes: int = 0        # reserved, neither committed nor revoked yet
+    committed_since_beat: int = 0  # not yet reflected in the free bytes the node reported
+    # key -> seq of the heartbeat reply that last carried it (0: not sent yet)
+    pending_deletes: dict[bytes, int] = field(default_factory=dict)
+    delete_seq: int = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(t["free"] for t in self.tiers.values())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(t["capacity"] for t in self.tiers.values())
+
+    @property
+    def largest_tier_bytes(self) -> int:
+        return max((t["capacity"] for t in self.tiers.values()), default=0)
+
+    @property
+    def effective_free_bytes(self) -> int:
+        return self.free_bytes - self.reserved_bytes - self.committed_since_beat
+
+
+@dataclass(slots=True)
+class Reservation:
+    key: bytes
+    nbytes: int
+    node_id: str
+    deadline: float
+
+
+@dataclass(slots=True)
+class Lease:
+    pins: list[tuple[bytes, str]]
+    deadline: float
+
+
+_MISSING: Any = object()
+
+
+def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
+    try:
+        value = body[name]
+    except KeyError:
+        if default is _MISSING:
+            raise P.MalformedRequest(f"missing field {name!r}") from None
+        return default
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise P.MalformedRequest(f"field {name!r} has type {type(value).__name__}")
+    return value
+
+
+class MasterState:
+    """All master state and every operation on it; no sockets, no threads.
+
+    Each ``op_*`` validates its whole body before changing anything, so a bad
+    request never leaves half an update behind.
+    """
+
+    def __init__(
+        self,
+        config: MasterSection,
+        *,
+        max_key_bytes: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.max_key_bytes = max_key_bytes
+        self.clock = clock
+        self.dead_after_s = config.heartbeat_ms / 1000 * config.dead_after_missed
+        self.started = clock()
+        self.nodes: dict[str, NodeInfo] = {}
+        self.index: dict[bytes, dict[str, dict[str, Any]]] = {}  # key -> node_id -> record
+        # Every reservation (lease) gets the same timeout, so insertion order is
+        # deadline order and expiry pops from the front.
+        self.reservations: OrderedDict[int, Reservation] = OrderedDict()
+        self.leases: OrderedDict[int, Lease] = OrderedDict()
+        self.pins: dict[tuple[bytes, str], int] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._id_prefix = secrets.randbits(30) << 32
+        self._id_count = 0
+        self._swrr: dict[str, int] = {}
+        self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+            P.PING: self.op_ping, P.REGISTER: self.op_register, P.HEARTBEAT: self.op_heartbeat,
+            P.LOOKUP: self.op_lookup, P.EXISTS: self.op_exists, P.LOCATE: self.op_locate,
+            P.RELEASE: self.op_release, P.RESERVE: self.op_reserve, P.COMMIT: self.op_commit,
+            P.REVOKE: self.op_revoke, P.PUBLISH: self.op_publish,
+            P.EVICT_REQUEST: self.op_evict_request, P.REMOVED: self.op_removed,
+            P.DELETE: self.op_delete, P.PLACE: self.op_place, P.STATS: self.op_stats,
+        }
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        self._id_count += 1
+        return self._id_prefix | self._id_count
+
+    def _keys(self, body: Mapping[str, Any], name: str = "keys", *, strict: bool = True) -> list[bytes]:
+        """The list of keys in ``body[name]``; InvalidKeyError names the first bad one.
+
+        Reads pass ``strict=False``: only the type is checked, since a key of an
+        impossible length can only miss. map() over builtins keeps the checks
+        in C, so a 1000-hash lookup does not spend its time validating.
+        """
+        keys = _field(body, name, list)
+        if keys and (set(map(type, keys)) != {bytes} or strict and (
+                not 0 < min(map(len, keys)) or max(map(len, keys)) > self.max_key_bytes)):
+            for key in keys:
+                self._key(key)
+        return keys
+
+    def _key(self, key: Any) -> bytes:
+        if type(key) is not bytes or not 0 < len(key) <= self.max_key_bytes:
+            raise errors.InvalidKeyError(
+                f"keys must be 1..{self.max_key_bytes} bytes, got {type(key).__name__} {key!r:.60}"
+            )
+        return key
+
+    @staticmethod
+    def _tiers(raw: Any) -> dict[str, dict[str, int]]:
+        if not isinstance(raw, dict):
+            raise P.MalformedRequest("tiers must be a map {name: {capacity, free}}")
+        tiers: dict[str, dict[str, int]] = {}
+        for name, state in raw.items():
+            if not isinstance(state, dict):
+                raise P.MalformedRequest(f"tier {name!r} must be a map {{capacity, free}}")
+            capacity, free = state.get("capacity"), state.get("free")
+            if type(capacity) is not int or type(free) is not int or capacity < 0 or not 0 <= free <= capacity:
+                raise P.MalformedRequest(f"tier {name!r}: need ints 0 <= free <= capacity, got {state!r}")
+            tiers[str(name)] = {"capacity": capacity, "free": free}
+        return tiers
+
+    def _record(self, raw: Any, *, with_key: bool) -> tuple[bytes, dict[str, Any]]:
+        """Validate one replica record; returns (key or b"", the record as stored)."""
+        if not isinstance(raw, dict):
+            raise P.MalformedRequest(f"replica record must be a map, got {type(raw).__name__}")
+        key = self._key(raw.get("key")) if with_key else b""
+        tier, nbytes, spec = raw.get("tier"), raw.get("nbytes"), raw.get("spec")
+        if type(tier) is not str or type(nbytes) is not int or nbytes < 0:
+            raise P.MalformedRequest(f"replica record needs tier (str) and nbytes (int >= 0): {raw!r:.200}")
+        try:
+            layers = ObjectSpec.from_wire(spec).layers
+        except (TypeError, ValueError, errors.KVPoolError) as exc:
+            raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
+        record: dict[str, Any] = {"tier": tier, "spec": spec, "nbytes": nbytes}
+        checksums = raw.get("checksums")
+        if checksums is not None:
+            # Element types are not checked one by one: a node that sends junk
+            # checksums only fails its own readers' verification.
+            if not isinstance(checksums, list) or len(checksums) != layers:
+                raise P.MalformedRequest(f"checksums must be a list of {layers} ints")
+            record["checksums"] = checksums
+        header = raw.get("header")
+        if header is not None:
+            if not isinstance(header, bytes):
+                raise P.MalformedRequest("header must be bytes")
+            record["header"] = header
+        location = raw.get("location", {})
+        if not isinstance(location, dict):
+            raise P.MalformedRequest("location must be a map")
+        record["location"] = location
+        return key, record
+
+    def _alive_node(self, node_id: Any) -> NodeInfo:
+        node = self.nodes.get(node_id) if isinstance(node_id, str) else None
+        if node is None or not node.alive:
+            raise errors.UnknownNodeError(f"node {node_id!r} is not registered or was declared dead")
+        return node
+
+    def _add_replica(self, node: NodeInfo, key: bytes, record: dict[str, Any]) -> bool:
+        """Index ``record`` for ``key`` on ``node``; True if the node did not hold it before."""
+        record["node_id"] = node.node_id
+        replicas = self.index.get(key)
+        if replicas is None:
+            replicas = self.index[key] = {}
+        new = node.node_id not in replicas
+        replicas[node.node_id] = record
+        node.objects.add(key)
+        # A new copy supersedes a delete the node has not carried out yet.
+        node.pending_deletes.pop(key, None)
+        return new
+
+    def _remove_replica(self, node: NodeInfo, key: bytes) -> bool:
+        node.objects.discard(key)
+        replicas = self.index.get(key)
+        if replicas is None or replicas.pop(node.node_id, None) is None:
+            return False
+        if not replicas:
+            del self.index[key]
+        return True
+
+    def _drop_replicas_of(self, node: NodeInfo) -> int:
+        index, node_id = self.index, node.node_id
+        for key in node.objects:
+            replicas = index.get(key)
+            if replicas is not None:
+                replicas.pop(node_id, None)
+                if not replicas:
+                    del index[key]
+        dropped = len(node.objects)
+        node.objects = set()
+        return dropped
+
+    def _unpin(self, lease: Lease) -> None:
+        pins = self.pins
+        for pin in lease.pins:
+            left = pins[pin] - 1
+            if left:
+                pins[pin] = left
+            else:
+                del pins[pin]
+
+    def _reserve(self, key: bytes, nbytes: int, node: NodeInfo, now: float) -> int:
+        rid = self._new_id()
+        self.reservations[rid] = Reservation(key, nbytes, node.node_id, now + self.config.reservation_timeout_s)
+        node.reserved_bytes += nbytes
+        self.counters["reservations"] += 1
+        self.counters["bytes_reserved"] += nbytes
+        return rid
+
+    def _release_reservation(self, res: Reservation) -> NodeInfo | None:
+        node = self.nodes.get(res.node_id)
+        if node is not None:
+            node.reserved_bytes -= res.nbytes
+        return node
+
+    # -- timers ------------------------------------------------------------------
+
+    def sweep(self, now: float | None = None) -> None:
+        """Declare silent nodes dead, reclaim stale reservations, end expired leases."""
+        now = self.clock() if now is None else now
+        for node in list(self.nodes.values()):
+            if node.alive and now - node.last_seen > self.dead_after_s:
+                self._declare_dead(node, now)
+            elif not node.alive and now - node.died_at > DEAD_NODE_RETENTION_S:
+                del self.nodes[node.node_id]
+        reservations = self.reservations
+        while reservations:
+            rid, res = next(iter(reservations.items()))
+            if res.deadline > now:
+                break
+            del reservations[rid]
+            self._release_reservation(res)
+            self.counters["reservations_expired"] += 1
+        leases = self.leases
+        while leases:
+            lid, lease = next(iter(leases.items()))
+            if lease.deadline > now:
+                break
+            del leases[lid]
+            self._unpin(lease)
+            self.counters["leases_expired"] += 1
+
+    def _declare_dead(self, node: NodeInfo, now: float) -> None:
+        node.alive = False
+        node.died_at = now
+        dropped = self._drop_replicas_of(node)
+        stale = [rid for rid, res in self.reservations.items() if res.node_id == node.node_id]
+        for rid in stale:
+            del self.reservations[rid]
+        node.reserved_bytes = node.committed_since_beat = 0
+        self._swrr.pop(node.node_id, None)
+        self.counters["nodes_dead"] += 1
+        log.warning(
+            "node %s (%s) missed %d heartbeats: declared dead; %d replicas and %d reservations dropped",
+            node.node_id, node.address, self.config.dead_after_missed, dropped, len(stale),
+        )
+
+    # -- operations -----------------------------------------------------------------
+
+    def handle(self, op: str, body: dict[str, Any]) -> Any:
+        self.counters["requests"] += 1
+        return self.handlers[op](body)
+
+    def op_ping(self, body: dict[str, Any]) -> Any:
+        return {"version": P.PROTOCOL_VERSION, "uptime_s": self.clock() - self.started}
+
+    def op_register(self, body: dict[str, Any]) -> Any:
+        node_id = _field(body, "node_id", str)
+        address = _field(body, "address", str)
+        host_id = _field(body, "host_id", str)
+        tiers = self._tiers(_field(body, "tiers", dict))
+        raw_objects = _field(body, "objects", list, [])
+        if not node_id:
+            raise P.MalformedRequest("node_id must not be empty")
+        records = [self._record(raw, with_key=True) for raw in raw_objects]
+        now = self.clock()
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeInfo(node_id, address, host_id, tiers, now)
+        else:
+            # The list is authoritative: forget what we believed the node held.
+            self._drop_replicas_of(node)
+            node.address, node.host_id, node.tiers = address, host_id, tiers
+            node.last_seen, node.alive, node.committed_since_beat = now, True, 0
+        skipped = 0
+        for key, record in records:
+            if key in node.pending_deletes:  # deleted by a client while the node was away
+                skipped += 1
+                continue
+            self._add_replica(node, key, record)
+        self.counters["registers"] += 1
+        log.info(
+            "node %s registered: %s host=%s, %d objects (%d skipped: deleted meanwhile)",
+            node_id, address, host_id, len(records) - skipped, skipped,
+        )
+        return {
+            "heartbeat_ms": self.config.heartbeat_ms,
+            "dead_after_missed": self.config.dead_after_missed,
+            "lease_s": self.config.lease_s,
+            "indexed": len(records) - skipped,
+            "skipped_deleted": skipped,
+        }
+
+    def op_heartbeat(self, body: dict[str, Any]) -> Any:
+        node_id = _field(body, "node_id", str)
+        raw_tiers = _field(body, "tiers", dict, None)
+        ack = _field(body, "delete_ack", int, 0)
+        tiers = None if raw_tiers is None else self._tiers(raw_tiers)
+        self.counters["heartbeats"] += 1
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive:
+            return {"reregister": True, "delete": [], "delete_seq": 0}
+        node.last_seen = self.clock()
+        if tiers is not None:
+            node.tiers = tiers
+            node.committed_since_beat = 0
+        pending = node.pending_deletes
+        if not pending:
+            return {"reregister": False, "delete": [], "delete_seq": node.delete_seq}
+        if ack:
+            for key in [k for k, seq in pending.items() if 0 < seq <= ack]:
+                del pending[key]
+        # Pinned replicas stay until their lease ends; unacknowledged ones are
+        # sent again (the reply carrying them may have been lost).
+        sendable = [k for k in pending if (k, node_id) not in self.pins][:MAX_DELETES_PER_BEAT]
+        if sendable:
+            node.delete_seq += 1
+            for key in sendable:
+                pending[key] = node.delete_seq
+        return {"reregister": False, "delete": sendable, "delete_seq": node.delete_seq}
+
+    def op_lookup(self, body: dict[str, Any]) -> Any:
+        keys = self._keys(body, strict=False)
+        present = list(map(self.index.__contains__, keys))
+        prefix = present.index(False) if False in present else len(present)
+        c = self.counters
+        c["lookups"] += 1
+        c["lookup_hashes"] += len(keys)
+        c["lookup_hits"] += prefix
+        return {"prefix": prefix}
+
+    def op_exists(self, body: dict[str, Any]) -> Any:
+        keys = self._keys(body, strict=False)
+        found = list(map(self.index.__contains__, keys))
+        hits = sum(found)
+        self.counters["key_hits"] += hits
+        self.counters["key_misses"] += len(found) - hits
+        return {"exists": found}
+
+    def op_locate(self, body: dict[str, Any]) -> Any:
+        keys = self._keys(body, strict=False)
+        want_lease = _field(body, "lease", bool, True)
+        index, nodes = self.index, self.nodes
+        out: list[list[dict[str, Any]] | None] = []
+        pins: list[tuple[bytes, str]] = []
+        for key in keys:
+            replicas = index.get(key)
+            if not replicas:
+                out.append(None)
+                continue
+            located = []
+            for node_id, record in replicas.items():
+                node = nodes[node_id]
+                located.append({**record, "address": node.address, "host_id": node.host_id})
+                pins.append((key, node_id))
+            out.append(located)
+        hits = len(keys) - out.count(None)
+        self.counters["key_hits"] += hits
+        self.counters["key_misses"] += len(keys) - hits
+        lease_id = None
+        if want_lease and pins:
+            lease_id = self._new_id()
+            self.leases[lease_id] = Lease(pins, self.clock() + self.config.lease_s)
+            table = self.pins
+            for pin in pins:
+                table[pin] = table.get(pin, 0) + 1
+            self.counters["leases_granted"] += 1
+        return {"replicas": out, "lease": lease_id}
+
+    def op_release(self, body: dict[str, Any]) -> Any:
+        lease_ids = _field(body, "leases", list)
+        released = 0
+        for lid in lease_ids:
+            lease = self.leases.pop(lid, None) if type(lid) is int else None
+            if lease is not None:
+                self._unpin(lease)
+                released += 1
+        self.counters["leases_released"] += released
+        return {"released": released}
+
+    def op_reserve(self, body: dict[str, Any]) -> Any:
+        items = _field(body, "items", list)
+        checked = []
+        for item in items:
+            if not isinstance(item, dict):
+                raise P.MalformedRequest("reserve items must be maps {key, nbytes, node_id}")
+            key = self._key(item.get("key"))
+            nbytes = _field(item, "nbytes", int)
+            if nbytes < 0:
+                raise P.MalformedRequest("nbytes must be >= 0")
+            checked.append((key, nbytes, self._alive_node(item.get("node_id"))))
+        now = self.clock()
+        return {"reservations": [self._reserve(key, nbytes, node, now) for key, nbytes, node in checked]}
+
+    def op_commit(self, body: dict[str, Any]) -> Any:
+        items = _field(body, "items", list)
+        checked = []
+        for item in items:
+            if not isinstance(item, dict):
+                raise P.MalformedRequest("commit items must be maps {reservation, replica}")
+            rid = _field(item, "reservation", int)
+            _, record = self._record(_field(item, "replica", dict), with_key=False)
+            checked.append((rid, record))
+        committed = []
+        for rid, record in checked:
+            res = self.reservations.pop(rid, None)
+            node = None if res is None else self._release_reservation(res)
+            if res is None or node is None or not node.alive:
+                committed.append(False)
+                self.counters["commits_failed"] += 1
+                continue
+            node.committed_since_beat += record["nbytes"]
+            self._add_replica(node, res.key, record)
+            committed.append(True)
+            self.counters["commits"] += 1
+            self.counters["bytes_committed"] += record["nbytes"]
+        return {"committed": committed}
+
+    def op_revoke(self, body: dict[str, Any]) -> Any:
+        revoked = 0
+        for rid in _field(body, "reservations", list):
+            res = self.reservations.pop(rid, None) if type(rid) is int else None
+            if res is not None:
+                self._release_reservation(res)
+                revoked += 1
+        self.counters["revokes"] += revoked
+        return {"revoked": revoked}
+
+    def op_publish(self, body: dict[str, Any]) -> Any:
+        node = self._alive_node(_field(body, "node_id", str))
+        records = [self._record(raw, with_key=True) for raw in _field(body, "objects", list)]
+        for key, record in records:
+            if self._add_replica(node, key, record):
+                node.committed_since_beat += record["nbytes"]
+        self.counters["published"] += len(records)
+        return {"indexed": len(records)}
+
+    def op_evict_request(self, body: dict[str, Any]) -> Any:
+        node_id = _field(body, "node_id", str)
+        keys = self._keys(body)
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive:
+            # Nothing of this node is indexed, so nothing can be pointed at.
+            return {"allowed": keys, "pinned": [], "reregister": True}
+        allowed, pinned = [], []
+        pins = self.pins
+        for key in keys:
+            if (key, node_id) in pins:
+                pinned.append(key)
+            else:
+                self._remove_replica(node, key)
+                node.pending_deletes.pop(key, None)
+                allowed.append(key)
+        self.counters["evictions_allowed"] += len(allowed)
+        self.counters["evictions_refused"] += len(pinned)
+        return {"allowed": allowed, "pinned": pinned, "reregister": False}
+
+    def op_removed(self, body: dict[str, Any]) -> Any:
+        node_id = _field(body, "node_id", str)
+        keys = self._keys(body)
+        node = self.nodes.get(node_id)
+        if node is None:
+            return {"removed": 0}
+        removed = 0
+        for key in keys:
+            removed += self._remove_replica(node, key)
+            node.pending_deletes.pop(key, None)
+        self.counters["removed"] += removed
+        return {"removed": removed}
+
+    def op_delete(self, body: dict[str, Any]) -> Any:
+        keys = self._keys(body)
+        nodes = self.nodes
+        deleted = []
+        for key in keys:
+            replicas = self.index.pop(key, None)
+            deleted.append(replicas is not None)
+            for node_id in replicas or ():
+                node = nodes[node_id]
+                node.objects.discard(key)
+                node.pending_deletes[key] = 0
+        self.counters["deletes"] += sum(deleted)
+        return {"deleted": deleted}
+
+    def op_place(self, body: dict[str, Any]) -> Any:
+        nbytes = _field(body, "nbytes", int)
+        replicas = _field(body, "replicas", int, 1)
+        exclude = set(_field(body, "exclude", list, []))
+        raw_key = _field(body, "key", (bytes, type(None)), None)
+        key = None if raw_key is None else self._key(raw_key)
+        if nbytes < 0 or replicas < 1:
+            raise P.MalformedRequest("place needs nbytes >= 0 and replicas >= 1")
+        alive = [n for n in self.nodes.values() if n.alive and n.node_id not in exclude]
+        candidates = [n for n in alive if n.largest_tier_bytes >= nbytes]
+        if not candidates:
+            if alive:
+                raise errors.ObjectTooLargeError(
+                    f"{nbytes} bytes is larger than every tier of the {len(alive)} eligible nodes"
+                )
+            raise errors.CapacityError(
+                f"no alive node to place on ({len(self.nodes)} known, {len(exclude)} excluded)"
+            )
+        roomy = [n for n in candidates if n.effective_free_bytes >= nbytes]
+        pool = roomy or candidates
+        weight: Callable[[NodeInfo], int] = (
+            (lambda n: n.effective_free_bytes) if roomy else (lambda n: n.capacity_bytes)
+        )
+        chosen: list[NodeInfo] = []
+        hosts: set[str] = set()
+        for _ in range(min(replicas, len(pool))):
+            remaining = [n for n in pool if n not in chosen]
+            group = [n for n in remaining if n.host_id not in hosts] or remaining
+            pick = self._swrr_pick(group, weight)
+            chosen.append(pick)
+            hosts.add(pick.host_id)
+        now = self.clock()
+        self.counters["placements"] += 1
+        return {"targets": [
+            {
+                "node_id": n.node_id, "address": n.address, "host_id": n.host_id,
+                "reservation": None if key is None else self._reserve(key, nbytes, n, now),
+            }
+            for n in chosen
+        ]}
+
+    def _swrr_pick(self, group: list[NodeInfo], weight: Callable[[NodeInfo], int]) -> NodeInfo:
+        """Smooth weighted round robin (nginx): deterministic, proportional, interleaved."""
+        current = self._swrr
+        total = 0
+        best: NodeInfo | None = None
+        for node in group:
+            w = max(weight(node), 1)
+            total += w
+            current[node.node_id] = current.get(node.node_id, 0) + w
+            if best is None or current[node.node_id] > current[best.node_id]:
+                best = node
+        assert best is not None
+        current[best.node_id] -= total
+        return best
+
+    def op_stats(self, body: dict[str, Any]) -> Any:
+        now = self.clock()
+        return {
+            "protocol_version": P.PROTOCOL_VERSION,
+            "uptime_s": now - self.started,
+            "nodes": {
+                n.node_id: {
+                    "alive": n.alive, "address": n.address, "host_id": n.host_id,
+                    "tiers": n.tiers, "objects": len(n.objects),
+                    "reserved_bytes": n.reserved_bytes,
+                    "effective_free_bytes": n.effective_free_bytes,
+                    "pending_deletes": len(n.pending_deletes),
+                    "last_seen_s": now - n.last_seen,
+                }
+                for n in self.nodes.values()
+            },
+            "keys": len(self.index),
+            "replicas": sum(len(r) for r in self.index.values()),
+            "reservations": len(self.reservations),
+            "leases": len(self.leases),
+            "pinned_replicas": len(self.pins),
+            "counters": dict(self.counters),
+        }
+
+
+class MasterServer:
+    """The ROUTER socket and the single thread that serves :class:`MasterState`."""
+
+    def __init__(self, config: MasterSection, *, max_key_bytes: int = 256) -> None:
+        self.state = MasterState(config, max_key_bytes=max_key_bytes)
+        self._context = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        try:
+            self._socket.bind(config.listen)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise errors.ConfigError(f"master.listen = {config.listen!r}: cannot bind: {exc}") from None
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Timers (dead nodes, reservation and lease expiry) run at least this
+        # often; between requests the socket poll blocks for at most this long.
+        heartbeat_s = config.heartbeat_ms / 1000
+        self.tick_s = max(0.01, min(0.25, heartbeat_s / 2))
+
+    def serve(self, stop_event: threading.Event) -> None:
+        sock, state, tick_s = self._socket, self.state, self.tick_s
+        # A blocking recv with a timeout is one call per request when busy (a
+        # poll and a failing non-blocking recv would be three) and wakes up at
+        # least every tick when idle, so timers and stop_event are noticed.
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
+        next_sweep = time.monotonic() + tick_s
+        while not stop_event.is_set():
+            try:
+                frames = sock.recv_multipart()
+            except zmq.Again:
+                pass
+            else:
+                try:
+                    sock.send_multipart(self.serve_frames(frames), zmq.NOBLOCK)
+                except zmq.Again:  # that peer's queue is full: it will time out and retry
+                    pass
+            now = time.monotonic()
+            if now >= next_sweep:
+                state.sweep(now)
+                next_sweep = now + tick_s
+
+    def serve_frames(self, frames: list[bytes]) -> list[bytes]:
+        """One routed request in, one routed reply out (errors become typed replies)."""
+        # REQ peers put an empty delimiter after their identity; DEALER peers need not.
+        split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
+        envelope, payload = frames[:split], frames[split:]
+        request_id: Any = None
+        op = "?"
+        try:
+            if len(payload) != 1:
+                raise P.MalformedRequest(f"expected one message frame after the envelope, got {len(payload)}")
+            request = P.unpack_request(payload[0])
+            request_id, op = request.request_id, request.op
+            reply = P.pack_reply(request_id, self.state.handle(op, request.body))
+        except P.MalformedRequest as exc:
+            self.state.counters["protocol_errors"] += 1
+            rid = exc.request_id if exc.request_id is not None else request_id
+            reply = P.pack_error(rid, "ProtocolError", str(exc))
+        except errors.KVPoolError as exc:
+            self.state.counters["errors"] += 1
+            reply = P.pack_error(request_id, type(exc).__name__, str(exc.args[0]) if exc.args else "")
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            # A body shaped wrong in a way the validators did not name.
+            self.state.counters["protocol_errors"] += 1
+            reply = P.pack_error(request_id, "ProtocolError", f"malformed {op} body: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # keep serving: one bad request must not take the master down
+            log.exception("internal error serving %s", op)
+            self.state.counters["errors"] += 1
+            reply = P.pack_error(request_id, "KVPoolError", f"internal master error in {op}: {exc!r}")
+        return [*envelope, reply]
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+
+
+def _sections(config: Config | MasterSection | str | os.PathLike[str] | None) -> tuple[MasterSection, int]:
+    if isinstance(config, MasterSection):
+        return config, Config().pool.max_key_bytes
+    full = Config.load(config)
+    return full.master, full.pool.max_key_bytes
+
+
+def run_master(
+    config: Config | MasterSection | str | os.PathLike[str] | None = None,
+    stop_event: threading.Event | None = None,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until ``stop_event`` is set (or SIGTERM/SIGINT when none is given).
+
+    Signal handlers are only installed when no ``stop_event`` is passed and this
+    runs on the main thread; a daemon that owns signals passes its own event.
+    ``on_ready`` gets the bound endpoint once requests are being accepted.
+    Raises ConfigError when the listen address cannot be bound.
+    """
+    section, max_key_bytes = _sections(config)
+    stop = stop_event if stop_event is not None else threading.Event()
+    previous: dict[int, Any] = {}
+    if stop_event is None and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, lambda *_: stop.set())
+    server = MasterServer(section, max_key_bytes=max_key_bytes)
+    try:
+        log.info(
+            "kvpool master listening on %s (protocol v%d, heartbeat %d ms x %d, lease %.1f s)",
+            server.endpoint, P.PROTOCOL_VERSION, section.heartbeat_ms,
+            section.dead_after_missed, section.lease_s,
+        )
+        if on_ready is not None:
+            on_ready(server.endpoint)
+        server.serve(stop)
+    finally:
+        server.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        log.info("kvpool master on %s stopped", server.endpoint)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpool.master", description="kvpool metadata master")
+    parser.add_argument("--listen", help="ZeroMQ address to bind (overrides master.listen)")
+    parser.add_argument("--config", help="TOML config file")
+    parser.add_argument("--log-level", default="INFO")
+    add_setting_flags(parser)
+    args = parser.parse_args(None if argv is None else list(argv))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = Config.load(args.config)
+        apply_setting_flags(config, args)
+        if args.listen:
+            config.set("master.listen", args.listen)
+        run_master(config)
+    except errors.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Client side of the master protocol: :class:`MasterClient` and :class:`Heartbeater`.
+
+Owns talking to the master: one DEALER socket per calling thread (ZeroMQ
+sockets are not thread-safe, and a socket per thread needs no lock and no
+demultiplexer), request ids, deadlines, and turning error replies into
+:mod:`kvpool.errors` exceptions. It does not own node state or any policy: a
+node decides what to register, delete or evict; this module carries the
+messages.
+
+Reconnecting is transparent: ZeroMQ reconnects a socket by itself when the
+master restarts, and a call that times out throws its socket away (nothing it
+queued is delivered later to a restarted master) and the next call on that
+thread opens a fresh one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import zmq
+
+from kvpool import errors
+from kvpool import protocol as P
+from kvpool.config import Config, MasterSection
+from kvpool.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
+
+log = logging.getLogger("kvpool.master_client")
+
+KeyLike = bytes | bytearray | memoryview | str
+
+
+def as_key(key: Any) -> bytes:
+    """The wire form of a key: bytes as they are, str as UTF-8."""
+    if type(key) is bytes:
+        return key
+    if isinstance(key, (bytearray, memoryview)):
+        return bytes(key)
+    if isinstance(key, str):
+        return key.encode()
+    raise errors.InvalidKeyError(f"a key must be bytes or str, got {type(key).__name__}")
+
+
+def _keys(keys: Iterable[KeyLike]) -> list[bytes]:
+    keys = keys if isinstance(keys, list) else list(keys)
+    if set(map(type, keys)) <= {bytes}:  # the common case, checked in C
+        return keys
+    return [k if type(k) is bytes else as_key(k) for k in keys]
+
+
+class _Connection:
+    __slots__ = ("socket", "ids", "__weakref__")
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket = socket
+        self.ids = itertools.count(1)
+
+
+class MasterClient:
+    """Thread-safe client of the metadata master; every call is one round trip.
+
+    Every call raises MasterUnreachableError when no reply arrives within
+    ``request_timeout_s``, ProtocolError when the reply cannot be understood,
+    and the typed error a master error reply names (InvalidKeyError,
+    UnknownNodeError, ReservationError, CapacityError, ...).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        config: Config | MasterSection | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
+        section = config if isinstance(config, MasterSection) else Config.load(config).master
+        self.address = address or section.listen
+        self.request_timeout_s = section.request_timeout_s if request_timeout_s is None else request_timeout_s
+        self._context = zmq.Context(io_threads=1)
+        self._local = threading.local()
+        self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _connection(self) -> _Connection:
+        conn: _Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        if self._closed:
+            raise errors.PoolClosedError("master client is closed")
+        with self._lock:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            # Retry quickly after a master restart, but do not hammer a dead address.
+            socket.setsockopt(zmq.RECONNECT_IVL, 50)
+            socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            socket.connect(self.address)
+            conn = _Connection(socket)
+            self._connections.add(conn)
+            # When the thread ends its connection is collected; close the socket then.
+            weakref.finalize(conn, socket.close, 0)
+        self._local.conn = conn
+        return conn
+
+    def _discard(self, conn: _Connection) -> None:
+        self._local.conn = None
+        conn.socket.close(linger=0)
+
+    def call(self, op: str, body: Mapping[str, Any], *, timeout_s: float | None = None) -> Any:
+        """Send one request and return the reply body (raises the error a reply names)."""
+        timeout = self.request_timeout_s if timeout_s is None else timeout_s
+        conn = self._connection()
+        request_id = next(conn.ids)
+        deadline = time.monotonic() + timeout
+        try:
+            conn.socket.send(P.pack_request(request_id, op, body), zmq.NOBLOCK)
+        except zmq.Again:  # the send queue is full: the master has been gone for a while
+            self._discard(conn)
+            raise errors.MasterUnreachableError(f"master at {self.address} is not accepting requests") from None
+        socket = conn.socket
+        while True:
+            # A blocking recv with a timeout costs one call; poll + recv would be two.
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            try:
+                if remaining_ms <= 0:
+                    raise zmq.Again
+                socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                frame = socket.recv()
+            except zmq.Again:
+                self._discard(conn)
+                raise errors.MasterUnreachableError(
+                    f"master at {self.address} did not answer {op} within {timeout:.3g} s"
+                ) from None
+            reply_id, ok, reply = P.unpack_reply(frame)
+            if reply_id != request_id:
+                continue  # a late reply to a request this thread gave up on
+            if ok:
+                return reply
+            raise P.error_from_reply(reply)
+
+    def close(self) -> None:
+        """Close every socket. Call when no thread is inside a call."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for conn in list(self._connections):
+                conn.socket.close(linger=0)
+        self._local = threading.local()
+        self._context.term()
+
+    def __enter__(self) -> MasterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- operations ---------------------------------------------------------------------
+
+    def ping(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call(P.PING, {}, timeout_s=timeout_s)
+
+    def register(
+        self,
+        node_id: str,
+        address: str,
+        host_id: str,
+        tiers: Mapping[str, Mapping[str, int]],
+        objects: Sequence[ReplicaRecord] = (),
+    ) -> dict[str, Any]:
+        """Announce a node and everything it holds (replaces what the master believed).
+
+        Each object is a :func:`kvpool.protocol.replica_record` with ``key`` set.
+        The reply carries the master's ``heartbeat_ms``/``dead_after_missed``.
+        """
+        return self.call(P.REGISTER, {
+            "node_id": node_id, "address": address, "host_id": host_id,
+            "tiers": tiers, "objects": list(objects),
+        })
+
+    def heartbeat(
+        self, node_id: str, tiers: Mapping[str, Mapping[str, int]] | None = None, delete_ack: int = 0
+    ) -> HeartbeatReply:
+        body: dict[str, Any] = {"node_id": node_id, "delete_ack": delete_ack}
+        if tiers is not None:
+            body["tiers"] = tiers
+        reply = self.call(P.HEARTBEAT, body)
+        return HeartbeatReply(reply["reregister"], reply["delete"], reply["delete_seq"])
+
+    def lookup(self, hashes: Iterable[KeyLike]) -> int:
+        """How many leading ``hashes`` are cached somewhere (the longest cached prefix)."""
+        return self.call(P.LOOKUP, {"keys": _keys(hashes)})["prefix"]
+
+    def exists_many(self, keys: Iterable[KeyLike]) -> list[bool]:
+        return self.call(P.EXISTS, {"keys": _keys(keys)})["exists"]
+
+    def exists(self, key: KeyLike) -> bool:
+        return self.exists_many([key])[0]
+
+    def locate_many(self, keys: Iterable[KeyLike], lease: bool = True) -> Located:
+        """Every replica of each key (None on a miss); with ``lease`` they are pinned
+        until :meth:`release` or the master's ``lease_s``."""
+        reply = self.call(P.LOCATE, {"keys": _keys(keys), "lease": lease})
+        return Located(reply["replicas"], reply["lease"])
+
+    def locate(self, key: KeyLike, lease: bool = True) -> Located:
+        return self.locate_many([key], lease)
+
+    def release(self, lease_ids: Iterable[int | None]) -> int:
+        """End leases early; unknown or expired ids are ignored. Returns how many ended."""
+        ids = [lid for lid in lease_ids if lid is not None]
+        return self.call(P.RELEASE, {"leases": ids})["released"] if ids else 0
+
+    def reserve_many(self, items: Iterable[tuple[KeyLike, int, str]]) -> list[int]:
+        """Reserve (key, nbytes, node_id) puts; the keys stay invisible until commit.
+
+        All or nothing: UnknownNodeError if any node is not alive.
+        """
+        body = [{"key": as_key(k), "nbytes": int(n), "node_id": node} for k, n, node in items]
+        return self.call(P.RESERVE, {"items": body})["reservations"]
+
+    def reserve(self, key: KeyLike, nbytes: int, node_id: str) -> int:
+        return self.reserve_many([(key, nbytes, node_id)])[0]
+
+    def commit_many(self, items: Iterable[tuple[int, ReplicaRecord]]) -> list[bool]:
+        """Make reserved puts visible; False for a reservation that expired, was
+        revoked, or whose node died."""
+        body = [{"reservation": rid, "replica": record} for rid, record in items]
+        return self.call(P.COMMIT, {"items": body})["committed"]
+
+    def commit(self, reservation_id: int, replica: ReplicaRecord) -> None:
+        if not self.commit_many([(reservation_id, replica)])[0]:
+            raise errors.ReservationError(
+                f"reservation {reservation_id} is unknown, expired, revoked or its node died"
+            )
+
+    def revoke(self, reservation_ids: Iterable[int]) -> int:
+        return self.call(P.REVOKE, {"reservations": list(reservation_ids)})["revoked"]
+
+    def publish(self, node_id: str, objects: Sequence[ReplicaRecord]) -> int:
+        """Index replicas a node already holds, in one step (records with ``key``)."""
+        return self.call(P.PUBLISH, {"node_id": node_id, "objects": list(objects)})["indexed"]
+
+    def evict_request(self, node_id: str, keys: Iterable[KeyLike]) -> EvictDecision:
+        """Ask to drop keys: allowed ones are already out of the index; pinned ones
+        must stay until their readers' leases end."""
+        reply = self.call(P.EVICT_REQUEST, {"node_id": node_id, "keys": _keys(keys)})
+        return EvictDecision(reply["allowed"], reply["pinned"], reply["reregister"])
+
+    def removed(self, node_id: str, keys: Iterable[KeyLike]) -> int:
+        """Report keys the node no longer holds; returns how many were indexed."""
+        return self.call(P.REMOVED, {"node_id": node_id, "keys": _keys(keys)})["removed"]
+
+    def delete(self, keys: Iterable[KeyLike]) -> list[bool]:
+        """Remove keys from the pool (lookups miss at once); False for unknown keys."""
+        return self.call(P.DELETE, {"keys": _keys(keys)})["deleted"]
+
+    def place(
+        self,
+        nbytes: int,
+        replicas: int = 1,
+        exclude: Iterable[str] = (),
+        key: KeyLike | None = None,
+    ) -> list[Placement]:
+        """Nodes for a durable put (at most ``replicas``, fewer if fewer are alive).
+
+        With ``key``, each target comes with a reservation for it. Raises
+        ObjectTooLargeError / CapacityError when no node can take the object.
+        """
+        reply = self.call(P.PLACE, {
+            "nbytes": int(nbytes), "replicas": int(replicas), "exclude": list(exclude),
+            "key": None if key is None else as_key(key),
+        })
+        return [
+            Placement(t["node_id"], t["address"], t["host_id"], t["reservation"]) for t in reply["targets"]
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        return self.call(P.STATS, {})
+
+
+class Heartbeater:
+    """Beats for one node on its own thread, with its own client and socket.
+
+    Each period it sends ``state_fn()`` (the node's tiers ``{name: {capacity,
+    free}}``; keep it cheap: it runs under the GIL on this thread). When the
+    master answers ``reregister`` (first contact, after a master restart, or
+    after the node was declared dead) it calls ``on_reregister()``, which
+    should :meth:`MasterClient.register` everything the node holds; starting a
+    Heartbeater is therefore enough to get a node registered. Deletes the
+    master relays go to ``on_delete(keys)`` and are acknowledged on the next
+    beat once it returned. Callback errors and an unreachable master are
+    logged and retried on the next beat; they never stop the thread.
+    """
+
+    def __init__(
+        self,
+        client_factory: Callable[[], MasterClient],
+        node_id: str,
+        period_s: float,
+        state_fn: Callable[[], Mapping[str, Mapping[str, int]]],
+        on_reregister: Callable[[], None],
+        on_delete: Callable[[list[bytes]], None] | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.period_s = period_s
+        self._client_factory = client_factory
+        self._state_fn = state_fn
+        self._on_reregister = on_reregister
+        self._on_delete = on_delete
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"kvpool-heartbeat-{node_id}", daemon=True)
+        self._delete_ack = 0
+        self.beats = 0            # replies received
+        self.reregistrations = 0  # on_reregister calls that returned
+        self.reachable = False    # did the last beat get a reply?
+
+    def start(self) -> Heartbeater:
+        self._thread.start()
+        return self
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once instead of at the end of the period."""
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> Heartbeater:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        client = self._client_factory()
+        try:
+            while not self._stopping:
+                self._beat(client)
+                # Blocks (no spinning) until the period ends, beat_now() or stop().
+                self._wake.wait(self.period_s)
+                self._wake.clear()
+        finally:
+            client.close()
+
+    def _beat(self, client: MasterClient) -> None:
+        try:
+            reply = client.heartbeat(self.node_id, self._state_fn(), self._delete_ack)
+        except errors.MasterUnreachableError as exc:
+            if self.reachable:
+                log.warning("node %s: heartbeat failed: %s", self.node_id, exc)
+            self.reachable = False
+            return
+        except Exception:
+            log.exception("node %s: heartbeat failed", self.node_id)
+            self.reachable = False
+            return
+        if not self.reachable:
+            log.info("node %s: master at %s answers heartbeats", self.node_id, client.address)
+        self.reachable = True
+        self.beats += 1
+        if reply.reregister:
+            try:
+                self._on_reregister()
+                self.reregistrations += 1
+            except Exception:
+                log.exception("node %s: re-registration failed; retrying next beat", self.node_id)
+            return
+        if reply.delete:
+            if self._on_delete is None:
+                log.warning("node %s: %d deletes relayed but no on_delete handler", self.node_id, len(reply.delete))
+            else:
+                try:
+                    self._on_delete(reply.delete)
+                except Exception:
+                    log.exception("node %s: applying %d deletes failed", self.node_id, len(reply.delete))
+                    return
+            self._delete_ack = reply.delete_seq

@@ -1,0 +1,258 @@
+"""The master's wire protocol: versioned msgpack messages over ZeroMQ.
+
+Owns the framing, the list of operations, the shape of every request and reply
+body, and the mapping of error replies to :mod:`kvpool.errors` classes. It does
+not own sockets (:mod:`kvpool.master`, :mod:`kvpool.master_client`) or any
+state.
+
+Framing. A client (DEALER) sends one frame; the master (ROUTER) sees the
+routing identity first, optionally an empty delimiter (REQ sockets add one; it
+is echoed back), then that frame::
+
+    request = msgpack([version, request_id, op, body])
+    reply   = msgpack([version, request_id, "ok",    body])
+            | msgpack([version, request_id, "error", {"type": str, "message": str}])
+
+``request_id`` is any int or str the client chooses; the reply echoes it, so a
+client that gave up on a request can recognise and drop its late reply. An
+error ``type`` is the name of a :mod:`kvpool.errors` class (``ProtocolError``
+for anything unparseable, an unknown version or op, or a malformed body).
+msgpack is packed with ``use_bin_type``: keys (prefix hashes) are ``bytes``,
+names are ``str``.
+
+Bodies (every batch is one message, whatever its size)::
+
+    ping            {}                                   -> {"version", "uptime_s"}
+    register        {"node_id", "address", "host_id", "tiers", "objects": [record]}
+                                                         -> {"heartbeat_ms", "dead_after_missed",
+                                                             "lease_s", "indexed", "skipped_deleted"}
+    heartbeat       {"node_id", "tiers", "delete_ack": int}
+                                                         -> {"reregister": bool, "delete": [key],
+                                                             "delete_seq": int}
+    lookup          {"keys": [key]}                      -> {"prefix": int}
+    exists          {"keys": [key]}                      -> {"exists": [bool]}
+    locate          {"keys": [key], "lease": bool}       -> {"replicas": [[located] | None], "lease": id | None}
+    release         {"leases": [id]}                     -> {"released": int}
+    reserve         {"items": [{"key", "nbytes", "node_id"}]}      -> {"reservations": [id]}
+    commit          {"items": [{"reservation": id, "replica": record}]} -> {"committed": [bool]}
+    revoke          {"reservations": [id]}               -> {"revoked": int}
+    publish         {"node_id", "objects": [record]}     -> {"indexed": int}
+    evict_request   {"node_id", "keys": [key]}           -> {"allowed": [key], "pinned": [key], "reregister": bool}
+    removed         {"node_id", "keys": [key]}           -> {"removed": int}
+    delete          {"keys": [key]}                      -> {"deleted": [bool]}
+    place           {"nbytes", "replicas", "exclude": [node_id], "key": key | None}
+                                                         -> {"targets": [{"node_id", "address", "host_id",
+                                                                          "reservation": id | None}]}
+    stats           {}                                   -> {"nodes", "keys", "replicas", "counters", ...}
+
+``tiers`` is ``{tier name: {"capacity": bytes, "free": bytes}}``. A *record*
+describes one replica as its node holds it (see :func:`replica_record`); a
+*located* replica is a record plus ``node_id``, ``address`` and ``host_id``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, TypedDict
+
+import msgpack
+
+from kvpool import errors
+from kvpool.objformat import ObjectSpec
+
+PROTOCOL_VERSION = 1
+
+# The master refuses (drops the connection of) anything larger: a register of
+# 100k records is ~20 MB, so this only stops garbage from exhausting memory.
+MAX_MESSAGE_BYTES = 256 << 20
+
+OK = "ok"
+ERROR = "error"
+
+PING = "ping"
+REGISTER = "register"
+HEARTBEAT = "heartbeat"
+LOOKUP = "lookup"
+EXISTS = "exists"
+LOCATE = "locate"
+RELEASE = "release"
+RESERVE = "reserve"
+COMMIT = "commit"
+REVOKE = "revoke"
+PUBLISH = "publish"
+EVICT_REQUEST = "evict_request"
+REMOVED = "removed"
+DELETE = "delete"
+PLACE = "place"
+STATS = "stats"
+
+OPS = frozenset({
+    PING, REGISTER, HEARTBEAT, LOOKUP, EXISTS, LOCATE, RELEASE, RESERVE, COMMIT,
+    REVOKE, PUBLISH, EVICT_REQUEST, REMOVED, DELETE, PLACE, STATS,
+})
+
+
+# -- body shapes (documentation for readers and type checkers) --------------------
+
+
+class TierState(TypedDict):
+    capacity: int
+    free: int
+
+
+class ReplicaRecord(TypedDict, total=False):
+    """One replica as its node describes it (``key`` only in register/publish lists)."""
+
+    key: bytes
+    tier: str
+    spec: list[Any]          # ObjectSpec.to_wire()
+    nbytes: int              # whole object, header included
+    checksums: list[int]     # per-layer xxh3-64, or
+    header: bytes            # the packed ObjectHeader
+    location: dict[str, Any]  # opaque to the master (e.g. cxl path + offset)
+
+
+class LocatedReplica(ReplicaRecord, total=False):
+    node_id: str
+    address: str
+    host_id: str
+
+
+def replica_record(
+    tier: str,
+    spec: ObjectSpec,
+    nbytes: int,
+    *,
+    key: bytes | None = None,
+    checksums: Sequence[int] | None = None,
+    header: bytes | None = None,
+    location: Mapping[str, Any] | None = None,
+) -> ReplicaRecord:
+    """Build the record a node sends for one replica it holds."""
+    record: ReplicaRecord = {"tier": tier, "spec": spec.to_wire(), "nbytes": int(nbytes)}
+    if key is not None:
+        record["key"] = key
+    if checksums is not None:
+        record["checksums"] = [int(c) for c in checksums]
+    if header is not None:
+        record["header"] = bytes(header)
+    record["location"] = dict(location or {})
+    return record
+
+
+# -- client-side views of replies ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    reregister: bool      # the master does not know this node: register again with everything held
+    delete: list[bytes]   # keys other clients deleted; drop them, the next beat acknowledges
+    delete_seq: int       # acknowledge with this in the next heartbeat's delete_ack
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    replicas: list[list[LocatedReplica] | None]  # per key; None on a miss
+    lease_id: int | None                         # pins every replica returned until released/expired
+
+
+@dataclass(frozen=True, slots=True)
+class EvictDecision:
+    allowed: list[bytes]  # drop now: already gone from the index, no reader holds them
+    pinned: list[bytes]   # a reader holds a lease: keep them and ask again later
+    reregister: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    node_id: str
+    address: str
+    host_id: str
+    reservation_id: int | None
+
+
+# -- encoding -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    request_id: Any
+    op: str
+    body: dict[str, Any]
+
+
+class MalformedRequest(errors.ProtocolError):
+    """Raised inside the master for a request it cannot serve; carries the id to echo."""
+
+    def __init__(self, message: str, request_id: Any = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def _unpack(frame: bytes | memoryview) -> Any:
+    return msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+
+
+def pack_request(request_id: Any, op: str, body: Mapping[str, Any]) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, request_id, op, body], use_bin_type=True)
+
+
+def unpack_request(frame: bytes | memoryview) -> Request:
+    """Parse one request frame; raises MalformedRequest (with the id when readable)."""
+    try:
+        message = _unpack(frame)
+    except Exception as exc:  # msgpack raises a zoo of types (ExtraData, ValueError, ...)
+        raise MalformedRequest(f"request is not msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(message, list) or len(message) != 4:
+        raise MalformedRequest("request must be a msgpack array [version, request_id, op, body]")
+    version, request_id, op, body = message
+    if not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
+        raise MalformedRequest(f"request_id must be an int or str, got {type(request_id).__name__}")
+    if version != PROTOCOL_VERSION:
+        raise MalformedRequest(
+            f"protocol version {version!r} is not supported; this master speaks {PROTOCOL_VERSION}",
+            request_id,
+        )
+    if not isinstance(op, str) or op not in OPS:
+        raise MalformedRequest(f"unknown op {op!r}; known: {', '.join(sorted(OPS))}", request_id)
+    if not isinstance(body, dict):
+        raise MalformedRequest(f"body of {op} must be a map, got {type(body).__name__}", request_id)
+    return Request(request_id, op, body)
+
+
+def pack_reply(request_id: Any, body: Any) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, request_id, OK, body], use_bin_type=True)
+
+
+def pack_error(request_id: Any, error_type: str, message: str) -> bytes:
+    return msgpack.packb(
+        [PROTOCOL_VERSION, request_id, ERROR, {"type": error_type, "message": message}],
+        use_bin_type=True,
+    )
+
+
+def unpack_reply(frame: bytes | memoryview) -> tuple[Any, bool, Any]:
+    """(request_id, ok, body) of one reply frame; raises ProtocolError if unparseable."""
+    try:
+        message = _unpack(frame)
+    except Exception as exc:
+        raise errors.ProtocolError(f"master reply is not msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(message, list) or len(message) != 4 or message[2] not in (OK, ERROR):
+        raise errors.ProtocolError("master reply is not [version, request_id, status, body]")
+    version, request_id, status, body = message
+    if version != PROTOCOL_VERSION:
+        raise errors.ProtocolError(
+            f"master speaks protocol version {version!r}; this client speaks {PROTOCOL_VERSION}"
+        )
+    return request_id, status == OK, body
+
+
+def error_from_reply(body: Any) -> errors.KVPoolError:
+    """The exception an error reply names (ProtocolError when the name is not ours)."""
+    if not isinstance(body, dict):
+        return errors.ProtocolError(f"malformed error reply: {body!r}")
+    name, message = body.get("type"), str(body.get("message", ""))
+    cls = getattr(errors, name, None) if isinstance(name, str) else None
+    if isinstance(cls, type) and issubclass(cls, errors.KVPoolError):
+        return cls(message)
+    return errors.ProtocolError(f"{name}: {message}")

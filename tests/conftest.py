@@ -1,0 +1,164 @@
+"""Shared test helpers: real processes on 127.0.0.1 that are always stopped.
+
+* :func:`wait_for` polls a condition until it holds or a deadline passes.
+* :func:`free_tcp_port` picks a free port on 127.0.0.1.
+* :func:`python_process` starts ``python <args>`` (stdout+stderr to a log
+  file, so a chatty child never blocks on a full pipe), waits until a
+  readiness condition holds, and stops the child on exit, also on failure.
+* The ``spawn_python`` fixture does the same for any number of processes
+  within one test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str = "condition", interval_s: float = 0.01) -> Any:
+    """Call ``condition`` until it returns something truthy (returned) or fail at the deadline.
+
+    Exceptions raised by ``condition`` count as "not yet" (the last one is
+    reported if the deadline passes), except :class:`WaitAborted`, which
+    ends the wait at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except WaitAborted:
+            raise
+        except Exception as exc:  # not ready yet
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_exc!r})" if last_exc else ""
+            raise AssertionError(f"{what} did not hold within {timeout_s} s{detail}")
+        time.sleep(interval_s)
+
+
+class WaitAborted(AssertionError):
+    """Raised by a condition to stop :func:`wait_for` at once (it can never hold)."""
+
+
+def free_tcp_port() -> int:
+    """A port nothing listens on right now (another process could still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ChildProcess:
+    """A started Python child: its Popen, its log, and ways to end it."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.popen = popen
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL (no cleanup in the child) and reap."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(10)
+
+    def stop(self, grace_s: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait(10)
+
+
+def start_python(
+    args: Sequence[str],
+    *,
+    ready: Callable[[], Any] | None = None,
+    timeout_s: float = 20.0,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> ChildProcess:
+    """Start ``sys.executable *args`` and wait until ``ready()`` is truthy.
+
+    Raises AssertionError (with the child's output) if the child exits first
+    or the deadline passes; the child is killed in both cases.
+    """
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="kvpool-child-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(
+            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=child_env,
+        )
+    child = ChildProcess(popen, log_path)
+    if ready is None:
+        return child
+
+    def ready_or_dead() -> Any:
+        if popen.poll() is not None:
+            raise WaitAborted(f"child exited with code {popen.returncode} before it was ready")
+        return ready()
+
+    try:
+        wait_for(ready_or_dead, timeout_s, f"readiness of {' '.join(args)}")
+    except BaseException as exc:
+        child.kill()
+        raise AssertionError(f"{' '.join(args)} did not become ready: {exc}\n--- output ---\n{child.output()}") from None
+    return child
+
+
+@contextmanager
+def python_process(args: Sequence[str], **kwargs: Any) -> Iterator[ChildProcess]:
+    """:func:`start_python` as a context manager that always stops the child."""
+    child = start_python(args, **kwargs)
+    try:
+        yield child
+    finally:
+        child.stop()
+
+
+@pytest.fixture
+def spawn_python(tmp_path: Path) -> Iterator[Callable[..., ChildProcess]]:
+    """``spawn_python(args, ready=..., timeout_s=...)``; every child is stopped at teardown."""
+    children: list[ChildProcess] = []
+
+    def spawn(args: Sequence[str], **kwargs: Any) -> ChildProcess:
+        kwargs.setdefault("log_path", tmp_path / f"child-{len(children)}.log")
+        child = start_python(args, **kwargs)
+        children.append(child)
+        return child
+
+    try:
+        yield spawn
+    finally:
+        for child in reversed(children):
+            child.stop()

@@ -1,0 +1,558 @@
+"""The metadata master, tested as a real process on 127.0.0.1.
+
+Nodes are simulated in the test process by a MasterClient plus a Heartbeater
+(the real node is built elsewhere); everything else goes over the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import msgpack
+import pytest
+import zmq
+
+from kvpool import errors
+from kvpool import protocol as P
+from kvpool.hashing import prefix_hashes
+from kvpool.master_client import Heartbeater, MasterClient
+from kvpool.objformat import ObjectSpec
+from tests.conftest import ChildProcess, free_tcp_port, python_process, wait_for
+
+MiB = 1 << 20
+SPEC = ObjectSpec("float16", layers=4, tokens=16, kv_heads=2, head_dim=8)
+HEARTBEAT_MS, DEAD_AFTER_MISSED = 100, 3
+DEAD_AFTER_S = HEARTBEAT_MS / 1000 * DEAD_AFTER_MISSED
+LEASE_S = RESERVATION_S = 1.0
+SETTINGS = {
+    "master.heartbeat_ms": HEARTBEAT_MS,
+    "master.dead_after_missed": DEAD_AFTER_MISSED,
+    "master.reservation_timeout_s": RESERVATION_S,
+    "master.lease_s": LEASE_S,
+}
+
+
+def master_args(address: str, settings: dict[str, Any] = SETTINGS) -> list[str]:
+    args = ["-m", "kvpool.master", "--listen", address, "--log-level", "INFO"]
+    for key, value in settings.items():
+        args += [f"--{key}", str(value)]
+    return args
+
+
+def answers_ping(address: str) -> Callable[[], Any]:
+    def ready() -> Any:
+        with MasterClient(address, request_timeout_s=0.5) as client:
+            return client.ping()
+
+    return ready
+
+
+def record(tier: str = "dram", **location: Any) -> P.ReplicaRecord:
+    return P.replica_record(
+        tier, SPEC, SPEC.total_nbytes, checksums=[11, 22, 33, 44], location=location
+    )
+
+
+def new_keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+class SimNode:
+    """A node as the master sees it: registers on first beat, beats, applies deletes."""
+
+    def __init__(
+        self,
+        master: str,
+        *,
+        host_id: str = "host-a",
+        capacity: int = 1 << 30,
+        free: int | None = None,
+        objects: dict[bytes, P.ReplicaRecord] | None = None,
+        period_s: float = 0.03,
+    ) -> None:
+        self.node_id = f"node-{os.urandom(4).hex()}"
+        self.address = f"ucx://127.0.0.1:{free_tcp_port()}"
+        self.host_id = host_id
+        self.tiers = {"dram": {"capacity": capacity, "free": capacity if free is None else free}}
+        self.objects = dict(objects or {})
+        self.deleted: list[bytes] = []
+        self.lock = threading.Lock()
+        self.client = MasterClient(master, request_timeout_s=1.0)
+        self.heartbeater = Heartbeater(
+            lambda: MasterClient(master, request_timeout_s=0.5),
+            self.node_id, period_s, lambda: self.tiers, self.register, self.apply_deletes,
+        )
+
+    def register(self) -> None:
+        with self.lock:
+            objects = [{**rec, "key": key} for key, rec in self.objects.items()]
+        self.client.register(self.node_id, self.address, self.host_id, self.tiers, objects)
+
+    def apply_deletes(self, keys: list[bytes]) -> None:
+        with self.lock:
+            for key in keys:
+                self.objects.pop(key, None)
+            self.deleted.extend(keys)
+
+    def publish(self, keys: list[bytes], rec: P.ReplicaRecord | None = None) -> None:
+        rec = rec or record()
+        with self.lock:
+            for key in keys:
+                self.objects[key] = rec
+        self.client.publish(self.node_id, [{**rec, "key": k} for k in keys])
+
+    def start(self) -> SimNode:
+        self.heartbeater.start()
+        wait_for(lambda: self.heartbeater.reregistrations >= 1, 5, f"{self.node_id} registered")
+        return self
+
+    def stop(self) -> None:
+        self.heartbeater.stop()
+        self.client.close()
+
+
+@dataclass
+class Master:
+    address: str
+    child: ChildProcess
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    log_path = tmp_path_factory.mktemp("master") / "master.log"
+    with python_process(master_args(address), ready=answers_ping(address), log_path=log_path) as child:
+        yield Master(address, child)
+        assert child.popen.poll() is None, f"master died during the tests:\n{child.output()}"
+
+
+@pytest.fixture
+def client(master: Master) -> Iterator[MasterClient]:
+    with MasterClient(master.address, request_timeout_s=2.0) as c:
+        yield c
+
+
+@pytest.fixture
+def make_node(master: Master) -> Iterator[Callable[..., SimNode]]:
+    nodes: list[SimNode] = []
+
+    def make(**kwargs: Any) -> SimNode:
+        node = SimNode(master.address, **kwargs)
+        nodes.append(node)
+        return node.start()
+
+    try:
+        yield make
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def node_stats(client: MasterClient, node: SimNode) -> dict[str, Any]:
+    return client.stats()["nodes"][node.node_id]
+
+
+# -- registry and liveness ----------------------------------------------------------------
+
+
+def test_register_heartbeat_and_stats(make_node, client):
+    keys = new_keys(3)
+    node = make_node(objects={k: record() for k in keys}, capacity=100 * MiB, free=60 * MiB)
+    stats = node_stats(client, node)
+    assert stats["alive"] and stats["address"] == node.address and stats["host_id"] == "host-a"
+    assert stats["objects"] == 3 and stats["tiers"]["dram"] == {"capacity": 100 * MiB, "free": 60 * MiB}
+    assert client.exists_many(keys) == [True, True, True]
+
+    node.tiers = {"dram": {"capacity": 100 * MiB, "free": 10 * MiB}}  # the next beat reports it
+    wait_for(lambda: node_stats(client, node)["tiers"]["dram"]["free"] == 10 * MiB, 2, "free bytes updated")
+
+
+def test_heartbeat_from_unknown_node_asks_to_reregister(client):
+    reply = client.heartbeat("never-registered", {"dram": {"capacity": 1, "free": 1}})
+    assert reply.reregister and reply.delete == []
+
+
+def test_register_is_authoritative_for_the_node(make_node, client):
+    keys = new_keys(4)
+    node = make_node(objects={k: record() for k in keys})
+    with node.lock:
+        del node.objects[keys[0]], node.objects[keys[1]]
+    node.register()
+    assert client.exists_many(keys) == [False, False, True, True]
+    assert node_stats(client, node)["objects"] == 2
+
+
+def test_dead_node_leaves_the_index_at_once(make_node, client):
+    keys = new_keys(50)
+    node = make_node(objects={k: record() for k in keys})
+    rid = client.reserve(new_keys(1)[0], 1 * MiB, node.node_id)
+    # Alive while it beats: well past the dead threshold, nothing disappears.
+    t_end = time.monotonic() + 2 * DEAD_AFTER_S
+    while time.monotonic() < t_end:
+        assert client.lookup(keys) == 50
+    node.heartbeater.stop()
+    stopped = time.monotonic()
+    wait_for(lambda: not any(client.exists_many(keys)), 3, "dead node's keys gone")
+    gone_after = time.monotonic() - stopped
+    assert gone_after >= DEAD_AFTER_S - HEARTBEAT_MS / 1000  # not before it missed its beats
+    assert client.lookup(keys) == 0 and client.locate_many(keys).replicas == [None] * 50
+    stats = node_stats(client, node)
+    assert not stats["alive"] and stats["objects"] == 0 and stats["reserved_bytes"] == 0
+    with pytest.raises(errors.ReservationError):
+        client.commit(rid, record())  # its reservations died with it
+    with pytest.raises(errors.UnknownNodeError):
+        client.reserve(keys[0], 1, node.node_id)
+    assert node.client.heartbeat(node.node_id).reregister
+
+
+def test_heartbeater_is_not_starved_by_a_busy_python_thread(make_node, client):
+    keys = new_keys(5)
+    node = make_node(objects={k: record() for k in keys})
+    beats = node.heartbeater.beats
+    end = time.monotonic() + 1.0  # > 3x the dead threshold of pure-Python work
+    spins = 0
+    while time.monotonic() < end:
+        spins += sum(range(1000)) > 0
+    assert node.heartbeater.beats - beats >= 10
+    assert node_stats(client, node)["alive"] and client.lookup(keys) == 5
+
+
+# -- two-phase put ---------------------------------------------------------------------------
+
+
+def test_reserve_then_commit_makes_the_key_visible(make_node, client):
+    node = make_node()
+    [key] = new_keys(1)
+    rid = client.reserve(key, SPEC.total_nbytes, node.node_id)
+    assert not client.exists(key) and client.lookup([key]) == 0
+    assert client.locate(key).replicas == [None]
+    assert node_stats(client, node)["reserved_bytes"] == SPEC.total_nbytes
+
+    client.commit(rid, record("cxl", path="/dev/shm/x", offset=4096))
+    assert client.exists(key) and client.lookup([key]) == 1
+    located = client.locate(key, lease=False)
+    assert located.lease_id is None
+    [[replica]] = located.replicas
+    assert replica["node_id"] == node.node_id and replica["address"] == node.address
+    assert replica["host_id"] == "host-a" and replica["tier"] == "cxl"
+    assert ObjectSpec.from_wire(replica["spec"]) == SPEC and replica["checksums"] == [11, 22, 33, 44]
+    assert replica["location"] == {"path": "/dev/shm/x", "offset": 4096}
+    assert node_stats(client, node)["reserved_bytes"] == 0
+    with pytest.raises(errors.ReservationError):
+        client.commit(rid, record())  # a reservation commits once
+
+
+def test_revoke_releases_the_reservation(make_node, client):
+    node = make_node()
+    keys = new_keys(3)
+    rids = client.reserve_many([(k, 1 * MiB, node.node_id) for k in keys])
+    assert len(set(rids)) == 3 and node_stats(client, node)["reserved_bytes"] == 3 * MiB
+    assert client.revoke(rids[:2]) == 2
+    assert node_stats(client, node)["reserved_bytes"] == 1 * MiB
+    assert client.commit_many([(rids[0], record()), (rids[2], record())]) == [False, True]
+    assert client.exists_many(keys) == [False, False, True]
+
+
+def test_uncommitted_reservation_is_reclaimed_after_timeout(make_node, client):
+    node = make_node()
+    [key] = new_keys(1)
+    start = time.monotonic()
+    rid = client.reserve(key, 5 * MiB, node.node_id)
+    wait_for(lambda: node_stats(client, node)["reserved_bytes"] == 0, 3 * RESERVATION_S, "reclaim")
+    assert time.monotonic() - start >= RESERVATION_S * 0.9
+    with pytest.raises(errors.ReservationError):
+        client.commit(rid, record())
+    assert not client.exists(key)
+
+
+def test_reput_replaces_on_the_same_node_and_adds_on_another(make_node, client):
+    a, b = make_node(), make_node(host_id="host-b")
+    [key] = new_keys(1)
+    client.commit(client.reserve(key, 1, a.node_id), record("dram"))
+    client.commit(client.reserve(key, 1, a.node_id), record("nvme"))
+    [replicas] = client.locate(key, lease=False).replicas
+    assert [(r["node_id"], r["tier"]) for r in replicas] == [(a.node_id, "nvme")]
+    client.commit(client.reserve(key, 1, b.node_id), record("cxl"))
+    [replicas] = client.locate(key, lease=False).replicas
+    assert sorted((r["node_id"], r["tier"]) for r in replicas) == sorted([(a.node_id, "nvme"), (b.node_id, "cxl")])
+
+
+# -- batched reads ----------------------------------------------------------------------------
+
+
+def test_lookup_finds_the_longest_prefix_of_1000_hashes_in_one_round_trip(make_node, client):
+    hashes = prefix_hashes(list(range(1000 * 16)), chunk_tokens=16, namespace=os.urandom(8).hex())
+    assert len(hashes) == 1000
+    node = make_node()
+    node.publish(hashes[:700] + hashes[701:])  # chunk 700 missing
+    before = client.stats()["counters"]
+    assert client.lookup(hashes) == 700
+    after = client.stats()["counters"]
+    # One request carried all 1000 hashes.
+    assert (after["lookups"] - before["lookups"], after["lookup_hashes"] - before["lookup_hashes"]) == (1, 1000)
+    node.publish([hashes[700]])
+    assert client.lookup(hashes) == 1000
+    assert client.lookup(new_keys(1) + hashes) == 0  # a prefix must start at the beginning
+    assert client.lookup([]) == 0
+
+
+def test_exists_many_and_locate_many_batches(make_node, client):
+    a, b = make_node(), make_node(host_id="host-b")
+    keys = new_keys(1000)
+    a.publish(keys[0:600:2])
+    b.publish(keys[0:600:3], record("nvme"))
+    expected = [i < 600 and (i % 2 == 0 or i % 3 == 0) for i in range(1000)]
+    assert client.exists_many(keys) == expected
+
+    located = client.locate_many(keys, lease=True)
+    assert located.lease_id is not None
+    for i, replicas in enumerate(located.replicas):
+        if not expected[i]:
+            assert replicas is None
+            continue
+        holders = {r["node_id"] for r in replicas}
+        assert holders == {n.node_id for n, step in ((a, 2), (b, 3)) if i % step == 0}
+        assert all(r["address"] in (a.address, b.address) for r in replicas)
+    assert client.release([located.lease_id]) == 1
+    assert client.release([located.lease_id]) == 0
+
+
+def test_many_threads_share_one_client(make_node, client):
+    node = make_node()
+    keys = new_keys(400)
+    node.publish(keys[::2])
+    failures: list[str] = []
+
+    def worker(part: int) -> None:
+        mine = keys[part * 50:(part + 1) * 50]
+        want = [(part * 50 + i) % 2 == 0 for i in range(50)]
+        for _ in range(40):
+            got = client.exists_many(mine)
+            if got != want:
+                failures.append(f"thread {part}: {got} != {want}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not failures and not any(t.is_alive() for t in threads)
+
+
+# -- leases, eviction, delete -------------------------------------------------------------------
+
+
+def test_lease_blocks_eviction_until_release(make_node, client):
+    node = make_node()
+    keys = new_keys(4)
+    node.publish(keys)
+    located = client.locate_many(keys[:2])
+    decision = node.client.evict_request(node.node_id, keys)
+    assert decision.pinned == keys[:2] and decision.allowed == keys[2:]
+    assert client.exists_many(keys) == [True, True, False, False]  # allowed ones left the index
+    client.release([located.lease_id])
+    assert node.client.evict_request(node.node_id, keys[:2]).allowed == keys[:2]
+    assert not any(client.exists_many(keys))
+
+
+def test_lease_expires_after_lease_s(make_node, client):
+    node = make_node()
+    [key] = new_keys(1)
+    node.publish([key])
+    start = time.monotonic()
+    client.locate(key)
+    assert node.client.evict_request(node.node_id, [key]).pinned == [key]
+    wait_for(lambda: node.client.evict_request(node.node_id, [key]).allowed, 3 * LEASE_S, "lease expiry")
+    assert time.monotonic() - start >= LEASE_S * 0.9
+
+
+def test_delete_hides_at_once_and_reaches_holders_after_their_leases(make_node, client):
+    a, b = make_node(), make_node(host_id="host-b")
+    keys = new_keys(3)
+    a.publish(keys)
+    b.publish(keys[:1])
+    lease = client.locate_many(keys[:1]).lease_id  # pins keys[0] on a and on b
+    assert client.delete(keys[:2] + new_keys(1)) == [True, True, False]
+    assert client.exists_many(keys) == [False, False, True] and client.lookup(keys) == 0
+
+    wait_for(lambda: keys[1] in a.deleted, 2, "unleased delete reaches the holder")
+    # Several beats later the leased replica is still untouched on both nodes.
+    beats = a.heartbeater.beats
+    wait_for(lambda: a.heartbeater.beats >= beats + 3, 2, "three more beats")
+    assert keys[0] not in a.deleted and keys[0] not in b.deleted
+    client.release([lease])
+    wait_for(lambda: keys[0] in a.deleted and keys[0] in b.deleted, 2, "delete after release")
+    wait_for(lambda: node_stats(client, a)["pending_deletes"] == 0, 2, "deletes acknowledged")
+    assert a.deleted.count(keys[1]) == 1  # acknowledged deletes are not sent again
+    with pytest.raises(errors.InvalidKeyError):
+        client.delete([b""])
+
+
+def test_removed_and_publish_keep_the_index_in_step(make_node, client):
+    node = make_node()
+    keys = new_keys(3)
+    node.publish(keys)
+    assert node.client.removed(node.node_id, keys[:2] + new_keys(1)) == 2
+    assert client.exists_many(keys) == [False, False, True]
+    with pytest.raises(errors.UnknownNodeError):
+        client.publish("no-such-node", [{**record(), "key": keys[0]}])
+
+
+# -- placement -------------------------------------------------------------------------------------
+
+
+def test_place_spreads_by_free_capacity_and_does_not_flood_a_new_node(make_node, client):
+    a = make_node(host_id="host-a", capacity=1000 * MiB, free=100 * MiB)
+    b = make_node(host_id="host-b", capacity=1000 * MiB, free=100 * MiB)
+    c = make_node(host_id="host-c", capacity=1000 * MiB, free=1000 * MiB)  # just joined, empty
+    mine = {a.node_id, b.node_id, c.node_id}
+    others = [n for n in client.stats()["nodes"] if n not in mine]
+
+    # Advisory placement (no reservation): proportional to free bytes, 1:1:10.
+    picks = Counter(p.node_id for _ in range(12) for p in client.place(MiB, exclude=others))
+    assert picks == {c.node_id: 10, a.node_id: 1, b.node_id: 1}
+
+    # Reserving placements: each one lowers its node's weight at once.
+    placed: list[P.Placement] = []
+    for key in new_keys(40):
+        placed += client.place(20 * MiB, key=key, exclude=others)
+    picks = Counter(p.node_id for p in placed)
+    assert all(p.reservation_id is not None for p in placed)
+    assert picks[c.node_id] < 40 and picks[a.node_id] >= 1 and picks[b.node_id] >= 1
+    for node in (a, b, c):  # nobody got more than its room
+        assert picks[node.node_id] * 20 * MiB <= node.tiers["dram"]["free"]
+        assert node_stats(client, node)["reserved_bytes"] == picks[node.node_id] * 20 * MiB
+    assert client.revoke([p.reservation_id for p in placed]) == 40
+
+    pair = client.place(MiB, replicas=2, exclude=others)
+    assert len({p.node_id for p in pair}) == 2 and len({p.host_id for p in pair}) == 2
+    assert len(client.place(MiB, replicas=5, exclude=others)) == 3  # only three nodes exist
+
+    with pytest.raises(errors.ObjectTooLargeError):
+        client.place(2000 * MiB, exclude=others)
+    with pytest.raises(errors.CapacityError):
+        client.place(MiB, exclude=others + list(mine))
+
+
+def test_place_accounts_for_pending_reservations(make_node, client):
+    a = make_node(host_id="host-a", capacity=1000 * MiB, free=100 * MiB)
+    b = make_node(host_id="host-b", capacity=1000 * MiB, free=100 * MiB)
+    others = [n for n in client.stats()["nodes"] if n not in (a.node_id, b.node_id)]
+    placed = [p for key in new_keys(6) for p in client.place(30 * MiB, key=key, exclude=others)]
+    # Each node has room for three; reservations are counted before any commit.
+    assert Counter(p.node_id for p in placed) == {a.node_id: 3, b.node_id: 3}
+    assert node_stats(client, a)["effective_free_bytes"] == 10 * MiB
+
+
+# -- restart, protocol robustness, shutdown -------------------------------------------------------
+
+
+def test_master_kill9_and_restart_nodes_reregister(spawn_python):
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    first = spawn_python(master_args(address), ready=answers_ping(address))
+    keys = new_keys(3000)
+    node = SimNode(address, objects={k: record() for k in keys}).start()
+    client = MasterClient(address, request_timeout_s=0.5)
+    try:
+        assert client.lookup(keys) == 3000
+        first.kill()
+        with pytest.raises(errors.MasterUnreachableError):
+            client.lookup(keys)
+        spawn_python(master_args(address), ready=answers_ping(address))
+        # The node's next beat is answered "reregister"; it sends all 3000 records.
+        wait_for(lambda: client.lookup(keys) == 3000, 5, "objects found again after restart")
+        # (the counter moves after register returns, possibly after our lookup)
+        wait_for(lambda: node.heartbeater.reregistrations >= 2, 2, "second registration counted")
+        assert client.stats()["nodes"][node.node_id]["objects"] == 3000
+    finally:
+        node.stop()
+        client.close()
+
+
+def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALER) -> list[Any]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(frames)
+        assert sock.poll(2000), "no reply from master"
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    ("frames", "request_id", "error_type", "says"),
+    [
+        ([b"\xc1\xc1 not msgpack"], None, "ProtocolError", "not msgpack"),
+        ([msgpack.packb([1, 1, "ping", {}])[:-1]], None, "ProtocolError", "not msgpack"),
+        ([msgpack.packb({"op": "ping"})], None, "ProtocolError", "array"),
+        ([msgpack.packb([99, 7, "ping", {}])], 7, "ProtocolError", "version"),
+        ([msgpack.packb([1, 8, "frobnicate", {}])], 8, "ProtocolError", "unknown op"),
+        ([msgpack.packb([1, 9, "lookup", [1, 2]])], 9, "ProtocolError", "must be a map"),
+        ([msgpack.packb([1, 10, "lookup", {"keys": 5}])], 10, "ProtocolError", "keys"),
+        ([msgpack.packb([1, 11, "lookup", {"keys": [5]}])], 11, "InvalidKeyError", "bytes"),
+        ([msgpack.packb([1, 12, "register", {"node_id": "x", "address": "a", "host_id": "h",
+                                              "tiers": {"dram": {"capacity": 1, "free": 2}}}])],
+         12, "ProtocolError", "free <= capacity"),
+        ([msgpack.packb([1, 13, "commit", {"items": [{"reservation": 1, "replica": {"tier": "dram"}}]}])],
+         13, "ProtocolError", "nbytes"),
+        ([msgpack.packb([1, 14, "ping", {}]), b"extra frame"], None, "ProtocolError", "one message frame"),
+    ],
+)
+def test_bad_requests_get_typed_errors_and_the_master_keeps_serving(master, frames, request_id, error_type, says):
+    version, rid, status, body = _raw_request(master.address, frames)
+    assert (version, rid, status) == (P.PROTOCOL_VERSION, request_id, "error")
+    assert body["type"] == error_type and says in body["message"]
+    with MasterClient(master.address, request_timeout_s=2) as c:
+        assert c.ping()["version"] == P.PROTOCOL_VERSION
+
+
+def test_req_sockets_and_non_zmq_garbage(master, client):
+    reply = _raw_request(master.address, [msgpack.packb([1, "req-1", "ping", {}])], zmq.REQ)
+    assert reply[:3] == [P.PROTOCOL_VERSION, "req-1", "ok"]
+
+    host, port = master.address.removeprefix("tcp://").split(":")
+    for junk in (b"GET / HTTP/1.1\r\n\r\n" + os.urandom(4096), b"\xff" + os.urandom(64)):
+        # Not ZMTP: nothing can be replied; the connection is dropped or left to
+        # time out, and the master keeps serving everyone else meanwhile.
+        with socket.create_connection((host, int(port)), timeout=2) as raw:
+            raw.sendall(junk)
+            assert client.ping()["version"] == P.PROTOCOL_VERSION
+    errors_before = client.stats()["counters"]["protocol_errors"]
+    with pytest.raises(errors.ProtocolError):
+        client.call(P.LOOKUP, {"keys": "not a list"})
+    assert client.stats()["counters"]["protocol_errors"] == errors_before + 1
+    with pytest.raises(errors.InvalidKeyError):
+        client.lookup([123])  # refused before it is sent
+
+
+def test_unreachable_master_raises_within_the_deadline():
+    with MasterClient(f"tcp://127.0.0.1:{free_tcp_port()}", request_timeout_s=0.3) as c:
+        start = time.monotonic()
+        with pytest.raises(errors.MasterUnreachableError):
+            c.lookup(new_keys(1))
+        assert 0.25 <= time.monotonic() - start < 2.0
+        with pytest.raises(errors.MasterUnreachableError):
+            c.ping()  # and again on a fresh socket
+
+
+def test_sigterm_shuts_down_cleanly_and_logs_the_endpoint(spawn_python):
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    child = spawn_python(master_args(address), ready=answers_ping(address))
+    assert child.stop(grace_s=5) == 0
+    out = child.output()
+    assert f"listening on {address}" in out and "stopped" in out
+
+
+def test_bind_failure_is_a_clear_error(master, spawn_python):
+    child = spawn_python(master_args(master.address))
+    assert child.popen.wait(20) == 2
+    assert "cannot bind" in child.output()
