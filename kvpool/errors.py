@@ -115,6 +115,14 @@ class ProtocolError(KVPoolError):
     """A peer sent a message that could not be parsed or names an unknown version."""
 
 
+class UnknownNodeError(KVPoolError, LookupError):
+    """A request named a node the master does not know or has declared dead."""
+
+
+class ReservationError(KVPoolError):
+    """A put reservation is unknown, expired, revoked, or its node died before commit."""
+
+
 class TransferError(KVPoolError):
     """A pull of KV bytes from a peer node failed."""
 
