@@ -21,11 +21,10 @@ from collections import Counter
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
 import numpy as np
-import zmq
 
 from kvpool import errors
 from kvpool.config import Config
-from kvpool.node import Node, NodeAddress, request_replication
+from kvpool.node import Node, NodeAddress, control_call
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, byte_view, spec_of
 from kvpool.pool import Key, Pool
 from kvpool.protocol import LocatedReplica
@@ -125,10 +124,8 @@ class ClusterPool(Pool):
             raise errors.CapacityError("no storage node can take a durable copy")
         assert self._node.address is not None
         source = self._node.address.encode()
-        context = zmq.Context.instance()
         for target in targets:
-            control = NodeAddress.decode(target.address).control
-            request_replication(context, control, {
+            control_call(NodeAddress.decode(target.address).control, "replicate", {
                 "key": key, "header": record["header"], "source": source, "reservation": target.reservation_id,
             }, timeout_s=self.config.node.pull_timeout_s + 5.0)
         self._remote["replicated"] += len(targets)

@@ -237,7 +237,9 @@ class Node:
             raise
 
     def stats(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "address": self.address.encode() if self.address else None,
+        """Tiers, counters and pull-server counters of this node (also served on the control socket)."""
+        return {"node_id": self.node_id, "host_id": self.host_id, "objects": len(self.manager),
+                "tiers": self.manager.tier_stats(), "counters": dict(self.manager.counters),
                 "transfer": self.server.stats()}
 
     # -- replication for durable puts ----------------------------------------------------
@@ -252,9 +254,12 @@ class Node:
             ident, payload = frames[0], frames[-1]
             try:
                 op, body = msgpack.unpackb(payload, raw=False)
-                if op != "replicate":
+                if op == "replicate":
+                    reply: Any = ["ok", self._replicate(body)]
+                elif op == "stats":
+                    reply = ["ok", self.stats()]
+                else:
                     raise errors.ProtocolError(f"unknown control op {op!r}")
-                reply: Any = ["ok", self._replicate(body)]
             except Exception as exc:  # every failure becomes a typed reply; the loop keeps serving
                 reply = ["error", {"type": type(exc).__name__, "message": str(exc)}]
             self._control.send_multipart([ident, msgpack.packb(reply, use_bin_type=True)])
@@ -282,15 +287,16 @@ class Node:
         return {"node_id": self.node_id}
 
 
-def request_replication(context: zmq.Context, control: str, body: dict[str, Any], timeout_s: float) -> None:
-    """Ask a storage node to pull and keep a replica; raises the node's typed error."""
-    sock = context.socket(zmq.DEALER)
+def control_call(control: str, op: str, body: dict[str, Any], timeout_s: float,
+                 context: zmq.Context | None = None) -> Any:
+    """One request to a node's control socket (``replicate`` or ``stats``); raises the node's typed error."""
+    sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(control)
-        sock.send(msgpack.packb(["replicate", body], use_bin_type=True))
+        sock.send(msgpack.packb([op, body], use_bin_type=True))
         if not sock.poll(int(timeout_s * 1000)):
-            raise errors.KVTimeoutError(f"storage node {control} did not replicate within {timeout_s} s")
+            raise errors.KVTimeoutError(f"node {control} did not answer {op!r} within {timeout_s} s")
         status, reply = msgpack.unpackb(sock.recv(), raw=False)
     finally:
         sock.close(0)
@@ -298,4 +304,5 @@ def request_replication(context: zmq.Context, control: str, body: dict[str, Any]
         cls = getattr(errors, str(reply.get("type")), None)
         if not (isinstance(cls, type) and issubclass(cls, errors.KVPoolError)):
             cls = errors.TransferError
-        raise cls(f"replication on {control} failed: {reply.get('message')}")
+        raise cls(f"{op} on {control} failed: {reply.get('message')}")
+    return reply

@@ -220,6 +220,10 @@ class CxlTier(ArenaTier):
         self.model = AccessModel(latency_ns, bandwidth_gbps)
         self.path = Path(path)
         self.instance = uuid.uuid4().bytes
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise errors.TierError(f"cxl: cannot create the directory of {self.path}: {exc}") from exc
         self._fd = self._open_and_lock(self.path)
         self._mmap: mmap.mmap | None = None
         try:

@@ -1,0 +1,191 @@
+"""The cluster end to end: a master, storage nodes, writers and readers, each a
+real process on 127.0.0.1, always stopped at the end of the test."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import kvpool
+from kvpool.master_client import MasterClient
+from kvpool.node import NodeAddress, control_call
+from tests.cluster_actor import content, key_of, small_config
+from tests.conftest import ChildProcess, free_tcp_port, wait_for
+
+HEARTBEAT_MS = 200
+LAYER_NBYTES = 2 * 32 * 4 * 64 * 2  # one layer of tests.cluster_actor.SHAPE, float16
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, spawn: Callable[..., ChildProcess]) -> None:
+        self.tmp_path = tmp_path
+        self.spawn = spawn
+        self.port = free_tcp_port()
+        self.master_address = f"tcp://127.0.0.1:{self.port}"
+        self.client = MasterClient(self.master_address, request_timeout_s=2.0)
+        self.master: ChildProcess | None = None
+
+    def start_master(self) -> ChildProcess:
+        self.master = self.spawn(
+            ["-m", "kvpool.daemon", "--role", "master", "--master.listen", self.master_address,
+             "--master.heartbeat_ms", str(HEARTBEAT_MS), "--master.dead_after_missed", "3"],
+            ready=lambda: self.client.ping(timeout_s=0.5), timeout_s=30)
+        return self.master
+
+    def start_node(self, name: str) -> ChildProcess:
+        data_dir = self.tmp_path / name
+        config = self.tmp_path / f"{name}.toml"
+        config.write_text(
+            f'[pool]\nname = "{name}"\ndata_dir = "{data_dir}"\n'
+            f'[tiers.dram]\ncapacity = "4MiB"\nmlock = false\n'
+            f'[tiers.cxl]\ncapacity = "4MiB"\npath = "{data_dir}/cxl"\n'
+            f'[tiers.nvme]\ncapacity = "16MiB"\nsegment_size = "8MiB"\n'
+            f'[master]\nlisten = "{self.master_address}"\nheartbeat_ms = {HEARTBEAT_MS}\n'
+        )
+        log = self.tmp_path / f"{name}.log"
+        return self.spawn(["-m", "kvpool.daemon", "--role", "node", "--config", str(config)],
+                          log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=30)
+
+    def start_actor(self, role: str, name: str, *args: str) -> ChildProcess:
+        log = self.tmp_path / f"{name}.log"
+        ready = (lambda: "READY" in log.read_text()) if role == "writer" else None
+        return self.spawn(["-m", "tests.cluster_actor", role, "--master", self.master_address, "--name", name,
+                           "--data-dir", str(self.tmp_path / name), "--heartbeat-ms", str(HEARTBEAT_MS), *args],
+                          log_path=log, ready=ready, timeout_s=40)
+
+    def node_id_of(self, writer: ChildProcess) -> str:
+        return writer.output().split("READY ", 1)[1].split()[0]
+
+    def node_stats(self, node_id: str) -> dict:
+        address = self.client.stats()["nodes"][node_id]["address"]
+        return control_call(NodeAddress.decode(address).control, "stats", {}, timeout_s=5.0)
+
+    def alive_nodes(self) -> set[str]:
+        return {nid for nid, n in self.client.stats()["nodes"].items() if n["alive"]}
+
+    def connect(self, name: str) -> kvpool.Pool:
+        config = small_config(self.master_address, name, str(self.tmp_path / name), HEARTBEAT_MS)
+        return kvpool.connect(self.master_address, config=config)
+
+
+def reader_result(child: ChildProcess) -> dict:
+    wait_for(lambda: child.popen.poll() is not None, 60, "reader to finish")
+    assert child.popen.returncode == 0, child.output()
+    return json.loads(child.output().strip().splitlines()[-1])
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, spawn_python) -> Cluster:
+    cluster = Cluster(tmp_path, spawn_python)
+    try:
+        yield cluster
+    finally:
+        cluster.client.close()
+
+
+def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
+    cluster.start_master()
+    cluster.start_node("store-a")
+    cluster.start_node("store-b")
+    writer = cluster.start_actor("writer", "writer", "--keys", "3")
+    holder = cluster.node_id_of(writer)
+    before = cluster.node_stats(holder)["transfer"]["bytes_sent"]
+
+    reader = cluster.connect("reader")
+    try:
+        assert reader.lookup([key_of(0), key_of(1), key_of(2), key_of(3)]) == 3
+        got = reader.get(key_of(1), layers=range(2, 5))
+        np.testing.assert_array_equal(got, content(1)[2:5])
+        after = cluster.node_stats(holder)["transfer"]["bytes_sent"]
+        assert after - before == 3 * LAYER_NBYTES  # exactly the payload of layers [2, 5)
+        out = np.empty((1,) + content(0).shape[1:], np.float16)
+        assert reader.get(key_of(0), layers=7, out=out) is out
+        np.testing.assert_array_equal(out, content(0)[7:8])
+        assert reader.get(b"never-put") is None
+        assert reader.exists_many([key_of(2), b"never-put"]) == [True, False]
+    finally:
+        reader.close()
+
+    separate = cluster.start_actor("reader", "reader-process", "--keys", "3", "--layers", "0:8")
+    assert reader_result(separate) == {**reader_result(separate), "ok": 3, "miss": 0, "wrong": 0}
+
+
+def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -> None:
+    cluster.start_master()
+    cluster.start_actor("writer", "writer", "--keys", "6")
+    readers = [cluster.start_actor("reader", f"reader-{i}", "--keys", "6", "--layers", f"{i % 4}:{i % 4 + 4}")
+               for i in range(8)]
+    for child in readers:
+        result = reader_result(child)
+        assert (result["ok"], result["miss"], result["wrong"]) == (6, 0, 0), child.output()
+
+
+def test_killed_holder_gives_a_miss_and_its_keys_leave_the_index(cluster: Cluster) -> None:
+    cluster.start_master()
+    writer = cluster.start_actor("writer", "writer", "--keys", "2")
+    holder = cluster.node_id_of(writer)
+    reader = cluster.connect("reader")
+    try:
+        assert reader.get(key_of(0)) is not None
+        writer.kill()
+        started = time.monotonic()
+        assert reader.get(key_of(1)) is None  # holder gone: a miss, never an exception or bad data
+        assert time.monotonic() - started < 5.0
+        wait_for(lambda: holder not in cluster.alive_nodes(), 5.0, "master to declare the holder dead")
+        wait_for(lambda: reader.lookup([key_of(0)]) == 0, 2.0, "dead holder's keys to leave the index")
+    finally:
+        reader.close()
+
+
+def test_durable_put_with_two_replicas_survives_losing_a_holder(cluster: Cluster) -> None:
+    cluster.start_master()
+    store_a = cluster.start_node("store-a")
+    cluster.start_node("store-b")
+    wait_for(lambda: len(cluster.alive_nodes()) == 2, 10, "storage nodes to register")
+    writer = cluster.start_actor("writer", "writer", "--keys", "3", "--durable", "--replicas", "2")
+    stats = cluster.client.stats()
+    assert stats["replicas"] == 3 * 3  # the writer's own copy + two storage nodes each
+    writer.kill()   # the writer is gone ...
+    store_a.kill()  # ... and so is one storage node
+    reader = cluster.start_actor("reader", "reader", "--keys", "3")
+    assert reader_result(reader)["ok"] == 3
+
+
+def test_master_restart_then_nodes_reregister_and_lookup_finds_objects(cluster: Cluster) -> None:
+    master = cluster.start_master()
+    writer = cluster.start_actor("writer", "writer", "--keys", "4")
+    holder = cluster.node_id_of(writer)
+    assert cluster.client.lookup([key_of(i) for i in range(4)]) == 4
+    master.kill()
+    cluster.start_master()  # same address, empty state
+    wait_for(lambda: cluster.client.lookup([key_of(i) for i in range(4)]) == 4, 10,
+             "objects to be found again after re-registration")
+    assert holder in cluster.alive_nodes()
+    reader = cluster.connect("reader")
+    try:
+        np.testing.assert_array_equal(reader.get(key_of(3), layers=range(0, 2)), content(3)[:2])
+    finally:
+        reader.close()
+
+
+def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
+    import zmq
+
+    cluster.start_master()
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(cluster.master_address)
+        for junk in (b"", b"\xff\x00garbage", b"\x93\x01\x02\x03", b"x" * 10000):
+            sock.send(junk)
+        assert cluster.client.ping(timeout_s=2.0)
+    finally:
+        sock.close(0)
