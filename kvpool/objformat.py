@@ -26,6 +26,7 @@ the layer checksums, so a flipped bit in the dims is caught, not trusted.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -78,6 +79,7 @@ def dtype_info(name: str) -> DTypeInfo:
         ) from None
 
 
+@functools.lru_cache(maxsize=None)
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype arrays of ``name`` are returned as.
 
@@ -86,7 +88,7 @@ def numpy_dtype(name: str) -> np.dtype:
     stay exact.
     """
     info = dtype_info(name)
-    if info.storage != name and name not in ("uint8", "int8"):
+    if np.dtype(info.storage).name != name:  # bfloat16, fp8: richer types only in ml_dtypes
         try:
             import ml_dtypes  # type: ignore[import-not-found]
 

@@ -65,6 +65,18 @@ def munlock_region(address: int, nbytes: int) -> None:
         _libc().munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
 
 
+def _advise_huge_pages(region: mmap.mmap) -> bool:
+    """Ask for transparent huge pages; False where the kernel or Python cannot."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return False
+    try:
+        region.madvise(advice)
+        return True
+    except OSError:
+        return False
+
+
 def _cuda_available() -> bool:
     try:
         import cupy  # type: ignore[import-not-found]
@@ -83,6 +95,7 @@ class DramTier(ArenaTier):
         self._pinned: Any = None
         self.locked_bytes = 0
         self.lock_note = "mlock disabled"
+        self.huge_pages = False
         if _cuda_available():
             import cupy
 
@@ -91,13 +104,13 @@ class DramTier(ArenaTier):
             self.backing = "cupy-pinned"
             self.locked_bytes, self.lock_note = self.capacity_bytes, "CUDA pinned memory"
             return
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if prefault:
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
-        self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=flags)
+        self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # Huge pages before the first touch: with THP in "madvise" mode (the
+        # common default) copies out of a 4 KiB-page arena measured ~25% slower.
+        self.huge_pages = _advise_huge_pages(self._mmap)
         self._arena = np.frombuffer(self._mmap, dtype=np.uint8)
-        if prefault and not getattr(mmap, "MAP_POPULATE", 0):
-            self._arena[::PAGE] = 0
+        if prefault:
+            self._arena[::PAGE] = 0  # fault every page in now, not on the first puts
         self.backing = "mmap"
         if mlock:
             self.locked_bytes, self.lock_note = mlock_region(self._arena.ctypes.data, self.capacity_bytes)
@@ -111,7 +124,7 @@ class DramTier(ArenaTier):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "backing": self.backing, "locked_bytes": self.locked_bytes,
-                "lock_note": self.lock_note}
+                "lock_note": self.lock_note, "huge_pages": getattr(self, "huge_pages", False)}
 
     def close(self) -> None:
         if self.closed:

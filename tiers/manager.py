@@ -27,9 +27,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-import numpy as np
-import xxhash
-
 from kvpool import errors
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, layer_checksums
 from tiers.base import Extent, Tier
@@ -180,15 +177,11 @@ class TierManager:
     @staticmethod
     def _write_new(tier: Tier, extent: Extent, spec: ObjectSpec, payload: memoryview) -> ObjectHeader:
         if tier.supports_views:
-            # One pass: copy a layer, then hash it where it landed, still in cache.
-            step = spec.layer_nbytes
-            dest = np.frombuffer(tier.view(extent, spec.header_nbytes, spec.payload_nbytes), dtype=np.uint8)
-            src = np.frombuffer(payload, dtype=np.uint8)
-            sums = []
-            for start in range(0, spec.payload_nbytes, step):
-                np.copyto(dest[start:start + step], src[start:start + step])
-                sums.append(xxhash.xxh3_64_intdigest(dest[start:start + step]))
-            header = ObjectHeader(spec, tuple(sums))
+            # Copy once into tier memory, then hash the copy: the checksums then
+            # describe exactly the bytes stored, and no staging buffer is needed.
+            dest = tier.view(extent, spec.header_nbytes, spec.payload_nbytes)
+            dest[:] = payload
+            header = ObjectHeader(spec, layer_checksums(dest, spec.layer_nbytes))
             tier.write(extent, 0, header.pack())
             return header
         header = ObjectHeader(spec, layer_checksums(payload, spec.layer_nbytes))
