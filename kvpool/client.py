@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections import Counter
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
@@ -26,9 +25,9 @@ from kvpool import errors
 from kvpool.config import Config
 from kvpool.node import Node, NodeAddress, control_call
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, byte_view, spec_of
-from kvpool.pool import Key, Pool
+from kvpool.pool import Key, Pool, timed
 from kvpool.protocol import LocatedReplica
-from kvpool.transfer import PullClient
+from kvpool.remote import ReplicaReader
 
 log = logging.getLogger("kvpool.client")
 
@@ -52,14 +51,14 @@ class ClusterPool(Pool):
         super().__init__(config)
         self.master_address = master_address or self.config.master.listen
         self._remote = Counter[str]()
-        self._cxl_readers: dict[tuple[str, str], Any] = {}
-        self._readers_lock = threading.Lock()
         try:
             self._node = Node(self.config, self._manager, self.master_address)
             self._master = self._node.master
             self._master.ping()
             self._node.start()
-            self._puller = PullClient(transport=transport, max_message=self.config.node.max_message)
+            self._reader = ReplicaReader(self._node.host_id, node_id=self._node.node_id, transport=transport,
+                                         max_message=self.config.node.max_message,
+                                         pull_timeout_s=self.config.node.pull_timeout_s)
         except BaseException:
             self._close_cluster_parts()
             self._manager.close()
@@ -72,6 +71,7 @@ class ClusterPool(Pool):
 
     # -- writes -------------------------------------------------------------------------
 
+    @timed("put")
     def put(self, prefix_hash: Key, kv: Any, *, dtype: str | None = None, durable: bool | None = None,
             replicas: int | None = None) -> None:
         """Store locally and publish (two-phase); ``durable=True`` also keeps ``replicas``
@@ -132,6 +132,7 @@ class ClusterPool(Pool):
 
     # -- reads ----------------------------------------------------------------------------
 
+    @timed("get")
     def get(self, prefix_hash: Key, *, layers: Any = None, out: Any = None) -> np.ndarray | None:
         """Local tiers first, then a replica elsewhere; None on a miss anywhere."""
         self._check_open()
@@ -162,62 +163,7 @@ class ClusterPool(Pool):
 
     def _get_remote(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any,
                     out: Any) -> np.ndarray | None:
-        if not replicas:
-            self._remote["miss_absent"] += 1
-            return None
-        for replica in self._ordered(replicas):
-            try:
-                header = ObjectHeader.unpack(replica["header"])
-                layer_range = LayerRange.resolve(layers, header.spec.layers)
-                arr, buf = self._out_view(header.spec, layer_range, out)
-                self._read_replica(key, replica, header, layer_range, buf)
-                self._remote["hits_remote"] += 1
-                self._remote["bytes_pulled"] += len(buf)
-                return arr
-            except (errors.LayerRangeError, errors.OutBufferError):
-                raise  # the caller's mistake, the same on every replica
-            except errors.RemoteMissError:
-                self._remote["miss_evicted"] += 1
-            except errors.ChecksumError:
-                self._remote["miss_checksum"] += 1
-            except errors.KVTimeoutError:
-                self._remote["miss_timeout"] += 1
-            except (errors.TransferError, errors.FormatError, errors.TierError) as exc:
-                log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
-                self._remote["miss_holder_gone"] += 1
-        return None
-
-    def _ordered(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
-        """Same-host replicas first (no network), skipping this node's own (already missed)."""
-        mine, host = self._node.node_id, self._node.host_id
-        others = [r for r in replicas if r.get("node_id") != mine]
-        return sorted(others, key=lambda r: (r.get("host_id") != host, r.get("tier") != "cxl"))
-
-    def _read_replica(self, key: bytes, replica: LocatedReplica, header: ObjectHeader,
-                      layer_range: LayerRange, buf: memoryview) -> None:
-        location = replica.get("location") or {}
-        if replica.get("host_id") == self._node.host_id and replica.get("tier") == "cxl" and location:
-            try:
-                reader = self._cxl_reader(location)
-                reader.read_layers_into(location["offset"], header, layer_range, buf, verify=True)
-                self._remote["reads_in_place"] += 1
-                return
-            except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
-                log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
-        peer = NodeAddress.decode(replica["address"]).peer
-        self._puller.pull_into(peer, key, layer_range, buf, timeout_s=self.config.node.pull_timeout_s)
-        header.verify(layer_range, buf)
-        self._remote["pulls"] += 1
-
-    def _cxl_reader(self, location: Mapping[str, Any]) -> Any:
-        from tiers.cxl import CxlArenaReader
-
-        ident = (str(location["path"]), str(location.get("instance", "")))
-        with self._readers_lock:
-            reader = self._cxl_readers.get(ident)
-            if reader is None:
-                reader = self._cxl_readers[ident] = CxlArenaReader.from_location(dict(location))
-            return reader
+        return self._reader.read(key, replicas, layers, out, self._out_view)
 
     async def iter_layers(self, prefix_hash: Key, *, layers: Any = None,
                           out: Any = None) -> AsyncIterator[tuple[int, np.ndarray]]:
@@ -230,7 +176,7 @@ class ClusterPool(Pool):
             return
         located = await asyncio.to_thread(self._master.locate, key, True)
         try:
-            replicas = self._ordered(located.replicas[0] or [])
+            replicas = self._reader.ordered(located.replicas[0] or [])
             if not replicas:
                 return
             header = ObjectHeader.unpack(replicas[0]["header"])
@@ -242,7 +188,7 @@ class ClusterPool(Pool):
                 buf = byte_view(arr[i])
                 for replica in replicas:
                     try:
-                        self._read_replica(key, replica, header, one, buf)
+                        self._reader.read_into(key, replica, header, one, buf)
                         return
                     except (errors.TransferError, errors.ChecksumError, errors.KVTimeoutError) as exc:
                         log.info("layer %d of %s: replica failed (%s)", one.start, key.hex(), exc)
@@ -289,28 +235,24 @@ class ClusterPool(Pool):
         stats = super().stats()
         stats["role"] = "client"
         stats["node"] = self._node.stats()
-        stats["remote"] = dict(self._remote)
-        stats["pull_client"] = self._puller.stats()
+        remote = self._reader.stats()
+        stats["remote"] = {**remote, **self._remote}
         for reason in ("evicted", "checksum", "timeout", "holder_gone"):
-            stats["misses"][reason] = self._remote.get(f"miss_{reason}", 0)
+            stats["misses"][reason] = remote.get(f"miss_{reason}", 0)
         # every remote read starts with a local miss: count where the key really was absent
-        stats["misses"]["absent"] = self._remote.get("miss_absent", 0)
+        stats["misses"]["absent"] = remote.get("miss_absent", 0)
         return stats
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _close_cluster_parts(self) -> None:
-        for name in ("_puller", "_node"):
+        for name in ("_reader", "_node"):
             part = getattr(self, name, None)
             if part is not None:
                 try:
                     part.close()
                 except Exception as exc:  # keep closing the rest
                     log.warning("closing %s: %s", name, exc)
-        with self._readers_lock:
-            for reader in self._cxl_readers.values():
-                reader.close()
-            self._cxl_readers.clear()
 
     def close(self) -> None:
         if self._closed:

@@ -193,6 +193,7 @@ class MasterState:
             P.REVOKE: self.op_revoke, P.PUBLISH: self.op_publish,
             P.EVICT_REQUEST: self.op_evict_request, P.REMOVED: self.op_removed,
             P.DELETE: self.op_delete, P.PLACE: self.op_place, P.STATS: self.op_stats,
+            P.LIST: self.op_list,
         }
 
     # -- helpers ----------------------------------------------------------------
@@ -664,6 +665,23 @@ class MasterState:
         assert best is not None
         current[best.node_id] -= total
         return best
+
+    def op_list(self, body: dict[str, Any]) -> Any:
+        """Keys starting with ``prefix`` (operators' ``kvpool ls``), at most ``limit``."""
+        prefix = _field(body, "prefix", bytes, b"")
+        limit = _field(body, "limit", int, 1000)
+        if limit < 0:
+            raise P.MalformedRequest("field 'limit' must be >= 0")
+        out = []
+        for key, replicas in self.index.items():
+            if not key.startswith(prefix):
+                continue
+            if len(out) == limit:
+                return {"keys": out, "truncated": True}
+            first = next(iter(replicas.values()))
+            out.append({"key": key, "nbytes": first.get("nbytes", 0), "spec": first.get("spec"),
+                        "replicas": [{"node_id": nid, "tier": r.get("tier")} for nid, r in replicas.items()]})
+        return {"keys": out, "truncated": False}
 
     def op_stats(self, body: dict[str, Any]) -> Any:
         now = self.clock()

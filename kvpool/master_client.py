@@ -283,6 +283,11 @@ class MasterClient:
     def stats(self) -> dict[str, Any]:
         return self.call(P.STATS, {})
 
+    def list_keys(self, prefix: KeyLike = b"", limit: int = 1000) -> tuple[list[dict[str, Any]], bool]:
+        """(keys with their replicas, truncated) for keys starting with ``prefix``."""
+        reply = self.call(P.LIST, {"prefix": as_key(prefix) if prefix else b"", "limit": int(limit)})
+        return reply["keys"], reply["truncated"]
+
 
 class Heartbeater:
     """Beats for one node on its own thread, with its own client and socket.

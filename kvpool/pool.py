@@ -11,13 +11,16 @@ Every async method runs the same code as its sync twin in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from kvpool import errors
 from kvpool.config import Config
+from kvpool.metrics import ApiLatency, MetricsServer, StatsCollector
 from kvpool.objformat import LayerRange, ObjectSpec, byte_view, dtype_info, numpy_dtype, spec_of
 from tiers import TIER_ORDER, tier_class
 from tiers.manager import PinnedObject, TierManager
@@ -25,6 +28,20 @@ from tiers.manager import PinnedObject, TierManager
 log = logging.getLogger(__name__)
 
 Key = bytes | bytearray | memoryview | str
+
+
+def timed(op: str) -> Any:
+    """Observe the call's latency in the pool's ``op`` histogram (``put``/``get``)."""
+    def decorate(method: Any) -> Any:
+        @functools.wraps(method)
+        def wrapper(self: Pool, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                getattr(self.latency, op).observe(time.perf_counter() - started)
+        return wrapper
+    return decorate
 
 
 def build_tier_manager(config: Config) -> TierManager:
@@ -59,6 +76,8 @@ class Pool:
         self.config = Config.load(config)
         self._manager = build_tier_manager(self.config)
         self._closed = False
+        self.latency = ApiLatency()
+        self._metrics: MetricsServer | None = None
         log.info("kvpool %r: tiers %s", self.config.pool.name,
                  ", ".join(f"{t.name} {t.capacity_bytes} B" for t in self._manager.tiers))
 
@@ -115,6 +134,7 @@ class Pool:
 
     # -- core API -----------------------------------------------------------------
 
+    @timed("put")
     def put(self, prefix_hash: Key, kv: Any, *, dtype: str | None = None) -> None:
         """Store ``kv`` ([layers, 2, tokens, kv_heads, head_dim]) under ``prefix_hash``.
 
@@ -133,6 +153,7 @@ class Pool:
     def _put_local(self, key: bytes, spec: ObjectSpec, payload: memoryview) -> str:
         return self._manager.put(key, spec, payload)
 
+    @timed("get")
     def get(self, prefix_hash: Key, *, layers: Any = None, out: Any = None) -> np.ndarray | None:
         """The object (or only ``layers``: int, range, slice or (start, stop)), or None on a miss.
 
@@ -256,11 +277,23 @@ class Pool:
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
+        """Expose this pool's Prometheus metrics and /health over HTTP (port 0: any free port)."""
+        self._check_open()
+        if self._metrics is None:
+            self._metrics = MetricsServer(
+                port, host=host, role=self.stats()["role"], ready=lambda: not self._closed,
+                registries=[self.latency.registry, StatsCollector(pool_stats=self.stats)],
+            ).start()
+        return self._metrics
+
     def close(self) -> None:
         """Flush what must survive (the nvme index) and release every tier. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._metrics is not None:
+            self._metrics.close()
         self._manager.close()
 
     def __enter__(self) -> Pool:

@@ -44,6 +44,8 @@ Bodies (every batch is one message, whatever its size)::
                                                          -> {"targets": [{"node_id", "address", "host_id",
                                                                           "reservation": id | None}]}
     stats           {}                                   -> {"nodes", "keys", "replicas", "counters", ...}
+    list            {"prefix": bytes, "limit": int}      -> {"keys": [{"key", "nbytes", "spec", "replicas":
+                                                             [{"node_id", "tier"}]}], "truncated": bool}
 
 ``tiers`` is ``{tier name: {"capacity": bytes, "free": bytes}}``. A *record*
 describes one replica as its node holds it (see :func:`replica_record`); a
@@ -85,10 +87,11 @@ REMOVED = "removed"
 DELETE = "delete"
 PLACE = "place"
 STATS = "stats"
+LIST = "list"
 
 OPS = frozenset({
     PING, REGISTER, HEARTBEAT, LOOKUP, EXISTS, LOCATE, RELEASE, RESERVE, COMMIT,
-    REVOKE, PUBLISH, EVICT_REQUEST, REMOVED, DELETE, PLACE, STATS,
+    REVOKE, PUBLISH, EVICT_REQUEST, REMOVED, DELETE, PLACE, STATS, LIST,
 })
 
 

@@ -2,8 +2,9 @@
 
 ``master`` runs the metadata master; ``node`` opens the local tiers and serves
 them to the cluster (pulls over UCX, registration, heartbeats); ``all`` runs
-both, the master first. Owns start-up and shutdown order, nothing else:
-shutdown stops the node (its tiers close, the nvme index is flushed, so
+both, the master first. With ``metrics.port`` set, ``/metrics`` and
+``/health`` are served on 127.0.0.1. Owns start-up and shutdown order, nothing
+else: shutdown stops the node (its tiers close, the nvme index is flushed, so
 everything on disk is found again at the next start) before the master.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import ExitStack
+from typing import Any, Callable
 
 from kvpool.config import Config
 
@@ -18,56 +21,86 @@ log = logging.getLogger("kvpool.server")
 
 
 def serve(config: Config, role: str, stop: threading.Event) -> int:
-    master_thread: threading.Thread | None = None
-    master_stop = threading.Event()
-    if role in ("master", "all"):
-        from kvpool.master import run_master
+    """Run ``role`` until ``stop`` is set; returns the exit status."""
+    from kvpool.master_client import MasterClient
 
-        if role == "master":
-            run_master(config, stop)
-            return 0
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                run_master(config, master_stop, on_ready=lambda _endpoint: ready.set())
-            except BaseException as exc:  # reported by the main thread below
-                failure.append(exc)
-                ready.set()
-
-        master_thread = threading.Thread(target=run, name="kvpool-master", daemon=True)
-        master_thread.start()
-        ready.wait()
-        if failure:
-            log.error("master failed to start: %s", failure[0])
-            return 1
-    try:
-        return _serve_node(config, stop)
-    finally:
-        if master_thread is not None:
-            master_stop.set()
-            master_thread.join(10.0)
+    with ExitStack() as stack:
+        master_client = stack.enter_context(MasterClient(config.master.listen, config=config))
+        if role in ("master", "all"):
+            if not _start_master(config, stack):
+                return 1
+        node = _start_node(config, stack) if role in ("node", "all") else None
+        if config.metrics.port:
+            _start_metrics(config, role, node, master_client, stack)
+        log.info("ready")
+        stop.wait()
+        log.info("stopping")
+    return 0
 
 
-def _serve_node(config: Config, stop: threading.Event) -> int:
+def _start_master(config: Config, stack: ExitStack) -> bool:
+    from kvpool.master import run_master
+
+    ready, master_stop = threading.Event(), threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_master(config, master_stop, on_ready=lambda _endpoint: ready.set())
+        except BaseException as exc:  # reported by the caller
+            failure.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run, name="kvpool-master", daemon=True)
+    thread.start()
+    ready.wait()
+    if failure:
+        log.error("master failed to start: %s", failure[0])
+        return False
+
+    def stop_master() -> None:
+        master_stop.set()
+        thread.join(10.0)
+
+    stack.callback(stop_master)  # runs after the node has stopped (LIFO)
+    return True
+
+
+def _start_node(config: Config, stack: ExitStack) -> Any:
     from kvpool.daemon import describe_tiers
     from kvpool.node import Node
     from kvpool.pool import build_tier_manager
 
     manager = build_tier_manager(config)
-    node: Node | None = None
-    try:
-        node = Node(config, manager, config.master.listen).start()
-        log.info("pool %r data_dir=%s", config.pool.name, config.pool.resolved_data_dir())
-        log.info("tiers: %s", describe_tiers({"tiers": {t["tier"]: t for t in manager.tier_stats()}}))
-        log.info("ready")
-        stop.wait()
-    finally:
-        if node is not None:
-            node.close()
+
+    def close_manager() -> None:
         on_disk = sum(1 for _key, tier, _extent, _header in manager.snapshot() if tier.persistent)
         manager.close()
-        log.info("node stopped: tiers closed, nvme index flushed; %d objects on disk are found again "
-                 "at the next start (memory tiers are not kept)", on_disk)
-    return 0
+        log.info("tiers closed, nvme index flushed: %d objects on disk will be found again at the next "
+                 "start (memory tiers are not kept)", on_disk)
+
+    stack.callback(close_manager)
+    node = Node(config, manager, config.master.listen)
+    stack.callback(node.close)
+    node.start()
+    log.info("pool %r data_dir=%s", config.pool.name, config.pool.resolved_data_dir())
+    log.info("tiers: %s", describe_tiers({"tiers": {t["tier"]: t for t in manager.tier_stats()}}))
+    return node
+
+
+def _start_metrics(config: Config, role: str, node: Any, master_client: Any, stack: ExitStack) -> None:
+    from kvpool.metrics import MetricsServer, StatsCollector
+
+    ready: Callable[[], bool]
+    if node is not None:
+        ready = lambda: bool(node.heartbeater and node.heartbeater.reachable)  # noqa: E731
+    else:
+        ready = lambda: bool(master_client.ping(timeout_s=1.0))  # noqa: E731
+    collector = StatsCollector(
+        pool_stats=node.stats if node is not None else None,
+        master_stats=master_client.stats if role in ("master", "all") else None,
+    )
+    server = MetricsServer(config.metrics.port, role=role, ready=ready, registries=[collector],
+                           health_detail=lambda: {"node_id": node.node_id} if node is not None else {})
+    stack.callback(server.close)
+    server.start()

@@ -1,0 +1,176 @@
+"""``kvpool``: the operators' command line against a running cluster.
+
+``kvpool stats`` (nodes, tiers, usage, hits/misses per tier, bytes moved),
+``kvpool ls`` (keys and where their replicas are), ``kvpool get KEY`` (read an
+object or some layers, verified, into a ``.npy`` file) and ``kvpool rm KEY``.
+Keys are given in hex (prefix hashes are binary) or, with ``--text``, as UTF-8.
+This process joins nothing: it asks the master, and reads bytes as a plain
+puller without tiers of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvpool import errors
+from kvpool.config import Config, format_size
+from kvpool.master_client import MasterClient
+from kvpool.node import NodeAddress, control_call
+
+
+def _key(text: str, as_text: bool) -> bytes:
+    if as_text:
+        return text.encode()
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise SystemExit(f"kvpool: {text!r} is not hex (use --text for a UTF-8 key)") from None
+
+
+def _show_key(key: bytes) -> str:
+    try:
+        text = key.decode()
+        if text.isprintable():
+            return repr(text)
+    except UnicodeDecodeError:
+        pass
+    return key.hex()
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
+    stats = master.stats()
+    print(f"master {master.address}: up {stats['uptime_s']:.0f} s, {stats['keys']} keys, "
+          f"{stats['replicas']} replicas, {stats['leases']} leases, {stats['reservations']} reservations")
+    rows, tier_rows = [], []
+    for node_id, node in sorted(stats["nodes"].items()):
+        address = NodeAddress.decode(node["address"])
+        detail: dict[str, Any] = {}
+        if node["alive"]:
+            try:
+                detail = control_call(address.control, "stats", {}, timeout_s=args.timeout)
+            except errors.KVPoolError as exc:
+                detail = {"error": str(exc)}
+        transfer = detail.get("transfer", {})
+        counters = detail.get("counters", {})
+        moves = "/".join(str(counters.get(c, 0)) for c in ("demotions", "promotions", "evictions"))
+        rows.append([node_id[:12], "alive" if node["alive"] else "dead", f"{address.peer.host}:{address.peer.port}",
+                     node["objects"], counters.get("miss_absent", "-"), moves,
+                     format_size(transfer.get("bytes_sent", 0)), transfer.get("requests_served", "-"),
+                     f"{node['last_seen_s']:.1f} s"])
+        for tier in detail.get("tiers", []):
+            tier_rows.append([node_id[:12], tier["tier"], format_size(tier["capacity_bytes"]),
+                              format_size(tier["used_bytes"]), tier["objects"], tier["hits"],
+                              "emulated" if tier.get("emulated") else ""])
+    print()
+    print(_table(["node", "state", "serves", "objects", "local misses", "demote/promote/evict",
+                  "bytes served", "pulls served", "last beat"], rows))
+    if tier_rows:
+        print()
+        print(_table(["node", "tier", "capacity", "used", "objects", "hits", ""], tier_rows))
+    counters = stats["counters"]
+    print()
+    print("master counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if v))
+    return 0
+
+
+def cmd_ls(master: MasterClient, args: argparse.Namespace) -> int:
+    prefix = _key(args.prefix, args.text) if args.prefix else b""
+    keys, truncated = master.list_keys(prefix, args.limit)
+    rows = []
+    for item in keys:
+        dtype, layers, tokens, heads, dim = item["spec"] or ["?"] * 5
+        replicas = ", ".join(f"{r['node_id'][:8]}/{r['tier']}" for r in item["replicas"])
+        rows.append([_show_key(item["key"]), format_size(item["nbytes"]),
+                     f"{dtype}[{layers},2,{tokens},{heads},{dim}]", replicas])
+    print(_table(["key", "size", "shape", "replicas (node/tier)"], rows))
+    if truncated:
+        print(f"... more than {args.limit} keys; use --limit or --prefix")
+    return 0
+
+
+def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
+    from kvpool.pool import Pool
+    from kvpool.remote import ReplicaReader
+    from kvpool.transfer import local_host_id
+
+    key = _key(args.key, args.text)
+    layers = range(*map(int, args.layers.split(":"))) if args.layers else None
+    located = master.locate(key, lease=True)
+    reader = ReplicaReader(local_host_id(), transport=args.transport, pull_timeout_s=args.timeout)
+    try:
+        arr = reader.read(key, located.replicas[0], layers, None, Pool._out_view)
+    finally:
+        master.release([located.lease_id])
+        reader.close()
+    if arr is None:
+        print(f"kvpool: {_show_key(key)}: miss ({dict(reader.counters)})", file=sys.stderr)
+        return 1
+    np.save(args.out, arr)
+    print(f"{_show_key(key)}: {arr.dtype}{list(arr.shape)} ({format_size(arr.nbytes)}) -> {args.out}")
+    return 0
+
+
+def cmd_rm(master: MasterClient, args: argparse.Namespace) -> int:
+    keys = [_key(k, args.text) for k in args.keys]
+    status = 0
+    for key, deleted in zip(keys, master.delete(keys)):
+        if deleted:
+            print(f"deleted {_show_key(key)}")
+        else:
+            print(f"kvpool: {_show_key(key)}: no such key", file=sys.stderr)
+            status = 1
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool", description="Inspect and operate a running kvpool cluster.")
+    parser.add_argument("--master", help=f"master address (default: {Config().master.listen} or --config)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file to take master.listen from")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request (default 5)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("stats", help="nodes, tiers, usage, hits, bytes served")
+    ls = sub.add_parser("ls", help="list keys and their replicas")
+    ls.add_argument("--prefix", default="")
+    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--text", action="store_true", help="prefix is UTF-8 text, not hex")
+    get = sub.add_parser("get", help="read an object (or --layers a:b) into a .npy file")
+    get.add_argument("key")
+    get.add_argument("--layers", help="a:b, half-open")
+    get.add_argument("--out", default="kv.npy")
+    get.add_argument("--transport", default="auto", choices=("auto", "tcp"))
+    get.add_argument("--text", action="store_true", help="the key is UTF-8 text, not hex")
+    rm = sub.add_parser("rm", help="delete keys everywhere")
+    rm.add_argument("keys", nargs="+")
+    rm.add_argument("--text", action="store_true", help="keys are UTF-8 text, not hex")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    address = args.master or Config.load(args.config).master.listen
+    commands = {"stats": cmd_stats, "ls": cmd_ls, "get": cmd_get, "rm": cmd_rm}
+    with MasterClient(address, request_timeout_s=args.timeout) as master:
+        try:
+            return commands[args.command](master, args)
+        except errors.MasterUnreachableError as exc:
+            print(f"kvpool: master {address} unreachable: {exc}", file=sys.stderr)
+            return 2
+        except errors.KVPoolError as exc:
+            print(f"kvpool: {exc}", file=sys.stderr)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Reading an object's layers from another node's replica.
+
+Owns the choice among replicas (same host first, ``cxl`` first, this node's
+own skipped), the two ways to read one (in place from a same-host ``cxl``
+arena, else a UCX pull into the caller's buffer), checksum verification of
+every layer received, and the miss reasons. Used by the cluster client and
+by the operators' CLI; it does not talk to the master (callers locate and
+lease replicas first).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from kvpool import errors
+from kvpool.node import NodeAddress
+from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
+from kvpool.protocol import LocatedReplica
+from kvpool.transfer import PullClient
+
+log = logging.getLogger("kvpool.remote")
+
+OutView = Callable[[ObjectSpec, LayerRange, Any], "tuple[np.ndarray, memoryview]"]
+
+
+class ReplicaReader:
+    """Reads layer ranges from located replicas; never returns unverified bytes."""
+
+    def __init__(self, host_id: str, *, node_id: str | None = None, transport: str = "auto",
+                 max_message: int = 16 << 20, pull_timeout_s: float = 10.0) -> None:
+        self.host_id = host_id
+        self.node_id = node_id
+        self.pull_timeout_s = pull_timeout_s
+        self.puller = PullClient(transport=transport, max_message=max_message)
+        self.counters: Counter[str] = Counter()
+        self._cxl_readers: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()
+
+    def ordered(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
+        """Same-host replicas first (no network), ``cxl`` first among them; never this node's own."""
+        others = [r for r in replicas if self.node_id is None or r.get("node_id") != self.node_id]
+        return sorted(others, key=lambda r: (r.get("host_id") != self.host_id, r.get("tier") != "cxl"))
+
+    def read(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any, out: Any,
+             out_view: OutView) -> np.ndarray | None:
+        """The layers from the first replica that delivers them intact, or None (counted by reason).
+
+        Raises LayerRangeError / OutBufferError for the caller's mistakes (the
+        same on every replica); every other failure moves on to the next replica.
+        """
+        if not replicas:
+            self.counters["miss_absent"] += 1
+            return None
+        for replica in self.ordered(replicas):
+            try:
+                header = ObjectHeader.unpack(replica["header"])
+                layer_range = LayerRange.resolve(layers, header.spec.layers)
+                arr, buf = out_view(header.spec, layer_range, out)
+                self.read_into(key, replica, header, layer_range, buf)
+                self.counters["hits_remote"] += 1
+                self.counters["bytes_pulled"] += len(buf)
+                return arr
+            except (errors.LayerRangeError, errors.OutBufferError):
+                raise
+            except errors.RemoteMissError:
+                self.counters["miss_evicted"] += 1
+            except errors.ChecksumError:
+                self.counters["miss_checksum"] += 1
+            except errors.KVTimeoutError:
+                self.counters["miss_timeout"] += 1
+            except (errors.TransferError, errors.FormatError, errors.TierError) as exc:
+                log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
+                self.counters["miss_holder_gone"] += 1
+        return None
+
+    def read_into(self, key: bytes, replica: LocatedReplica, header: ObjectHeader,
+                  layer_range: LayerRange, buf: memoryview) -> None:
+        """Fill ``buf`` with verified layers from one replica, or raise."""
+        location = replica.get("location") or {}
+        if replica.get("host_id") == self.host_id and replica.get("tier") == "cxl" and location:
+            try:
+                reader = self._cxl_reader(location)
+                reader.read_layers_into(location["offset"], header, layer_range, buf, verify=True)
+                self.counters["reads_in_place"] += 1
+                return
+            except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
+                log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
+        peer = NodeAddress.decode(replica["address"]).peer
+        self.puller.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s)
+        header.verify(layer_range, buf)
+        self.counters["pulls"] += 1
+
+    def _cxl_reader(self, location: Mapping[str, Any]) -> Any:
+        from tiers.cxl import CxlArenaReader
+
+        ident = (str(location["path"]), str(location.get("instance", "")))
+        with self._lock:
+            reader = self._cxl_readers.get(ident)
+            if reader is None:
+                reader = self._cxl_readers[ident] = CxlArenaReader.from_location(dict(location))
+            return reader
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "pull_client": self.puller.stats()}
+
+    def close(self) -> None:
+        self.puller.close()
+        with self._lock:
+            for reader in self._cxl_readers.values():
+                reader.close()
+            self._cxl_readers.clear()

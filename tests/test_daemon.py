@@ -1,0 +1,133 @@
+"""kvpool-server as operators run it: roles, flags, metrics/health, SIGTERM, restart, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvpool
+from kvpool.config import Config
+from tests.conftest import REPO_ROOT, ChildProcess, free_tcp_port, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+SHAPE = (4, 2, 16, 4, 64)
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class Daemon:
+    def __init__(self, tmp_path: Path, spawn) -> None:
+        self.tmp_path = tmp_path
+        self.spawn = spawn
+        self.master = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.metrics_port = free_tcp_port()
+        self.starts = 0
+
+    def start(self) -> ChildProcess:
+        """A one-machine pool (role all) whose only tier is nvme, so what it holds survives restarts."""
+        self.starts += 1
+        log = self.tmp_path / f"daemon-{self.starts}.log"
+        return self.spawn(
+            ["-m", "kvpool.daemon", "--pool.name", "daemon-test", "--pool.data_dir", str(self.tmp_path / "data"),
+             "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "32MiB",
+             "--tiers.nvme.segment_size", "16MiB", "--master.listen", self.master, "--master.heartbeat_ms", "200",
+             "--metrics.port", str(self.metrics_port)],
+            log_path=log, ready=lambda: http_get(self.metrics_port, "/health")[0] == 200, timeout_s=40)
+
+    def client(self) -> kvpool.Pool:
+        config = Config.load({
+            "pool": {"name": "daemon-client", "data_dir": str(self.tmp_path / "client")},
+            "tiers": {"dram": {"capacity": "4MiB", "mlock": False}, "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+            "master": {"listen": self.master, "heartbeat_ms": 200},
+        })
+        return kvpool.connect(self.master, config=config)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvpool.cli", "--master", self.master, *args],
+                              capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+
+
+def content(i: int) -> np.ndarray:
+    return np.random.default_rng(i).standard_normal(SHAPE).astype(np.float16)
+
+
+def test_sigterm_flushes_and_a_restart_finds_durable_objects_again(tmp_path: Path, spawn_python) -> None:
+    daemon = Daemon(tmp_path, spawn_python)
+    first = daemon.start()
+    health = json.loads(http_get(daemon.metrics_port, "/health")[1])
+    assert health["role"] == "all" and health["ready"] is True
+
+    writer = daemon.client()
+    try:
+        for i in range(3):
+            writer.put(b"durable-%d" % i, content(i), durable=True, replicas=1)  # copy on the daemon's nvme
+    finally:
+        writer.close()
+
+    status, metrics = http_get(daemon.metrics_port, "/metrics")
+    assert status == 200
+    assert 'kvpool_tier_objects{tier="nvme"} 3.0' in metrics
+    assert "kvpool_master_nodes_alive" in metrics and "kvpool_misses_total" in metrics
+
+    assert first.stop() == 0  # SIGTERM: clean exit
+    log = first.output()
+    assert "3 objects on disk will be found again" in log
+
+    daemon.start()
+    reader = daemon.client()
+    try:
+        keys = [b"durable-%d" % i for i in range(3)]
+        wait_for(lambda: reader.lookup(keys) == 3, 10, "re-registered objects to be found")
+        for i, key in enumerate(keys):
+            np.testing.assert_array_equal(reader.get(key, layers=range(1, 3)), content(i)[1:3])
+    finally:
+        reader.close()
+
+    listing = daemon.cli("ls", "--prefix", "durable-", "--text")
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout.count("'durable-") == 3 and "/nvme" in listing.stdout
+    stats = daemon.cli("stats")
+    assert stats.returncode == 0, stats.stderr
+    assert "alive" in stats.stdout and "nvme" in stats.stdout
+    out = tmp_path / "one.npy"
+    got = daemon.cli("get", "durable-1", "--text", "--layers", "0:2", "--out", str(out))
+    assert got.returncode == 0, got.stderr
+    np.testing.assert_array_equal(np.load(out), content(1)[0:2])
+    removed = daemon.cli("rm", "--text", "durable-1", "nope")
+    assert removed.returncode == 1 and "deleted 'durable-1'" in removed.stdout and "no such key" in removed.stderr
+    assert daemon.cli("get", "durable-1", "--text").returncode == 1
+
+
+def test_bad_flag_value_is_a_clear_error() -> None:
+    result = subprocess.run([sys.executable, "-m", "kvpool.daemon", "--tiers.dram.capacity", "lots"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert result.returncode == 2
+    assert "tiers.dram.capacity" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_reports_an_unreachable_master() -> None:
+    result = subprocess.run([sys.executable, "-m", "kvpool.cli", "--master", f"tcp://127.0.0.1:{free_tcp_port()}",
+                             "--timeout", "0.5", "stats"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert result.returncode == 2 and "unreachable" in result.stderr
+
+
+def test_every_setting_has_a_flag() -> None:
+    result = subprocess.run([sys.executable, "-m", "kvpool.daemon", "--help"], capture_output=True, text=True,
+                            timeout=60, cwd=REPO_ROOT)
+    from kvpool.config import iter_settings
+
+    for dotted, _field, _default in iter_settings():
+        assert f"--{dotted}" in result.stdout
