@@ -33,7 +33,7 @@ from kvpool import errors
 from kvpool.config import Config
 from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader
-from kvpool.protocol import ReplicaRecord, replica_record
+from kvpool.protocol import REMOVED, ReplicaRecord, replica_record
 from kvpool.transfer import PeerAddress, PullClient, PullServer, ServeSource, local_host_id
 from tiers.base import Extent, Tier
 from tiers.manager import TierManager
@@ -126,7 +126,8 @@ class Node:
         return self
 
     def close(self) -> None:
-        """Stop serving; the master learns of it through missed heartbeats (or a restart's register)."""
+        """Stop serving and withdraw this node's replicas from the master (best effort: a dead
+        master learns it from missed heartbeats, and a restart's register brings them back)."""
         if self._stopping.is_set():
             return
         self._stopping.set()
@@ -138,6 +139,13 @@ class Node:
         for thread in (self._publisher, self._control_thread):
             if thread.is_alive():
                 thread.join(5.0)
+        # Readers should stop locating replicas here now, not after the heartbeat timeout.
+        keys = self.manager.keys()
+        if keys:
+            try:
+                self.master.call(REMOVED, {"node_id": self.node_id, "keys": keys}, timeout_s=1.0)
+            except errors.KVPoolError as exc:
+                log.info("could not withdraw %d keys from the master on close: %s", len(keys), exc)
         self._control.close(0)
         self.server.close()
         if self._replicator is not None:
