@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -8,8 +11,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpool import errors
 from kvpool.objformat import LayerRange, byte_view, spec_of
+from tiers.cxl import CxlTier
 from tiers.dram import DramTier
 from tiers.manager import TierManager
+from tiers.nvme import NvmeTier
 from tiers.policy import LRUPolicy, S3FIFOPolicy
 
 KiB = 1024
@@ -236,9 +241,32 @@ class S3FIFOMachine(ManagerMachine):
     policy = "s3fifo"
 
 
+class RealTiersMachine(ManagerMachine):
+    """The same rules over dram -> cxl (shared-memory file) -> nvme (O_DIRECT files + LMDB)."""
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        self.dir = tempfile.TemporaryDirectory(prefix="kvpool-machine-", dir="/var/tmp")
+        root = Path(self.dir.name)
+        self.manager = TierManager([
+            DramTier(160 * KiB, mlock=False),
+            CxlTier(root / "cxl", 240 * KiB),
+            NvmeTier(root / "nvme", 512 * KiB, segment_size=256 * KiB, io_chunk=64 * KiB),
+        ], policy="s3fifo")
+        self.expected = {}
+        self.pinned = []
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.dir.cleanup()
+
+
 _settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestManagerLRU = ManagerMachine.TestCase
 TestManagerLRU.settings = _settings
 TestManagerS3FIFO = S3FIFOMachine.TestCase
 TestManagerS3FIFO.settings = _settings
+TestManagerRealTiers = RealTiersMachine.TestCase
+TestManagerRealTiers.settings = settings(max_examples=25, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
