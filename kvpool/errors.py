@@ -127,5 +127,9 @@ class TransferError(KVPoolError):
     """A pull of KV bytes from a peer node failed."""
 
 
+class RemoteMissError(TransferError):
+    """The peer a key was pulled from no longer holds it (evicted or deleted since it was located)."""
+
+
 class KVTimeoutError(KVPoolError, TimeoutError):
     """An operation did not finish within its deadline."""

@@ -1,0 +1,1558 @@
+"""Pulling KV bytes between nodes over UCX (``ucxx``).
+
+Owns the wire protocol and the UCX plumbing for one operation: a client names
+``(key, layer range)`` and a :class:`PullServer` answers with exactly those
+bytes, which land straight in the client's preallocated ``out`` buffer.
+It does not own where bytes live or how keys are located: the node wires a
+*provider* callback into the server (tiers -> :class:`ServeSource`), and the
+pool asks the master which node to pull from.
+
+Threads and progress
+    Every :class:`PullServer` and :class:`PullClient` owns one UCX context and
+    one worker, driven by one dedicated thread (``_ProgressThread``). Only that
+    thread makes UCX calls; other threads submit closures to it and wait on
+    :class:`concurrent.futures.Future` objects (``pull_into``) or their asyncio
+    wrappers (``apull_into``). The thread progresses the worker in *blocking*
+    mode: when nothing is left to do it arms the worker and sleeps in
+    ``epoll_wait`` on the worker's event fd plus an eventfd used for wake-ups,
+    never spinning. On a 2-core machine running more processes than cores, two
+    busy-polling UCX processes take turns on one vCPU and a round trip costs
+    milliseconds; blocking progress costs one wake-up per event instead.
+
+Wire protocol (all tag messages; tags are 64-bit and matched worker-wide)
+    request  client -> server, tag ``REQUEST_TAG``: fixed header ``_REQUEST``
+             + key + (``auto`` transport only) the client's worker address.
+    status   server -> client, tag ``request_id << 20``: ``_STATUS`` + text.
+             OK carries the payload size and the chunk size the server uses.
+    data     server -> client, tag ``request_id << 20 | i`` for chunk
+             ``i = 1..n``: chunk ``i`` is bytes ``[(i-1)*chunk, i*chunk)`` of
+             the payload. The client posts its receives straight into slices
+             of ``out`` once the status arrives; UCX holds a rendezvous message
+             until its receive is posted, so large chunks are never staged.
+    hello    client -> server over the UCX *stream* API, once per listener
+             connection: 16 bytes naming the connection (``conn_id``, which
+             every request repeats), because a worker-wide tag receive cannot
+             tell which endpoint a request came from.
+
+Transports
+    ``"tcp"``: the client connects to the server's UCX listener
+        (``host``, ``port``) with endpoint error handling on, so UCX detects a
+        peer that dies (TCP reset, keepalive) and fails the pull at once.
+    ``"auto"``: for a peer on the same host (same ``host_id``) the client
+        connects to the server's *worker address* and the server replies to the
+        client's worker address, both with error handling **off**, which lets
+        UCX choose shared memory (posix/sysv/cma). UCX cannot detect a dead
+        peer on such endpoints, so only the pull deadline (``timeout_s``)
+        catches a holder that dies mid-pull; the server likewise drops a
+        client that stops receiving after ``send_timeout_s``. Peers on other
+        hosts, or without a worker address, use the listener as with ``"tcp"``.
+
+Failure rules
+    A miss is answered with a MISS status (:class:`errors.RemoteMissError` at
+    the client), a provider exception with an ERROR status carrying its text;
+    neither hangs the client. Any transport error or deadline on an endpoint
+    drops that endpoint from the client's cache and fails every pull still
+    using it: UCX cancels their receives as the endpoint closes, so no late
+    bytes land in an ``out`` buffer after its pull raised (on TCP; see the
+    ``"auto"`` caveat above). Callers still verify per-layer checksums.
+
+UCX environment
+    Importing ``ucxx`` sets ``UCX_MEMTYPE_CACHE=n``, ``UCX_RNDV_THRESH=8192``
+    and ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` unless already set. This module adds
+    ``UCX_WARN_UNUSED_ENV_VARS=n`` (ucxx's own variable otherwise triggers a
+    warning) and passes :data:`DEFAULT_UCX_OPTIONS` to its contexts unless the
+    matching ``UCX_*`` variable is set, so the environment always wins.
+    The ucxx listener binds the wildcard address; ``host`` is only the address
+    advertised to clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import mmap
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from kvpool import errors
+from kvpool.objformat import LayerRange
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import ucxx._lib.libucxx as ucx_api  # noqa: E402  (after the env var above)
+from ucxx._lib.arr import Array  # noqa: E402
+
+log = logging.getLogger("kvpool.transfer")
+
+MiB = 1 << 20
+
+#: UCX options passed to every context this module creates, unless the matching
+#: ``UCX_<NAME>`` environment variable is set. put_zcopy lets the sender write
+#: rendezvous data into the receiver's buffer; on TCP it was measured markedly
+#: faster than the default get-based scheme (see bench/transfer_bench.py).
+DEFAULT_UCX_OPTIONS: dict[str, str] = {"RNDV_SCHEME": "put_zcopy"}
+
+TRANSPORTS = ("tcp", "auto")
+
+# -- wire format ---------------------------------------------------------------
+
+PROTOCOL_VERSION = 1
+# Top bit set: never equal to a reply tag (request ids stay below 2**43).
+REQUEST_TAG = 0xC0DE_4B56_5055_4C4C
+_INDEX_BITS = 20
+_MAX_REQUEST_ID = (1 << (63 - _INDEX_BITS)) - 1
+_MAX_CHUNKS = (1 << _INDEX_BITS) - 1
+
+# magic, version, flags, key_len, addr_len, client_id, conn_id, request_id,
+# layer start, layer stop, capacity (bytes), max chunk (bytes)
+_REQUEST = struct.Struct("<4sBBHHQQQIIQQ")
+_REQUEST_MAGIC = b"KVPR"
+_FLAG_REPLY_TO_ADDRESS = 0x1
+_MAX_KEY_BYTES = 1024
+_MAX_ADDRESS_BYTES = 8192
+_REQUEST_BUFFER_NBYTES = _REQUEST.size + _MAX_KEY_BYTES + _MAX_ADDRESS_BYTES
+
+# magic, version, status, message length, request id, payload bytes, chunk bytes
+_STATUS = struct.Struct("<4sBBHQQQ")
+_STATUS_MAGIC = b"KVPS"
+_MAX_STATUS_TEXT = 1024
+_STATUS_BUFFER_NBYTES = _STATUS.size + _MAX_STATUS_TEXT
+
+_HELLO = struct.Struct("<4sBxxxQ")
+_HELLO_MAGIC = b"KVPH"
+
+STATUS_OK = 0
+STATUS_MISS = 1
+STATUS_ERROR = 2
+STATUS_BAD_RANGE = 3
+STATUS_OUT_TOO_SMALL = 4
+STATUS_BAD_REQUEST = 5
+
+_RECEIVES_POSTED = 4  # request receives kept posted on a server's worker
+_POLL_FALLBACK_S = 0.5  # wake at least this often even if UCX raised no event
+
+
+def local_host_id() -> str:
+    """Identifies this machine (hostname + kernel boot id) for the same-host fast path."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot_id = fh.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+# -- public value types -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where a node serves pulls: listener ``host``/``port``, plus its worker address.
+
+    ``worker_address`` and ``host_id`` enable the same-host shared-memory path
+    of ``transport="auto"``; both may be empty. ``to_wire``/``from_wire`` give a
+    msgpack-friendly form for publishing through the master.
+    """
+
+    host: str
+    port: int
+    worker_address: bytes = b""
+    host_id: str = ""
+
+    def to_wire(self) -> list[Any]:
+        return [self.host, self.port, self.worker_address, self.host_id]
+
+    @classmethod
+    def from_wire(cls, fields: Sequence[Any]) -> PeerAddress:
+        host, port, worker_address, host_id = fields
+        return cls(str(host), int(port), bytes(worker_address), str(host_id))
+
+
+@dataclass
+class ServeSource:
+    """What a provider hands the server for one pull.
+
+    Exactly one of:
+
+    * ``buffers``: memoryviews whose concatenation is the payload, sent in
+      place (memory tiers). They must stay valid until ``release`` is called.
+    * ``read_into(offset, out)``: fills ``out`` with payload bytes
+      ``[offset, offset + len(out))`` (nvme); the server calls it from a
+      worker thread with a reusable page-aligned staging buffer. It may
+      return the number of bytes read; a short read fails the pull.
+
+    ``release`` (optional) runs exactly once, on a worker thread, after the
+    last byte was sent or the pull failed: the node unpins the object there.
+    """
+
+    nbytes: int
+    buffers: Sequence[memoryview] = ()
+    read_into: Callable[[int, memoryview], int | None] | None = None
+    release: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {self.nbytes}")
+        if self.read_into is None:
+            views = []
+            for buf in self.buffers:
+                view = memoryview(buf)
+                if not view.c_contiguous:
+                    raise ValueError("ServeSource buffers must be C-contiguous")
+                views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+            total = sum(v.nbytes for v in views)
+            if total != self.nbytes:
+                raise ValueError(f"buffers hold {total} bytes, nbytes says {self.nbytes}")
+            self.buffers = views
+        elif self.buffers:
+            raise ValueError("give either buffers or read_into, not both")
+
+
+Provider = Callable[[bytes, LayerRange], "ServeSource | None"]
+
+
+# -- the progress thread -------------------------------------------------------------
+
+
+class _Timer:
+    __slots__ = ("callback", "cancelled")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _ProgressThread:
+    """One UCX context and worker, created, used and destroyed by one thread.
+
+    Other threads only call :meth:`submit` / :meth:`call`. Everything else
+    (``watch``, ``call_later``, the ``worker`` attribute) is for code already
+    running on the thread.
+    """
+
+    def __init__(self, name: str, ucx_options: Mapping[str, str] | None) -> None:
+        self.name = name
+        self.worker: Any = None
+        self.context: Any = None
+        self._options = _effective_ucx_options(ucx_options)
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._watched: list[tuple[Any, Callable[[BaseException | None], None], Any]] = []
+        self._timers: list[tuple[float, int, _Timer]] = []
+        self._timer_seq = itertools.count()
+        self._stop_requested = False
+        self._closed = False
+        self._finalizer: Callable[[], None] | None = None
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            os.close(self._wake_fd)
+            raise errors.TransferError(f"{name}: cannot start UCX: {self._start_error}") from (
+                self._start_error
+            )
+
+    # -- any thread --------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def on_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self._closed or self._stop_requested:
+            raise errors.PoolClosedError(f"{self.name} is closed")
+        self._commands.append(fn)
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:  # closed between the check and the write: the loop is gone
+            raise errors.PoolClosedError(f"{self.name} is closed") from None
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """:meth:`submit`, silently dropped once the thread is stopping (for UCX callbacks)."""
+        try:
+            self.submit(fn)
+        except errors.PoolClosedError:
+            pass
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        """Run ``fn`` on the thread and return its result (or raise its exception)."""
+        if self.on_thread():
+            return fn()
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the waiting thread
+                fut.set_exception(exc)
+
+        self.submit(run)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise errors.KVTimeoutError(f"{self.name} did not answer within {timeout_s}s") from None
+
+    def stop(self, finalizer: Callable[[], None], timeout_s: float = 30.0) -> None:
+        """Run ``finalizer`` on the thread, tear UCX down, and join the thread."""
+        if self._closed:
+            return
+        if self.on_thread():
+            raise RuntimeError("cannot stop the progress thread from itself")
+        self._finalizer = finalizer
+        self._stop_requested = True
+        os.eventfd_write(self._wake_fd, 1)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("%s: progress thread did not stop within %ss", self.name, timeout_s)
+            return
+        self._closed = True
+        os.close(self._wake_fd)
+
+    # -- thread only -------------------------------------------------------------
+
+    def watch(self, request: Any, on_done: Callable[[BaseException | None], None], buffer: Any) -> None:
+        """Call ``on_done(error_or_None)`` once ``request`` completes.
+
+        Holds the request and its ``buffer`` (the ``Array``) until then: ucxx
+        cancels a request whose Python object is collected, and a request does
+        not keep its buffer alive.
+        """
+        self._watched.append((request, on_done, buffer))
+
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(callback)
+        heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), timer))
+        return timer
+
+    # -- the loop ------------------------------------------------------------------
+
+    def _main(self) -> None:
+        epoll = None
+        try:
+            self.context = ucx_api.UCXContext(
+                dict(self._options),
+                feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP),
+            )
+            self.worker = ucx_api.UCXWorker(self.context)
+            self.worker.init_blocking_progress_mode()
+            epoll = select.epoll()
+            epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
+            epoll.register(self._wake_fd, select.EPOLLIN)
+        except Exception as exc:  # reported to the constructor
+            self._start_error = exc
+            self.worker = self.context = None
+            if epoll is not None:
+                epoll.close()
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop(epoll)
+        finally:
+            self._teardown(epoll)
+
+    def _loop(self, epoll: select.epoll) -> None:
+        worker = self.worker
+        while not self._stop_requested:
+            busy = self._run_commands()
+            worker.progress()
+            busy = self._reap() or busy
+            busy = self._run_due_timers() or busy
+            if busy or self._commands:
+                continue
+            # arm() fails while UCX still has events to process: progress again.
+            if not worker.arm():
+                continue
+            epoll.poll(self._poll_timeout())
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+
+    def _teardown(self, epoll: select.epoll) -> None:
+        try:
+            self._run_commands()
+            if self._finalizer is not None:
+                try:
+                    self._finalizer()
+                except Exception:
+                    log.exception("%s: error while closing", self.name)
+            # Deliver the cancellations the finalizer caused.
+            for _ in range(3):
+                self.worker.progress()
+                self._reap()
+        finally:
+            epoll.close()
+            self._watched.clear()
+            self._timers.clear()
+            self._commands.clear()
+            self.worker = None
+            self.context = None
+
+    def _run_commands(self) -> bool:
+        ran = False
+        while self._commands:
+            fn = self._commands.popleft()
+            ran = True
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: command failed", self.name)
+        return ran
+
+    def _reap(self) -> bool:
+        if not self._watched:
+            return False
+        done = [item for item in self._watched if item[0].completed]
+        if not done:
+            return False
+        finished = {id(item[0]) for item in done}
+        self._watched = [item for item in self._watched if id(item[0]) not in finished]
+        for request, on_done, _buffer in done:
+            try:
+                request.check_error()
+                error: BaseException | None = None
+            except Exception as exc:
+                error = exc
+            try:
+                on_done(error)
+            except Exception:
+                log.exception("%s: completion callback failed", self.name)
+        return True
+
+    def _run_due_timers(self) -> bool:
+        now = time.monotonic()
+        ran = False
+        while self._timers and self._timers[0][0] <= now:
+            _, _, timer = heapq.heappop(self._timers)
+            if timer.cancelled:
+                continue
+            ran = True
+            try:
+                timer.callback()
+            except Exception:
+                log.exception("%s: timer callback failed", self.name)
+        return ran
+
+    def _poll_timeout(self) -> float:
+        while self._timers and self._timers[0][2].cancelled:
+            heapq.heappop(self._timers)
+        if not self._timers:
+            return _POLL_FALLBACK_S
+        return max(0.0, min(_POLL_FALLBACK_S, self._timers[0][0] - time.monotonic()))
+
+
+def _effective_ucx_options(extra: Mapping[str, str] | None) -> dict[str, str]:
+    options = {**DEFAULT_UCX_OPTIONS, **(extra or {})}
+    # The environment wins, so UCX_* variables keep their usual meaning.
+    return {k: str(v) for k, v in options.items() if f"UCX_{k}" not in os.environ}
+
+
+def _close_endpoint(ep: Any) -> None:
+    # close_blocking cancels the endpoint's in-flight requests, then closes it
+    # (forcibly when error handling is on). The non-blocking close() returns a
+    # request that may be null, which ucxx cannot safely free.
+    try:
+        ep.close_blocking()
+    except Exception as exc:
+        log.debug("closing endpoint: %s", exc)
+
+
+def _reply_tag(request_id: int, index: int) -> Any:
+    return ucx_api.UCXXTag((request_id << _INDEX_BITS) | index)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+# -- server ------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Request:
+    client_id: int
+    conn_id: int
+    request_id: int
+    key: bytes
+    layer_range: LayerRange
+    capacity: int
+    max_chunk: int
+    reply_address: bytes
+
+
+class _StagingPool:
+    """Page-aligned buffers reused for nvme reads (O_DIRECT needs the alignment)."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._limit = count
+        self._free: list[mmap.mmap] = []
+        self._made = 0
+        self.waiting: collections.deque[_ServeJob] = collections.deque()
+
+    def take(self) -> mmap.mmap | None:
+        if self._free:
+            return self._free.pop()
+        if self._made < self._limit:
+            self._made += 1
+            return mmap.mmap(-1, self.nbytes)
+        return None
+
+    def give(self, buf: mmap.mmap) -> None:
+        self._free.append(buf)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free) + self._limit - self._made
+
+    def close(self) -> None:
+        for buf in self._free:
+            try:
+                buf.close()
+            except BufferError:  # still exported to an in-flight send; freed with it
+                pass
+        self._free.clear()
+
+
+@dataclass(eq=False)
+class _ServeJob:
+    request: _Request
+    ep: Any
+    source: ServeSource | None = None
+    chunk: int = 0
+    chunks_total: int = 0
+    chunks_started: int = 0
+    chunks_done: int = 0
+    reads_in_flight: int = 0
+    finished: bool = False
+    timer: _Timer | None = None
+    staging: list[mmap.mmap] = field(default_factory=list)
+
+
+class PullServer:
+    """Serves ``(key, layer range)`` pulls from this process over UCX.
+
+    ``provider(key, layer_range)`` is called on a worker thread for each pull
+    and returns a :class:`ServeSource`, or ``None`` for a miss. It may raise:
+    the client then gets a typed error (``LayerRangeError`` for a bad range,
+    ``TransferError`` with the exception's text otherwise) instead of a hang.
+    Providers should not block indefinitely: a stalled provider ties up one of
+    ``provider_threads`` and its client times out.
+
+    Counters (read from any thread): ``bytes_sent`` (payload bytes whose send
+    completed), ``messages_sent`` (payload messages), ``requests_served`` (pulls fully sent), ``misses``,
+    ``errors`` (provider errors, failed or timed-out sends, malformed
+    requests); ``stats()["in_flight"]`` counts pulls not yet fully released.
+    """
+
+    def __init__(
+        self,
+        provider: Provider,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message: int = 16 * MiB,
+        *,
+        send_timeout_s: float = 30.0,
+        provider_threads: int = 4,
+        staging_buffers: int = 4,
+        ucx_options: Mapping[str, str] | None = None,
+        name: str = "kvpool-pull-server",
+    ) -> None:
+        if max_message < 4096:
+            raise ValueError(f"max_message must be at least 4096 bytes, got {max_message}")
+        self._provider = provider
+        self._host = host
+        self._requested_port = port
+        self.max_message = max_message
+        self.send_timeout_s = send_timeout_s
+        self._provider_threads = provider_threads
+        self._staging_count = max(2, staging_buffers)
+        self._ucx_options = ucx_options
+        self._name = name
+        self._engine: _ProgressThread | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._listener: Any = None
+        self._port = 0
+        self._worker_address = b""
+        self._host_id = local_host_id()
+        # Progress-thread state.
+        self._recv_slots: list[tuple[Any, bytearray]] = []
+        self._pending_hello: set[Any] = set()
+        self._conns: dict[int, Any] = {}  # conn_id -> endpoint replies go out on
+        self._reply_conn: dict[int, int] = {}  # client_id -> conn_id of its worker-address reply endpoint
+        self._parked: dict[int, list[_Request]] = {}
+        self._jobs: set[_ServeJob] = set()
+        self._staging: _StagingPool | None = None
+        self._releasing = 0  # sources whose release() is queued or running
+        self._awaiting_provider: set[_ServeJob] = set()  # provider call not returned yet
+        self.bytes_sent = 0
+        self.messages_sent = 0
+        self.requests_served = 0
+        self.misses = 0
+        self.errors = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> PullServer:
+        """Create the UCX worker and listener; returns ``self``. Idempotent."""
+        if self._engine is not None:
+            return self
+        engine = _ProgressThread(self._name, self._ucx_options)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self._provider_threads, thread_name_prefix=f"{self._name}-io"
+        )
+        self._engine = engine
+        try:
+            engine.call(self._start_on_thread)
+        except BaseException:
+            self.close()
+            raise
+        log.info("%s: serving pulls on %s:%d", self._name, self._host, self._port)
+        return self
+
+    def _start_on_thread(self) -> None:
+        engine = self._engine
+        assert engine is not None
+        self._listener = ucx_api.UCXListener.create(
+            engine.worker, self._requested_port, self._on_connection
+        )
+        self._port = self._listener.port
+        self._worker_address = engine.worker.address.tobytes()
+        for _ in range(_RECEIVES_POSTED):
+            self._post_request_receive()
+
+    def close(self) -> None:
+        """Stop serving: close endpoints and listener, release sources, join threads."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.stop(self._close_on_thread)
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
+    def _close_on_thread(self) -> None:
+        self._listener = None  # ucp_listener_destroy: no new connections
+        for job in list(self._jobs):
+            self._finish(job, ok=False, reason="server closing", close_ep=False)
+        eps = list(self._pending_hello) + list(self._conns.values())
+        self._pending_hello.clear()
+        self._conns.clear()
+        self._reply_conn.clear()
+        self._parked.clear()
+        for ep in eps:
+            _close_endpoint(ep)
+        self._recv_slots.clear()
+
+    def __enter__(self) -> PullServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- addresses and counters ---------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) of the UCX listener (``host`` is what was advertised)."""
+        self._require_started()
+        return (self._host, self._port)
+
+    @property
+    def worker_address(self) -> bytes:
+        """This server's UCX worker address (same-host fast path)."""
+        self._require_started()
+        return self._worker_address
+
+    @property
+    def peer_address(self) -> PeerAddress:
+        self._require_started()
+        return PeerAddress(self._host, self._port, self._worker_address, self._host_id)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "messages_sent": self.messages_sent,
+            "requests_served": self.requests_served,
+            "misses": self.misses,
+            "errors": self.errors,
+            "in_flight": len(self._jobs | self._awaiting_provider) + self._releasing,
+        }
+
+    def _require_started(self) -> None:
+        if self._engine is None:
+            raise errors.PoolClosedError(f"{self._name} is not started")
+
+    # -- connections (progress thread) ---------------------------------------------------
+
+    def _on_connection(self, conn_request: int) -> None:
+        ep = self._listener.create_endpoint_from_conn_request(conn_request, True)
+        # Called from inside UCX when the client goes away; sweep afterwards,
+        # never close an endpoint from within its own error callback.
+        ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_connections,))
+        hello = bytearray(_HELLO.size)
+        self._pending_hello.add(ep)
+        array = Array(hello)
+        self._engine.watch(ep.stream_recv(array), lambda err: self._on_hello(ep, hello, err), array)
+
+    def _on_hello(self, ep: Any, hello: bytearray, error: BaseException | None) -> None:
+        self._pending_hello.discard(ep)
+        if error is not None:
+            log.debug("%s: connection closed before its hello: %s", self._name, error)
+            _close_endpoint(ep)
+            return
+        magic, version, conn_id = _HELLO.unpack(hello)
+        if magic != _HELLO_MAGIC or version != PROTOCOL_VERSION or conn_id in self._conns:
+            self.errors += 1
+            log.warning("%s: bad hello %r, dropping connection", self._name, bytes(hello))
+            _close_endpoint(ep)
+            return
+        self._conns[conn_id] = ep
+        for request in self._parked.pop(conn_id, []):
+            self._dispatch(request, ep)
+
+    def _sweep_dead_connections(self) -> None:
+        for ep in [ep for ep in self._conns.values() if not ep.alive]:
+            self._drop_client(ep)
+        for ep in [ep for ep in self._pending_hello if not ep.alive]:
+            self._pending_hello.discard(ep)
+            _close_endpoint(ep)
+
+    # -- requests (progress thread) ----------------------------------------------------------
+
+    def _post_request_receive(self) -> None:
+        buf = bytearray(_REQUEST_BUFFER_NBYTES)
+        array = Array(buf)
+        req = self._engine.worker.tag_recv(array, ucx_api.UCXXTag(REQUEST_TAG))
+        slot = (req, buf)
+        self._recv_slots.append(slot)
+        self._engine.watch(req, lambda err: self._on_request_frame(slot, err), array)
+
+    def _on_request_frame(self, slot: tuple[Any, bytearray], error: BaseException | None) -> None:
+        self._recv_slots.remove(slot)
+        if self._engine is None or self._listener is None:
+            return  # closing
+        self._post_request_receive()
+        if error is not None:
+            self.errors += 1
+            log.warning("%s: request receive failed: %s", self._name, _describe(error))
+            return
+        try:
+            request = _parse_request(slot[1])
+        except errors.ProtocolError as exc:
+            self.errors += 1
+            log.warning("%s: dropping malformed request: %s", self._name, exc)
+            return
+        ep = self._conns.get(request.conn_id)
+        if ep is None and request.reply_address:
+            ep = self._connect_reply_endpoint(request)
+            if ep is None:
+                return
+        if ep is None:
+            # The request overtook the connection's hello; serve it once that
+            # arrives, or forget it (the client's deadline reports the failure).
+            self._parked.setdefault(request.conn_id, []).append(request)
+            self._engine.call_later(self.send_timeout_s, lambda: self._unpark(request))
+            return
+        self._dispatch(request, ep)
+
+    def _connect_reply_endpoint(self, request: _Request) -> Any:
+        """Endpoint to a same-host client's worker address, one per client.
+
+        A client that dropped its endpoint to us (deadline, error) reconnects
+        under a new ``conn_id``. UCX pairs the two endpoints a pair of workers
+        create toward each other, so our old reply endpoint points at the
+        closed one and must be replaced, not reused.
+        """
+        stale = self._conns.get(self._reply_conn.get(request.client_id, -1))
+        if stale is not None:
+            self._drop_client(stale)
+        try:
+            address = ucx_api.UCXAddress.create_from_buffer(request.reply_address)
+            ep = self._engine.worker.create_endpoint_from_worker_address(address, False)
+        except Exception as exc:
+            self.errors += 1
+            log.warning("%s: cannot reach client by worker address: %s", self._name, exc)
+            return None
+        self._conns[request.conn_id] = ep
+        self._reply_conn[request.client_id] = request.conn_id
+        return ep
+
+    def _unpark(self, request: _Request) -> None:
+        parked = self._parked.get(request.conn_id)
+        if parked and request in parked:
+            parked.remove(request)
+            self.errors += 1
+            if not parked:
+                del self._parked[request.conn_id]
+
+    def _dispatch(self, request: _Request, ep: Any) -> None:
+        job = _ServeJob(request, ep)
+        self._jobs.add(job)
+        job.timer = self._engine.call_later(self.send_timeout_s, lambda: self._on_send_timeout(job))
+        self._awaiting_provider.add(job)
+        assert self._executor is not None
+        self._executor.submit(self._call_provider, job)
+
+    def _call_provider(self, job: _ServeJob) -> None:
+        # Runs on a worker thread: providers may take locks or touch disk.
+        try:
+            outcome: ServeSource | BaseException | None = self._provider(
+                job.request.key, job.request.layer_range
+            )
+        except BaseException as exc:
+            outcome = exc
+        try:
+            engine = self._engine
+            if engine is None:
+                raise errors.PoolClosedError("closing")
+            engine.submit(lambda: self._on_source(job, outcome))
+        except errors.PoolClosedError:
+            if isinstance(outcome, ServeSource) and outcome.release is not None:
+                outcome.release()
+
+    def _on_source(self, job: _ServeJob, outcome: ServeSource | BaseException | None) -> None:
+        request = job.request
+        self._awaiting_provider.discard(job)
+        if isinstance(outcome, ServeSource):
+            job.source = outcome
+        if job.finished:  # timed out or closed while the provider ran
+            self._release(job)
+            return
+        if outcome is None:
+            self.misses += 1
+            self._send_status(job, STATUS_MISS, text=f"key {request.key.hex()} not held here")
+            self._finish(job, ok=True, counted=False)
+            return
+        if isinstance(outcome, BaseException):
+            status = STATUS_BAD_RANGE if isinstance(outcome, errors.LayerRangeError) else STATUS_ERROR
+            self._send_status(job, status, text=_describe(outcome))
+            self._finish(job, ok=False, reason=f"provider failed: {_describe(outcome)}")
+            return
+        if not isinstance(outcome, ServeSource):
+            self._send_status(job, STATUS_ERROR, text=f"provider returned {type(outcome).__name__}")
+            self._finish(job, ok=False, reason="provider returned a non-ServeSource")
+            return
+        source = outcome
+        if source.nbytes > request.capacity:
+            self._send_status(
+                job, STATUS_OUT_TOO_SMALL,
+                text=f"payload is {source.nbytes} bytes, out buffer holds {request.capacity}",
+            )
+            self._finish(job, ok=False, reason="client buffer too small", counted=False)
+            return
+        job.chunk = max(1, min(request.max_chunk, self.max_message))
+        job.chunks_total = -(-source.nbytes // job.chunk)
+        if job.chunks_total > _MAX_CHUNKS:
+            self._send_status(job, STATUS_ERROR, text="payload needs too many messages")
+            self._finish(job, ok=False, reason="too many chunks")
+            return
+        if not self._send_status(job, STATUS_OK, nbytes=source.nbytes, chunk=job.chunk):
+            return
+        if job.chunks_total == 0:
+            self._finish(job, ok=True)
+        elif source.read_into is None:
+            self._send_buffers(job)
+        else:
+            self._pump_reads(job)
+
+    def _send_status(
+        self, job: _ServeJob, status: int, *, text: str = "", nbytes: int = 0, chunk: int = 0
+    ) -> bool:
+        array = Array(_pack_status(job.request.request_id, status, nbytes, chunk, text))
+        try:
+            req = job.ep.tag_send(array, _reply_tag(job.request.request_id, 0))
+        except Exception as exc:
+            self._on_send_failed(job, exc)
+            return False
+        self._engine.watch(req, lambda err: err is None or self._on_send_failed(job, err), array)
+        return True
+
+    def _send_buffers(self, job: _ServeJob) -> None:
+        source = job.source
+        assert source is not None
+        views = list(source.buffers)
+        index, offset = 0, 0  # position in views
+        for i in range(job.chunks_total):
+            want = min(job.chunk, source.nbytes - i * job.chunk)
+            pieces: list[memoryview] = []
+            while want:
+                view = views[index]
+                take = min(want, view.nbytes - offset)
+                pieces.append(view[offset:offset + take])
+                offset += take
+                want -= take
+                if offset == view.nbytes:
+                    index, offset = index + 1, 0
+            # A chunk straddling two buffers is gathered: the rare path (memory
+            # tiers hand one contiguous extent), and still one message.
+            payload = pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
+            if not self._send_chunk(job, i + 1, payload):
+                return
+
+    def _send_chunk(self, job: _ServeJob, index: int, payload: memoryview, staging: mmap.mmap | None = None) -> bool:
+        job.chunks_started += 1
+        nbytes = payload.nbytes
+        array = Array(payload)
+        try:
+            req = job.ep.tag_send(array, _reply_tag(job.request.request_id, index))
+        except Exception as exc:
+            if staging is not None:
+                self._give_staging(job, staging)
+            self._on_send_failed(job, exc)
+            return False
+        self._engine.watch(req, lambda err: self._on_chunk_sent(job, nbytes, staging, err), array)
+        return True
+
+    def _on_chunk_sent(
+        self, job: _ServeJob, nbytes: int, staging: mmap.mmap | None, error: BaseException | None
+    ) -> None:
+        if staging is not None:
+            self._give_staging(job, staging)
+        if error is not None:
+            self._on_send_failed(job, error)
+            return
+        self.bytes_sent += nbytes
+        self.messages_sent += 1
+        job.chunks_done += 1
+        if job.chunks_done == job.chunks_total and not job.finished:
+            self._finish(job, ok=True)
+        elif job.source is not None and job.source.read_into is not None:
+            self._pump_reads(job)
+
+    def _on_send_failed(self, job: _ServeJob, error: BaseException) -> None:
+        if not job.finished:
+            self._finish(job, ok=False, reason=f"send failed: {_describe(error)}", close_ep=True)
+
+    def _on_send_timeout(self, job: _ServeJob) -> None:
+        if not job.finished:
+            self._finish(
+                job, ok=False, reason=f"client did not receive within {self.send_timeout_s}s",
+                close_ep=True,
+            )
+
+    # -- nvme read path (progress thread + worker threads) ---------------------------------------
+
+    def _pump_reads(self, job: _ServeJob) -> None:
+        if self._staging is None:
+            self._staging = _StagingPool(self._staging_count, self.max_message)
+        pool = self._staging
+        # Two buffers per pull: read chunk i+1 while chunk i is on the wire.
+        while (not job.finished and job.chunks_started + job.reads_in_flight < job.chunks_total
+               and job.reads_in_flight + (job.chunks_started - job.chunks_done) < 2):
+            buf = pool.take()
+            if buf is None:
+                if job not in pool.waiting:
+                    pool.waiting.append(job)
+                return
+            job.staging.append(buf)
+            index = job.chunks_started + job.reads_in_flight + 1
+            job.reads_in_flight += 1
+            assert self._executor is not None
+            self._executor.submit(self._read_chunk, job, index, buf)
+
+    def _read_chunk(self, job: _ServeJob, index: int, buf: mmap.mmap) -> None:
+        source = job.source
+        assert source is not None and source.read_into is not None
+        offset = (index - 1) * job.chunk
+        nbytes = min(job.chunk, source.nbytes - offset)
+        view = memoryview(buf)[:nbytes]
+        error: BaseException | None = None
+        try:
+            got = source.read_into(offset, view)
+            if got is not None and got != nbytes:
+                raise errors.TransferError(f"short read: {got} of {nbytes} bytes at {offset}")
+        except BaseException as exc:
+            error = exc
+        finally:
+            view.release()
+        try:
+            engine = self._engine
+            if engine is None:
+                raise errors.PoolClosedError("closing")
+            engine.submit(lambda: self._on_chunk_read(job, index, buf, nbytes, error))
+        except errors.PoolClosedError:
+            pass
+
+    def _on_chunk_read(
+        self, job: _ServeJob, index: int, buf: mmap.mmap, nbytes: int, error: BaseException | None
+    ) -> None:
+        job.reads_in_flight -= 1
+        if job.finished:
+            self._give_staging(job, buf)
+            return
+        if error is not None:
+            self._give_staging(job, buf)
+            # The OK status is already out: the client learns of the failure
+            # through its deadline or the endpoint closing.
+            self._finish(job, ok=False, reason=f"read failed: {_describe(error)}", close_ep=True)
+            return
+        # Reads may finish out of order; tags carry the chunk index, so order is free.
+        self._send_chunk(job, index, memoryview(buf)[:nbytes], staging=buf)
+
+    def _give_staging(self, job: _ServeJob, buf: mmap.mmap) -> None:
+        if buf in job.staging:
+            job.staging.remove(buf)
+        pool = self._staging
+        if pool is None:
+            return
+        pool.give(buf)
+        # Hand free buffers to waiting pulls until one is taken or none waits.
+        free_before = pool.free_count
+        while pool.waiting and pool.free_count >= free_before:
+            waiter = pool.waiting.popleft()
+            if not waiter.finished:
+                self._pump_reads(waiter)
+
+    # -- finishing ------------------------------------------------------------------------
+
+    def _finish(
+        self, job: _ServeJob, *, ok: bool, reason: str = "", close_ep: bool = False,
+        counted: bool = True,
+    ) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        self._jobs.discard(job)
+        if job.timer is not None:
+            job.timer.cancel()
+        if ok and counted:
+            self.requests_served += 1
+        elif not ok:
+            if counted:
+                self.errors += 1
+            log.info("%s: pull of %s failed: %s", self._name, job.request.key.hex(), reason)
+        if close_ep:
+            self._drop_client(job.ep)
+        self._release(job)
+
+    def _release(self, job: _ServeJob) -> None:
+        source, job.source = job.source, None
+        if source is None or source.release is None:
+            return
+        # Still-running reads hold the source; they see job.finished and stop.
+        executor, engine = self._executor, self._engine
+        if executor is None or engine is None:
+            _safe_release(source.release)
+            return
+        self._releasing += 1
+        release = source.release
+
+        def run_release() -> None:
+            _safe_release(release)
+            engine.post(self._released_one)
+
+        executor.submit(run_release)
+
+    def _released_one(self) -> None:
+        self._releasing -= 1
+
+    def _drop_client(self, ep: Any) -> None:
+        for conn_id, known in list(self._conns.items()):
+            if known is ep:
+                del self._conns[conn_id]
+                for client_id, reply_conn in list(self._reply_conn.items()):
+                    if reply_conn == conn_id:
+                        del self._reply_conn[client_id]
+        for other in list(self._jobs):
+            if other.ep is ep:
+                self._finish(other, ok=False, reason="connection dropped")
+        _close_endpoint(ep)
+
+
+def _safe_release(release: Callable[[], None]) -> None:
+    try:
+        release()
+    except Exception:
+        log.exception("ServeSource.release failed")
+
+
+def _parse_request(buf: bytearray) -> _Request:
+    try:
+        (magic, version, flags, key_len, addr_len, client_id, conn_id, request_id, start, stop,
+         capacity, max_chunk) = _REQUEST.unpack_from(buf, 0)
+    except struct.error as exc:
+        raise errors.ProtocolError(f"request too short: {exc}") from None
+    if magic != _REQUEST_MAGIC:
+        raise errors.ProtocolError(f"bad request magic {bytes(magic)!r}")
+    if version != PROTOCOL_VERSION:
+        raise errors.ProtocolError(f"request protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+    if key_len > _MAX_KEY_BYTES or addr_len > _MAX_ADDRESS_BYTES:
+        raise errors.ProtocolError("request key or address too long")
+    if not start < stop or request_id > _MAX_REQUEST_ID or max_chunk <= 0:
+        raise errors.ProtocolError("request fields out of range")
+    key_end = _REQUEST.size + key_len
+    address = bytes(buf[key_end:key_end + addr_len]) if flags & _FLAG_REPLY_TO_ADDRESS else b""
+    return _Request(client_id, conn_id, request_id, bytes(buf[_REQUEST.size:key_end]),
+                    LayerRange(start, stop), capacity, max_chunk, address)
+
+
+def _pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: str) -> bytearray:
+    encoded = text.encode("utf-8", "replace")[:_MAX_STATUS_TEXT]
+    frame = bytearray(_STATUS.size + len(encoded))
+    _STATUS.pack_into(frame, 0, _STATUS_MAGIC, PROTOCOL_VERSION, status, len(encoded),
+                      request_id, nbytes, chunk)
+    frame[_STATUS.size:] = encoded
+    return frame
+
+
+# -- client ------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Peer:
+    """A cached endpoint to one server and the pulls using it."""
+
+    key: tuple[Any, ...]
+    ep: Any
+    error_handling: bool
+    label: str
+    conn_id: int = field(default_factory=lambda: secrets.randbits(64))
+    pulls: set[_Pull] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Pull:
+    address: PeerAddress
+    key: bytes
+    layer_range: LayerRange
+    out: memoryview
+    timeout_s: float
+    future: concurrent.futures.Future[int]
+    request_id: int = 0
+    peer: _Peer | None = None
+    status_buf: bytearray = field(default_factory=lambda: bytearray(_STATUS_BUFFER_NBYTES))
+    nbytes: int = 0
+    chunks_left: int = 0
+    done: bool = False
+    timer: _Timer | None = None
+
+
+class PullClient:
+    """Pulls ``(key, layer range)`` from :class:`PullServer` peers into caller buffers.
+
+    Thread-safe: any number of threads may call :meth:`pull_into`, and
+    :meth:`apull_into` works from any asyncio loop; all UCX work happens on the
+    client's own progress thread. Endpoints are cached per peer and dropped on
+    any error or deadline. ``transport`` is ``"tcp"`` or ``"auto"`` (see the
+    module docstring for the trade-off).
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: str = "tcp",
+        max_message: int = 16 * MiB,
+        ucx_options: Mapping[str, str] | None = None,
+        name: str = "kvpool-pull-client",
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if max_message < 4096:
+            raise ValueError(f"max_message must be at least 4096 bytes, got {max_message}")
+        self.transport = transport
+        self.max_message = max_message
+        self._name = name
+        self._client_id = secrets.randbits(64)
+        self._host_id = local_host_id()
+        self._request_ids = itertools.count(1)
+        self._peers: dict[tuple[Any, ...], _Peer] = {}
+        self._engine = _ProgressThread(name, ucx_options)
+        self._worker_address: bytes = self._engine.call(lambda: self._engine.worker.address.tobytes())
+        self._closing = False
+        self.pulls = 0
+        self.failures = 0
+        self.timeouts = 0
+        self.bytes_received = 0
+
+    # -- public API ------------------------------------------------------------------------
+
+    def pull_into(
+        self,
+        address: PeerAddress | tuple[str, int],
+        key: bytes,
+        layer_range: LayerRange | tuple[int, int] | range,
+        out: Any,
+        *,
+        timeout_s: float = 10.0,
+    ) -> int:
+        """Pull the bytes of ``layer_range`` of ``key`` from ``address`` into ``out``.
+
+        ``out`` is any writable C-contiguous buffer (numpy array, bytearray,
+        memoryview, mmap) at least as large as the payload; bytes land in it
+        directly. Returns the number of bytes received (the payload size).
+
+        Raises :class:`errors.RemoteMissError` if the peer does not hold the
+        key, :class:`errors.LayerRangeError` if the range is outside the
+        object, :class:`errors.OutBufferError` if ``out`` is unusable or too
+        small, :class:`errors.TransferError` on any other remote or transport
+        failure, and :class:`errors.KVTimeoutError` if the pull is not complete
+        within ``timeout_s``. After an exception the content of ``out`` is
+        undefined (possibly partly written), never reported as valid.
+        """
+        future = self._submit(address, key, layer_range, out, timeout_s)
+        try:
+            # The progress thread enforces the deadline; the slack only guards
+            # against a wedged thread.
+            return future.result(timeout_s + 5.0)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # KVTimeoutError is a TimeoutError too: the deadline's own
+                raise
+            self._abort(future)
+            raise errors.KVTimeoutError(
+                f"pull of {bytes(key).hex()}: progress thread unresponsive after {timeout_s}s") from None
+
+    async def apull_into(
+        self,
+        address: PeerAddress | tuple[str, int],
+        key: bytes,
+        layer_range: LayerRange | tuple[int, int] | range,
+        out: Any,
+        *,
+        timeout_s: float = 10.0,
+    ) -> int:
+        """Asyncio twin of :meth:`pull_into` (same arguments, result and errors).
+
+        Several may be in flight at once (e.g. layer ``i+1`` while the caller
+        uses layer ``i``). Cancelling the awaiting task does not disturb other
+        pulls sharing the endpoint: the pull runs on in the background (its
+        result discarded) until it completes or reaches its deadline, so
+        ``out`` may still be written until then. It stays referenced, never
+        freed under UCX.
+        """
+        return await asyncio.wrap_future(self._submit(address, key, layer_range, out, timeout_s))
+
+    def close(self) -> None:
+        """Fail pulls still in flight, close endpoints and stop the progress thread."""
+        if self._engine.closed or self._closing:
+            return
+        self._closing = True
+        self._engine.stop(self._close_on_thread)
+
+    def __enter__(self) -> PullClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def worker_address(self) -> bytes:
+        return self._worker_address
+
+    def stats(self) -> dict[str, int]:
+        """Counters: pulls completed and failed, timeouts among them, bytes received."""
+        return {
+            "peers": len(self._peers),
+            "pulls": self.pulls,
+            "failures": self.failures,
+            "timeouts": self.timeouts,
+            "bytes_received": self.bytes_received,
+        }
+
+    # -- submission (caller's thread) -----------------------------------------------------------
+
+    def _submit(
+        self,
+        address: PeerAddress | tuple[str, int],
+        key: bytes,
+        layer_range: LayerRange | tuple[int, int] | range,
+        out: Any,
+        timeout_s: float,
+    ) -> concurrent.futures.Future[int]:
+        if self._closing:
+            raise errors.PoolClosedError(f"{self._name} is closed")
+        peer = _as_peer_address(address)
+        if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= _MAX_KEY_BYTES:
+            raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        pull = _Pull(
+            address=peer,
+            key=bytes(key),
+            layer_range=_as_layer_range(layer_range),
+            out=_as_out_view(out),
+            timeout_s=float(timeout_s),
+            future=concurrent.futures.Future(),
+        )
+        pull.future.kvpool_pull = pull  # type: ignore[attr-defined]  # for _abort
+        self._engine.submit(lambda: self._start(pull))
+        return pull.future
+
+    def _abort(self, future: concurrent.futures.Future[int]) -> None:
+        pull = getattr(future, "kvpool_pull", None)
+        if pull is None:
+            return
+        try:
+            self._engine.submit(
+                lambda: self._fail(pull, errors.TransferError("pull cancelled"), drop_peer=True)
+            )
+        except errors.PoolClosedError:
+            pass
+
+    # -- progress thread ------------------------------------------------------------------------
+
+    def _start(self, pull: _Pull) -> None:
+        pull.timer = self._engine.call_later(pull.timeout_s, lambda: self._on_deadline(pull))
+        if pull.future.cancelled():
+            self._fail(pull, errors.TransferError("pull cancelled"))
+            return
+        try:
+            peer = self._peer_for(pull.address)
+        except Exception as exc:
+            self._fail(pull, errors.TransferError(f"cannot connect to {pull.address.host}:{pull.address.port}: {_describe(exc)}"))
+            return
+        pull.peer = peer
+        peer.pulls.add(pull)
+        pull.request_id = next(self._request_ids) & _MAX_REQUEST_ID
+        reply_address = b"" if peer.error_handling else self._worker_address
+        frame = _pack_request(self._client_id, peer.conn_id, pull, self.max_message, reply_address)
+        status_array, frame_array = Array(pull.status_buf), Array(frame)
+        try:
+            status_req = peer.ep.tag_recv(status_array, _reply_tag(pull.request_id, 0))
+            send_req = peer.ep.tag_send(frame_array, ucx_api.UCXXTag(REQUEST_TAG))
+        except Exception as exc:
+            self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(exc)}"), drop_peer=True)
+            return
+        self._engine.watch(status_req, lambda err: self._on_status(pull, err), status_array)
+        self._engine.watch(send_req, lambda err: err is None or self._fail(
+            pull, errors.TransferError(f"{peer.label}: request send failed: {_describe(err)}"),
+            drop_peer=True), frame_array)
+
+    def _peer_for(self, address: PeerAddress) -> _Peer:
+        use_worker_address = (
+            self.transport == "auto" and bool(address.worker_address) and address.host_id == self._host_id
+        )
+        key: tuple[Any, ...] = ("wa", address.worker_address) if use_worker_address else ("tcp", address.host, address.port)
+        peer = self._peers.get(key)
+        if peer is not None and peer.error_handling and not peer.ep.alive:
+            self._drop_peer(peer, "endpoint failed while idle")
+            peer = None
+        if peer is not None:
+            return peer
+        worker = self._engine.worker
+        if use_worker_address:
+            ucx_address = ucx_api.UCXAddress.create_from_buffer(address.worker_address)
+            ep = worker.create_endpoint_from_worker_address(ucx_address, False)
+            peer = _Peer(key, ep, False, f"{address.host}:{address.port} (worker address)")
+        else:
+            ep = ucx_api.UCXEndpoint.create(worker, address.host, address.port, True)
+            ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_peers,))
+            peer = _Peer(key, ep, True, f"{address.host}:{address.port}")
+            hello = bytearray(_HELLO.size)
+            _HELLO.pack_into(hello, 0, _HELLO_MAGIC, PROTOCOL_VERSION, peer.conn_id)
+            hello_array = Array(hello)
+            self._engine.watch(ep.stream_send(hello_array), lambda err: err is None or self._drop_peer(
+                peer, f"hello failed: {_describe(err)}"), hello_array)
+        self._peers[key] = peer
+        return peer
+
+    def _sweep_dead_peers(self) -> None:
+        for peer in list(self._peers.values()):
+            if peer.error_handling and not peer.ep.alive:
+                self._drop_peer(peer, "connection lost")
+
+    def _on_status(self, pull: _Pull, error: BaseException | None) -> None:
+        if pull.done:
+            return
+        peer = pull.peer
+        assert peer is not None
+        if error is not None:
+            self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(error)}"), drop_peer=True)
+            return
+        try:
+            magic, version, status, text_len, request_id, nbytes, chunk = _STATUS.unpack_from(pull.status_buf)
+        except struct.error:
+            magic = b""
+        if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
+            self._fail(pull, errors.ProtocolError(f"{peer.label}: malformed status frame"), drop_peer=True)
+            return
+        text = bytes(pull.status_buf[_STATUS.size:_STATUS.size + text_len]).decode("utf-8", "replace")
+        what = f"{peer.label}: pull of {pull.key.hex()} layers [{pull.layer_range.start}, {pull.layer_range.stop})"
+        if status != STATUS_OK:
+            exc_type = {
+                STATUS_MISS: errors.RemoteMissError,
+                STATUS_BAD_RANGE: errors.LayerRangeError,
+                STATUS_OUT_TOO_SMALL: errors.OutBufferError,
+            }.get(status, errors.TransferError)
+            self._fail(pull, exc_type(f"{what}: {text}"))
+            return
+        if nbytes > pull.out.nbytes or (nbytes and chunk <= 0) or -(-nbytes // max(chunk, 1)) > _MAX_CHUNKS:
+            self._fail(pull, errors.ProtocolError(f"{what}: bad sizes {nbytes}/{chunk}"), drop_peer=True)
+            return
+        pull.nbytes = nbytes
+        pull.chunks_left = -(-nbytes // chunk) if nbytes else 0
+        if pull.chunks_left == 0:
+            self._succeed(pull)
+            return
+        for i in range(pull.chunks_left):
+            lo = i * chunk
+            array = Array(pull.out[lo:min(lo + chunk, nbytes)])
+            try:
+                req = peer.ep.tag_recv(array, _reply_tag(pull.request_id, i + 1))
+            except Exception as exc:
+                self._fail(pull, errors.TransferError(f"{what}: {_describe(exc)}"), drop_peer=True)
+                return
+            self._engine.watch(req, lambda err: self._on_chunk(pull, err), array)
+
+    def _on_chunk(self, pull: _Pull, error: BaseException | None) -> None:
+        if pull.done:
+            return
+        if error is not None:
+            assert pull.peer is not None
+            self._fail(pull, errors.TransferError(f"{pull.peer.label}: {_describe(error)}"), drop_peer=True)
+            return
+        pull.chunks_left -= 1
+        if pull.chunks_left == 0:
+            self._succeed(pull)
+
+    def _on_deadline(self, pull: _Pull) -> None:
+        if not pull.done:
+            where = pull.peer.label if pull.peer is not None else f"{pull.address.host}:{pull.address.port}"
+            self._fail(pull, errors.KVTimeoutError(
+                f"{where}: pull of {pull.key.hex()} not complete after {pull.timeout_s}s"), drop_peer=True)
+
+    def _succeed(self, pull: _Pull) -> None:
+        pull.done = True
+        self.pulls += 1
+        self.bytes_received += pull.nbytes
+        self._detach(pull)
+        if not pull.future.done():
+            pull.future.set_result(pull.nbytes)
+
+    def _fail(self, pull: _Pull, exc: BaseException, *, drop_peer: bool = False) -> None:
+        if pull.done:
+            return
+        peer = pull.peer
+        if drop_peer and peer is not None:
+            self._drop_peer(peer, f"{type(exc).__name__} on {pull.key.hex()}", first=(pull, exc))
+            return
+        self._finish_failed([(pull, exc)])
+
+    def _finish_failed(self, failed: list[tuple[_Pull, BaseException]]) -> None:
+        for pull, exc in failed:
+            pull.done = True
+            self._detach(pull)
+            self.failures += 1
+            self.timeouts += isinstance(exc, errors.KVTimeoutError)
+            if not pull.future.done():
+                pull.future.set_exception(exc)
+
+    def _detach(self, pull: _Pull) -> None:
+        if pull.timer is not None:
+            pull.timer.cancel()
+        if pull.peer is not None:
+            pull.peer.pulls.discard(pull)
+            pull.peer = None
+
+    def _drop_peer(
+        self, peer: _Peer, reason: str, first: tuple[_Pull, BaseException] | None = None
+    ) -> None:
+        """Forget ``peer``, close its endpoint, then fail every pull that used it."""
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
+        failed = [first] if first is not None else []
+        failed += [
+            (other, errors.TransferError(f"{peer.label}: connection dropped ({reason})"))
+            for other in peer.pulls if first is None or other is not first[0]
+        ]
+        for pull, _ in failed:
+            pull.done = True  # their receives' cancellations below are not failures of their own
+        # Closing cancels the pulls' receives before their callers hear of the
+        # failure, so no late bytes land in an `out` buffer afterwards.
+        _close_endpoint(peer.ep)
+        self._finish_failed(failed)
+
+    def _close_on_thread(self) -> None:
+        for peer in list(self._peers.values()):
+            for pull in list(peer.pulls):
+                self._fail(pull, errors.PoolClosedError(f"{self._name} closed"))
+            self._drop_peer(peer, "client closing")
+
+
+def _as_peer_address(address: PeerAddress | tuple[str, int]) -> PeerAddress:
+    if isinstance(address, PeerAddress):
+        return address
+    try:
+        host, port = address
+        return PeerAddress(str(host), int(port))
+    except (TypeError, ValueError):
+        raise ValueError(f"address must be a PeerAddress or (host, port), got {address!r}") from None
+
+
+def _as_layer_range(layers: LayerRange | tuple[int, int] | range) -> LayerRange:
+    if isinstance(layers, LayerRange):
+        start, stop = layers.start, layers.stop
+    elif isinstance(layers, range) and layers.step == 1:
+        start, stop = layers.start, layers.stop
+    elif isinstance(layers, tuple) and len(layers) == 2:
+        start, stop = int(layers[0]), int(layers[1])
+    else:
+        raise errors.LayerRangeError(f"cannot read {layers!r} as a layer range")
+    if not 0 <= start < stop < 2**32:
+        raise errors.LayerRangeError(f"layer range [{start}, {stop}) is empty or negative")
+    return LayerRange(start, stop)
+
+
+def _as_out_view(out: Any) -> memoryview:
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise errors.OutBufferError(f"out must support the buffer protocol, got {type(out).__name__}") from None
+    if view.readonly:
+        raise errors.OutBufferError("out buffer is read-only")
+    if not view.c_contiguous:
+        raise errors.OutBufferError("out buffer must be C-contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes == 0:
+        raise errors.OutBufferError("out buffer is empty")
+    return view
+
+
+def _pack_request(
+    client_id: int, conn_id: int, pull: _Pull, max_chunk: int, reply_address: bytes
+) -> bytearray:
+    frame = bytearray(_REQUEST.size + len(pull.key) + len(reply_address))
+    _REQUEST.pack_into(
+        frame, 0, _REQUEST_MAGIC, PROTOCOL_VERSION,
+        _FLAG_REPLY_TO_ADDRESS if reply_address else 0,
+        len(pull.key), len(reply_address), client_id, conn_id, pull.request_id,
+        pull.layer_range.start, pull.layer_range.stop, pull.out.nbytes, max_chunk,
+    )
+    frame[_REQUEST.size:_REQUEST.size + len(pull.key)] = pull.key
+    frame[_REQUEST.size + len(pull.key):] = reply_address
+    return frame
+
+
+__all__ = [
+    "DEFAULT_UCX_OPTIONS",
+    "PeerAddress",
+    "Provider",
+    "PullClient",
+    "PullServer",
+    "ServeSource",
+    "TRANSPORTS",
+    "local_host_id",
+]

@@ -1,0 +1,492 @@
+"""PullServer / PullClient over real UCX endpoints on 127.0.0.1.
+
+The server always runs in a separate process (this file, run as a script with
+``--serve``): it serves deterministic bytes per key from a small provider and
+answers ``stats`` on stdin with its counters as one JSON line. Special keys
+exercise the failure paths: ``miss:*`` is a miss, ``boom`` raises in the
+provider, ``slow`` answers after a second, ``file:*`` is served through ``read_into`` from a real file (the nvme
+path), ``stall`` blocks in the provider, and ``stall-mid`` sends its first
+chunk and then blocks reading the second, so killing the process leaves a pull
+half done.
+
+Progress is blocking on both sides (the module's only mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from kvpool import errors
+from kvpool.objformat import LayerRange
+from kvpool.transfer import PeerAddress, PullClient, PullServer, ServeSource
+
+LAYERS = 8
+LAYER_NBYTES = 96 * 1024 + 40  # odd size: chunk boundaries fall inside layers
+SERVER_MAX_MESSAGE = 256 * 1024  # small, so a whole object needs several messages
+BIG_LAYER_NBYTES = 1 << 20
+
+
+def object_bytes(key: bytes) -> np.ndarray:
+    """The deterministic payload of ``key`` (all layers), as the server builds it."""
+    layer_nbytes = BIG_LAYER_NBYTES if key.startswith(b"big") else LAYER_NBYTES
+    seed = int.from_bytes(key.ljust(8, b"\0")[:8], "little") ^ len(key)
+    return np.random.default_rng(seed).integers(0, 256, LAYERS * layer_nbytes, dtype=np.uint8)
+
+
+def layer_nbytes_of(key: bytes) -> int:
+    return BIG_LAYER_NBYTES if key.startswith(b"big") else LAYER_NBYTES
+
+
+def expected(key: bytes, start: int, stop: int) -> np.ndarray:
+    step = layer_nbytes_of(key)
+    return object_bytes(key)[start * step:stop * step]
+
+
+# -- the server process ----------------------------------------------------------------
+
+
+def _serve(tmpdir: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="server %(levelname)s %(name)s: %(message)s")
+    cache: dict[bytes, np.ndarray] = {}
+    cache_lock = threading.Lock()
+    released = [0]
+    never = threading.Event()
+
+    def say(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    def payload(key: bytes) -> np.ndarray:
+        with cache_lock:
+            if key not in cache:
+                cache[key] = object_bytes(key)
+            return cache[key]
+
+    def release() -> None:
+        released[0] += 1
+
+    def provider(key: bytes, layer_range: LayerRange) -> ServeSource | None:
+        if key.startswith(b"miss:"):
+            return None
+        if key == b"boom":
+            raise RuntimeError("disk on fire")
+        if key == b"stall":
+            say("stalled")
+            never.wait()
+        if key == b"slow":
+            never.wait(1.0)
+        if layer_range.stop > LAYERS:
+            raise errors.LayerRangeError(f"layers [{layer_range.start}, {layer_range.stop}) of {LAYERS}")
+        step = layer_nbytes_of(key)
+        lo, hi = layer_range.start * step, layer_range.stop * step
+        if key.startswith(b"file:") or key == b"stall-mid":
+            path = Path(tmpdir) / key.hex()
+            if not path.exists():
+                path.write_bytes(payload(key).tobytes())
+            fd = os.open(path, os.O_RDONLY)
+
+            def read_into(offset: int, out: memoryview) -> int:
+                if key == b"stall-mid" and offset > 0:
+                    say("stalled")
+                    never.wait()
+                return os.preadv(fd, [out], lo + offset)
+
+            def close_file() -> None:
+                os.close(fd)
+                release()
+
+            return ServeSource(nbytes=hi - lo, read_into=read_into, release=close_file)
+        view = memoryview(payload(key))[lo:hi]
+        if key.startswith(b"split:"):  # two buffers, a chunk straddles them
+            cut = (hi - lo) // 3
+            return ServeSource(nbytes=hi - lo, buffers=[view[:cut], view[cut:]], release=release)
+        return ServeSource(nbytes=hi - lo, buffers=[view], release=release)
+
+    server = PullServer(provider, max_message=SERVER_MAX_MESSAGE, send_timeout_s=3.0).start()
+    peer = server.peer_address
+    say("ready " + json.dumps({"peer": [peer.host, peer.port, peer.worker_address.hex(), peer.host_id]}))
+    for line in sys.stdin:
+        if line.strip() == "stats":
+            say("stats " + json.dumps({**server.stats(), "released": released[0]}))
+        elif line.strip() == "quit":
+            break
+    server.close()
+    say("bye")
+
+
+class ServerProcess:
+    """A PullServer in a child process; always killed on teardown."""
+
+    def __init__(self, tmpdir: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(tmpdir)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self.wait_for("ready", timeout_s=30)
+        host, port, worker_address, host_id = json.loads(ready)["peer"]
+        self.peer = PeerAddress(host, port, bytes.fromhex(worker_address), host_id)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, word: str, timeout_s: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None and self.lines.empty():
+                raise AssertionError(f"server never said {word!r} (exit code {self.proc.poll()})")
+            try:
+                line = self.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line.split(" ", 1)[0] == word:
+                return line.partition(" ")[2]
+
+    def quiet_stats(self) -> dict[str, int]:
+        """Counters once nothing is in flight (earlier pulls fully released)."""
+        return self.wait_stats(lambda s: s["in_flight"] == 0)
+
+    def stats(self) -> dict[str, int]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("stats\n")
+        return json.loads(self.wait_for("stats"))
+
+    def wait_stats(self, predicate: Any, timeout_s: float = 10.0) -> dict[str, int]:
+        """Poll the counters until ``predicate(stats)`` holds (the server finishes
+        its bookkeeping right after the client has its bytes)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if predicate(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path_factory.mktemp("transfer-server"))
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module", params=["tcp", "auto"])
+def client(request: pytest.FixtureRequest) -> Iterator[PullClient]:
+    with PullClient(transport=request.param) as pull_client:
+        yield pull_client
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+
+def test_whole_object_and_layer_ranges_arrive_exact(server: ServerProcess, client: PullClient) -> None:
+    before = server.quiet_stats()
+    requested = 0
+    for start, stop in [(0, LAYERS), (0, 1), (3, 5), (7, 8), (2, 7)]:
+        want = expected(b"obj-a", start, stop)
+        out = np.zeros(want.nbytes, np.uint8)
+        n = client.pull_into(server.peer, b"obj-a", LayerRange(start, stop), out, timeout_s=10)
+        assert n == want.nbytes
+        assert np.array_equal(out, want), f"layers [{start}, {stop}) differ"
+        requested += want.nbytes
+    after = server.quiet_stats()
+    assert after["bytes_sent"] - before["bytes_sent"] == requested
+    assert after["requests_served"] - before["requests_served"] == 5
+    assert after["released"] - before["released"] == 5
+
+
+def test_out_may_be_larger_and_any_buffer_type(server: ServerProcess, client: PullClient) -> None:
+    want = expected(b"obj-b", 1, 3)
+    out = bytearray(want.nbytes + 1000)
+    assert client.pull_into(server.peer, b"obj-b", (1, 3), out, timeout_s=10) == want.nbytes
+    assert bytes(out[:want.nbytes]) == want.tobytes()
+    assert out[want.nbytes:] == bytes(1000)  # nothing written past the payload
+    # A typed array (float16 KV layout) receives bytes in place.
+    kv = np.zeros((2, 2, want.nbytes // 16, 2), np.float16)
+    assert kv.nbytes == want.nbytes
+    client.pull_into(server.peer, b"obj-b", range(1, 3), kv, timeout_s=10)
+    assert kv.view(np.uint8).reshape(-1).tobytes() == want.tobytes()
+
+
+def test_range_larger_than_max_message_arrives_split(server: ServerProcess) -> None:
+    # Client 64 KiB < server 256 KiB: the smaller limit wins.
+    with PullClient(transport="tcp", max_message=64 * 1024) as small:
+        for key, client_limit, pull_client in [(b"big-1", 64 * 1024, small)]:
+            want = expected(key, 0, LAYERS)
+            before = server.quiet_stats()
+            out = np.zeros(want.nbytes, np.uint8)
+            assert pull_client.pull_into(server.peer, key, (0, LAYERS), out, timeout_s=20) == want.nbytes
+            assert np.array_equal(out, want)
+            after = server.quiet_stats()
+            chunk = min(client_limit, SERVER_MAX_MESSAGE)
+            assert after["messages_sent"] - before["messages_sent"] == -(-want.nbytes // chunk)
+            assert after["bytes_sent"] - before["bytes_sent"] == want.nbytes
+
+
+def test_server_limit_splits_for_a_large_client_limit(server: ServerProcess, client: PullClient) -> None:
+    want = expected(b"big-2", 2, 6)
+    before = server.quiet_stats()
+    out = np.zeros(want.nbytes, np.uint8)
+    client.pull_into(server.peer, b"big-2", (2, 6), out, timeout_s=20)
+    assert np.array_equal(out, want)
+    after = server.quiet_stats()
+    assert after["messages_sent"] - before["messages_sent"] == -(-want.nbytes // SERVER_MAX_MESSAGE)
+
+
+def test_chunk_straddling_two_source_buffers(server: ServerProcess, client: PullClient) -> None:
+    want = expected(b"split:x", 0, LAYERS)
+    out = np.zeros(want.nbytes, np.uint8)
+    client.pull_into(server.peer, b"split:x", (0, LAYERS), out, timeout_s=10)
+    assert np.array_equal(out, want)
+
+
+def test_read_into_path_serves_from_a_file(server: ServerProcess, client: PullClient) -> None:
+    before = server.quiet_stats()
+    for key, (start, stop) in [(b"file:1", (0, LAYERS)), (b"file:1", (5, 6)), (b"file:big", (1, 8))]:
+        want = expected(key, start, stop)
+        out = np.zeros(want.nbytes, np.uint8)
+        assert client.pull_into(server.peer, key, (start, stop), out, timeout_s=20) == want.nbytes
+        assert np.array_equal(out, want)
+    # Every source released (its file closed) once its bytes were sent.
+    after = server.quiet_stats()
+    assert after["released"] - before["released"] == 3
+
+
+def test_miss_and_remote_errors_are_typed(server: ServerProcess, client: PullClient) -> None:
+    out = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)
+    before = server.quiet_stats()
+    with pytest.raises(errors.RemoteMissError):
+        client.pull_into(server.peer, b"miss:1", (0, 1), out, timeout_s=10)
+    with pytest.raises(errors.TransferError, match="disk on fire"):
+        client.pull_into(server.peer, b"boom", (0, 1), out, timeout_s=10)
+    with pytest.raises(errors.LayerRangeError):
+        client.pull_into(server.peer, b"obj-a", (0, LAYERS + 1), out, timeout_s=10)
+    with pytest.raises(errors.OutBufferError, match="out buffer holds"):
+        client.pull_into(server.peer, b"obj-a", (0, 2), out[:LAYER_NBYTES], timeout_s=10)
+    assert client.stats()["failures"] >= 4
+    after = server.quiet_stats()
+    assert after["misses"] - before["misses"] == 1
+    assert after["bytes_sent"] == before["bytes_sent"]  # no payload moved for any of them
+    # The endpoint survived typed errors: the next pull works.
+    want = expected(b"obj-a", 0, 1)
+    assert client.pull_into(server.peer, b"obj-a", (0, 1), out[:want.nbytes], timeout_s=10) == want.nbytes
+    assert np.array_equal(out[:want.nbytes], want)
+
+
+def test_bad_local_input_is_rejected_before_sending(server: ServerProcess, client: PullClient) -> None:
+    with pytest.raises(errors.OutBufferError):
+        client.pull_into(server.peer, b"obj-a", (0, 1), bytes(LAYER_NBYTES), timeout_s=5)  # read-only
+    with pytest.raises(errors.OutBufferError):
+        client.pull_into(server.peer, b"obj-a", (0, 1), np.zeros((LAYER_NBYTES, 2), np.uint8)[:, 0], timeout_s=5)
+    with pytest.raises(errors.InvalidKeyError):
+        client.pull_into(server.peer, b"", (0, 1), bytearray(10), timeout_s=5)
+    with pytest.raises(errors.LayerRangeError):
+        client.pull_into(server.peer, b"obj-a", (3, 3), bytearray(10), timeout_s=5)
+    with pytest.raises(ValueError):
+        PullClient(transport="carrier-pigeon")
+
+
+def test_concurrent_pulls_from_many_threads_and_clients(server: ServerProcess) -> None:
+    failures: list[str] = []
+    with PullClient(transport="tcp") as tcp_client, PullClient(transport="auto") as shm_client:
+
+        def worker(index: int) -> None:
+            rng = np.random.default_rng(index)
+            pull_client = tcp_client if index % 2 else shm_client
+            for _ in range(6):
+                key = [b"obj-a", b"obj-c", b"file:2", b"big-3"][int(rng.integers(0, 4))]
+                start = int(rng.integers(0, LAYERS))
+                stop = int(rng.integers(start + 1, LAYERS + 1))
+                want = expected(key, start, stop)
+                out = np.zeros(want.nbytes, np.uint8)
+                try:
+                    pull_client.pull_into(server.peer, key, (start, stop), out, timeout_s=30)
+                except errors.KVPoolError as exc:
+                    failures.append(f"{key!r} [{start},{stop}): {exc}")
+                    continue
+                if not np.array_equal(out, want):
+                    failures.append(f"{key!r} [{start},{stop}): bytes differ")
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(t.is_alive() for t in threads)
+    assert failures == []
+
+
+async def test_async_pulls_pipeline_layers(server: ServerProcess, client: PullClient) -> None:
+    key = b"big-4"
+    step = layer_nbytes_of(key)
+    out = np.zeros(LAYERS * step, np.uint8)
+    want = expected(key, 0, LAYERS)
+    # Layer i is checked while layer i+1 is in flight.
+    pending = asyncio.ensure_future(client.apull_into(server.peer, key, (0, 1), out[:step], timeout_s=10))
+    for layer in range(LAYERS):
+        assert await pending == step
+        if layer + 1 < LAYERS:
+            nxt = out[(layer + 1) * step:(layer + 2) * step]
+            pending = asyncio.ensure_future(
+                client.apull_into(server.peer, key, (layer + 1, layer + 2), nxt, timeout_s=10))
+        assert np.array_equal(out[layer * step:(layer + 1) * step], want[layer * step:(layer + 1) * step])
+    # And many at once.
+    out2 = np.zeros_like(out)
+    sizes = await asyncio.gather(*[
+        client.apull_into(server.peer, key, (i, i + 1), out2[i * step:(i + 1) * step], timeout_s=10)
+        for i in range(LAYERS)
+    ])
+    assert sizes == [step] * LAYERS
+    assert np.array_equal(out2, want)
+    with pytest.raises(errors.RemoteMissError):
+        await client.apull_into(server.peer, b"miss:2", (0, 1), out2, timeout_s=10)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+@pytest.mark.parametrize("stall_key", [b"stall", b"stall-mid"])
+def test_holder_killed_mid_pull_fails_within_deadline(
+    fresh_server: ServerProcess, transport: str, stall_key: bytes
+) -> None:
+    deadline_s = 4.0
+    with PullClient(transport=transport) as pull_client:
+        # A working pull first, so the endpoint is cached and warm.
+        want = expected(b"obj-a", 0, 2)
+        out = np.zeros(want.nbytes, np.uint8)
+        pull_client.pull_into(fresh_server.peer, b"obj-a", (0, 2), out, timeout_s=10)
+
+        big = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)
+        outcome: dict[str, Any] = {}
+
+        def pull() -> None:
+            start = time.monotonic()
+            try:
+                outcome["n"] = pull_client.pull_into(
+                    fresh_server.peer, stall_key, (0, LAYERS), big, timeout_s=deadline_s)
+            except errors.KVPoolError as exc:
+                outcome["error"] = exc
+            outcome["elapsed"] = time.monotonic() - start
+
+        thread = threading.Thread(target=pull)
+        thread.start()
+        fresh_server.wait_for("stalled")
+        fresh_server.kill()
+        thread.join(deadline_s + 10)
+        assert not thread.is_alive()
+        assert "n" not in outcome, "a pull from a dead holder reported success"
+        assert isinstance(outcome["error"], (errors.TransferError, errors.KVTimeoutError))
+        assert outcome["elapsed"] < deadline_s + 1.0
+        if transport == "tcp":
+            # UCX sees the TCP connection reset: no need to wait for the deadline.
+            assert isinstance(outcome["error"], errors.TransferError), outcome["error"]
+            assert outcome["elapsed"] < deadline_s
+        # The dead peer's endpoint was dropped: a new pull fails fast, never hangs.
+        start = time.monotonic()
+        with pytest.raises((errors.TransferError, errors.KVTimeoutError)):
+            pull_client.pull_into(fresh_server.peer, b"obj-a", (0, 2), out, timeout_s=2.0)
+        assert time.monotonic() - start < 3.0
+
+
+def test_client_deadline_frees_the_server_side(server: ServerProcess, client: PullClient) -> None:
+    before = server.quiet_stats()
+    out = np.zeros(2 * LAYER_NBYTES, np.uint8)
+    start = time.monotonic()
+    with pytest.raises(errors.KVTimeoutError):
+        client.pull_into(server.peer, b"slow", (0, 2), out, timeout_s=0.3)
+    assert time.monotonic() - start < 1.0
+    # The server answers into a connection the client dropped (tcp) or into
+    # tags nobody waits for (auto): either way it must end the pull and
+    # release the source, not hold it pinned.
+    after = server.wait_stats(lambda s: s["in_flight"] == 0, timeout_s=15)
+    assert after["released"] == before["released"] + 1
+    assert after["in_flight"] == 0
+    # The client reconnects on the next pull.
+    want = expected(b"obj-a", 0, 2)
+    client.pull_into(server.peer, b"obj-a", (0, 2), out, timeout_s=10)
+    assert np.array_equal(out, want)
+
+
+async def test_cancelling_an_async_pull_leaves_other_pulls_alone(server: ServerProcess, client: PullClient) -> None:
+    slow_out = np.zeros(2 * LAYER_NBYTES, np.uint8)
+    slow = asyncio.ensure_future(client.apull_into(server.peer, b"slow", (0, 2), slow_out, timeout_s=10))
+    want = expected(b"big-5", 0, LAYERS)
+    out = np.zeros(want.nbytes, np.uint8)
+    other = asyncio.ensure_future(client.apull_into(server.peer, b"big-5", (0, LAYERS), out, timeout_s=10))
+    await asyncio.sleep(0.05)
+    slow.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await slow
+    # The endpoint both share was not dropped: the concurrent pull completes.
+    assert await other == want.nbytes
+    assert np.array_equal(out, want)
+    # The cancelled pull finishes in the background; the client stays usable.
+    before = client.stats()["pulls"]
+    deadline = time.monotonic() + 10
+    while client.stats()["pulls"] == before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert np.array_equal(slow_out, expected(b"slow", 0, 2))
+
+
+def test_close_leaves_no_threads() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    server = PullServer(lambda key, layers: None).start()
+    client = PullClient()
+    with pytest.raises(errors.RemoteMissError):
+        client.pull_into(server.address, b"k", (0, 1), bytearray(8), timeout_s=5)
+    client.close()
+    server.close()
+    leftover = [t for t in threading.enumerate() if t.ident not in before]
+    assert leftover == []
+    with pytest.raises(errors.PoolClosedError):
+        client.pull_into(("127.0.0.1", 1), b"k", (0, 1), bytearray(8), timeout_s=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve":
+        _serve(sys.argv[2])
+    else:
+        sys.exit("usage: test_transfer.py --serve TMPDIR  (pytest runs the tests)")
