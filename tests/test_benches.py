@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,48 @@ def test_tier_bench_quick_runs(tmp_path: Path) -> None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert not plot.exists() and "matplotlib is not installed" in proc.stderr
+
+
+def test_peers_bench_quick_kvpool_tcp_and_skipped_peers(tmp_path: Path) -> None:
+    """kvpool over TCP for real; every peer pointed at a path where it is not installed,
+    so the rows say "skipped: not installed" here as on a machine without any peer."""
+    rows_json, plot = tmp_path / "peers.json", tmp_path / "peers.png"
+    nowhere = str(tmp_path / "not-installed")
+    peers = ("redis", "mooncake-tcp", "mooncake-standalone", "lmcache")
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "peers.py"), "--quick", "--sizes", "64K,1M",
+         "--total", "8M", "--total-small", "2M", "--exists-keys", "400",
+         "--systems", ",".join(("kvpool-tcp",) + peers), "--redis-server", nowhere,
+         "--mooncake-master", nowhere, "--mooncake-client", nowhere, "--lmcache-python", nowhere,
+         "--json", str(rows_json), "--plot", str(plot)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=90, env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    tables = out.split("\n== ")[1:]
+    assert [t.split()[0] for t in tables] == ["64K", "1M"]
+    for table in tables:
+        lines = table.splitlines()
+        assert lines[1].startswith("system / mode") and "bexists/s" in lines[1] and "server RSS MiB" in lines[1]
+        kvpool = next(line for line in lines if line.startswith("kvpool  UCX over TCP"))
+        numbers = kvpool.split("cross-process", 1)[1].split()
+        assert all(float(v) > 0 for v in numbers[:8]), kvpool  # put/get/bput/bget GB/s, p50/p99 us
+        assert "exact" in kvpool and "/" in kvpool and "WRONG" not in kvpool and "failed" not in kvpool
+        skipped = [line for line in lines if "skipped: not installed" in line]
+        assert len(skipped) == len(peers), table
+        assert any(line.startswith("memcpy") for line in lines)  # the reference, measured in the same run
+    assert "kvpool / peer" in out and "n/a (not measured)" in out
+    assert "[" in proc.stderr and "/" in proc.stderr  # progress on stderr, not in the tables
+
+    records = json.loads(rows_json.read_text())
+    ours = [r for r in records if r["system"] == "kvpool-tcp"]
+    assert sorted(r["size"] for r in ours) == [65536, 1 << 20]
+    for r in ours:
+        assert all(r[op]["gbps"] > 0 for op in ("put", "get", "bput", "bget")), r
+        assert r["rss"] and all(v > 0 for v in r["rss"].values())
+    small = next(r for r in ours if r["size"] == 65536)
+    assert small["exists_per_s"] > 0 and small["bexists_per_s"] > 0
+    assert {r["system"] for r in records if r["skipped"]} == set(peers)
+    assert not any(tmp_path.glob("kvpool-peers-*")), "the bench left its work directory behind"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
