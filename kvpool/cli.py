@@ -78,7 +78,7 @@ def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
                   "bytes served", "pulls served", "last beat"], rows))
     if tier_rows:
         print()
-        print(_table(["node", "tier", "capacity", "used", "objects", "hits", ""], tier_rows))
+        print(_table(["node", "tier", "capacity", "used", "objects", "hits", "notes"], tier_rows))
     counters = stats["counters"]
     print()
     print("master counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if v))

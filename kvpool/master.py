@@ -409,7 +409,8 @@ class MasterState:
         self.counters["registers"] += 1
         log.info(
             "node %s registered: %s host=%s, %d objects (%d skipped: deleted meanwhile)",
-            node_id, address, host_id, len(records) - skipped, skipped,
+            node_id, address if len(address) <= 80 else address[:77] + "...", host_id,
+            len(records) - skipped, skipped,
         )
         return {
             "heartbeat_ms": self.config.heartbeat_ms,
