@@ -558,7 +558,11 @@ class PullServer:
     the client then gets a typed error (``LayerRangeError`` for a bad range,
     ``TransferError`` with the exception's text otherwise) instead of a hang.
     Providers should not block indefinitely: a stalled provider ties up one of
-    ``provider_threads`` and its client times out.
+    ``provider_threads`` and its client times out. ``inline_provider=True``
+    calls it on the progress thread instead, saving a thread hop per pull
+    (~50 us of a ~260 us small pull, measured on 2 vCPUs); only for providers
+    that never block (memory lookups), since a stall there stalls every pull.
+    ``read_into`` always runs on the worker threads.
 
     Counters (read from any thread): ``bytes_sent`` (payload bytes whose send
     completed), ``messages_sent`` (payload messages), ``requests_served`` (pulls fully sent), ``misses``,
@@ -575,6 +579,7 @@ class PullServer:
         *,
         send_timeout_s: float = 30.0,
         provider_threads: int = 4,
+        inline_provider: bool = False,
         staging_buffers: int = 4,
         ucx_options: Mapping[str, str] | None = None,
         name: str = "kvpool-pull-server",
@@ -586,6 +591,7 @@ class PullServer:
         self._requested_port = port
         self.max_message = max_message
         self.send_timeout_s = send_timeout_s
+        self.inline_provider = inline_provider
         self._provider_threads = provider_threads
         self._staging_count = max(2, staging_buffers)
         self._ucx_options = ucx_options
@@ -606,6 +612,7 @@ class PullServer:
         self._staging: _StagingPool | None = None
         self._releasing = 0  # sources whose release() is queued or running
         self._awaiting_provider: set[_ServeJob] = set()  # provider call not returned yet
+        self._deferred_release: set[_ServeJob] = set()  # finished, a read still running
         self.bytes_sent = 0
         self.messages_sent = 0
         self.requests_served = 0
@@ -650,21 +657,26 @@ class PullServer:
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
+        # Reads that were still running when the thread stopped: release now
+        # (single-threaded from here on).
+        for job in list(self._deferred_release):
+            job.reads_in_flight = 0
+            self._release(job)
         if self._staging is not None:
             self._staging.close()
             self._staging = None
 
     def _close_on_thread(self) -> None:
         self._listener = None  # ucp_listener_destroy: no new connections
-        for job in list(self._jobs):
-            self._finish(job, ok=False, reason="server closing", close_ep=False)
         eps = list(self._pending_hello) + list(self._conns.values())
         self._pending_hello.clear()
         self._conns.clear()
         self._reply_conn.clear()
         self._parked.clear()
-        for ep in eps:
+        for ep in eps:  # cancels every send before any source is released
             _close_endpoint(ep)
+        for job in list(self._jobs):
+            self._finish(job, ok=False, reason="server closing")
         self._recv_slots.clear()
 
     def __enter__(self) -> PullServer:
@@ -699,7 +711,7 @@ class PullServer:
             "requests_served": self.requests_served,
             "misses": self.misses,
             "errors": self.errors,
-            "in_flight": len(self._jobs | self._awaiting_provider) + self._releasing,
+            "in_flight": len(self._jobs | self._awaiting_provider | self._deferred_release) + self._releasing,
         }
 
     def _require_started(self) -> None:
@@ -815,7 +827,10 @@ class PullServer:
         job.timer = self._engine.call_later(self.send_timeout_s, lambda: self._on_send_timeout(job))
         self._awaiting_provider.add(job)
         assert self._executor is not None
-        self._executor.submit(self._call_provider, job)
+        if self.inline_provider:
+            self._call_provider(job)
+        else:
+            self._executor.submit(self._call_provider, job)
 
     def _call_provider(self, job: _ServeJob) -> None:
         # Runs on a worker thread: providers may take locks or touch disk.
@@ -971,12 +986,12 @@ class PullServer:
             job.staging.append(buf)
             index = job.chunks_started + job.reads_in_flight + 1
             job.reads_in_flight += 1
-            assert self._executor is not None
-            self._executor.submit(self._read_chunk, job, index, buf)
+            assert self._executor is not None and job.source is not None
+            self._executor.submit(self._read_chunk, job, job.source, index, buf)
 
-    def _read_chunk(self, job: _ServeJob, index: int, buf: mmap.mmap) -> None:
-        source = job.source
-        assert source is not None and source.read_into is not None
+    def _read_chunk(self, job: _ServeJob, source: ServeSource, index: int, buf: mmap.mmap) -> None:
+        # Runs on a worker thread; job state is only read here, never written.
+        assert source.read_into is not None
         offset = (index - 1) * job.chunk
         nbytes = min(job.chunk, source.nbytes - offset)
         view = memoryview(buf)[:nbytes]
@@ -1003,6 +1018,8 @@ class PullServer:
         job.reads_in_flight -= 1
         if job.finished:
             self._give_staging(job, buf)
+            if job.reads_in_flight == 0:
+                self._release(job)  # deferred until no read used the source
             return
         if error is not None:
             self._give_staging(job, buf)
@@ -1050,10 +1067,15 @@ class PullServer:
         self._release(job)
 
     def _release(self, job: _ServeJob) -> None:
+        if job.reads_in_flight:
+            # A worker thread is still inside read_into: the last read to
+            # finish releases (releasing may close the file it reads).
+            self._deferred_release.add(job)
+            return
+        self._deferred_release.discard(job)
         source, job.source = job.source, None
         if source is None or source.release is None:
             return
-        # Still-running reads hold the source; they see job.finished and stop.
         executor, engine = self._executor, self._engine
         if executor is None or engine is None:
             _safe_release(source.release)
@@ -1077,10 +1099,12 @@ class PullServer:
                 for client_id, reply_conn in list(self._reply_conn.items()):
                     if reply_conn == conn_id:
                         del self._reply_conn[client_id]
+        # Close first: closing cancels the sends still reading the sources'
+        # memory, and only then may their release() let the node unpin it.
+        _close_endpoint(ep)
         for other in list(self._jobs):
             if other.ep is ep:
                 self._finish(other, ok=False, reason="connection dropped")
-        _close_endpoint(ep)
 
 
 def _safe_release(release: Callable[[], None]) -> None:

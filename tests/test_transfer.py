@@ -4,7 +4,7 @@ The server always runs in a separate process (this file, run as a script with
 ``--serve``): it serves deterministic bytes per key from a small provider and
 answers ``stats`` on stdin with its counters as one JSON line. Special keys
 exercise the failure paths: ``miss:*`` is a miss, ``boom`` raises in the
-provider, ``slow`` answers after a second, ``file:*`` is served through ``read_into`` from a real file (the nvme
+provider, ``slow`` answers after a second, ``file:slow`` reads for a second, ``file:*`` is served through ``read_into`` from a real file (the nvme
 path), ``stall`` blocks in the provider, and ``stall-mid`` sends its first
 chunk and then blocks reading the second, so killing the process leaves a pull
 half done.
@@ -101,6 +101,8 @@ def _serve(tmpdir: str) -> None:
             fd = os.open(path, os.O_RDONLY)
 
             def read_into(offset: int, out: memoryview) -> int:
+                if key == b"file:slow":
+                    never.wait(1.0)
                 if key == b"stall-mid" and offset > 0:
                     say("stalled")
                     never.wait()
@@ -431,16 +433,18 @@ def test_holder_killed_mid_pull_fails_within_deadline(
         assert time.monotonic() - start < 3.0
 
 
-def test_client_deadline_frees_the_server_side(server: ServerProcess, client: PullClient) -> None:
+@pytest.mark.parametrize("slow_key", [b"slow", b"file:slow"])
+def test_client_deadline_frees_the_server_side(server: ServerProcess, client: PullClient, slow_key: bytes) -> None:
     before = server.quiet_stats()
     out = np.zeros(2 * LAYER_NBYTES, np.uint8)
     start = time.monotonic()
     with pytest.raises(errors.KVTimeoutError):
-        client.pull_into(server.peer, b"slow", (0, 2), out, timeout_s=0.3)
+        client.pull_into(server.peer, slow_key, (0, 2), out, timeout_s=0.3)
     assert time.monotonic() - start < 1.0
     # The server answers into a connection the client dropped (tcp) or into
     # tags nobody waits for (auto): either way it must end the pull and
-    # release the source, not hold it pinned.
+    # release the source, not hold it pinned (for file:slow only after the
+    # read that still uses the file has returned).
     after = server.wait_stats(lambda s: s["in_flight"] == 0, timeout_s=15)
     assert after["released"] == before["released"] + 1
     assert after["in_flight"] == 0
@@ -469,6 +473,23 @@ async def test_cancelling_an_async_pull_leaves_other_pulls_alone(server: ServerP
     while client.stats()["pulls"] == before and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert np.array_equal(slow_out, expected(b"slow", 0, 2))
+
+
+def test_inline_provider_runs_on_the_progress_thread() -> None:
+    # In-process on purpose: the option only changes which thread calls the provider.
+    payload = np.arange(3 * 70000, dtype=np.uint32).view(np.uint8)
+    callers: list[str] = []
+
+    def provider(key: bytes, layers: LayerRange) -> ServeSource:
+        callers.append(threading.current_thread().name)
+        step = 70000 * 4
+        return ServeSource(nbytes=layers.count * step, buffers=[memoryview(payload)[layers.start * step:layers.stop * step]])
+
+    with PullServer(provider, inline_provider=True, name="inline-test").start() as server, PullClient() as pull_client:
+        out = np.zeros(2 * 70000 * 4, np.uint8)
+        assert pull_client.pull_into(server.address, b"k", (1, 3), out, timeout_s=10) == out.nbytes
+        assert np.array_equal(out, payload[70000 * 4:])
+    assert callers == ["inline-test"]
 
 
 def test_close_leaves_no_threads() -> None:
