@@ -1,8 +1,8 @@
 """``kvpool.connect``: the cluster client, a :class:`Pool` that also sees the other nodes.
 
-Owns the read and write paths across nodes: a put is stored locally and made
-visible with the master's two-phase reserve/commit (optionally replicated to
-storage nodes for durability); a get tries the local tiers, then asks the
+Owns the read and write paths across nodes: a put is stored locally, then
+published to the master (durable puts also get copies on storage nodes, through
+the master's two-phase reserve/commit); a get tries the local tiers, then asks the
 master where the key lives and reads the requested layers from a replica —
 in place from a same-host ``cxl`` arena, else pulled over UCX into ``out`` —
 verifying every layer's checksum. A replica that fails (checksum, holder gone,
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 from collections import Counter
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
@@ -23,6 +25,7 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.config import Config
+from kvpool.master_client import MasterClient
 from kvpool.node import Node, NodeAddress, control_call
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, byte_view, spec_of
 from kvpool.pool import Key, Pool, timed
@@ -30,6 +33,42 @@ from kvpool.protocol import LocatedReplica
 from kvpool.remote import ReplicaReader
 
 log = logging.getLogger("kvpool.client")
+
+
+class LeaseReleaser:
+    """Ends read leases off the caller's path: a get returns as soon as its bytes are
+    verified, and the master hears of finished reads in batches moments later."""
+
+    def __init__(self, master: MasterClient) -> None:
+        self._master = master
+        self._pending: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvpool-lease-release", daemon=True)
+        self._thread.start()
+
+    def release(self, lease_id: int | None) -> None:
+        if lease_id is not None:
+            self._pending.put(lease_id)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._pending.get()]
+            while True:
+                try:
+                    batch.append(self._pending.get_nowait())
+                except queue.Empty:
+                    break
+            leases = [lease for lease in batch if lease is not None]
+            if leases:
+                try:
+                    self._master.release(leases)
+                except errors.KVPoolError as exc:  # they expire on their own after master.lease_s
+                    log.debug("releasing %d leases failed: %s", len(leases), exc)
+            if None in batch:
+                return
+
+    def close(self) -> None:
+        self._pending.put(None)  # flushes what is queued, then stops
+        self._thread.join(5.0)
 
 
 def connect(master_address: str | None = None, *, config: str | Config | Mapping[str, Any] | None = None,
@@ -56,6 +95,7 @@ class ClusterPool(Pool):
             self._master = self._node.master
             self._master.ping()
             self._node.start()
+            self._releaser = LeaseReleaser(self._master)
             self._reader = ReplicaReader(self._node.host_id, node_id=self._node.node_id, transport=transport,
                                          max_message=self.config.node.max_message,
                                          pull_timeout_s=self.config.node.pull_timeout_s)
@@ -74,7 +114,7 @@ class ClusterPool(Pool):
     @timed("put")
     def put(self, prefix_hash: Key, kv: Any, *, dtype: str | None = None, durable: bool | None = None,
             replicas: int | None = None) -> None:
-        """Store locally and publish (two-phase); ``durable=True`` also keeps ``replicas``
+        """Store locally and publish (one master round trip); ``durable=True`` also keeps ``replicas``
         copies on other nodes chosen by the master, so the object outlives this process.
 
         Raises what :meth:`Pool.put` raises, MasterUnreachableError, and (durable)
@@ -88,7 +128,7 @@ class ClusterPool(Pool):
             self._replicate(key, replicas or self.config.node.replicas)
 
     def put_many(self, items: Mapping[Key, Any] | Iterable[tuple[Key, Any]], *, dtype: str | None = None) -> None:
-        """Validate everything, then reserve all, store all, commit all: two master round trips."""
+        """Validate everything, store everything, publish everything: one master round trip."""
         pairs = list(items.items() if isinstance(items, Mapping) else items)
         prepared = []
         for prefix_hash, kv in pairs:
@@ -98,22 +138,22 @@ class ClusterPool(Pool):
         self._put_many(prepared)
 
     def _put_many(self, prepared: Sequence[tuple[bytes, ObjectSpec, memoryview]]) -> None:
-        node_id = self._node.node_id
-        reservations = self._master.reserve_many([(k, spec.total_nbytes, node_id) for k, spec, _ in prepared])
-        commits = []
+        """Store every object locally, then publish them all in one master round trip.
+
+        The bytes are complete before the master hears of them, so no reader can
+        see half an object; a reservation (the master's two-phase put) is only
+        needed where bytes go to another node, i.e. for durable copies.
+        """
+        records = []
         try:
-            for (key, spec, payload), reservation in zip(prepared, reservations):
+            for key, spec, payload in prepared:
                 self._put_local(key, spec, payload)
                 record = self._node.record(key)
                 if record is not None:  # already evicted again by a concurrent flood: nothing to show
-                    commits.append((reservation, record))
-        except BaseException:
-            done = {rid for rid, _ in commits}
-            self._master.revoke([rid for rid in reservations if rid not in done])
-            if commits:
-                self._master.commit_many(commits)
-            raise
-        self._master.commit_many(commits)
+                    records.append(record)
+        finally:
+            if records:
+                self._master.publish(self._node.node_id, records)
 
     def _replicate(self, key: bytes, replicas: int) -> None:
         record = self._node.record(key)
@@ -144,7 +184,7 @@ class ClusterPool(Pool):
         try:
             return self._get_remote(key, located.replicas[0], layers, out)
         finally:
-            self._master.release([located.lease_id])
+            self._releaser.release(located.lease_id)
 
     def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None) -> list[np.ndarray | None]:
         """Local hits first; every other key is located in one master round trip."""
@@ -158,7 +198,7 @@ class ClusterPool(Pool):
                 for i, replicas in zip(missing, located.replicas):
                     results[i] = self._get_remote(keys[i], replicas, layers, None)
             finally:
-                self._master.release([located.lease_id])
+                self._releaser.release(located.lease_id)
         return results
 
     def _get_remote(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any,
@@ -201,7 +241,7 @@ class ClusterPool(Pool):
                     pending = asyncio.ensure_future(asyncio.to_thread(fetch, i + 1))
                 yield layer_range.start + i, arr[i]
         finally:
-            await asyncio.to_thread(self._master.release, [located.lease_id])
+            self._releaser.release(located.lease_id)
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -246,7 +286,7 @@ class ClusterPool(Pool):
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _close_cluster_parts(self) -> None:
-        for name in ("_reader", "_node"):
+        for name in ("_releaser", "_reader", "_node"):
             part = getattr(self, name, None)
             if part is not None:
                 try:
