@@ -99,11 +99,27 @@ class ClusterPool(Pool):
             self._reader = ReplicaReader(self._node.host_id, node_id=self._node.node_id, transport=transport,
                                          max_message=self.config.node.max_message,
                                          pull_timeout_s=self.config.node.pull_timeout_s)
+            self._neighbours_stop = threading.Event()
+            self._neighbours_thread: threading.Thread | None = None
+            if self.config.node.same_host_index:
+                self._reader.refresh_neighbours(self._master.stats())
+                self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,
+                                                           name="kvpool-neighbours")
+                self._neighbours_thread.start()
         except BaseException:
             self._close_cluster_parts()
             self._manager.close()
             self._closed = True
             raise
+
+    def _watch_neighbours(self) -> None:
+        """Keep the set of same-host arenas current (nodes join, leave, die)."""
+        period_s = max(0.2, self.config.master.heartbeat_ms / 1000.0)
+        while not self._neighbours_stop.wait(period_s):
+            try:
+                self._reader.refresh_neighbours(self._master.stats())
+            except errors.KVPoolError as exc:
+                log.debug("refreshing same-host arenas failed: %s", exc)
 
     @property
     def node_id(self) -> str:
@@ -180,6 +196,9 @@ class ClusterPool(Pool):
         local = self._get_local(key, layers, out)
         if local is not None:
             return local
+        nearby = self._reader.read_same_host(key, layers, out, self._out_view)
+        if nearby is not None:
+            return nearby
         located = self._master.locate(key, lease=True)
         try:
             return self._get_remote(key, located.replicas[0], layers, out)
@@ -191,6 +210,9 @@ class ClusterPool(Pool):
         self._check_open()
         keys = [self._key(h) for h in prefix_hashes]
         results = [self._get_local(k, layers, None) for k in keys]
+        for i, key in enumerate(keys):
+            if results[i] is None:
+                results[i] = self._reader.read_same_host(key, layers, None, self._out_view)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             located = self._master.locate_many([keys[i] for i in missing], lease=True)
@@ -286,6 +308,11 @@ class ClusterPool(Pool):
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _close_cluster_parts(self) -> None:
+        stop = getattr(self, "_neighbours_stop", None)
+        if stop is not None:
+            stop.set()
+            if self._neighbours_thread is not None:
+                self._neighbours_thread.join(5.0)
         for name in ("_releaser", "_reader", "_node"):
             part = getattr(self, name, None)
             if part is not None:

@@ -144,6 +144,7 @@ class NodeSection:
     durable: bool = _opt(False, "puts default to durable placement on storage nodes")
     replicas: int = _opt(1, "replicas for durable puts")
     pull_timeout_s: float = _opt(10.0, "deadline for one pull from a peer")
+    same_host_index: bool = _opt(True, "find objects in same-host nodes' cxl arenas by key, without the master")
 
 
 @dataclass

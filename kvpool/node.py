@@ -53,6 +53,8 @@ class NodeAddress:
 
     peer: PeerAddress
     control: str
+    #: the node's cxl arena (path, instance) if it has one: same-host readers map it
+    arena: dict[str, str] | None = None
 
     def encode(self) -> str:
         return json.dumps({
@@ -60,6 +62,7 @@ class NodeAddress:
             "worker": base64.b64encode(self.peer.worker_address).decode(),
             "host_id": self.peer.host_id,
             "control": self.control,
+            "arena": self.arena,
         }, separators=(",", ":"))
 
     @classmethod
@@ -68,7 +71,7 @@ class NodeAddress:
             data = json.loads(text)
             host, port = data["ucx"]
             peer = PeerAddress(host, int(port), base64.b64decode(data["worker"]), data["host_id"])
-            return cls(peer, data["control"])
+            return cls(peer, data["control"], data.get("arena"))
         except (ValueError, KeyError, TypeError) as exc:
             raise errors.ProtocolError(f"unreadable node address {text!r}: {exc}") from None
 
@@ -111,7 +114,8 @@ class Node:
 
     def start(self) -> Node:
         self.server.start()
-        self.address = NodeAddress(self.server.peer_address, self.control_address)
+        arena = next((t.arena_info() for t in self.manager.tiers if hasattr(t, "arena_info")), None)
+        self.address = NodeAddress(self.server.peer_address, self.control_address, arena)
         self.manager.listener = self
         self.manager.may_drop = self._may_drop
         self._publisher.start()

@@ -253,6 +253,10 @@ class ObjectHeader:
         struct.pack_into("<Q", buf, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf[:end])))
         return bytes(buf)
 
+    def checksum(self) -> int:
+        """The header's own xxh3-64 (it covers the dims and every layer checksum)."""
+        return stored_header_checksum(self.pack())
+
     @classmethod
     def unpack(cls, data: Any) -> ObjectHeader:
         """Parse and verify a header from the first bytes of ``data``.
@@ -309,6 +313,11 @@ class ObjectHeader:
         for i, layer in enumerate(range(layer_range.start, layer_range.stop)):
             if xxhash.xxh3_64_intdigest(mv[i * step:(i + 1) * step]) != self.layer_checksums[layer]:
                 raise errors.ChecksumError(f"layer {layer} checksum mismatch")
+
+
+def stored_header_checksum(blob: Any) -> int:
+    """The header checksum recorded in the first bytes of an object (not verified here)."""
+    return struct.unpack_from("<Q", blob, _CHECKSUM_OFFSET)[0]
 
 
 def layer_checksums(payload: Any, layer_nbytes: int) -> tuple[int, ...]:

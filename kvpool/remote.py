@@ -39,7 +39,62 @@ class ReplicaReader:
         self.puller = PullClient(transport=transport, max_message=max_message)
         self.counters: Counter[str] = Counter()
         self._cxl_readers: dict[tuple[str, str], Any] = {}
+        self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
         self._lock = threading.Lock()
+
+    # -- same-host arenas, found by key without the master ----------------------------
+
+    def refresh_neighbours(self, master_stats: Mapping[str, Any]) -> None:
+        """Map the cxl arenas of live nodes on this host; forget the ones gone."""
+        from tiers.cxl import CxlArenaReader
+
+        wanted: dict[str, dict[str, str]] = {}
+        for node_id, node in master_stats.get("nodes", {}).items():
+            if node_id == self.node_id or not node.get("alive") or node.get("host_id") != self.host_id:
+                continue
+            try:
+                arena = NodeAddress.decode(node["address"]).arena
+            except errors.ProtocolError:
+                continue
+            if arena:
+                wanted[node_id] = arena
+        with self._lock:
+            for node_id in list(self._neighbours):
+                reader = self._neighbours[node_id]
+                if node_id not in wanted or not reader.owner_alive():
+                    del self._neighbours[node_id]
+                    reader.close()
+            for node_id, arena in wanted.items():
+                if node_id not in self._neighbours:
+                    try:
+                        self._neighbours[node_id] = CxlArenaReader.open(arena["path"], instance=arena["instance"])
+                    except (errors.KVPoolError, OSError) as exc:
+                        log.debug("cannot map the arena of %s: %s", node_id, exc)
+
+    def read_same_host(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> np.ndarray | None:
+        """The layers read in place from a same-host node's arena found through its shared
+        index (no master round trip), verified layer by layer; None if no neighbour has it."""
+        with self._lock:
+            neighbours = list(self._neighbours.values())
+        for reader in neighbours:
+            try:
+                found = reader.find(key)
+                if found is None:
+                    continue
+                offset, header = found
+                layer_range = LayerRange.resolve(layers, header.spec.layers)
+                arr, buf = out_view(header.spec, layer_range, out)
+                reader.read_layers_into(offset, header, layer_range, buf, verify=True)
+            except (errors.LayerRangeError, errors.OutBufferError):
+                raise
+            except (errors.KVPoolError, OSError) as exc:  # freed or reused meanwhile: try elsewhere
+                log.debug("same-host read of %s failed: %s", key.hex(), exc)
+                self.counters["same_host_retries"] += 1
+                continue
+            self.counters["hits_same_host"] += 1
+            self.counters["bytes_pulled"] += len(buf)
+            return arr
+        return None
 
     def ordered(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
         """Same-host replicas first (no network), ``cxl`` first among them; never this node's own."""
@@ -111,6 +166,7 @@ class ReplicaReader:
     def close(self) -> None:
         self.puller.close()
         with self._lock:
-            for reader in self._cxl_readers.values():
+            for reader in [*self._cxl_readers.values(), *self._neighbours.values()]:
                 reader.close()
             self._cxl_readers.clear()
+            self._neighbours.clear()

@@ -31,10 +31,10 @@ def content(i: int) -> np.ndarray:
     return np.random.default_rng(1000 + i).standard_normal(SHAPE).astype(np.float16)
 
 
-def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int) -> Config:
+def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int, dram: str = "4MiB") -> Config:
     return Config.load({
         "pool": {"name": name, "data_dir": data_dir},
-        "tiers": {"dram": {"capacity": "4MiB", "mlock": False}, "cxl": {"capacity": "4MiB", "path": f"{data_dir}/cxl"},
+        "tiers": {"dram": {"capacity": dram, "mlock": False}, "cxl": {"capacity": "4MiB", "path": f"{data_dir}/cxl"},
                   "nvme": {"capacity": "16MiB", "segment_size": "8MiB"}},
         "master": {"listen": master, "heartbeat_ms": heartbeat_ms, "request_timeout_s": 3.0},
         "node": {"pull_timeout_s": 3.0},
@@ -54,9 +54,10 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--heartbeat-ms", type=int, default=200)
+    parser.add_argument("--dram", default="4MiB", help="0: puts land in the cxl arena (same-host readers read in place)")
     args = parser.parse_args()
-    pool = kvpool.connect(args.master, config=small_config(args.master, args.name, args.data_dir, args.heartbeat_ms),
-                          transport=args.transport)
+    config = small_config(args.master, args.name, args.data_dir, args.heartbeat_ms, args.dram)
+    pool = kvpool.connect(args.master, config=config, transport=args.transport)
     try:
         keys = range(args.first, args.first + args.keys)
         if args.role == "writer":

@@ -175,6 +175,40 @@ def test_master_restart_then_nodes_reregister_and_lookup_finds_objects(cluster: 
         reader.close()
 
 
+def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them(cluster: Cluster) -> None:
+    cluster.start_master()
+    writer = cluster.start_actor("writer", "writer", "--keys", "3", "--dram", "0")  # puts land in cxl
+    holder = cluster.node_id_of(writer)
+    reader = cluster.connect("reader")
+    try:
+        def key_requests() -> tuple[int, int, int]:
+            counters = cluster.client.stats()["counters"]
+            return counters["key_hits"], counters["key_misses"], counters["leases_granted"]
+
+        before = key_requests()
+        np.testing.assert_array_equal(reader.get(key_of(0), layers=range(1, 4)), content(0)[1:4])
+        np.testing.assert_array_equal(reader.get(key_of(1)), content(1))
+        remote = reader.stats()["remote"]
+        assert remote["hits_same_host"] == 2 and remote.get("pulls", 0) == 0
+        assert key_requests() == before  # the master was never asked about these keys
+        assert cluster.node_stats(holder)["transfer"]["bytes_sent"] == 0  # read in place, nothing sent
+
+        # Corrupt key 2 in the holder's arena: the in-place read and the pull both fail
+        # their checksums, so the get is a miss, never the wrong bytes.
+        location = reader._master.locate(key_of(2), lease=False).replicas[0][0]["location"]
+        header_nbytes = 64 * ((48 + 8 * 8 + 63) // 64)
+        with open(location["path"], "r+b") as arena:
+            arena.seek(4096 + location["offset"] + header_nbytes + 5)
+            byte = arena.read(1)
+            arena.seek(-1, 1)
+            arena.write(bytes([byte[0] ^ 0xFF]))
+        assert reader.get(key_of(2)) is None
+        stats = reader.stats()
+        assert stats["remote"]["same_host_retries"] >= 1 and stats["misses"]["checksum"] == 1
+    finally:
+        reader.close()
+
+
 def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
     import zmq
 

@@ -56,8 +56,9 @@ import numpy as np
 import xxhash
 
 from kvpool import errors
-from kvpool.objformat import LayerRange, ObjectHeader, decode
+from kvpool.objformat import LayerRange, ObjectHeader, decode, stored_header_checksum
 from tiers.base import ArenaTier, Extent
+from tiers.shm_index import IndexEntry, SharedIndexReader, SharedIndexWriter, index_path, slot_count_for
 
 if TYPE_CHECKING:
     from kvpool.config import Config, CxlSection
@@ -226,6 +227,7 @@ class CxlTier(ArenaTier):
             raise errors.TierError(f"cxl: cannot create the directory of {self.path}: {exc}") from exc
         self._fd = self._open_and_lock(self.path)
         self._mmap: mmap.mmap | None = None
+        self.index: SharedIndexWriter | None = None
         try:
             file_nbytes = DATA_OFFSET + self.capacity_bytes
             self._size_file(file_nbytes)
@@ -236,6 +238,10 @@ class CxlTier(ArenaTier):
             self._arena = self._file[DATA_OFFSET:]
             if prefault and not getattr(mmap, "MAP_POPULATE", 0):
                 self._arena[::PAGE] = 0
+            # Same-host readers find objects by key here, without asking the master.
+            self._index_lock = threading.Lock()
+            self.index = SharedIndexWriter(index_path(self.path), slot_count_for(self.capacity_bytes),
+                                           self.instance)
             # Written last: a reader that maps the file mid-initialisation sees no
             # valid header rather than a half-sized arena.
             header = ArenaHeader(DATA_OFFSET, self.capacity_bytes, self.alignment, self.instance,
@@ -330,16 +336,36 @@ class CxlTier(ArenaTier):
         :meth:`CxlArenaReader.read_object` expects; ``instance`` names this
         owner's arena so a reader refuses a newer arena at the same path.
         """
-        return {"path": str(self.path), "offset": extent.offset, "nbytes": extent.nbytes,
-                "instance": self.instance.hex()}
+        return {**self.arena_info(), "offset": extent.offset, "nbytes": extent.nbytes}
+
+    def commit(self, key: bytes, extent: Extent, header: ObjectHeader) -> None:
+        """Publish the object in the shared index (same-host readers find it by key)."""
+        if self.index is not None:
+            with self._index_lock:
+                self.index.insert(key, IndexEntry(extent.offset, extent.nbytes, header.checksum()))
+
+    def forget(self, key: bytes, extent: Extent) -> None:
+        if self.index is not None:
+            with self._index_lock:
+                self.index.remove(key, extent.offset)
+
+    def arena_info(self) -> dict[str, Any]:
+        """What another process on this host needs to open this arena and its index."""
+        return {"path": str(self.path), "instance": self.instance.hex()}
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        index = self.index
         return {**super().stats(), "path": str(self.path), "shared": True,
-                "instance": self.instance.hex(), "model": self.model.stats()}
+                "instance": self.instance.hex(), "model": self.model.stats(),
+                "shared_index": None if index is None else {
+                    "path": str(index.path), "slots": index.slot_count, "live": index.live}}
 
     def _release(self, *, unlink: bool) -> None:
+        if self.index is not None:
+            self.index.close(unlink=unlink)
+            self.index = None
         self._arena = None
         self._file = None
         if self._mmap is not None:
@@ -386,6 +412,7 @@ class CxlArenaReader:
         data = np.frombuffer(mm, dtype=np.uint8)
         #: the whole data area, read-only; object views are slices of it
         self.arena: np.ndarray = data[header.data_offset:header.data_offset + header.capacity_bytes]
+        self._index: SharedIndexReader | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, instance: str | bytes | None = None,
@@ -450,6 +477,29 @@ class CxlArenaReader:
             raise errors.TruncatedObjectError(f"cxl: object at {offset} runs past the arena end")
         return header, self.arena[offset:offset + total]
 
+    def find(self, key: bytes) -> tuple[int, ObjectHeader] | None:
+        """(offset, header) of ``key`` through the owner's shared index, or None.
+
+        The header found at the offset must carry the checksum the index
+        recorded, so an extent reused for another object is a miss, not data;
+        the caller still verifies the layers it copies (``read_layers_into``).
+        """
+        self._check_open()
+        if self._index is None:
+            try:
+                self._index = SharedIndexReader(index_path(self.path), self.header.instance)
+            except errors.KVPoolError:
+                return None  # an owner without an index (or a dead one): use the master
+        entry = self._index.find(key)
+        if entry is None or not 0 <= entry.offset <= self.header.capacity_bytes - 64:
+            return None
+        if stored_header_checksum(self.arena[entry.offset:entry.offset + 64]) != entry.header_sum:
+            return None
+        try:
+            return entry.offset, self.read_header(entry.offset)
+        except errors.FormatError:
+            return None
+
     def read_header(self, offset: int) -> ObjectHeader:
         """The (checked) header of the object at data-area ``offset``."""
         return self._object_bytes(offset, None)[0]
@@ -502,6 +552,9 @@ class CxlArenaReader:
     def close(self) -> None:
         if self._mmap is None:
             return
+        if self._index is not None:
+            self._index.close()
+            self._index = None
         self.arena = np.empty(0, dtype=np.uint8)
         try:
             self._mmap.close()

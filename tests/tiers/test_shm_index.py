@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpool import errors
+from tiers.shm_index import IndexEntry, SharedIndexReader, SharedIndexWriter
+
+INSTANCE = b"0123456789abcdef"
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    writer = SharedIndexWriter(tmp_path / "idx", 64, INSTANCE)
+    reader = SharedIndexReader(tmp_path / "idx", INSTANCE)
+    yield writer, reader
+    reader.close()
+    writer.close()
+
+
+def test_insert_find_replace_remove(pair) -> None:
+    writer, reader = pair
+    assert reader.find(b"a") is None
+    assert writer.insert(b"a", IndexEntry(4096, 100, 7))
+    assert reader.find(b"a") == IndexEntry(4096, 100, 7)
+    assert writer.insert(b"a", IndexEntry(8192, 200, 8))  # replaced in place
+    assert reader.find(b"a") == IndexEntry(8192, 200, 8) and writer.live == 1
+    assert not writer.remove(b"a", 4096)  # a stale extent never removes the newer entry
+    assert writer.remove(b"a", 8192)
+    assert reader.find(b"a") is None and writer.live == 0
+
+
+def test_tombstones_are_reused_and_a_full_table_refuses(pair) -> None:
+    writer, reader = pair
+    keys = [b"k%d" % i for i in range(48)]  # 3/4 of 64 slots
+    assert all(writer.insert(k, IndexEntry(i, 1, i)) for i, k in enumerate(keys))
+    assert not writer.insert(b"one-too-many", IndexEntry(0, 1, 0))
+    assert reader.find(b"one-too-many") is None
+    assert writer.remove(b"k3", 3)
+    assert writer.insert(b"k3-again", IndexEntry(99, 1, 99))  # lands in a tombstone
+    assert reader.find(b"k3-again") == IndexEntry(99, 1, 99)
+    assert all(reader.find(k) == IndexEntry(i, 1, i) for i, k in enumerate(keys) if k != b"k3")
+
+
+def test_readers_refuse_other_files_and_see_a_closed_owner(tmp_path: Path) -> None:
+    (tmp_path / "junk").write_bytes(b"x" * 4096)
+    with pytest.raises(errors.BadMagicError):
+        SharedIndexReader(tmp_path / "junk")
+    with pytest.raises(errors.TierError):
+        SharedIndexReader(tmp_path / "absent")
+    writer = SharedIndexWriter(tmp_path / "idx", 64, INSTANCE)
+    with pytest.raises(errors.TierError):
+        SharedIndexReader(tmp_path / "idx", b"another-instance")
+    reader = SharedIndexReader(tmp_path / "idx", INSTANCE)
+    writer.insert(b"a", IndexEntry(1, 2, 3))
+    writer.close()
+    assert reader.find(b"a") is None  # the owner is gone: nothing is found any more
+    reader.close()
+
+
+def test_a_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path) -> None:
+    """The writer churns entries whose fields all derive from one number; a reader in
+    another process checks every entry it finds is self-consistent."""
+    writer = SharedIndexWriter(tmp_path / "idx", 256, INSTANCE)
+    script = textwrap.dedent(f"""
+        import sys, time
+        from tiers.shm_index import SharedIndexReader
+        reader = SharedIndexReader({str(tmp_path / 'idx')!r}, {INSTANCE!r})
+        found = bad = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            for i in range(64):
+                entry = reader.find(b"key-%d" % i)
+                if entry is None:
+                    continue
+                found += 1
+                if entry.nbytes != entry.offset * 3 + 1 or entry.header_sum != entry.offset ^ 0xABCDEF:
+                    bad += 1
+        print(found, bad)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        version = 0
+        deadline = time.monotonic() + 1.7
+        while time.monotonic() < deadline:
+            version += 1
+            i = version % 64
+            offset = version * 64
+            writer.insert(b"key-%d" % i, IndexEntry(offset, offset * 3 + 1, offset ^ 0xABCDEF))
+            if version % 7 == 0:
+                writer.remove(b"key-%d" % ((i + 5) % 64), (version - 59) * 64)
+        found, bad = map(int, child.communicate(timeout=30)[0].split())
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        writer.close()
+    assert found > 1000 and bad == 0
+
+
+def test_churn_far_beyond_the_slot_count_keeps_working(pair) -> None:
+    writer, reader = pair
+    for i in range(2000):  # every removal leaves a tombstone; compaction must sweep them
+        key = b"churn-%d" % i
+        assert writer.insert(key, IndexEntry(i, 1, i))
+        assert reader.find(key) == IndexEntry(i, 1, i)
+        if i >= 10:
+            old = i - 10
+            assert writer.remove(b"churn-%d" % old, old)
+    assert writer.live == 10
+    assert [reader.find(b"churn-%d" % i) is not None for i in range(1985, 2000)] == [False] * 5 + [True] * 10
