@@ -30,6 +30,16 @@ class Extent:
     nbytes: int
 
 
+def close_mapping(region: Any) -> None:
+    """Unmap an ``mmap``; if a caller still holds a view, the mapping dies with the view."""
+    if region is None:
+        return
+    try:
+        region.close()
+    except BufferError:
+        pass
+
+
 def round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 

@@ -57,7 +57,7 @@ import xxhash
 
 from kvpool import errors
 from kvpool.objformat import LayerRange, ObjectHeader, decode, stored_header_checksum
-from tiers.base import ArenaTier, Extent
+from tiers.base import ArenaTier, Extent, close_mapping
 from tiers.shm_index import IndexEntry, SharedIndexReader, SharedIndexWriter, index_path, slot_count_for
 
 if TYPE_CHECKING:
@@ -368,12 +368,8 @@ class CxlTier(ArenaTier):
             self.index = None
         self._arena = None
         self._file = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # a caller still holds a view; the mapping dies with it
-                pass
-            self._mmap = None
+        close_mapping(self._mmap)
+        self._mmap = None
         if unlink:
             # Only unlink the file we own: the lock guarantees nobody replaced it.
             try:
@@ -556,10 +552,7 @@ class CxlArenaReader:
             self._index.close()
             self._index = None
         self.arena = np.empty(0, dtype=np.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:  # views handed out keep the mapping alive until they die
-            pass
+        close_mapping(self._mmap)
         self._mmap = None
         os.close(self._fd)
 

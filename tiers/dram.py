@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiers.base import ArenaTier
+from tiers.base import ArenaTier, close_mapping
 
 if TYPE_CHECKING:
     from kvpool.config import Config, DramSection
@@ -134,9 +134,5 @@ class DramTier(ArenaTier):
             munlock_region(self._arena.ctypes.data, self.locked_bytes)
         self._arena = None
         self._pinned = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # a caller still holds a view; the mapping dies with it
-                pass
-            self._mmap = None
+        close_mapping(self._mmap)
+        self._mmap = None

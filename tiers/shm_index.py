@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 
 from kvpool import errors
+from tiers.base import close_mapping
 
 MAGIC = b"KVPLIDX1"
 DEAD = b"KVPLDEAD"  # written over MAGIC when the owner closes the index
@@ -190,10 +191,7 @@ class SharedIndexWriter:
         """Tell readers the index is gone (they stop finding anything), then unmap it."""
         self._table.mm[:8] = DEAD
         self._table.words = None  # type: ignore[assignment]
-        try:
-            self._table.mm.close()
-        except BufferError:  # a numpy view is still alive somewhere; the mapping dies with it
-            pass
+        close_mapping(self._table.mm)
         if unlink:
             try:
                 self.path.unlink()
@@ -253,7 +251,4 @@ class SharedIndexReader:
 
     def close(self) -> None:
         self._table.words = None  # type: ignore[assignment]
-        try:
-            self._table.mm.close()
-        except BufferError:
-            pass
+        close_mapping(self._table.mm)
