@@ -44,8 +44,12 @@ Transports
         UCX choose shared memory (posix/sysv/cma). UCX cannot detect a dead
         peer on such endpoints, so only the pull deadline (``timeout_s``)
         catches a holder that dies mid-pull; the server likewise drops a
-        client that stops receiving after ``send_timeout_s``. Peers on other
-        hosts, or without a worker address, use the listener as with ``"tcp"``.
+        client that stops receiving after ``send_timeout_s``. Nor can closing
+        such an endpoint stop a sender that is alive but stalled between
+        UCX's rendezvous handshake and its copy into ``out`` (cross-memory
+        writes come from the sender's side), so after a deadline on this path
+        ``out`` is not guaranteed untouched. Peers on other hosts, or without
+        a worker address, use the listener as with ``"tcp"``.
 
 Failure rules
     A miss is answered with a MISS status (:class:`errors.RemoteMissError` at
@@ -54,16 +58,23 @@ Failure rules
     drops that endpoint from the client's cache and fails every pull still
     using it: UCX cancels their receives as the endpoint closes, so no late
     bytes land in an ``out`` buffer after its pull raised (on TCP; see the
-    ``"auto"`` caveat above). Callers still verify per-layer checksums.
+    ``"auto"`` caveat above). A cancelled ``apull_into`` is not a failure of
+    the endpoint: that pull finishes in the background instead. Callers still
+    verify per-layer checksums.
 
 UCX environment
     Importing ``ucxx`` sets ``UCX_MEMTYPE_CACHE=n``, ``UCX_RNDV_THRESH=8192``
     and ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` unless already set. This module adds
     ``UCX_WARN_UNUSED_ENV_VARS=n`` (ucxx's own variable otherwise triggers a
     warning) and passes :data:`DEFAULT_UCX_OPTIONS` to its contexts unless the
-    matching ``UCX_*`` variable is set, so the environment always wins.
+    matching ``UCX_*`` variable is set, so the environment always wins. Every
+    process of a pool must run with the same UCX options: with
+    ``RNDV_SCHEME`` differing between client and server, listener connections
+    were seen to fail ("no remote ep address for lane").
     The ucxx listener binds the wildcard address; ``host`` is only the address
-    advertised to clients.
+    advertised to clients. UCX trusts what peers send it (a malformed worker
+    address aborts the process; both ends check addresses first, see
+    :func:`plausible_worker_address`): keep UCX ports on a trusted network.
 """
 
 from __future__ import annotations
@@ -84,6 +95,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
+
+import xxhash
 
 from kvpool import errors
 from kvpool.objformat import LayerRange
@@ -115,8 +128,8 @@ _MAX_REQUEST_ID = (1 << (63 - _INDEX_BITS)) - 1
 _MAX_CHUNKS = (1 << _INDEX_BITS) - 1
 
 # magic, version, flags, key_len, addr_len, client_id, conn_id, request_id,
-# layer start, layer stop, capacity (bytes), max chunk (bytes)
-_REQUEST = struct.Struct("<4sBBHHQQQIIQQ")
+# layer start, layer stop, capacity (bytes), max chunk (bytes), xxh3-64 of the address
+_REQUEST = struct.Struct("<4sBBHHQQQIIQQQ")
 _REQUEST_MAGIC = b"KVPR"
 _FLAG_REPLY_TO_ADDRESS = 0x1
 _MAX_KEY_BYTES = 1024
@@ -141,6 +154,18 @@ STATUS_BAD_REQUEST = 5
 
 _RECEIVES_POSTED = 4  # request receives kept posted on a server's worker
 _POLL_FALLBACK_S = 0.5  # wake at least this often even if UCX raised no event
+
+
+def plausible_worker_address(address: bytes) -> bool:
+    """Cheap sanity check of a packed UCX worker address.
+
+    UCX trusts the addresses it is given and aborts the process on some
+    malformed ones, so addresses from the network or the master are checked
+    first: a sane length and a header version UCX knows (v1 = 0, v2 = 1 in the
+    low 4 bits of the first byte). Not a defence against a hostile peer: a UCX
+    port belongs on a trusted network.
+    """
+    return 16 <= len(address) <= _MAX_ADDRESS_BYTES and (address[0] & 0x0F) in (0, 1)
 
 
 def local_host_id() -> str:
@@ -928,7 +953,9 @@ class PullServer:
             if not self._send_chunk(job, i + 1, payload):
                 return
 
-    def _send_chunk(self, job: _ServeJob, index: int, payload: memoryview, staging: mmap.mmap | None = None) -> bool:
+    def _send_chunk(
+        self, job: _ServeJob, index: int, payload: memoryview, staging: mmap.mmap | None = None
+    ) -> bool:
         job.chunks_started += 1
         nbytes = payload.nbytes
         array = Array(payload)
@@ -1117,19 +1144,24 @@ def _safe_release(release: Callable[[], None]) -> None:
 def _parse_request(buf: bytearray) -> _Request:
     try:
         (magic, version, flags, key_len, addr_len, client_id, conn_id, request_id, start, stop,
-         capacity, max_chunk) = _REQUEST.unpack_from(buf, 0)
+         capacity, max_chunk, address_sum) = _REQUEST.unpack_from(buf, 0)
     except struct.error as exc:
         raise errors.ProtocolError(f"request too short: {exc}") from None
     if magic != _REQUEST_MAGIC:
         raise errors.ProtocolError(f"bad request magic {bytes(magic)!r}")
     if version != PROTOCOL_VERSION:
-        raise errors.ProtocolError(f"request protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+        raise errors.ProtocolError(
+            f"request protocol version {version}, this build speaks {PROTOCOL_VERSION}")
     if key_len > _MAX_KEY_BYTES or addr_len > _MAX_ADDRESS_BYTES:
         raise errors.ProtocolError("request key or address too long")
     if not start < stop or request_id > _MAX_REQUEST_ID or max_chunk <= 0:
         raise errors.ProtocolError("request fields out of range")
     key_end = _REQUEST.size + key_len
     address = bytes(buf[key_end:key_end + addr_len]) if flags & _FLAG_REPLY_TO_ADDRESS else b""
+    # UCX aborts the process on a malformed worker address: check before use.
+    if address and (xxhash.xxh3_64_intdigest(address) != address_sum
+                    or not plausible_worker_address(address)):
+        raise errors.ProtocolError("request carries a corrupt reply address")
     return _Request(client_id, conn_id, request_id, bytes(buf[_REQUEST.size:key_end]),
                     LayerRange(start, stop), capacity, max_chunk, address)
 
@@ -1346,7 +1378,8 @@ class PullClient:
         try:
             peer = self._peer_for(pull.address)
         except Exception as exc:
-            self._fail(pull, errors.TransferError(f"cannot connect to {pull.address.host}:{pull.address.port}: {_describe(exc)}"))
+            where = f"{pull.address.host}:{pull.address.port}"
+            self._fail(pull, errors.TransferError(f"cannot connect to {where}: {_describe(exc)}"))
             return
         pull.peer = peer
         peer.pulls.add(pull)
@@ -1369,7 +1402,12 @@ class PullClient:
         use_worker_address = (
             self.transport == "auto" and bool(address.worker_address) and address.host_id == self._host_id
         )
-        key: tuple[Any, ...] = ("wa", address.worker_address) if use_worker_address else ("tcp", address.host, address.port)
+        if use_worker_address and not plausible_worker_address(address.worker_address):
+            log.warning("%s: %s:%d advertises a malformed worker address; using its listener",
+                        self._name, address.host, address.port)
+            use_worker_address = False
+        key: tuple[Any, ...] = (
+            ("wa", address.worker_address) if use_worker_address else ("tcp", address.host, address.port))
         peer = self._peers.get(key)
         if peer is not None and peer.error_handling and not peer.ep.alive:
             self._drop_peer(peer, "endpoint failed while idle")
@@ -1414,7 +1452,8 @@ class PullClient:
             self._fail(pull, errors.ProtocolError(f"{peer.label}: malformed status frame"), drop_peer=True)
             return
         text = bytes(pull.status_buf[_STATUS.size:_STATUS.size + text_len]).decode("utf-8", "replace")
-        what = f"{peer.label}: pull of {pull.key.hex()} layers [{pull.layer_range.start}, {pull.layer_range.stop})"
+        layers = pull.layer_range
+        what = f"{peer.label}: pull of {pull.key.hex()} layers [{layers.start}, {layers.stop})"
         if status != STATUS_OK:
             exc_type = {
                 STATUS_MISS: errors.RemoteMissError,
@@ -1544,7 +1583,8 @@ def _as_out_view(out: Any) -> memoryview:
     try:
         view = memoryview(out)
     except TypeError:
-        raise errors.OutBufferError(f"out must support the buffer protocol, got {type(out).__name__}") from None
+        raise errors.OutBufferError(
+            f"out must support the buffer protocol, got {type(out).__name__}") from None
     if view.readonly:
         raise errors.OutBufferError("out buffer is read-only")
     if not view.c_contiguous:
@@ -1564,6 +1604,7 @@ def _pack_request(
         _FLAG_REPLY_TO_ADDRESS if reply_address else 0,
         len(pull.key), len(reply_address), client_id, conn_id, pull.request_id,
         pull.layer_range.start, pull.layer_range.stop, pull.out.nbytes, max_chunk,
+        xxhash.xxh3_64_intdigest(reply_address),
     )
     frame[_REQUEST.size:_REQUEST.size + len(pull.key)] = pull.key
     frame[_REQUEST.size + len(pull.key):] = reply_address
@@ -1579,4 +1620,5 @@ __all__ = [
     "ServeSource",
     "TRANSPORTS",
     "local_host_id",
+    "plausible_worker_address",
 ]

@@ -4,10 +4,11 @@ The server always runs in a separate process (this file, run as a script with
 ``--serve``): it serves deterministic bytes per key from a small provider and
 answers ``stats`` on stdin with its counters as one JSON line. Special keys
 exercise the failure paths: ``miss:*`` is a miss, ``boom`` raises in the
-provider, ``slow`` answers after a second, ``file:slow`` reads for a second, ``file:*`` is served through ``read_into`` from a real file (the nvme
-path), ``stall`` blocks in the provider, and ``stall-mid`` sends its first
-chunk and then blocks reading the second, so killing the process leaves a pull
-half done.
+provider, ``slow`` answers after a second, ``file:*`` is served through
+``read_into`` from a real file (the nvme path; ``file:slow`` reads for a
+second), ``split:*`` comes as two buffers, ``stall`` blocks in the provider,
+and ``stall-mid`` sends its first chunk and then blocks reading the second, so
+killing the process leaves a pull half done.
 
 Progress is blocking on both sides (the module's only mode).
 """
@@ -19,6 +20,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -255,19 +257,18 @@ def test_out_may_be_larger_and_any_buffer_type(server: ServerProcess, client: Pu
     assert kv.view(np.uint8).reshape(-1).tobytes() == want.tobytes()
 
 
-def test_range_larger_than_max_message_arrives_split(server: ServerProcess) -> None:
-    # Client 64 KiB < server 256 KiB: the smaller limit wins.
-    with PullClient(transport="tcp", max_message=64 * 1024) as small:
-        for key, client_limit, pull_client in [(b"big-1", 64 * 1024, small)]:
-            want = expected(key, 0, LAYERS)
-            before = server.quiet_stats()
-            out = np.zeros(want.nbytes, np.uint8)
-            assert pull_client.pull_into(server.peer, key, (0, LAYERS), out, timeout_s=20) == want.nbytes
-            assert np.array_equal(out, want)
-            after = server.quiet_stats()
-            chunk = min(client_limit, SERVER_MAX_MESSAGE)
-            assert after["messages_sent"] - before["messages_sent"] == -(-want.nbytes // chunk)
-            assert after["bytes_sent"] - before["bytes_sent"] == want.nbytes
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_range_larger_than_max_message_arrives_split(server: ServerProcess, transport: str) -> None:
+    client_limit = 64 * 1024  # below the server's 256 KiB: the smaller limit wins
+    want = expected(b"big-1", 0, LAYERS)
+    with PullClient(transport=transport, max_message=client_limit) as small:
+        before = server.quiet_stats()
+        out = np.zeros(want.nbytes, np.uint8)
+        assert small.pull_into(server.peer, b"big-1", (0, LAYERS), out, timeout_s=20) == want.nbytes
+        assert np.array_equal(out, want)
+        after = server.quiet_stats()
+    assert after["messages_sent"] - before["messages_sent"] == -(-want.nbytes // client_limit)  # 128
+    assert after["bytes_sent"] - before["bytes_sent"] == want.nbytes
 
 
 def test_server_limit_splits_for_a_large_client_limit(server: ServerProcess, client: PullClient) -> None:
@@ -331,6 +332,37 @@ def test_bad_local_input_is_rejected_before_sending(server: ServerProcess, clien
         client.pull_into(server.peer, b"obj-a", (3, 3), bytearray(10), timeout_s=5)
     with pytest.raises(ValueError):
         PullClient(transport="carrier-pigeon")
+
+
+def test_unreachable_peer_fails_fast() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # free, and nothing listens once closed
+    with PullClient() as pull_client:
+        start = time.monotonic()
+        with pytest.raises(errors.TransferError):
+            pull_client.pull_into(("127.0.0.1", port), b"k", (0, 1), bytearray(16), timeout_s=5)
+        assert time.monotonic() - start < 2.0
+
+
+def test_malformed_worker_addresses_never_reach_ucx(server: ServerProcess) -> None:
+    # UCX aborts the process on some malformed addresses; both ends check first.
+    bogus = PeerAddress(server.peer.host, server.peer.port, b"\x07" + bytes(63), server.peer.host_id)
+    want = expected(b"obj-a", 0, 1)
+    out = np.zeros(want.nbytes, np.uint8)
+    with PullClient(transport="auto") as pull_client:
+        # A bad advertised address: the client falls back to the listener.
+        assert pull_client.pull_into(bogus, b"obj-a", (0, 1), out, timeout_s=10) == want.nbytes
+        assert np.array_equal(out, want)
+    before = server.quiet_stats()
+    with PullClient(transport="auto") as liar:
+        liar._worker_address = b"\x07" + bytes(63)  # a client announcing a corrupt reply address
+        with pytest.raises(errors.KVTimeoutError):  # the server cannot answer it
+            liar.pull_into(server.peer, b"obj-a", (0, 1), out, timeout_s=1.0)
+    after = server.quiet_stats()
+    assert after["errors"] == before["errors"] + 1
+    with PullClient(transport="auto") as honest:  # and the server lives on
+        assert honest.pull_into(server.peer, b"obj-a", (0, 1), out, timeout_s=10) == want.nbytes
 
 
 def test_concurrent_pulls_from_many_threads_and_clients(server: ServerProcess) -> None:
@@ -504,6 +536,29 @@ def test_close_leaves_no_threads() -> None:
     assert leftover == []
     with pytest.raises(errors.PoolClosedError):
         client.pull_into(("127.0.0.1", 1), b"k", (0, 1), bytearray(8), timeout_s=1)
+
+
+def test_transfer_bench_quick_run_reports_every_size(tmp_path: Path) -> None:
+    # Checks the benchmark works and reports what it promises, not how fast
+    # anything is (speed on a shared 2-core machine is no test).
+    bench = Path(__file__).resolve().parent.parent / "bench" / "transfer_bench.py"
+    results = tmp_path / "transfer.json"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--sizes", "64K,1M", "--no-perftest",
+         "--json", str(results), "--plot", str(tmp_path / "transfer.png")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Placement: " in proc.stdout
+    table = proc.stdout.split("Throughput (GB/s)")[1].split("\n\n")[0]
+    assert "tcp/socket" in table and "64.0 KiB" in table and "1.0 MiB" in table, proc.stdout
+    data = json.loads(results.read_text())
+    for backend in ("socket", "memcpy", "pull tcp", "pull auto"):
+        assert sorted(data["throughput_gbps"][backend]) == ["1048576", "65536"]
+        assert all(v > 0 for v in data["throughput_gbps"][backend].values())
+    assert set(data["pages_gbps"]) == {"tcp", "auto"}
+    assert [row["layers"] for row in data["on_demand"]["tcp"]] == [1, 2, 4, 8]
+    assert "[" in proc.stderr  # progress goes to stderr, not into the tables
 
 
 if __name__ == "__main__":
