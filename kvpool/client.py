@@ -206,7 +206,8 @@ class ClusterPool(Pool):
             self._releaser.release(located.lease_id)
 
     def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None) -> list[np.ndarray | None]:
-        """Local hits first; every other key is located in one master round trip."""
+        """Local hits, then same-host arenas; the rest are located in one master round trip and
+        pulled concurrently."""
         self._check_open()
         keys = [self._key(h) for h in prefix_hashes]
         results = [self._get_local(k, layers, None) for k in keys]
@@ -217,8 +218,10 @@ class ClusterPool(Pool):
         if missing:
             located = self._master.locate_many([keys[i] for i in missing], lease=True)
             try:
-                for i, replicas in zip(missing, located.replicas):
-                    results[i] = self._get_remote(keys[i], replicas, layers, None)
+                pulled = self._reader.read_many([keys[i] for i in missing], located.replicas, layers,
+                                                self._out_view)
+                for i, arr in zip(missing, pulled):
+                    results[i] = arr
             finally:
                 self._releaser.release(located.lease_id)
         return results

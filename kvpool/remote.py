@@ -10,6 +10,7 @@ lease replicas first).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections import Counter
@@ -24,6 +25,8 @@ from kvpool.protocol import LocatedReplica
 from kvpool.transfer import PullClient
 
 log = logging.getLogger("kvpool.remote")
+
+_PARALLEL_PULLS = 8  # pulls of one get_many in flight at once
 
 OutView = Callable[[ObjectSpec, LayerRange, Any], "tuple[np.ndarray, memoryview]"]
 
@@ -40,6 +43,7 @@ class ReplicaReader:
         self.counters: Counter[str] = Counter()
         self._cxl_readers: dict[tuple[str, str], Any] = {}
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     # -- same-host arenas, found by key without the master ----------------------------
@@ -133,6 +137,18 @@ class ReplicaReader:
                 self.counters["miss_holder_gone"] += 1
         return None
 
+    def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Any,
+                  out_view: OutView) -> list[np.ndarray | None]:
+        """``read`` for many keys with their pulls in flight together (results in order)."""
+        if len(keys) <= 1:
+            return [self.read(k, r, layers, None, out_view) for k, r in zip(keys, replicas)]
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(_PARALLEL_PULLS, thread_name_prefix="kvpool-pull")
+            pool = self._pool
+        futures = [pool.submit(self.read, k, r, layers, None, out_view) for k, r in zip(keys, replicas)]
+        return [f.result() for f in futures]
+
     def read_into(self, key: bytes, replica: LocatedReplica, header: ObjectHeader,
                   layer_range: LayerRange, buf: memoryview) -> None:
         """Fill ``buf`` with verified layers from one replica, or raise."""
@@ -164,6 +180,8 @@ class ReplicaReader:
         return {**self.counters, "pull_client": self.puller.stats()}
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.puller.close()
         with self._lock:
             for reader in [*self._cxl_readers.values(), *self._neighbours.values()]:

@@ -110,6 +110,10 @@ def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
         np.testing.assert_array_equal(out, content(0)[7:8])
         assert reader.get(b"never-put") is None
         assert reader.exists_many([key_of(2), b"never-put"]) == [True, False]
+        many = reader.get_many([key_of(0), b"never-put", key_of(2)], layers=range(0, 2))  # pulled together
+        assert many[1] is None
+        np.testing.assert_array_equal(many[0], content(0)[:2])
+        np.testing.assert_array_equal(many[2], content(2)[:2])
     finally:
         reader.close()
 
