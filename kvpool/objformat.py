@@ -26,6 +26,7 @@ the layer checksums, so a flipped bit in the dims is caught, not trusted.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import struct
 from dataclasses import dataclass
@@ -77,6 +78,12 @@ def dtype_info(name: str) -> DTypeInfo:
         raise errors.DTypeError(
             f"unsupported dtype {name!r}; kvpool stores {sorted(DTYPES)}"
         ) from None
+
+
+@functools.lru_cache(maxsize=None)
+def storage_dtype(name: str) -> np.dtype:
+    """The plain numpy type an object's bytes are stored as (uint16 for bfloat16, ...)."""
+    return np.dtype(dtype_info(name).storage)
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,25 +171,23 @@ class ObjectSpec:
     tokens: int
     kv_heads: int
     head_dim: int
+    # Derived once (every get needs them): element and layer sizes in bytes.
+    itemsize: int = dataclasses.field(init=False, repr=False, compare=False)
+    layer_nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        dtype_info(self.dtype)
-        for field in ("layers", "tokens", "kv_heads", "head_dim"):
-            value = getattr(self, field)
+        info = dtype_info(self.dtype)
+        for name in ("layers", "tokens", "kv_heads", "head_dim"):
+            value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value >= 2**32:
-                raise errors.ShapeError(f"{field} must be a positive 32-bit int, got {value!r}")
+                raise errors.ShapeError(f"{name} must be a positive 32-bit int, got {value!r}")
+        itemsize = np.dtype(info.storage).itemsize
+        object.__setattr__(self, "itemsize", itemsize)
+        object.__setattr__(self, "layer_nbytes", 2 * self.tokens * self.kv_heads * self.head_dim * itemsize)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.layers, 2, self.tokens, self.kv_heads, self.head_dim)
-
-    @property
-    def itemsize(self) -> int:
-        return np.dtype(dtype_info(self.dtype).storage).itemsize
-
-    @property
-    def layer_nbytes(self) -> int:
-        return 2 * self.tokens * self.kv_heads * self.head_dim * self.itemsize
 
     @property
     def payload_nbytes(self) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 from kvpool import errors
 from kvpool.config import Config
 from kvpool.metrics import ApiLatency, MetricsServer, StatsCollector
-from kvpool.objformat import LayerRange, ObjectSpec, byte_view, dtype_info, numpy_dtype, spec_of
+from kvpool.objformat import LayerRange, ObjectSpec, byte_view, numpy_dtype, spec_of, storage_dtype
 from tiers import TIER_ORDER, tier_class
 from tiers.manager import PinnedObject, TierManager
 
@@ -112,7 +112,7 @@ class Pool:
         if isinstance(out, np.ndarray):
             if out.shape != shape:
                 raise errors.OutBufferError(f"out has shape {out.shape}, layers need {shape}")
-            if out.dtype not in (numpy_dtype(spec.dtype), np.dtype(dtype_info(spec.dtype).storage)):
+            if out.dtype != numpy_dtype(spec.dtype) and out.dtype != storage_dtype(spec.dtype):
                 raise errors.OutBufferError(f"out has dtype {out.dtype}, object is {spec.dtype}")
             if not out.flags.c_contiguous or not out.flags.writeable:
                 raise errors.OutBufferError("out must be C-contiguous and writable")
@@ -283,7 +283,7 @@ class Pool:
         if self._metrics is None:
             self._metrics = MetricsServer(
                 port, host=host, role=self.stats()["role"], ready=lambda: not self._closed,
-                registries=[self.latency.registry, StatsCollector(pool_stats=self.stats)],
+                registries=[self.latency, StatsCollector(pool_stats=self.stats)],
             ).start()
         return self._metrics
 

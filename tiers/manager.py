@@ -103,6 +103,7 @@ class TierManager:
         if not any(self.put_enabled):
             raise errors.ConfigError("no tier accepts puts (every tiers.*.put is false)")
         self.policies = [make_policy(policy, t.capacity_bytes) for t in self.tiers]
+        self._hit_counters = [f"hits_{t.name}" for t in self.tiers]
         self.promote_enabled = promote
         self.promote_min_hits = promote_min_hits
         self._index: dict[bytes, _Entry] = {}
@@ -295,7 +296,7 @@ class TierManager:
                 return None
             entry.pins += 1
             self.policies[entry.tier].touch(key)
-            self.counters[f"hits_{self.tiers[entry.tier].name}"] += 1
+            self.counters[self._hit_counters[entry.tier]] += 1
             if entry.tier > 0:
                 entry.lower_hits += 1
             return PinnedObject(key, entry.header, self.tiers[entry.tier], entry.extent, entry)
