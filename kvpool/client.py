@@ -205,21 +205,23 @@ class ClusterPool(Pool):
         finally:
             self._releaser.release(located.lease_id)
 
-    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None) -> list[np.ndarray | None]:
+    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None,
+                 outs: Sequence[Any] | None = None) -> list[np.ndarray | None]:
         """Local hits, then same-host arenas; the rest are located in one master round trip and
-        pulled concurrently."""
+        pulled concurrently. ``outs`` gives one ``out=`` buffer per key."""
         self._check_open()
         keys = [self._key(h) for h in prefix_hashes]
-        results = [self._get_local(k, layers, None) for k in keys]
+        outs = self._outs(keys, outs)
+        results = [self._get_local(k, layers, out) for k, out in zip(keys, outs)]
         for i, key in enumerate(keys):
             if results[i] is None:
-                results[i] = self._reader.read_same_host(key, layers, None, self._out_view)
+                results[i] = self._reader.read_same_host(key, layers, outs[i], self._out_view)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             located = self._master.locate_many([keys[i] for i in missing], lease=True)
             try:
                 pulled = self._reader.read_many([keys[i] for i in missing], located.replicas, layers,
-                                                self._out_view)
+                                                self._out_view, [outs[i] for i in missing])
                 for i, arr in zip(missing, pulled):
                     results[i] = arr
             finally:

@@ -230,9 +230,20 @@ class Pool:
         for key, spec, arr in prepared:
             self._put_local(key, spec, byte_view(arr))
 
-    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None) -> list[np.ndarray | None]:
+    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None,
+                 outs: Sequence[Any] | None = None) -> list[np.ndarray | None]:
+        """``get`` for each key (None for each miss); ``outs`` gives one ``out=`` buffer per key."""
         self._check_open()
-        return [self._get_local(self._key(h), layers, None) for h in prefix_hashes]
+        keys = [self._key(h) for h in prefix_hashes]
+        return [self._get_local(k, layers, out) for k, out in zip(keys, self._outs(keys, outs))]
+
+    @staticmethod
+    def _outs(keys: Sequence[bytes], outs: Sequence[Any] | None) -> Sequence[Any]:
+        if outs is None:
+            return [None] * len(keys)
+        if len(outs) != len(keys):
+            raise errors.OutBufferError(f"{len(outs)} out buffers for {len(keys)} keys")
+        return outs
 
     def exists_many(self, prefix_hashes: Sequence[Key]) -> list[bool]:
         self._check_open()

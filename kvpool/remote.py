@@ -14,7 +14,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import Counter
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -138,15 +138,16 @@ class ReplicaReader:
         return None
 
     def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Any,
-                  out_view: OutView) -> list[np.ndarray | None]:
+                  out_view: OutView, outs: Sequence[Any]) -> list[np.ndarray | None]:
         """``read`` for many keys with their pulls in flight together (results in order)."""
-        if len(keys) <= 1:
-            return [self.read(k, r, layers, None, out_view) for k, r in zip(keys, replicas)]
+        jobs = list(zip(keys, replicas, outs))
+        if len(jobs) <= 1:
+            return [self.read(k, r, layers, out, out_view) for k, r, out in jobs]
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(_PARALLEL_PULLS, thread_name_prefix="kvpool-pull")
             pool = self._pool
-        futures = [pool.submit(self.read, k, r, layers, None, out_view) for k, r in zip(keys, replicas)]
+        futures = [pool.submit(self.read, k, r, layers, out, out_view) for k, r, out in jobs]
         return [f.result() for f in futures]
 
     def read_into(self, key: bytes, replica: LocatedReplica, header: ObjectHeader,

@@ -114,6 +114,10 @@ def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
         assert many[1] is None
         np.testing.assert_array_equal(many[0], content(0)[:2])
         np.testing.assert_array_equal(many[2], content(2)[:2])
+        outs = [np.empty((2,) + content(0).shape[1:], np.float16) for _ in range(2)]
+        into = reader.get_many([key_of(1), key_of(2)], layers=range(3, 5), outs=outs)
+        assert into[0] is outs[0] and into[1] is outs[1]
+        np.testing.assert_array_equal(outs[0], content(1)[3:5])
     finally:
         reader.close()
 

@@ -100,6 +100,12 @@ def test_batches(pool: kvpool.Pool) -> None:
     np.testing.assert_array_equal(got[0], items[b"b0"][:2])
     assert got[1] is None
     np.testing.assert_array_equal(got[2], items[b"b3"][:2])
+    outs = [np.empty((2,) + SHAPE[1:], np.float16) for _ in range(2)]
+    filled = pool.get_many([b"b1", b"b2"], layers=range(0, 2), outs=outs)
+    assert filled[0] is outs[0] and filled[1] is outs[1]
+    np.testing.assert_array_equal(outs[1], items[b"b2"][:2])
+    with pytest.raises(errors.OutBufferError):
+        pool.get_many([b"b1", b"b2"], outs=outs[:1])
     with pytest.raises(errors.ShapeError):
         pool.put_many([(b"ok", kv(9)), (b"bad", np.zeros(3))])
     assert not pool.exists(b"ok")  # validated before anything was stored

@@ -4,7 +4,7 @@ kvpool is pull-on-demand: a put stays on the putting node (its local tiers)
 and is published to the master; another process's get asks the master where
 the key is and pulls it. So the honest cross-process setup is a *writer*
 actor (a ``kvpool.connect`` client: its timed puts are local tier copy +
-master reserve/commit, and it keeps serving the data) and a *reader* actor
+one master publish, and it keeps serving the data) and a *reader* actor
 (the benchmark client: every get is a master locate + a pull from the writer).
 The master runs as ``kvpool-server --role master`` in its own process.
 
@@ -34,7 +34,7 @@ from bench.peer_backends.base import (
 class KvpoolPeer(Peer):
     put_role = "writer"
     get_role = "reader"
-    put_note = ("kvpool puts are the writer's: local tier copy + master reserve/commit (pull-on-demand: "
+    put_note = ("kvpool puts are the writer's: local tier copy + one master publish (pull-on-demand: "
                 "no bytes cross processes on a put; the reader's gets pull them)")
     transport: ClassVar[str] = "tcp"
     holder_tier: ClassVar[str] = "dram"
@@ -126,8 +126,8 @@ class KvpoolClient(PeerClient):
         if len(keys) == 1:
             out = outs[0].view(np.float16).reshape(self.shape)
             return [self.pool.get(keys[0], out=out)]
-        # get_many has no out=: it returns fresh arrays (see the benchmark's report)
-        return self.pool.get_many(list(keys))
+        # preallocated buffers, as Mooncake's batch_get_into gets registered ones
+        return self.pool.get_many(list(keys), outs=[o.view(np.float16).reshape(self.shape) for o in outs])
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if len(keys) == 1:
