@@ -29,6 +29,11 @@ Wire protocol (all tag messages; tags are 64-bit and matched worker-wide)
              the payload. The client posts its receives straight into slices
              of ``out`` once the status arrives; UCX holds a rendezvous message
              until its receive is posted, so large chunks are never staged.
+    abort    server -> client, tag ``request_id << 20 | 0xFFFFF``: a status
+             frame sent instead of the remaining chunks when reading the
+             object fails after OK went out (nvme path), once every chunk
+             already posted has been delivered; the client cancels its
+             receives for the chunks that will never come.
     hello    client -> server over the UCX *stream* API, once per listener
              connection: 16 bytes naming the connection (``conn_id``, which
              every request repeats), because a worker-wide tag receive cannot
@@ -53,8 +58,9 @@ Transports
 
 Failure rules
     A miss is answered with a MISS status (:class:`errors.RemoteMissError` at
-    the client), a provider exception with an ERROR status carrying its text;
-    neither hangs the client. Any transport error or deadline on an endpoint
+    the client), a provider exception with an ERROR status carrying its text,
+    a read that fails mid-pull with an abort frame; none of them hangs the
+    client or costs the connection. Any transport error or deadline on an endpoint
     drops that endpoint from the client's cache and fails every pull still
     using it: UCX cancels their receives as the endpoint closes, so no late
     bytes land in an ``out`` buffer after its pull raised (on TCP; see the
@@ -125,7 +131,8 @@ PROTOCOL_VERSION = 1
 REQUEST_TAG = 0xC0DE_4B56_5055_4C4C
 _INDEX_BITS = 20
 _MAX_REQUEST_ID = (1 << (63 - _INDEX_BITS)) - 1
-_MAX_CHUNKS = (1 << _INDEX_BITS) - 1
+_ABORT_INDEX = (1 << _INDEX_BITS) - 1  # reply tag of a mid-stream abort
+_MAX_CHUNKS = _ABORT_INDEX - 1
 
 # magic, version, flags, key_len, addr_len, client_id, conn_id, request_id,
 # layer start, layer stop, capacity (bytes), max chunk (bytes), xxh3-64 of the address
@@ -364,6 +371,10 @@ class _ProgressThread:
         """
         self._watched.append((request, on_done, buffer))
 
+    def unwatch(self, request: Any) -> None:
+        """Forget ``request`` (its callback never runs); see PullClient._cancel_receives."""
+        self._watched = [item for item in self._watched if item[0] is not request]
+
     def call_later(self, delay_s: float, callback: Callable[[], None]) -> _Timer:
         timer = _Timer(callback)
         heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), timer))
@@ -571,6 +582,7 @@ class _ServeJob:
     chunks_done: int = 0
     reads_in_flight: int = 0
     finished: bool = False
+    abort_text: str = ""  # a read failed: stop, then tell the client this
     timer: _Timer | None = None
     staging: list[mmap.mmap] = field(default_factory=list)
 
@@ -647,7 +659,10 @@ class PullServer:
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> PullServer:
-        """Create the UCX worker and listener; returns ``self``. Idempotent."""
+        """Create the UCX worker and listener; returns ``self``. Idempotent.
+
+        Raises :class:`errors.TransferError` if UCX cannot start or the port is taken.
+        """
         if self._engine is not None:
             return self
         engine = _ProgressThread(self._name, self._ucx_options)
@@ -657,9 +672,10 @@ class PullServer:
         self._engine = engine
         try:
             engine.call(self._start_on_thread)
-        except BaseException:
+        except Exception as exc:
             self.close()
-            raise
+            raise errors.TransferError(
+                f"{self._name}: cannot listen on port {self._requested_port}: {_describe(exc)}") from exc
         log.info("%s: serving pulls on %s:%d", self._name, self._host, self._port)
         return self
 
@@ -730,6 +746,14 @@ class PullServer:
         return PeerAddress(self._host, self._port, self._worker_address, self._host_id)
 
     def stats(self) -> dict[str, int]:
+        """Counters; ``in_flight`` counts pulls whose source is not yet released."""
+        engine = self._engine
+        if engine is not None and not engine.on_thread():
+            try:
+                # The job sets belong to the progress thread: read them there.
+                return engine.call(self.stats, timeout_s=5.0)
+            except (errors.PoolClosedError, errors.KVTimeoutError):
+                pass
         return {
             "bytes_sent": self.bytes_sent,
             "messages_sent": self.messages_sent,
@@ -920,11 +944,12 @@ class PullServer:
             self._pump_reads(job)
 
     def _send_status(
-        self, job: _ServeJob, status: int, *, text: str = "", nbytes: int = 0, chunk: int = 0
+        self, job: _ServeJob, status: int, *, text: str = "", nbytes: int = 0, chunk: int = 0,
+        index: int = 0,
     ) -> bool:
         array = Array(_pack_status(job.request.request_id, status, nbytes, chunk, text))
         try:
-            req = job.ep.tag_send(array, _reply_tag(job.request.request_id, 0))
+            req = job.ep.tag_send(array, _reply_tag(job.request.request_id, index))
         except Exception as exc:
             self._on_send_failed(job, exc)
             return False
@@ -980,7 +1005,9 @@ class PullServer:
         self.bytes_sent += nbytes
         self.messages_sent += 1
         job.chunks_done += 1
-        if job.chunks_done == job.chunks_total and not job.finished:
+        if job.abort_text:
+            self._maybe_abort(job)
+        elif job.chunks_done == job.chunks_total and not job.finished:
             self._finish(job, ok=True)
         elif job.source is not None and job.source.read_into is not None:
             self._pump_reads(job)
@@ -990,11 +1017,17 @@ class PullServer:
             self._finish(job, ok=False, reason=f"send failed: {_describe(error)}", close_ep=True)
 
     def _on_send_timeout(self, job: _ServeJob) -> None:
-        if not job.finished:
-            self._finish(
-                job, ok=False, reason=f"client did not receive within {self.send_timeout_s}s",
-                close_ep=True,
-            )
+        if job.finished:
+            return
+        if job in self._awaiting_provider:
+            # Nothing sent yet: the client's own deadline reports it; keep the
+            # connection, release whatever the provider returns when it does.
+            self._finish(job, ok=False, reason=f"provider did not answer within {self.send_timeout_s}s")
+            return
+        self._finish(
+            job, ok=False, reason=f"client did not receive within {self.send_timeout_s}s",
+            close_ep=True,
+        )
 
     # -- nvme read path (progress thread + worker threads) ---------------------------------------
 
@@ -1003,7 +1036,8 @@ class PullServer:
             self._staging = _StagingPool(self._staging_count, self.max_message)
         pool = self._staging
         # Two buffers per pull: read chunk i+1 while chunk i is on the wire.
-        while (not job.finished and job.chunks_started + job.reads_in_flight < job.chunks_total
+        while (not job.finished and not job.abort_text
+               and job.chunks_started + job.reads_in_flight < job.chunks_total
                and job.reads_in_flight + (job.chunks_started - job.chunks_done) < 2):
             buf = pool.take()
             if buf is None:
@@ -1048,14 +1082,26 @@ class PullServer:
             if job.reads_in_flight == 0:
                 self._release(job)  # deferred until no read used the source
             return
-        if error is not None:
+        if error is not None or job.abort_text:
             self._give_staging(job, buf)
-            # The OK status is already out: the client learns of the failure
-            # through its deadline or the endpoint closing.
-            self._finish(job, ok=False, reason=f"read failed: {_describe(error)}", close_ep=True)
+            if not job.abort_text:
+                job.abort_text = f"reading the object failed: {_describe(error)}"
+            self._maybe_abort(job)
             return
         # Reads may finish out of order; tags carry the chunk index, so order is free.
         self._send_chunk(job, index, memoryview(buf)[:nbytes], staging=buf)
+
+    def _maybe_abort(self, job: _ServeJob) -> None:
+        """After a failed read, once nothing of this pull is in flight: tell the client.
+
+        The OK status is already out, so the client waits for chunks; waiting
+        for the chunks already posted first means every message the client
+        still expects after the abort is one that will never be sent.
+        """
+        if job.finished or job.reads_in_flight or job.chunks_started != job.chunks_done:
+            return
+        self._send_status(job, STATUS_ERROR, text=job.abort_text, index=_ABORT_INDEX)
+        self._finish(job, ok=False, reason=job.abort_text)
 
     def _give_staging(self, job: _ServeJob, buf: mmap.mmap) -> None:
         if buf in job.staging:
@@ -1080,7 +1126,6 @@ class PullServer:
         if job.finished:
             return
         job.finished = True
-        self._jobs.discard(job)
         if job.timer is not None:
             job.timer.cancel()
         if ok and counted:
@@ -1092,6 +1137,8 @@ class PullServer:
         if close_ep:
             self._drop_client(job.ep)
         self._release(job)
+        # Only now: until its release is queued the job still counts as in flight.
+        self._jobs.discard(job)
 
     def _release(self, job: _ServeJob) -> None:
         if job.reads_in_flight:
@@ -1166,6 +1213,18 @@ def _parse_request(buf: bytearray) -> _Request:
                     LayerRange(start, stop), capacity, max_chunk, address)
 
 
+def _parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, str] | None:
+    """(status, payload bytes, chunk bytes, text) of a status frame, or None if malformed."""
+    try:
+        magic, version, status, text_len, frame_request_id, nbytes, chunk = _STATUS.unpack_from(buf)
+    except struct.error:
+        return None
+    if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id:
+        return None
+    text = bytes(buf[_STATUS.size:_STATUS.size + text_len]).decode("utf-8", "replace")
+    return status, nbytes, chunk, text
+
+
 def _pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: str) -> bytearray:
     encoded = text.encode("utf-8", "replace")[:_MAX_STATUS_TEXT]
     frame = bytearray(_STATUS.size + len(encoded))
@@ -1202,7 +1261,10 @@ class _Pull:
     peer: _Peer | None = None
     status_buf: bytearray = field(default_factory=lambda: bytearray(_STATUS_BUFFER_NBYTES))
     nbytes: int = 0
+    chunk: int = 0
     chunks_left: int = 0
+    receives: list[Any] = field(default_factory=list)  # chunk receives not yet completed
+    abort_receive: Any = None
     done: bool = False
     timer: _Timer | None = None
 
@@ -1340,6 +1402,8 @@ class PullClient:
     ) -> concurrent.futures.Future[int]:
         if self._closing:
             raise errors.PoolClosedError(f"{self._name} is closed")
+        if self._engine.on_thread():
+            raise RuntimeError("pull_into cannot be called from the client's own progress thread")
         peer = _as_peer_address(address)
         if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= _MAX_KEY_BYTES:
             raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")
@@ -1444,14 +1508,11 @@ class PullClient:
         if error is not None:
             self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(error)}"), drop_peer=True)
             return
-        try:
-            magic, version, status, text_len, request_id, nbytes, chunk = _STATUS.unpack_from(pull.status_buf)
-        except struct.error:
-            magic = b""
-        if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
+        frame = _parse_status(pull.status_buf, pull.request_id)
+        if frame is None:
             self._fail(pull, errors.ProtocolError(f"{peer.label}: malformed status frame"), drop_peer=True)
             return
-        text = bytes(pull.status_buf[_STATUS.size:_STATUS.size + text_len]).decode("utf-8", "replace")
+        status, nbytes, chunk, text = frame
         layers = pull.layer_range
         what = f"{peer.label}: pull of {pull.key.hex()} layers [{layers.start}, {layers.stop})"
         if status != STATUS_OK:
@@ -1465,40 +1526,77 @@ class PullClient:
         if nbytes > pull.out.nbytes or (nbytes and chunk <= 0) or -(-nbytes // max(chunk, 1)) > _MAX_CHUNKS:
             self._fail(pull, errors.ProtocolError(f"{what}: bad sizes {nbytes}/{chunk}"), drop_peer=True)
             return
-        pull.nbytes = nbytes
+        pull.nbytes, pull.chunk = nbytes, chunk
         pull.chunks_left = -(-nbytes // chunk) if nbytes else 0
         if pull.chunks_left == 0:
             self._succeed(pull)
             return
-        for i in range(pull.chunks_left):
-            lo = i * chunk
-            array = Array(pull.out[lo:min(lo + chunk, nbytes)])
-            try:
+        try:
+            for i in range(pull.chunks_left):
+                lo = i * chunk
+                array = Array(pull.out[lo:min(lo + chunk, nbytes)])
                 req = peer.ep.tag_recv(array, _reply_tag(pull.request_id, i + 1))
-            except Exception as exc:
-                self._fail(pull, errors.TransferError(f"{what}: {_describe(exc)}"), drop_peer=True)
-                return
-            self._engine.watch(req, lambda err: self._on_chunk(pull, err), array)
+                pull.receives.append(req)
+                self._engine.watch(req, lambda err, req=req: self._on_chunk(pull, req, err), array)
+            # The status buffer is free again: it takes the abort frame, if any.
+            array = Array(pull.status_buf)
+            pull.abort_receive = peer.ep.tag_recv(array, _reply_tag(pull.request_id, _ABORT_INDEX))
+            self._engine.watch(pull.abort_receive, lambda err: self._on_abort(pull, what, err), array)
+        except Exception as exc:
+            self._fail(pull, errors.TransferError(f"{what}: {_describe(exc)}"), drop_peer=True)
 
-    def _on_chunk(self, pull: _Pull, error: BaseException | None) -> None:
+    def _on_chunk(self, pull: _Pull, request: Any, error: BaseException | None) -> None:
         if pull.done:
             return
         if error is not None:
             assert pull.peer is not None
             self._fail(pull, errors.TransferError(f"{pull.peer.label}: {_describe(error)}"), drop_peer=True)
             return
+        pull.receives.remove(request)
         pull.chunks_left -= 1
         if pull.chunks_left == 0:
             self._succeed(pull)
 
+    def _on_abort(self, pull: _Pull, what: str, error: BaseException | None) -> None:
+        pull.abort_receive = None
+        if pull.done:
+            return
+        if error is not None:
+            self._fail(pull, errors.TransferError(f"{what}: {_describe(error)}"), drop_peer=True)
+            return
+        frame = _parse_status(pull.status_buf, pull.request_id)
+        text = frame[3] if frame is not None else "malformed abort frame"
+        # Every chunk the server sent was delivered before this frame; the
+        # receives still posted are for chunks that will never come.
+        self._fail(pull, errors.TransferError(f"{what}: holder failed mid-pull: {text}"))
+
+    def _cancel_receives(self, pull: _Pull) -> None:
+        """Cancel a finished pull's receives that can no longer match.
+
+        ucxx has no per-request cancel call: a request whose Python object is
+        collected is cancelled, so dropping our references is the cancel.
+        """
+        for request in pull.receives:
+            self._engine.unwatch(request)
+        pull.receives.clear()
+        if pull.abort_receive is not None:
+            self._engine.unwatch(pull.abort_receive)
+            pull.abort_receive = None
+
     def _on_deadline(self, pull: _Pull) -> None:
         if not pull.done:
             where = pull.peer.label if pull.peer is not None else f"{pull.address.host}:{pull.address.port}"
+            if not pull.nbytes and not pull.chunks_left:
+                stage = "no reply yet"
+            else:
+                stage = f"{pull.chunks_left} of {-(-pull.nbytes // max(pull.chunk, 1))} messages missing"
             self._fail(pull, errors.KVTimeoutError(
-                f"{where}: pull of {pull.key.hex()} not complete after {pull.timeout_s}s"), drop_peer=True)
+                f"{where}: pull of {pull.key.hex()} not complete after {pull.timeout_s}s ({stage})"),
+                drop_peer=True)
 
     def _succeed(self, pull: _Pull) -> None:
         pull.done = True
+        self._cancel_receives(pull)  # the abort receive
         self.pulls += 1
         self.bytes_received += pull.nbytes
         self._detach(pull)
@@ -1517,6 +1615,7 @@ class PullClient:
     def _finish_failed(self, failed: list[tuple[_Pull, BaseException]]) -> None:
         for pull, exc in failed:
             pull.done = True
+            self._cancel_receives(pull)
             self._detach(pull)
             self.failures += 1
             self.timeouts += isinstance(exc, errors.KVTimeoutError)

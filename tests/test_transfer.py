@@ -6,7 +6,8 @@ answers ``stats`` on stdin with its counters as one JSON line. Special keys
 exercise the failure paths: ``miss:*`` is a miss, ``boom`` raises in the
 provider, ``slow`` answers after a second, ``file:*`` is served through
 ``read_into`` from a real file (the nvme path; ``file:slow`` reads for a
-second), ``split:*`` comes as two buffers, ``stall`` blocks in the provider,
+second, ``file:bad`` fails reading after its first chunk), ``split:*`` comes
+as two buffers, ``stall`` blocks in the provider,
 and ``stall-mid`` sends its first chunk and then blocks reading the second, so
 killing the process leaves a pull half done.
 
@@ -66,6 +67,7 @@ def _serve(tmpdir: str) -> None:
     logging.basicConfig(level=logging.INFO, format="server %(levelname)s %(name)s: %(message)s")
     cache: dict[bytes, np.ndarray] = {}
     cache_lock = threading.Lock()
+    file_lock = threading.Lock()
     released = [0]
     never = threading.Event()
 
@@ -98,13 +100,18 @@ def _serve(tmpdir: str) -> None:
         lo, hi = layer_range.start * step, layer_range.stop * step
         if key.startswith(b"file:") or key == b"stall-mid":
             path = Path(tmpdir) / key.hex()
-            if not path.exists():
-                path.write_bytes(payload(key).tobytes())
+            with file_lock:  # concurrent first pulls: one writes, atomically
+                if not path.exists():
+                    partial = path.with_suffix(".partial")
+                    partial.write_bytes(payload(key).tobytes())
+                    partial.replace(path)
             fd = os.open(path, os.O_RDONLY)
 
             def read_into(offset: int, out: memoryview) -> int:
                 if key == b"file:slow":
                     never.wait(1.0)
+                if key == b"file:bad" and offset > 0:
+                    raise OSError(5, "Input/output error")
                 if key == b"stall-mid" and offset > 0:
                     say("stalled")
                     never.wait()
@@ -465,6 +472,23 @@ def test_holder_killed_mid_pull_fails_within_deadline(
         assert time.monotonic() - start < 3.0
 
 
+def test_read_failure_mid_pull_is_reported_at_once(server: ServerProcess, client: PullClient) -> None:
+    out = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)  # 3 chunks of 256 KiB; the 2nd read fails
+    before = server.quiet_stats()
+    start = time.monotonic()
+    with pytest.raises(errors.TransferError, match="mid-pull.*Input/output error"):
+        client.pull_into(server.peer, b"file:bad", (0, LAYERS), out, timeout_s=10)
+    assert time.monotonic() - start < 2.0  # an abort frame, not the deadline
+    peers = client.stats()["peers"]
+    want = expected(b"obj-a", 0, 1)
+    assert client.pull_into(server.peer, b"obj-a", (0, 1), out[:want.nbytes], timeout_s=10) == want.nbytes
+    assert np.array_equal(out[:want.nbytes], want)
+    assert client.stats()["peers"] == peers  # the endpoint was kept, not dropped
+    after = server.quiet_stats()
+    assert after["released"] == before["released"] + 2
+    assert after["errors"] == before["errors"] + 1
+
+
 @pytest.mark.parametrize("slow_key", [b"slow", b"file:slow"])
 def test_client_deadline_frees_the_server_side(server: ServerProcess, client: PullClient, slow_key: bytes) -> None:
     before = server.quiet_stats()
@@ -522,6 +546,14 @@ def test_inline_provider_runs_on_the_progress_thread() -> None:
         assert pull_client.pull_into(server.address, b"k", (1, 3), out, timeout_s=10) == out.nbytes
         assert np.array_equal(out, payload[70000 * 4:])
     assert callers == ["inline-test"]
+
+
+def test_port_in_use_is_a_typed_error() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    with PullServer(lambda key, layers: None).start() as first:
+        with pytest.raises(errors.TransferError, match="cannot listen"):
+            PullServer(lambda key, layers: None, port=first.address[1]).start()
+    assert [t for t in threading.enumerate() if t.ident not in before] == []  # the failed start cleaned up
 
 
 def test_close_leaves_no_threads() -> None:
