@@ -137,7 +137,7 @@ class KvpoolClient(PeerClient):
     def info(self) -> dict[str, Any]:
         stats = self.pool.stats()
         remote = stats.get("remote", {})
-        return {k: remote.get(k, 0) for k in ("pulls", "reads_in_place", "hits_remote", "bytes_pulled")}
+        return {k: remote.get(k, 0) for k in ("pulls", "reads_in_place", "hits_same_host", "hits_remote", "bytes_pulled")}
 
     def close(self) -> None:
         self.pool.close()
