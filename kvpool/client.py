@@ -2,10 +2,11 @@
 
 Owns the read and write paths across nodes: a put is stored locally, then
 published to the master (durable puts also get copies on storage nodes, through
-the master's two-phase reserve/commit); a get tries the local tiers, then asks the
-master where the key lives and reads the requested layers from a replica —
-in place from a same-host ``cxl`` arena, else pulled over UCX into ``out`` —
-verifying every layer's checksum. A replica that fails (checksum, holder gone,
+the master's two-phase reserve/commit); a get tries the local tiers, then the
+shared indexes of same-host nodes' ``cxl`` arenas (no master round trip), then
+asks the master where the key lives and reads the requested layers from a
+replica — in place from a same-host ``cxl`` arena, else pulled over UCX into
+``out`` — verifying every layer's checksum. A replica that fails (checksum, holder gone,
 timeout) is skipped for the next one; when none is left the get is a miss.
 
 The process is also a :class:`kvpool.node.Node`: its own puts are served to
