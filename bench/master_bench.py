@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import zmq
 

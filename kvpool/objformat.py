@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import xxhash
@@ -437,8 +437,3 @@ def decode(blob: Any, layers: Any = None, *, verify: bool = True) -> tuple[Objec
     arr = np.frombuffer(data, dtype=numpy_dtype(spec.dtype)).reshape(spec.array_shape(layer_range))
     return header, arr
 
-
-def iter_chunks(total: int, step: int) -> Iterable[tuple[int, int]]:
-    """(offset, nbytes) pieces of at most ``step`` bytes covering ``total`` bytes."""
-    for offset in range(0, total, step):
-        yield offset, min(step, total - offset)

@@ -25,7 +25,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from kvpool import errors
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, layer_checksums
@@ -131,10 +131,6 @@ class TierManager:
     def header(self, key: bytes) -> ObjectHeader | None:
         entry = self._index.get(key)
         return entry.header if entry else None
-
-    def tier_of(self, key: bytes) -> str | None:
-        entry = self._index.get(key)
-        return self.tiers[entry.tier].name if entry else None
 
     # -- put ------------------------------------------------------------------
 
