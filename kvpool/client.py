@@ -134,7 +134,9 @@ class ClusterPool(Pool):
         """Store locally and publish (one master round trip); ``durable=True`` also keeps ``replicas``
         copies on other nodes chosen by the master, so the object outlives this process.
 
-        Raises what :meth:`Pool.put` raises, MasterUnreachableError, and (durable)
+        Raises what :meth:`Pool.put` raises, MasterUnreachableError (the object
+        then stays in the local tiers, readable here, and becomes visible to the
+        cluster when this node re-registers with the master), and (durable)
         CapacityError / TransferError when no storage node could take a copy.
         """
         self._check_open()

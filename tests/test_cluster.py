@@ -217,6 +217,27 @@ def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them
         reader.close()
 
 
+def test_unreachable_master_is_a_typed_error_and_local_puts_reappear_after_its_restart(cluster: Cluster) -> None:
+    from kvpool import errors
+
+    master = cluster.start_master()
+    client = cluster.connect("client")
+    try:
+        master.kill()
+        started = time.monotonic()
+        with pytest.raises(errors.MasterUnreachableError):
+            client.get(b"nowhere-local")
+        assert time.monotonic() - started < 6.0  # request_timeout_s is 3 s
+        with pytest.raises(errors.MasterUnreachableError):
+            client.put(b"written-while-down", content(5))
+        np.testing.assert_array_equal(client.get(b"written-while-down"), content(5))  # kept locally
+        cluster.start_master()
+        wait_for(lambda: cluster.client.lookup([b"written-while-down"]) == 1, 10,
+                 "the local put to be registered with the restarted master")
+    finally:
+        client.close()
+
+
 def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
     import zmq
 
