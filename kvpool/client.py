@@ -99,28 +99,34 @@ class ClusterPool(Pool):
             self._releaser = LeaseReleaser(self._master)
             self._reader = ReplicaReader(self._node.host_id, node_id=self._node.node_id, transport=transport,
                                          max_message=self.config.node.max_message,
-                                         pull_timeout_s=self.config.node.pull_timeout_s)
+                                         pull_timeout_s=self.config.node.pull_timeout_s,
+                                         location_cache_size=self.config.node.location_cache)
             self._neighbours_stop = threading.Event()
-            self._neighbours_thread: threading.Thread | None = None
-            if self.config.node.same_host_index:
-                self._reader.refresh_neighbours(self._master.stats())
-                self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,
-                                                           name="kvpool-neighbours")
-                self._neighbours_thread.start()
+            self._refresh_from_master()
+            self._neighbours_thread: threading.Thread | None = threading.Thread(
+                target=self._watch_neighbours, daemon=True, name="kvpool-neighbours")
+            self._neighbours_thread.start()
         except BaseException:
             self._close_cluster_parts()
             self._manager.close()
             self._closed = True
             raise
 
+    def _refresh_from_master(self) -> None:
+        """Map same-host arenas and forget remembered holders that are no longer alive."""
+        stats = self._master.stats()
+        if self.config.node.same_host_index:
+            self._reader.refresh_neighbours(stats)
+        self._reader.forget_nodes_except({nid for nid, n in stats["nodes"].items() if n["alive"]})
+
     def _watch_neighbours(self) -> None:
-        """Keep the set of same-host arenas current (nodes join, leave, die)."""
+        """Keep the view of the other nodes current (they join, leave, die) once per heartbeat."""
         period_s = max(0.2, self.config.master.heartbeat_ms / 1000.0)
         while not self._neighbours_stop.wait(period_s):
             try:
-                self._reader.refresh_neighbours(self._master.stats())
+                self._refresh_from_master()
             except errors.KVPoolError as exc:
-                log.debug("refreshing same-host arenas failed: %s", exc)
+                log.debug("refreshing the view of other nodes failed: %s", exc)
 
     @property
     def node_id(self) -> str:
@@ -202,6 +208,9 @@ class ClusterPool(Pool):
         nearby = self._reader.read_same_host(key, layers, out, self._out_view)
         if nearby is not None:
             return nearby
+        remembered = self._reader.read_cached(key, layers, out, self._out_view)
+        if remembered is not None:
+            return remembered
         located = self._master.locate(key, lease=True)
         try:
             return self._get_remote(key, located.replicas[0], layers, out)
@@ -294,6 +303,7 @@ class ClusterPool(Pool):
         """Delete everywhere: gone from lookups at once; holders drop it on their next heartbeat."""
         self._check_open()
         key = self._key(prefix_hash)
+        self._reader.forget(key)
         deleted = self._master.delete([key])[0]
         try:
             self._manager.delete(key)

@@ -145,6 +145,7 @@ class NodeSection:
     replicas: int = _opt(1, "replicas for durable puts")
     pull_timeout_s: float = _opt(10.0, "deadline for one pull from a peer")
     same_host_index: bool = _opt(True, "find objects in same-host nodes' cxl arenas by key, without the master")
+    location_cache: int = _opt(65536, "keys whose holder is remembered, so a repeat get skips the master (0: off)")
 
 
 @dataclass
@@ -214,6 +215,8 @@ class Config:
             raise bad("master.heartbeat_ms", "heartbeat period and dead_after_missed must be positive")
         if self.node.replicas < 1:
             raise bad("node.replicas", "must be >= 1")
+        if self.node.location_cache < 0:
+            raise bad("node.location_cache", "must be >= 0")
         if self.node.max_message < 4096:
             raise bad("node.max_message", "must be at least 4096 bytes")
 

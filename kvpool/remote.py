@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -35,7 +35,8 @@ class ReplicaReader:
     """Reads layer ranges from located replicas; never returns unverified bytes."""
 
     def __init__(self, host_id: str, *, node_id: str | None = None, transport: str = "auto",
-                 max_message: int = 16 << 20, pull_timeout_s: float = 10.0) -> None:
+                 max_message: int = 16 << 20, pull_timeout_s: float = 10.0,
+                 location_cache_size: int = 0) -> None:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
@@ -43,6 +44,8 @@ class ReplicaReader:
         self.counters: Counter[str] = Counter()
         self._cxl_readers: dict[tuple[str, str], Any] = {}
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
+        self.location_cache_size = location_cache_size
+        self._locations: OrderedDict[bytes, list[LocatedReplica]] = OrderedDict()  # key -> replicas, LRU
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -111,11 +114,52 @@ class ReplicaReader:
 
         Raises LayerRangeError / OutBufferError for the caller's mistakes (the
         same on every replica); every other failure moves on to the next replica.
+        Replicas that served are remembered for :meth:`read_cached`.
         """
         if not replicas:
             self.counters["miss_absent"] += 1
             return None
-        for replica in self.ordered(replicas):
+        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=True)
+        if arr is not None and self.location_cache_size:
+            with self._lock:
+                self._locations[key] = replicas
+                self._locations.move_to_end(key)
+                while len(self._locations) > self.location_cache_size:
+                    self._locations.popitem(last=False)
+        return arr
+
+    def read_cached(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> np.ndarray | None:
+        """Read from where ``key`` was found last time, without asking the master; None if
+        it is not remembered or no longer there (the entry is then forgotten)."""
+        with self._lock:
+            replicas = self._locations.get(key)
+        if replicas is None:
+            return None
+        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=False)
+        if arr is None:
+            with self._lock:
+                self._locations.pop(key, None)
+            self.counters["location_cache_stale"] += 1
+        else:
+            self.counters["location_cache_hits"] += 1
+        return arr
+
+    def forget(self, key: bytes) -> None:
+        with self._lock:
+            self._locations.pop(key, None)
+
+    def forget_nodes_except(self, alive: set[str]) -> None:
+        """Drop remembered locations whose every replica is on a node no longer alive."""
+        with self._lock:
+            stale = [key for key, replicas in self._locations.items()
+                     if not any(r.get("node_id") in alive for r in replicas)]
+            for key in stale:
+                del self._locations[key]
+
+    def _first_intact(self, key: bytes, replicas: list[LocatedReplica], layers: Any, out: Any,
+                      out_view: OutView, *, count_misses: bool) -> np.ndarray | None:
+        for replica in replicas:
+            reason = None
             try:
                 header = ObjectHeader.unpack(replica["header"])
                 layer_range = LayerRange.resolve(layers, header.spec.layers)
@@ -127,14 +171,16 @@ class ReplicaReader:
             except (errors.LayerRangeError, errors.OutBufferError):
                 raise
             except errors.RemoteMissError:
-                self.counters["miss_evicted"] += 1
+                reason = "evicted"
             except errors.ChecksumError:
-                self.counters["miss_checksum"] += 1
+                reason = "checksum"
             except errors.KVTimeoutError:
-                self.counters["miss_timeout"] += 1
+                reason = "timeout"
             except (errors.TransferError, errors.FormatError, errors.TierError) as exc:
                 log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
-                self.counters["miss_holder_gone"] += 1
+                reason = "holder_gone"
+            if count_misses:
+                self.counters[f"miss_{reason}"] += 1
         return None
 
     def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Any,

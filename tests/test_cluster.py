@@ -105,6 +105,12 @@ def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
         np.testing.assert_array_equal(got, content(1)[2:5])
         after = cluster.node_stats(holder)["transfer"]["bytes_sent"]
         assert after - before == 3 * LAYER_NBYTES  # exactly the payload of layers [2, 5)
+
+        # A repeat get goes straight to the remembered holder: the master is not asked.
+        asked = cluster.client.stats()["counters"]["key_hits"]
+        np.testing.assert_array_equal(reader.get(key_of(1), layers=4), content(1)[4:5])
+        assert reader.stats()["remote"]["location_cache_hits"] == 1
+        assert cluster.client.stats()["counters"]["key_hits"] == asked
         out = np.empty((1,) + content(0).shape[1:], np.float16)
         assert reader.get(key_of(0), layers=7, out=out) is out
         np.testing.assert_array_equal(out, content(0)[7:8])
@@ -114,15 +120,18 @@ def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
         assert many[1] is None
         np.testing.assert_array_equal(many[0], content(0)[:2])
         np.testing.assert_array_equal(many[2], content(2)[:2])
+        reader.delete(key_of(1))  # deleted everywhere: the remembered location is forgotten too
+        assert reader.get(key_of(1)) is None
         outs = [np.empty((2,) + content(0).shape[1:], np.float16) for _ in range(2)]
-        into = reader.get_many([key_of(1), key_of(2)], layers=range(3, 5), outs=outs)
+        into = reader.get_many([key_of(0), key_of(2)], layers=range(3, 5), outs=outs)
         assert into[0] is outs[0] and into[1] is outs[1]
-        np.testing.assert_array_equal(outs[0], content(1)[3:5])
+        np.testing.assert_array_equal(outs[0], content(0)[3:5])
     finally:
         reader.close()
 
     separate = cluster.start_actor("reader", "reader-process", "--keys", "3", "--layers", "0:8")
-    assert reader_result(separate) == {**reader_result(separate), "ok": 3, "miss": 0, "wrong": 0}
+    result = reader_result(separate)
+    assert (result["ok"], result["miss"], result["wrong"]) == (2, 1, 0)  # key 1 was deleted above
 
 
 def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -> None:
