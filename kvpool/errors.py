@@ -92,6 +92,10 @@ class ChecksumError(FormatError):
     """A layer's (or the header's) xxh3-64 checksum does not match its bytes."""
 
 
+class WrongObjectError(ChecksumError):
+    """The object found is another key's (its header's key digest differs): a miss, never data."""
+
+
 # -- lifecycle and cluster ------------------------------------------------------
 
 

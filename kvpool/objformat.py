@@ -10,11 +10,12 @@ Layout of one object ("blob")::
     offset 0                      header_nbytes                 total_nbytes
     | fixed header | layer xxh3-64 | pad | layer 0 | layer 1 | ... | layer L-1 |
 
-Fixed header (little-endian, 48 bytes)::
+Fixed header (little-endian, 80 bytes)::
 
     magic 4s "KVPL" | version u16 | dtype u8 | flags u8 | header_nbytes u32
     | layers u32 | kv u32 (=2) | tokens u32 | kv_heads u32 | head_dim u32
-    | reserved u32 | layer_nbytes u64 | header_xxh3_64 u64
+    | reserved u32 | layer_nbytes u64 | key_digest 16s | generation u64
+    | header_xxh3_64 u64 | pad 4x
 
 followed by ``layers`` u64 per-layer checksums, zero-padded to a multiple of
 64 bytes. Each layer is ``[2 (K,V)][tokens][kv_heads][head_dim]`` elements, so
@@ -22,13 +23,24 @@ layers ``[a, b)`` are the single byte range
 ``header_nbytes + a*layer_nbytes .. header_nbytes + b*layer_nbytes``.
 The header checksum covers the fixed header (with its own field zeroed) and
 the layer checksums, so a flipped bit in the dims is caught, not trusted.
+
+Identity: ``key_digest`` is the xxh3-128 of the object's key and
+``generation`` a number unique to one put of it, both under the header
+checksum. A reader that found an object by key through any index (the shared
+arena index, the master, an nvme index) checks the digest against the key it
+asked for (:meth:`ObjectHeader.check_identity`), so an extent freed and
+reused for another object is a miss, never that object's bytes. Readers take
+the header from one copy of it and verify the layers they copied against that
+copy's checksums: nothing is parsed twice from memory another process writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,11 +50,24 @@ import xxhash
 from kvpool import errors
 
 MAGIC = b"KVPL"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_ALIGN = 64
-_FIXED = struct.Struct("<4sHBBIIIIIIIQQ")
-FIXED_HEADER_NBYTES = _FIXED.size  # 48
-_CHECKSUM_OFFSET = FIXED_HEADER_NBYTES - 8
+_FIXED = struct.Struct("<4sHBBIIIIIIIQ16sQQ4x")
+FIXED_HEADER_NBYTES = _FIXED.size  # 80
+_CHECKSUM_OFFSET = 68
+_KEY_OFFSET = 44
+KEY_DIGEST_NBYTES = 16
+_generations = itertools.count(time.time_ns())
+
+
+def key_digest(key: bytes) -> bytes:
+    """The 16-byte identity of ``key`` recorded in every object header (xxh3-128)."""
+    return xxhash.xxh3_128_digest(key)
+
+
+def next_generation() -> int:
+    """A number no earlier put in this process used (seeded from the clock across restarts)."""
+    return next(_generations) & 0xFFFFFFFFFFFFFFFF
 
 
 # -- dtypes -------------------------------------------------------------------
@@ -230,16 +255,35 @@ def _round_up(n: int, align: int) -> int:
 
 @dataclass(frozen=True)
 class ObjectHeader:
-    """An object's spec plus one xxh3-64 checksum per layer."""
+    """An object's spec, its identity (key digest, generation) and one xxh3-64 per layer."""
 
     spec: ObjectSpec
     layer_checksums: tuple[int, ...]
+    key_digest: bytes
+    generation: int = 0
 
     def __post_init__(self) -> None:
         if len(self.layer_checksums) != self.spec.layers:
             raise errors.FormatError(
                 f"{len(self.layer_checksums)} checksums for {self.spec.layers} layers"
             )
+        if len(self.key_digest) != KEY_DIGEST_NBYTES:
+            raise errors.FormatError(f"key digest is {len(self.key_digest)} bytes, expected {KEY_DIGEST_NBYTES}")
+
+    @classmethod
+    def for_key(cls, key: bytes, spec: ObjectSpec, layer_checksums: tuple[int, ...],
+                generation: int | None = None) -> ObjectHeader:
+        """A header naming ``key``; a fresh generation unless one is given."""
+        return cls(spec, tuple(layer_checksums), key_digest(key),
+                   next_generation() if generation is None else generation)
+
+    def is_for(self, key: bytes) -> bool:
+        return self.key_digest == key_digest(key)
+
+    def check_identity(self, key: bytes) -> None:
+        """Raise WrongObjectError unless this header names ``key``."""
+        if self.key_digest != key_digest(key):
+            raise errors.WrongObjectError("the object found is not the one asked for (key digest differs)")
 
     @property
     def nbytes(self) -> int:
@@ -251,7 +295,7 @@ class ObjectHeader:
         _FIXED.pack_into(
             buf, 0, MAGIC, FORMAT_VERSION, dtype_info(spec.dtype).code, 0,
             spec.header_nbytes, spec.layers, 2, spec.tokens, spec.kv_heads,
-            spec.head_dim, 0, spec.layer_nbytes, 0,
+            spec.head_dim, 0, spec.layer_nbytes, self.key_digest, self.generation, 0,
         )
         end = FIXED_HEADER_NBYTES + 8 * spec.layers
         buf[FIXED_HEADER_NBYTES:end] = np.asarray(self.layer_checksums, dtype="<u8").tobytes()
@@ -275,7 +319,7 @@ class ObjectHeader:
                 f"{len(mv)} bytes is shorter than the {FIXED_HEADER_NBYTES}-byte header"
             )
         (magic, version, code, _flags, header_nbytes, layers, kv, tokens, kv_heads,
-         head_dim, _reserved, layer_nbytes, header_sum) = _FIXED.unpack_from(mv, 0)
+         head_dim, _reserved, layer_nbytes, digest, generation, header_sum) = _FIXED.unpack_from(mv, 0)
         if magic != MAGIC:
             raise errors.BadMagicError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
         if version != FORMAT_VERSION:
@@ -301,7 +345,7 @@ class ObjectHeader:
         if spec.header_nbytes != header_nbytes or spec.layer_nbytes != layer_nbytes:
             raise errors.FormatError("header sizes disagree with its dims")
         sums = np.frombuffer(mv[FIXED_HEADER_NBYTES:end], dtype="<u8")
-        return cls(spec, tuple(int(s) for s in sums))
+        return cls(spec, tuple(int(s) for s in sums), bytes(digest), generation)
 
     def verify(self, layer_range: LayerRange, data: Any) -> None:
         """Check that ``data`` holds exactly the layers of ``layer_range``, intact.
@@ -323,6 +367,13 @@ class ObjectHeader:
 def stored_header_checksum(blob: Any) -> int:
     """The header checksum recorded in the first bytes of an object (not verified here)."""
     return struct.unpack_from("<Q", blob, _CHECKSUM_OFFSET)[0]
+
+
+def header_nbytes_at(blob: Any) -> int:
+    """The header length an object's first bytes claim (not verified: bound it before use)."""
+    if len(memoryview(blob).cast("B")) < FIXED_HEADER_NBYTES:
+        raise errors.TruncatedObjectError("fewer bytes than a fixed header")
+    return int(struct.unpack_from("<I", blob, 8)[0])
 
 
 def layer_checksums(payload: Any, layer_nbytes: int) -> tuple[int, ...]:
@@ -410,22 +461,26 @@ def byte_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-def encode(kv: Any, dtype: str | None = None) -> bytes:
-    """Serialise an array to one self-describing object (header + payload)."""
+def encode(kv: Any, key: bytes, dtype: str | None = None) -> bytes:
+    """Serialise an array to one self-describing object (header naming ``key`` + payload)."""
     spec, arr = spec_of(kv, dtype)
     payload = byte_view(arr)
-    header = ObjectHeader(spec, layer_checksums(payload, spec.layer_nbytes))
+    header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))
     return header.pack() + payload.tobytes()
 
 
-def decode(blob: Any, layers: Any = None, *, verify: bool = True) -> tuple[ObjectHeader, np.ndarray]:
+def decode(blob: Any, layers: Any = None, *, verify: bool = True,
+           key: bytes | None = None) -> tuple[ObjectHeader, np.ndarray]:
     """Parse an object and return (header, array view of the requested layers).
 
     The array is a view into ``blob`` (no copy). Raises the FormatError family
-    on bad magic, version, truncation or checksum mismatch.
+    on bad magic, version, truncation or checksum mismatch, WrongObjectError
+    when ``key`` is given and the object is another key's.
     """
     mv = memoryview(blob).cast("B")
     header = ObjectHeader.unpack(mv)
+    if key is not None:
+        header.check_identity(key)
     spec = header.spec
     layer_range = LayerRange.resolve(layers, spec.layers)
     rng = spec.layer_bytes(layer_range)

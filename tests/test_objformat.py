@@ -22,7 +22,7 @@ def sample(dtype: str) -> np.ndarray:
 @pytest.mark.parametrize("dtype", ["float16", "float32", "uint8"])
 def test_round_trip(dtype: str) -> None:
     arr = sample(dtype)
-    header, out = decode(encode(arr))
+    header, out = decode(encode(arr, b"key"))
     assert header.spec.dtype == dtype
     np.testing.assert_array_equal(out, arr)
 
@@ -31,7 +31,7 @@ def test_round_trip(dtype: str) -> None:
                                         ("float8_e5m2", np.uint8)])
 def test_round_trip_of_types_numpy_lacks_as_raw_bytes(dtype: str, raw: type) -> None:
     arr = np.random.default_rng(2).integers(0, np.iinfo(raw).max, SHAPE, dtype=raw)
-    header, out = decode(encode(arr, dtype=dtype))
+    header, out = decode(encode(arr, b"key", dtype=dtype))
     assert header.spec.dtype == dtype
     assert out.dtype.itemsize == np.dtype(raw).itemsize
     assert out.view(raw).tobytes() == arr.tobytes()
@@ -40,7 +40,7 @@ def test_round_trip_of_types_numpy_lacks_as_raw_bytes(dtype: str, raw: type) -> 
 
 def test_every_layer_range_is_one_contiguous_byte_range() -> None:
     arr = sample("float16")
-    blob = encode(arr)
+    blob = encode(arr, b"key")
     spec, _ = spec_of(arr)
     for start in range(6):
         for stop in range(start + 1, 7):
@@ -51,7 +51,7 @@ def test_every_layer_range_is_one_contiguous_byte_range() -> None:
 
 
 def test_bad_magic_version_truncation_and_checksum_each_raise_their_own_error() -> None:
-    blob = bytearray(encode(sample("float16")))
+    blob = bytearray(encode(sample("float16"), b"key"))
     with pytest.raises(errors.BadMagicError):
         decode(b"XXXX" + bytes(blob[4:]))
     bad_version = bytearray(blob)
@@ -77,7 +77,7 @@ def test_bad_magic_version_truncation_and_checksum_each_raise_their_own_error() 
 
 def test_header_pack_unpack_is_identity() -> None:
     spec, arr = spec_of(sample("float32"))
-    blob = encode(arr)
+    blob = encode(arr, b"key")
     header = ObjectHeader.unpack(blob)
     assert header.spec == spec and header.pack() == blob[:spec.header_nbytes]
     assert spec.header_nbytes % 64 == 0

@@ -153,7 +153,7 @@ class TierManager:
             index, extent = self._place(nbytes)
         tier = self.tiers[index]
         try:
-            header = self._write_new(tier, extent, spec, payload)
+            header = self._write_new(tier, extent, key, spec, payload)
             tier.commit(key, extent, header)
         except BaseException:
             with self._lock:
@@ -172,16 +172,16 @@ class TierManager:
         return tier.name
 
     @staticmethod
-    def _write_new(tier: Tier, extent: Extent, spec: ObjectSpec, payload: memoryview) -> ObjectHeader:
+    def _write_new(tier: Tier, extent: Extent, key: bytes, spec: ObjectSpec, payload: memoryview) -> ObjectHeader:
         if tier.supports_views:
             # Copy once into tier memory, then hash the copy: the checksums then
             # describe exactly the bytes stored, and no staging buffer is needed.
             dest = tier.view(extent, spec.header_nbytes, spec.payload_nbytes)
             dest[:] = payload
-            header = ObjectHeader(spec, layer_checksums(dest, spec.layer_nbytes))
+            header = ObjectHeader.for_key(key, spec, layer_checksums(dest, spec.layer_nbytes))
             tier.write(extent, 0, header.pack())
             return header
-        header = ObjectHeader(spec, layer_checksums(payload, spec.layer_nbytes))
+        header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))
         tier.write_object(extent, header, payload)
         return header
 

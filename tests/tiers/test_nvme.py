@@ -363,7 +363,7 @@ def crash_object(seed: int) -> tuple[np.ndarray, ObjectHeader, memoryview]:
     base[:, :, 0, 0, 0] = seed % 2048  # every layer's bytes, hence checksums, differ per object
     spec, arr = spec_of(base)
     payload = byte_view(arr)
-    return arr, ObjectHeader(spec, layer_checksums(payload, spec.layer_nbytes)), payload
+    return arr, ObjectHeader.for_key(f"obj-{seed}".encode(), spec, layer_checksums(payload, spec.layer_nbytes)), payload
 
 
 @contextlib.contextmanager

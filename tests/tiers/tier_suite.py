@@ -23,7 +23,7 @@ def make_object(layers: int = 4, tokens: int = 16, seed: int = 0, dtype: str = "
     arr = rng.standard_normal((layers, 2, tokens, 2, 32)).astype(dtype)
     spec, arr = spec_of(arr)
     payload = byte_view(arr)
-    return arr, ObjectHeader(spec, layer_checksums(payload, spec.layer_nbytes)), payload
+    return arr, ObjectHeader.for_key(f"obj-{seed}".encode(), spec, layer_checksums(payload, spec.layer_nbytes)), payload
 
 
 def store(tier: Tier, header: ObjectHeader, payload) -> object:
