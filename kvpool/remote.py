@@ -68,7 +68,7 @@ class ReplicaReader:
         with self._lock:
             for node_id in list(self._neighbours):
                 reader = self._neighbours[node_id]
-                if node_id not in wanted or not reader.owner_alive():
+                if node_id not in wanted or not reader.current():  # gone, dead, or replaced
                     del self._neighbours[node_id]
                     reader.close()
             for node_id, arena in wanted.items():
@@ -85,13 +85,10 @@ class ReplicaReader:
             neighbours = list(self._neighbours.values())
         for reader in neighbours:
             try:
-                found = reader.find(key)
+                found = reader.read_key_into(key, layers, lambda spec, rng: out_view(spec, rng, out))
                 if found is None:
                     continue
-                offset, header = found
-                layer_range = LayerRange.resolve(layers, header.spec.layers)
-                arr, buf = out_view(header.spec, layer_range, out)
-                reader.read_layers_into(offset, header, layer_range, buf, verify=True)
+                arr, buf = found
             except (errors.LayerRangeError, errors.OutBufferError):
                 raise
             except (errors.KVPoolError, OSError) as exc:  # freed or reused meanwhile: try elsewhere

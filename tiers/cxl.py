@@ -30,17 +30,33 @@ Arena header (little-endian, see ``_ARENA``)::
 itself. ``instance`` is random per owner start, so metadata that names an older
 arena at the same path is refused instead of read.
 
-Ownership: the owning process holds an exclusive ``flock`` on the file for its
-whole life and unlinks the file on close. A second owner gets
-:class:`~kvpool.errors.PoolLockedError`; a file left by a dead owner (no lock
-held) is truncated and reused. Readers never lock; they probe the lock to tell
-a live arena from a stale one.
+Ownership and replacement: the owning process holds an exclusive ``flock`` on
+the file for its whole life and unlinks the file on close. A second owner gets
+:class:`~kvpool.errors.PoolLockedError`. A file left by a dead owner (no lock
+held) is **replaced, never truncated**: the new owner builds a fresh file under
+a temporary name and ``rename``s it over the path, so a process that still
+maps the old arena keeps valid (if stale) memory instead of dying of SIGBUS,
+and notices the replacement (the path names another inode, the old owner's
+lock is free) at its next check and drops the mapping. Stale arenas (and their
+indexes and temporary files) of dead owners are removed by
+:func:`collect_stale_arenas`, which every cxl tier runs at start and
+``kvpool gc`` runs on demand. Readers never lock for long; they probe the lock
+to tell a live arena from a stale one.
+
+Same-host reads by key (:meth:`CxlArenaReader.read_key_into`) take one private
+copy of the object header, check it (header checksum, the key digest it names,
+the checksum the shared index recorded), copy the layers and verify the copy
+against that same header copy: whatever the owner does to the extent meanwhile
+(free, reuse for another key, rewrite), the reader returns those exact bytes or
+a miss.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
+import stat
 import mmap
 import os
 import re
@@ -56,9 +72,11 @@ import numpy as np
 import xxhash
 
 from kvpool import errors
-from kvpool.objformat import LayerRange, ObjectHeader, decode, stored_header_checksum
+from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, decode, header_nbytes_at
 from tiers.base import ArenaTier, Extent, close_mapping
 from tiers.shm_index import IndexEntry, SharedIndexReader, SharedIndexWriter, index_path, slot_count_for
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvpool.config import Config, CxlSection
@@ -74,6 +92,11 @@ SHM_DIR = Path("/dev/shm")
 # How long a starting owner retries the lock: a reader probing liveness holds a
 # shared lock for microseconds, which must not look like a second owner.
 _LOCK_RETRY_S = 0.25
+
+
+_ARENA_NAME = re.compile(r"^kvpool-.+-cxl(\.tmp-[0-9a-f]+)?$")
+#: the largest object header read from an arena (layers <= 4096 -> 80 + 8 * 4096 bytes, rounded)
+_MAX_HEADER_NBYTES = FIXED_HEADER_NBYTES + 8 * 4096 + 64
 
 
 def default_arena_path(pool_name: str) -> Path:
@@ -225,10 +248,14 @@ class CxlTier(ArenaTier):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise errors.TierError(f"cxl: cannot create the directory of {self.path}: {exc}") from exc
-        self._fd = self._open_and_lock(self.path)
+        collect_stale_arenas(self.path.parent)
+        path_fd = self._open_and_lock(self.path)  # held until the new file has replaced the old
+        self._fd = -1
         self._mmap: mmap.mmap | None = None
         self.index: SharedIndexWriter | None = None
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{self.instance.hex()[:12]}")
         try:
+            self._fd = self._create_locked(tmp)
             file_nbytes = DATA_OFFSET + self.capacity_bytes
             self._size_file(file_nbytes)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
@@ -242,15 +269,24 @@ class CxlTier(ArenaTier):
             self._index_lock = threading.Lock()
             self.index = SharedIndexWriter(index_path(self.path), slot_count_for(self.capacity_bytes),
                                            self.instance)
-            # Written last: a reader that maps the file mid-initialisation sees no
-            # valid header rather than a half-sized arena.
+            # Written before the rename: a reader that opens the path sees either
+            # the old (stale) arena or this one complete, never a half-made one.
             header = ArenaHeader(DATA_OFFSET, self.capacity_bytes, self.alignment, self.instance,
                                  os.getpid(), self.model.latency_ns, self.model.bandwidth_gbps)
             packed = header.pack()
             self._file[:len(packed)] = np.frombuffer(packed, dtype=np.uint8)
+            os.rename(tmp, self.path)
         except BaseException:
-            self._release(unlink=True)
+            for leftover in (tmp, self.path):  # our temporary file; the placeholder or stale arena we hold
+                try:
+                    if leftover == tmp or os.path.samestat(os.fstat(path_fd), os.stat(leftover)):
+                        os.unlink(leftover)
+                except OSError:
+                    pass
+            self._release(unlink=False)
             raise
+        finally:
+            os.close(path_fd)  # the old (or placeholder) inode: nobody owns it any more
 
     @classmethod
     def from_config(cls, section: CxlSection, config: Config) -> CxlTier:
@@ -262,13 +298,21 @@ class CxlTier(ArenaTier):
 
     @staticmethod
     def _open_and_lock(path: Path) -> int:
-        """Open (creating) ``path`` and hold an exclusive flock on the inode the path names."""
+        """Hold an exclusive flock on the inode ``path`` names (created empty if absent).
+
+        Success means no live owner: the caller then replaces the file. Raises
+        PoolLockedError while another live process owns it.
+        """
         deadline = time.monotonic() + _LOCK_RETRY_S
         while True:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             0o600)
             except OSError as exc:
                 raise errors.TierError(f"cxl: cannot open arena file {path}: {exc}") from exc
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise errors.TierError(f"cxl: {path} is not a regular file")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -278,8 +322,8 @@ class CxlTier(ArenaTier):
                         f"cxl arena {path} is owned by another live process") from None
                 time.sleep(0.005)
                 continue
-            # The previous owner may have unlinked the file between our open and
-            # our lock; then we hold a lock on an orphan inode. Start over.
+            # The previous owner (or another starter) may have replaced or unlinked
+            # the file between our open and our lock; then we hold an orphan inode.
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(path))
             except FileNotFoundError:
@@ -288,10 +332,13 @@ class CxlTier(ArenaTier):
                 return fd
             os.close(fd)
 
+    @staticmethod
+    def _create_locked(path: Path) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh inode: nobody else can hold it
+        return fd
+
     def _size_file(self, file_nbytes: int) -> None:
-        # A stale arena from a dead owner: drop its pages (old KV bytes must not
-        # outlive their metadata) before sizing afresh.
-        os.ftruncate(self._fd, 0)
         fs = os.fstatvfs(self._fd)
         available = fs.f_bavail * fs.f_frsize
         if fs.f_blocks and file_nbytes > available:
@@ -370,6 +417,8 @@ class CxlTier(ArenaTier):
         self._file = None
         close_mapping(self._mmap)
         self._mmap = None
+        if self._fd < 0:
+            return
         if unlink:
             # Only unlink the file we own: the lock guarantees nobody replaced it.
             try:
@@ -378,6 +427,7 @@ class CxlTier(ArenaTier):
             except FileNotFoundError:
                 pass
         os.close(self._fd)  # releases the flock
+        self._fd = -1
 
     def close(self) -> None:
         """Unlink the arena and release it; readers that mapped it keep their mappings."""
@@ -405,6 +455,7 @@ class CxlArenaReader:
         self.model = AccessModel(header.latency_ns, header.bandwidth_gbps)
         self._fd = fd
         self._mmap: mmap.mmap | None = mm
+        self._mapped_nbytes = len(mm)
         data = np.frombuffer(mm, dtype=np.uint8)
         #: the whole data area, read-only; object views are slices of it
         self.arena: np.ndarray = data[header.data_offset:header.data_offset + header.capacity_bytes]
@@ -422,11 +473,16 @@ class CxlArenaReader:
         """
         path = Path(path)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # Non-blocking and no symlinks: a FIFO or a link planted at the path must
+            # neither hang this process nor redirect it.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise errors.TierError(f"cxl: cannot open arena {path}: {exc}") from exc
         try:
-            file_nbytes = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise errors.TierError(f"cxl: {path} is not a regular file")
+            file_nbytes = st.st_size
             if file_nbytes < DATA_OFFSET:
                 raise errors.TierError(f"cxl: arena {path} is not initialised ({file_nbytes} bytes)")
             if require_owner and _lock_is_free(fd):
@@ -460,8 +516,26 @@ class CxlArenaReader:
         self._check_open()
         return not _lock_is_free(self._fd)
 
+    def current(self) -> bool:
+        """Whether this mapping is still the live arena at its path: the owner holds its lock,
+        the path names the same file (not a replacement) and the file was not shrunk."""
+        if self._mmap is None:
+            return False
+        try:
+            mine, now = os.fstat(self._fd), os.stat(self.path)
+        except OSError:
+            return False
+        return (os.path.samestat(mine, now) and mine.st_size >= self._mapped_nbytes
+                and not _lock_is_free(self._fd))
+
+    def _check_size(self) -> None:
+        """Refuse to touch a mapping whose file was shrunk under it (that would be SIGBUS)."""
+        if os.fstat(self._fd).st_size < self._mapped_nbytes:
+            raise errors.TierError(f"cxl: arena {self.path} was truncated under its readers")
+
     def _object_bytes(self, offset: int, nbytes: int | None) -> tuple[ObjectHeader, np.ndarray]:
         self._check_open()
+        self._check_size()
         capacity = self.header.capacity_bytes
         if not 0 <= offset < capacity:
             raise errors.FormatError(f"cxl: offset {offset} outside the {capacity}-byte arena")
@@ -476,9 +550,11 @@ class CxlArenaReader:
     def find(self, key: bytes) -> tuple[int, ObjectHeader] | None:
         """(offset, header) of ``key`` through the owner's shared index, or None.
 
-        The header found at the offset must carry the checksum the index
-        recorded, so an extent reused for another object is a miss, not data;
-        the caller still verifies the layers it copies (``read_layers_into``).
+        The header is parsed from one private copy of the arena's bytes and must
+        be whole (its checksum), name ``key`` (its key digest) and be the version
+        the index recorded (its checksum equals the index entry's), so an extent
+        reused for another object is a miss, not data. Copy the layers with
+        :meth:`read_layers_into` and this header: the copy is verified against it.
         """
         self._check_open()
         if self._index is None:
@@ -487,14 +563,42 @@ class CxlArenaReader:
             except errors.KVPoolError:
                 return None  # an owner without an index (or a dead one): use the master
         entry = self._index.find(key)
-        if entry is None or not 0 <= entry.offset <= self.header.capacity_bytes - 64:
+        capacity = self.header.capacity_bytes
+        if entry is None or not 0 <= entry.offset <= capacity - FIXED_HEADER_NBYTES:
             return None
-        if stored_header_checksum(self.arena[entry.offset:entry.offset + 64]) != entry.header_sum:
-            return None
+        self._check_size()
         try:
-            return entry.offset, self.read_header(entry.offset)
+            claimed = header_nbytes_at(self.arena[entry.offset:entry.offset + FIXED_HEADER_NBYTES])
+            if not FIXED_HEADER_NBYTES <= claimed <= min(_MAX_HEADER_NBYTES, capacity - entry.offset):
+                return None
+            snapshot = self.arena[entry.offset:entry.offset + claimed].tobytes()  # the one copy used
+            header = ObjectHeader.unpack(snapshot)
         except errors.FormatError:
             return None
+        if (not header.is_for(key) or header.checksum() != entry.header_sum
+                or header.spec.total_nbytes != entry.nbytes or entry.offset + entry.nbytes > capacity):
+            return None
+        return entry.offset, header
+
+    def read_key_into(self, key: bytes, layers: Any,
+                      out_view: Any) -> tuple[np.ndarray, memoryview] | None:
+        """Copy ``layers`` of ``key`` out of the arena, verified, or None (absent, reused, torn).
+
+        ``out_view(spec, layer_range)`` returns (array to hand back, byte view to
+        fill); LayerRangeError / OutBufferError from it propagate (the caller's
+        mistake), every sign of a concurrent change is a miss.
+        """
+        found = self.find(key)
+        if found is None:
+            return None
+        offset, header = found
+        layer_range = LayerRange.resolve(layers, header.spec.layers)
+        arr, buf = out_view(header.spec, layer_range)
+        try:
+            self.read_layers_into(offset, header, layer_range, buf, verify=True)
+        except errors.FormatError:
+            return None
+        return arr, buf
 
     def read_header(self, offset: int) -> ObjectHeader:
         """The (checked) header of the object at data-area ``offset``."""
@@ -535,6 +639,7 @@ class CxlArenaReader:
         first = offset + rng.offset
         if offset < 0 or first + rng.nbytes > self.header.capacity_bytes:
             raise errors.FormatError(f"cxl: layers at {first}..{first + rng.nbytes} outside the arena")
+        self._check_size()
         dst[:] = self.arena[first:first + rng.nbytes].data
         if verify:
             header.verify(layer_range, dst)
@@ -561,3 +666,68 @@ class CxlArenaReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- stale arenas -------------------------------------------------------------------------
+
+#: a temporary arena younger than this may belong to an owner still starting up
+_TMP_GRACE_S = 60.0
+
+
+def collect_stale_arenas(directory: str | os.PathLike[str] = SHM_DIR) -> list[Path]:
+    """Remove kvpool arenas in ``directory`` whose owner is gone (nobody holds their lock),
+    with their shared indexes; return the paths removed.
+
+    Safe against a live owner (its lock is held), a starting one (its fresh
+    temporary file is spared for a grace period; a starter that loses its
+    placeholder retries) and other processes collecting at the same time.
+    Processes that still map a removed arena keep their (stale) memory until
+    they notice; nothing is truncated under them.
+    """
+    removed: list[Path] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not _ARENA_NAME.match(name):
+            continue
+        path = Path(directory) / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if ".tmp-" in name and time.time() - st.st_mtime < _TMP_GRACE_S:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live owner (or a reader probing for a moment)
+            try:
+                if not os.path.samestat(st, os.stat(path)):
+                    continue
+            except FileNotFoundError:
+                continue
+            os.unlink(path)
+            removed.append(path)
+            if ".tmp-" not in name:
+                _unlink_stale_index(index_path(path))
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d stale cxl arena(s) of dead owners: %s", len(removed),
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
+def _unlink_stale_index(path: Path) -> None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            os.unlink(path)
+    except OSError:
+        pass

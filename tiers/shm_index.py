@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,10 @@ class SharedIndexWriter:
             raise ValueError(f"slots must be a power of two, got {slots}")
         self.path = Path(path)
         nbytes = HEADER_NBYTES + slots * SLOT_NBYTES
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # A fresh file renamed over the path, never an old one truncated: a process
+        # still mapping a previous owner's index must not fault (SIGBUS).
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{instance.hex()[:12]}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, nbytes)
             try:
@@ -96,6 +100,10 @@ class SharedIndexWriter:
             except OSError as exc:
                 raise errors.CapacityError(f"cannot size {self.path} to {nbytes} bytes: {exc}") from exc
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            self._ino = os.fstat(fd)
+        except BaseException:
+            os.unlink(tmp)
+            raise
         finally:
             os.close(fd)
         self._table = _Table(mm, slots)
@@ -103,7 +111,8 @@ class SharedIndexWriter:
         self.slot_count = slots
         self.live = 0
         self.used = 0  # live + tombstones
-        mm[:_HEADER.size] = _HEADER.pack(MAGIC, slots, SLOT_NBYTES, instance)  # last: readers see a whole table
+        mm[:_HEADER.size] = _HEADER.pack(MAGIC, slots, SLOT_NBYTES, instance)  # readers see a whole table
+        os.rename(tmp, self.path)
 
     def insert(self, key: bytes, entry: IndexEntry) -> bool:
         """Add or replace ``key``; False when the table is too full (the entry is then absent)."""
@@ -194,7 +203,8 @@ class SharedIndexWriter:
         close_mapping(self._table.mm)
         if unlink:
             try:
-                self.path.unlink()
+                if os.path.samestat(self._ino, os.stat(self.path)):  # never a successor's index
+                    self.path.unlink()
             except FileNotFoundError:
                 pass
 
@@ -205,31 +215,42 @@ class SharedIndexReader:
     def __init__(self, path: str | os.PathLike[str], instance: bytes | None = None) -> None:
         self.path = Path(path)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise errors.TierError(f"cannot open shared index {self.path}: {exc}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise errors.TierError(f"{self.path} is not a regular file")
+            size = st.st_size
             if size < HEADER_NBYTES:
                 raise errors.FormatError(f"{self.path}: {size} bytes is not an index")
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd  # kept: every lookup checks the file was not shrunk under the mapping
+        self._mapped_nbytes = size
         magic, slots, slot_size, owner = _HEADER.unpack_from(mm, 0)
         if magic != MAGIC:
             mm.close()
+            os.close(fd)
             raise errors.BadMagicError(f"{self.path}: not a kvpool shared index")
         if slot_size != SLOT_NBYTES or HEADER_NBYTES + slots * slot_size > size or slots & (slots - 1):
             mm.close()
+            os.close(fd)
             raise errors.FormatError(f"{self.path}: index geometry does not fit the file")
         if instance is not None and owner != instance:
             mm.close()
+            os.close(fd)
             raise errors.TierError(f"{self.path} belongs to another arena instance")
         self.instance = owner
         self._table = _Table(mm, slots)
 
     def find(self, key: bytes) -> IndexEntry | None:
         """Where ``key`` was at the moment of the lookup, or None (absent, or the slot stayed busy)."""
+        if os.fstat(self._fd).st_size < self._mapped_nbytes:
+            return None  # shrunk under us: touching the mapping would fault
         if self._table.mm[:8] != MAGIC:
             return None  # the owner closed its arena
         lo, hi = _hash(key)
@@ -252,3 +273,6 @@ class SharedIndexReader:
     def close(self) -> None:
         self._table.words = None  # type: ignore[assignment]
         close_mapping(self._table.mm)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

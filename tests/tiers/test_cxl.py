@@ -359,3 +359,124 @@ def test_no_model_means_no_sleeping(arena_path: Path) -> None:
         assert model["enabled"] is False and model["slept_s"] == 0.0
     finally:
         tier.close()
+
+
+# -- restarts, reuse races and stale arenas -------------------------------------------------
+
+# Maps an arena, then reads every page of the mapping in a loop until stdin closes;
+# a truncated-under-it arena would kill it with SIGBUS (exit code -7).
+MAPPING_READER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, threading
+    from tiers.cxl import CxlArenaReader
+    reader = CxlArenaReader.open(sys.argv[1])
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), done.set()), daemon=True).start()
+    print(json.dumps({"ready": True}), flush=True)
+    passes = 0
+    while not done.is_set():
+        int(reader.arena[::4096].sum())  # touches every page
+        passes += 1
+    print(json.dumps({"passes": passes, "current": reader.current()}), flush=True)
+    """
+)
+
+
+def test_restarting_an_owner_never_faults_readers_of_the_old_arena(arena_path: Path) -> None:
+    """kill -9 the owner, start a new one (smaller) at the same path: a process still
+    mapping the old arena keeps reading valid memory and sees it is no longer current."""
+    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
+    reader = None
+    try:
+        reader = Child(MAPPING_READER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.proc.wait()
+        old_inode = arena_path.stat().st_ino
+        tier = CxlTier(arena_path, 512 << 10)  # smaller than the killed owner's 1 MiB
+        try:
+            assert arena_path.stat().st_ino != old_inode  # replaced, not truncated in place
+            time.sleep(0.2)  # the reader keeps touching the old mapping meanwhile
+            assert reader.proc.stdin is not None
+            reader.proc.stdin.write("\n")
+            reader.proc.stdin.flush()
+            answer = reader.recv()
+            assert answer["passes"] > 0 and answer["current"] is False
+            assert reader.proc.wait(CHILD_TIMEOUT_S) == 0
+        finally:
+            tier.close()
+    finally:
+        owner.stop()
+        if reader is not None:
+            reader.stop()
+
+
+def test_find_refuses_an_extent_reused_by_another_key(cxl: CxlTier) -> None:
+    """The interleaving that returned another key's bytes: the index still names key A at
+    an offset the owner has meanwhile filled with key B's object (even with B's header sum)."""
+    from kvpool.objformat import ObjectHeader, layer_checksums, spec_of
+    from tiers.shm_index import IndexEntry
+
+    def obj(key: bytes, seed: int):
+        arr = np.random.default_rng(seed).standard_normal((4, 2, 16, 2, 32)).astype("float16")
+        spec, arr = spec_of(arr)
+        payload = byte_view(arr)
+        return arr, ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes)), payload
+
+    arr_a, header_a, payload_a = obj(b"key-a", 1)
+    extent = store(cxl, header_a, payload_a)
+    cxl.commit(b"key-a", extent, header_a)
+    with CxlArenaReader.open(cxl.path) as reader:
+        def out_view(spec, rng):
+            out = np.empty(spec.array_shape(rng), dtype="float16")
+            return out, byte_view(out)
+
+        got = reader.read_key_into(b"key-a", None, out_view)
+        assert got is not None and np.array_equal(got[0], arr_a)
+        # The owner reuses the extent for B, and a stale index entry for A names B's header sum.
+        _, header_b, payload_b = obj(b"key-b", 2)
+        cxl.write_object(extent, header_b, payload_b)
+        assert cxl.index is not None
+        cxl.index.insert(b"key-a", IndexEntry(extent.offset, extent.nbytes, header_b.checksum()))
+        assert reader.find(b"key-a") is None
+        assert reader.read_key_into(b"key-a", None, out_view) is None
+        # A header found for A whose payload is then overwritten mid-read: the copy fails its checksums.
+        cxl.write_object(extent, header_a, payload_a)
+        cxl.index.insert(b"key-a", IndexEntry(extent.offset, extent.nbytes, header_a.checksum()))
+        found = reader.find(b"key-a")
+        assert found is not None
+        cxl.write(extent, header_a.nbytes, payload_b)
+        out = np.empty(header_a.spec.shape, dtype="float16")
+        with pytest.raises(errors.ChecksumError):
+            reader.read_layers_into(found[0], found[1], LayerRange(0, 4), byte_view(out))
+
+
+def test_stale_arenas_of_dead_owners_are_collected(arena_path: Path) -> None:
+    from tiers.cxl import collect_stale_arenas
+    from tiers.shm_index import index_path
+
+    live = CxlTier(arena_path.with_name(arena_path.name.replace("-cxl", "-live-cxl")), 1 << 20)
+    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
+    try:
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.proc.wait()
+        assert arena_path.exists() and index_path(arena_path).exists()
+        removed = collect_stale_arenas(arena_path.parent)
+        assert arena_path in removed
+        assert not arena_path.exists() and not index_path(arena_path).exists()
+        assert live.path.exists() and live.path not in removed  # a live owner's arena stays
+    finally:
+        owner.stop()
+        live.close()
+
+
+def test_reader_refuses_a_fifo_and_a_symlink(tmp_path: Path) -> None:
+    fifo = tmp_path / "kvpool-fifo-cxl"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(errors.TierError):
+        CxlArenaReader.open(fifo, require_owner=False)
+    assert time.monotonic() - started < 5.0  # never blocks on the FIFO's open
+    link = tmp_path / "kvpool-link-cxl"
+    link.symlink_to("/etc/passwd")
+    with pytest.raises(errors.TierError):
+        CxlArenaReader.open(link, require_owner=False)
