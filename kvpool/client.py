@@ -78,8 +78,13 @@ def connect(master_address: str | None = None, *, config: str | Config | Mapping
 
     ``transport``: ``"auto"`` (same-host peers over shared memory, others over
     TCP) or ``"tcp"`` (always the UCX listener, with UCX's own peer-failure
-    detection). Raises MasterUnreachableError if the master does not answer.
+    detection). Raises MasterUnreachableError if the master does not answer, and
+    ConfigError at once for a malformed address (``tcp://host:port`` or ``ipc://path``).
     """
+    from kvpool.config import check_master_address
+
+    if master_address is not None:
+        check_master_address(master_address)
     return ClusterPool(master_address, config=config, transport=transport)
 
 
@@ -88,6 +93,10 @@ class ClusterPool(Pool):
 
     def __init__(self, master_address: str | None = None, *,
                  config: str | Config | Mapping[str, Any] | None = None, transport: str = "auto") -> None:
+        from kvpool.config import check_master_address
+
+        if master_address is not None:
+            check_master_address(master_address)  # before any tier is opened
         super().__init__(config)
         self.master_address = master_address or self.config.master.listen
         self._remote = Counter[str]()
@@ -138,19 +147,40 @@ class ClusterPool(Pool):
     def put(self, prefix_hash: Key, kv: Any, *, dtype: str | None = None, durable: bool | None = None,
             replicas: int | None = None) -> None:
         """Store locally and publish (one master round trip); ``durable=True`` also keeps ``replicas``
-        copies on other nodes chosen by the master, so the object outlives this process.
+        copies in the nvme tier of storage nodes (``kvpool-server --role node|all``, never
+        inference clients) chosen by the master, so the object outlives this process.
+        A durable put returns once every copy is committed at the master, which then
+        keeps the count: copies lost with a storage node are re-created elsewhere.
 
         Raises what :meth:`Pool.put` raises, MasterUnreachableError (the object
         then stays in the local tiers, readable here, and becomes visible to the
         cluster when this node re-registers with the master), and (durable)
-        CapacityError / TransferError when no storage node could take a copy.
+        InvalidArgumentError for ``replicas < 1`` and NotEnoughReplicasError when
+        fewer storage nodes are eligible (both before anything is stored or
+        copied), CapacityError / TransferError / KVTimeoutError when a copy failed
+        (copies already committed stay, and the master completes the count).
         """
         self._check_open()
         key = self._key(prefix_hash)
         spec, arr = spec_of(kv, dtype)
-        self._put_many([(key, spec, byte_view(arr))])
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+            raise errors.InvalidArgumentError(f"replicas must be an int >= 1, got {replicas!r}")
+        targets = []
         if durable if durable is not None else self.config.node.durable:
-            self._replicate(key, replicas or self.config.node.replicas)
+            # Placed (and reserved) first: too few storage nodes fails before anything is stored.
+            targets = self._master.place(spec.total_nbytes, replicas or self.config.node.replicas,
+                                         exclude=[self._node.node_id], key=key)
+        try:
+            self._put_many([(key, spec, byte_view(arr))])
+            if targets:
+                self._replicate(key, targets)
+        except BaseException:
+            if targets:
+                try:
+                    self._master.revoke([t.reservation_id for t in targets if t.reservation_id is not None])
+                except errors.KVPoolError as exc:  # they expire after master.reservation_timeout_s
+                    log.debug("revoking durable reservations failed: %s", exc)
+            raise
 
     def put_many(self, items: Mapping[Key, Any] | Iterable[tuple[Key, Any]], *, dtype: str | None = None) -> None:
         """Validate everything, store everything, publish everything: one master round trip."""
@@ -180,20 +210,20 @@ class ClusterPool(Pool):
             if records:
                 self._master.publish(self._node.node_id, records)
 
-    def _replicate(self, key: bytes, replicas: int) -> None:
+    def _replicate(self, key: bytes, targets: Sequence[Any]) -> None:
+        """Have every target pull the object from here into its nvme tier; each commits its
+        reservation before it answers, so on return every copy is visible and durable."""
         record = self._node.record(key)
         if record is None:
             raise errors.CapacityError("object was evicted locally before it could be replicated")
-        targets = self._master.place(record["nbytes"], replicas, exclude=[self._node.node_id], key=key)
-        if not targets:
-            raise errors.CapacityError("no storage node can take a durable copy")
         assert self._node.address is not None
         source = self._node.address.encode()
         for target in targets:
             control_call(NodeAddress.decode(target.address).control, "replicate", {
                 "key": key, "header": record["header"], "source": source, "reservation": target.reservation_id,
+                "replicas": len(targets), "persistent": True,
             }, timeout_s=self.config.node.pull_timeout_s + 5.0)
-        self._remote["replicated"] += len(targets)
+            self._remote["replicated"] += 1
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -259,6 +289,7 @@ class ClusterPool(Pool):
             if not replicas:
                 return
             header = ObjectHeader.unpack(replicas[0]["header"])
+            header.check_identity(key)
             layer_range = LayerRange.resolve(layers, header.spec.layers)
             arr, _ = self._out_view(header.spec, layer_range, out)
 

@@ -17,6 +17,7 @@ to serve or replicate them.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
 import logging
 import queue
@@ -34,9 +35,10 @@ from kvpool.config import Config
 from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader
 from kvpool.protocol import REMOVED, ReplicaRecord, replica_record
-from kvpool.transfer import PeerAddress, PullClient, PullServer, ServeSource, local_host_id
+from kvpool.transfer import (PeerAddress, ProviderWouldBlock, PullClient, PullServer, ServeSource,
+                             in_inline_provider, local_host_id)
 from tiers.base import Extent, Tier
-from tiers.manager import TierManager
+from tiers.manager import LockBusy, TierManager
 
 log = logging.getLogger("kvpool.node")
 
@@ -76,11 +78,13 @@ class NodeAddress:
             raise errors.ProtocolError(f"unreadable node address {text!r}: {exc}") from None
 
 
-def record_for(key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> ReplicaRecord:
-    """The master's replica record for an object this node holds."""
+def record_for(key: bytes, tier: Tier, extent: Extent, header: ObjectHeader,
+               durable: int | None = None) -> ReplicaRecord:
+    """The master's replica record for an object this node holds (``durable``: a durable
+    copy, with the replicas its put asked for)."""
     location = tier.location(extent) if hasattr(tier, "location") else {}
     return replica_record(tier.name, header.spec, header.spec.total_nbytes, key=key,
-                          header=header.pack(), location=location)
+                          header=header.pack(), location=location, durable=durable)
 
 
 class Node:
@@ -99,6 +103,8 @@ class Node:
                                  max_message=config.node.max_message, inline_provider=True,
                                  name=f"kvpool-node-{self.node_id[:8]}")
         self._events: queue.Queue[tuple[str, bytes, Any]] = queue.Queue()
+        #: unpins that found the manager busy on the progress thread finish here
+        self._unpinner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-unpin")
         self._stopping = threading.Event()
         self._publisher = threading.Thread(target=self._publish_loop, name="kvpool-node-publish", daemon=True)
         self._control_thread = threading.Thread(target=self._control_loop, name="kvpool-node-control",
@@ -120,7 +126,7 @@ class Node:
         arena = next((t.arena_info() for t in self.manager.tiers if hasattr(t, "arena_info")), None)
         self.address = NodeAddress(self.server.peer_address, self.control_address, arena)
         self.manager.listener = self
-        self.manager.may_drop = self._may_drop
+        self.manager.may_drop_many = self._may_drop_many
         self._publisher.start()
         self._control_thread.start()
         self.register()
@@ -139,22 +145,23 @@ class Node:
             return
         self._stopping.set()
         self.manager.listener = None
-        self.manager.may_drop = None
+        self.manager.may_drop_many = None
         if self.heartbeater is not None:
             self.heartbeater.stop()
         self._events.put(("stop", b"", None))
         for thread in (self._publisher, self._control_thread):
             if thread.is_alive():
                 thread.join(5.0)
-        # Readers should stop locating replicas here now, not after the heartbeat timeout.
-        keys = self.manager.keys()
-        if keys:
-            try:
-                self.master.call(REMOVED, {"node_id": self.node_id, "keys": keys}, timeout_s=1.0)
-            except errors.KVPoolError as exc:
-                log.info("could not withdraw %d keys from the master on close: %s", len(keys), exc)
+        # Deregister: readers stop locating replicas here now, not after the heartbeat
+        # timeout, and the master logs a departure (and re-replicates durable keys), not a death.
+        try:
+            withdrawn = self.master.leave(self.node_id, timeout_s=1.0)
+            log.info("node %s left the master: %d replicas withdrawn", self.node_id[:8], withdrawn)
+        except errors.KVPoolError as exc:
+            log.info("node %s could not deregister from the master on close: %s", self.node_id[:8], exc)
         self._control.close(0)
         self.server.close()
+        self._unpinner.shutdown(wait=True)
         if self._replicator is not None:
             self._replicator.close()
         self.master.close()
@@ -165,14 +172,40 @@ class Node:
         return {t.name: {"capacity": t.capacity_bytes, "free": t.free_bytes} for t in self.manager.tiers}
 
     def register(self) -> None:
-        """Tell the master this node exists and everything it holds (one message)."""
+        """Tell the master this node exists, what it is and everything it holds (one message).
+
+        ``role`` is ``storage`` for a ``kvpool-server`` node (the class attribute of
+        :class:`kvpool.server.StorageNode`), else ``client``; only storage nodes with a
+        persistent tier receive durable copies. Durable copies this node holds in a
+        persistent tier are sent with ``durable`` (read from ``durable.log`` beside the
+        tier's index, appended by :meth:`_replicate`), so the master knows them as
+        durable again after a restart of either.
+        """
         assert self.address is not None
-        records = [record_for(key, tier, extent, header)
+        role = getattr(self, "role", "client")
+        persistent = [t for t in self.manager.tiers if t.persistent and t.capacity_bytes > 0]
+        durable: dict[bytes, int] = {}
+        for tier in persistent:
+            path = getattr(tier, "path", None)
+            try:
+                with open(f"{path}/durable.log", "r", encoding="ascii") as fh:
+                    for line in fh:
+                        key_hex, _, replicas = line.partition(" ")
+                        try:
+                            durable[bytes.fromhex(key_hex)] = int(replicas)
+                        except ValueError:  # a torn last line after a crash
+                            continue
+            except (OSError, TypeError):
+                continue
+        records = [record_for(key, tier, extent, header, durable.get(key) if tier.persistent else None)
                    for key, tier, extent, header in self.manager.snapshot()]
         reply = self.master.register(self.node_id, self.address.encode(), self.host_id,
-                                     self.tier_state(), records)
-        log.info("registered with master %s: %d objects indexed", self.master_address,
-                 reply.get("indexed", len(records)))
+                                     self.tier_state(), records, role=role,
+                                     persistent_tiers=[t.name for t in persistent],
+                                     control=self.control_address)
+        log.info("node %s registered with master %s as %s: %d objects indexed (%d durable)", self.node_id[:8],
+                 self.master_address, role, reply.get("indexed", len(records)),
+                 sum(1 for r in records if r.get("durable")))
 
     def record(self, key: bytes) -> ReplicaRecord | None:
         found = self.manager.describe(key)
@@ -211,14 +244,15 @@ class Node:
             if stop:
                 return
 
-    def _may_drop(self, key: bytes) -> bool:
-        """The bottom tier asks before dropping: a remotely leased object stays."""
+    def _may_drop_many(self, keys: list[bytes]) -> set[bytes]:
+        """The bottom tier asks (outside the manager's lock, one batch): remotely leased objects stay."""
         try:
-            decision = self.master.evict_request(self.node_id, [key])
+            decision = self.master.evict_request(self.node_id, keys)
         except errors.KVPoolError as exc:
-            log.debug("master unreachable for evict_request (%s): dropping %s", exc, key.hex())
-            return True  # a cache must make room; readers verify and fall back
-        return key in decision.allowed or key not in decision.pinned
+            log.debug("master unreachable for evict_request (%s): dropping %d victims", exc, len(keys))
+            return set(keys)  # a cache must make room; readers verify and fall back
+        pinned = set(decision.pinned)
+        return {key for key in keys if key in decision.allowed or key not in pinned}
 
     def _on_delete(self, keys: list[bytes]) -> None:
         for key in keys:
@@ -230,13 +264,23 @@ class Node:
     # -- serving pulls ----------------------------------------------------------------
 
     def _provide(self, key: bytes, layer_range: LayerRange) -> ServeSource | None:
-        obj = self.manager.pin(key)
+        # On the UCX progress thread the manager's lock is only tried: a demotion copying
+        # under it must not stall every transfer; the transport retries on a worker.
+        inline = in_inline_provider()
+        try:
+            obj = self.manager.pin(key, blocking=not inline)
+        except LockBusy:
+            raise ProviderWouldBlock() from None
         if obj is None:
             return None
         try:
             layer_range = LayerRange.resolve(layer_range, obj.spec.layers)
             rng = obj.spec.layer_bytes(layer_range)
-            release: Callable[[], None] = lambda: self.manager.unpin(obj, bytes_read=rng.nbytes)  # noqa: E731
+
+            def release() -> None:
+                if not self.manager.unpin(obj, bytes_read=rng.nbytes, blocking=False):
+                    self._unpinner.submit(self.manager.unpin, obj, bytes_read=rng.nbytes)
+
             view = obj.view_layers(layer_range)
             if view is not None:
                 return ServeSource(rng.nbytes, buffers=[view], release=release)
@@ -271,6 +315,8 @@ class Node:
                 op, body = msgpack.unpackb(payload, raw=False)
                 if op == "replicate":
                     reply: Any = ["ok", self._replicate(body)]
+                elif op == "ping":
+                    reply = ["ok", {"node_id": self.node_id}]
                 elif op == "stats":
                     reply = ["ok", self.stats()]
                 else:
@@ -286,20 +332,36 @@ class Node:
             return self._replicator
 
     def _replicate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Pull a whole object from its writer, verify it, store it, commit the reservation."""
+        """Pull a whole object from a holder, verify it, store it, commit the reservation.
+
+        A durable copy (``persistent``: every durable put and re-replication) goes
+        into the persistent tier (nvme; CapacityError if this node has none) and
+        its key is appended to ``durable.log`` there, so the node re-registers it
+        as durable after a restart. Replies only once the master has the commit.
+        """
         key, header = body["key"], ObjectHeader.unpack(body["header"])
         source = NodeAddress.decode(body["source"]).peer
+        persistent = bool(body.get("persistent", False))
+        replicas = int(body.get("replicas") or 1)
         spec = header.spec
         payload = np.empty(spec.payload_nbytes, dtype=np.uint8)
         whole = LayerRange(0, spec.layers)
         self._puller().pull_into(source, key, whole, payload, timeout_s=self.config.node.pull_timeout_s)
         header.verify(whole, payload)
-        self.manager.put(key, spec, memoryview(payload))
-        record = self.record(key)
-        if record is None:
+        if persistent:
+            self.manager.put(key, spec, memoryview(payload), persistent=True)
+        else:
+            self.manager.put(key, spec, memoryview(payload))
+        found = self.manager.describe(key)
+        if found is None:
             raise errors.CapacityError("replica evicted before it could be committed")
+        if persistent and found[0].persistent:
+            # Only the control thread appends; a torn last line is skipped when read.
+            with open(f"{getattr(found[0], 'path')}/durable.log", "a", encoding="ascii") as fh:
+                fh.write(f"{key.hex()} {replicas}\n")
+        record = record_for(key, *found, durable=replicas if persistent else None)
         self.master.commit(int(body["reservation"]), record)
-        return {"node_id": self.node_id}
+        return {"node_id": self.node_id, "tier": found[0].name}
 
 
 def control_call(control: str, op: str, body: dict[str, Any], timeout_s: float,

@@ -46,6 +46,9 @@ class ReplicaReader:
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
         self.location_cache_size = location_cache_size
         self._locations: OrderedDict[bytes, list[LocatedReplica]] = OrderedDict()  # key -> replicas, LRU
+        #: node ids the master last reported alive (None until the first report): a replica on
+        #: any other node is skipped, and a pull from it is abandoned as soon as it is known dead
+        self._alive_nodes: set[str] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -116,10 +119,13 @@ class ReplicaReader:
         if not replicas:
             self.counters["miss_absent"] += 1
             return None
-        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=True)
+        failed: set[str] = set()
+        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=True,
+                                 failed=failed)
         if arr is not None and self.location_cache_size:
+            keep = [r for r in replicas if r.get("node_id") not in failed]
             with self._lock:
-                self._locations[key] = replicas
+                self._locations[key] = keep
                 self._locations.move_to_end(key)
                 while len(self._locations) > self.location_cache_size:
                     self._locations.popitem(last=False)
@@ -132,13 +138,19 @@ class ReplicaReader:
             replicas = self._locations.get(key)
         if replicas is None:
             return None
-        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=False)
+        failed: set[str] = set()
+        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=False,
+                                 failed=failed)
         if arr is None:
             with self._lock:
                 self._locations.pop(key, None)
             self.counters["location_cache_stale"] += 1
         else:
             self.counters["location_cache_hits"] += 1
+            if failed:  # a holder that failed once is not asked first again: it costs a deadline
+                with self._lock:
+                    if self._locations.get(key) is replicas:
+                        self._locations[key] = [r for r in replicas if r.get("node_id") not in failed]
         return arr
 
     def forget(self, key: bytes) -> None:
@@ -146,19 +158,48 @@ class ReplicaReader:
             self._locations.pop(key, None)
 
     def forget_nodes_except(self, alive: set[str]) -> None:
-        """Drop remembered locations whose every replica is on a node no longer alive."""
+        """Remember which nodes are alive; drop remembered replicas on any other node."""
         with self._lock:
-            stale = [key for key, replicas in self._locations.items()
-                     if not any(r.get("node_id") in alive for r in replicas)]
-            for key in stale:
-                del self._locations[key]
+            self._alive_nodes = set(alive)
+            for key in list(self._locations):
+                replicas = self._locations[key]
+                keep = [r for r in replicas if r.get("node_id") in alive]
+                if not keep:
+                    del self._locations[key]
+                elif len(keep) != len(replicas):
+                    self._locations[key] = keep
+
+    def holder_alive(self, replica: LocatedReplica) -> bool:
+        """False once the holder is known gone: the master no longer lists it alive, or (same
+        host) its cxl arena's owner lock is free. Cheap; asked while a pull waits."""
+        node_id = replica.get("node_id")
+        alive = self._alive_nodes
+        if alive is not None and node_id not in alive:
+            return False
+        neighbour = self._neighbours.get(node_id) if isinstance(node_id, str) else None
+        if neighbour is not None:
+            try:
+                return bool(neighbour.owner_alive())
+            except errors.KVPoolError:
+                return False
+        return True
 
     def _first_intact(self, key: bytes, replicas: list[LocatedReplica], layers: Any, out: Any,
-                      out_view: OutView, *, count_misses: bool) -> np.ndarray | None:
+                      out_view: OutView, *, count_misses: bool, failed: set[str] | None = None) -> np.ndarray | None:
+        """The layers from the first replica that delivers them intact; ``failed`` collects the
+        node ids of replicas that failed (dead, frozen, evicted, corrupt) on the way."""
         for replica in replicas:
             reason = None
+            if not self.holder_alive(replica):
+                reason = "holder_gone"
+                if failed is not None:
+                    failed.add(str(replica.get("node_id")))
+                if count_misses:
+                    self.counters["miss_holder_gone"] += 1
+                continue
             try:
                 header = ObjectHeader.unpack(replica["header"])
+                header.check_identity(key)
                 layer_range = LayerRange.resolve(layers, header.spec.layers)
                 arr, buf = out_view(header.spec, layer_range, out)
                 self.read_into(key, replica, header, layer_range, buf)
@@ -176,6 +217,8 @@ class ReplicaReader:
             except (errors.TransferError, errors.FormatError, errors.TierError) as exc:
                 log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
                 reason = "holder_gone"
+            if failed is not None:
+                failed.add(str(replica.get("node_id")))
             if count_misses:
                 self.counters[f"miss_{reason}"] += 1
         return None
@@ -206,7 +249,8 @@ class ReplicaReader:
             except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
                 log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
         peer = NodeAddress.decode(replica["address"]).peer
-        self.puller.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s)
+        self.puller.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
+                              alive=lambda: self.holder_alive(replica))
         header.verify(layer_range, buf)
         self.counters["pulls"] += 1
 

@@ -124,6 +124,20 @@ DEFAULT_UCX_OPTIONS: dict[str, str] = {"RNDV_SCHEME": "put_zcopy"}
 
 TRANSPORTS = ("tcp", "auto")
 
+
+class ProviderWouldBlock(Exception):
+    """Raised by a provider called inline on the progress thread that would have to wait
+    (e.g. for a lock): the server calls it again on a worker thread."""
+
+
+_INLINE = threading.local()
+
+
+def in_inline_provider() -> bool:
+    """Whether the calling provider runs inline on a progress thread (must not block)."""
+    return bool(getattr(_INLINE, "active", False))
+
+
 # -- wire format ---------------------------------------------------------------
 
 PROTOCOL_VERSION = 1
@@ -877,16 +891,26 @@ class PullServer:
         self._awaiting_provider.add(job)
         assert self._executor is not None
         if self.inline_provider:
-            self._call_provider(job)
+            self._call_provider(job, inline=True)
         else:
             self._executor.submit(self._call_provider, job)
 
-    def _call_provider(self, job: _ServeJob) -> None:
-        # Runs on a worker thread: providers may take locks or touch disk.
+    def _call_provider(self, job: _ServeJob, inline: bool = False) -> None:
+        # Runs on a worker thread (providers may take locks or touch disk), or inline on the
+        # progress thread, where a provider that would have to wait says so and is retried
+        # on a worker.
         try:
-            outcome: ServeSource | BaseException | None = self._provider(
-                job.request.key, job.request.layer_range
-            )
+            _INLINE.active = inline
+            try:
+                outcome: ServeSource | BaseException | None = self._provider(
+                    job.request.key, job.request.layer_range
+                )
+            finally:
+                _INLINE.active = False
+        except ProviderWouldBlock:
+            assert self._executor is not None
+            self._executor.submit(self._call_provider, job)
+            return
         except BaseException as exc:
             outcome = exc
         try:
@@ -1316,12 +1340,19 @@ class PullClient:
         out: Any,
         *,
         timeout_s: float = 10.0,
+        alive: Callable[[], bool] | None = None,
+        alive_check_s: float = 0.05,
     ) -> int:
         """Pull the bytes of ``layer_range`` of ``key`` from ``address`` into ``out``.
 
         ``out`` is any writable C-contiguous buffer (numpy array, bytearray,
         memoryview, mmap) at least as large as the payload; bytes land in it
         directly. Returns the number of bytes received (the payload size).
+
+        ``alive`` (optional) is asked every ``alive_check_s`` while the pull
+        waits: when it says the holder is gone the pull is abandoned at once
+        with TransferError instead of waiting out the deadline (the shared-memory
+        transport cannot see a dead peer by itself).
 
         Raises :class:`errors.RemoteMissError` if the peer does not hold the
         key, :class:`errors.LayerRangeError` if the range is outside the
@@ -1332,9 +1363,21 @@ class PullClient:
         undefined (possibly partly written), never reported as valid.
         """
         future = self._submit(address, key, layer_range, out, timeout_s)
+        # The progress thread enforces the deadline; the slack only guards
+        # against a wedged thread.
+        deadline = time.monotonic() + timeout_s + 5.0
         try:
-            # The progress thread enforces the deadline; the slack only guards
-            # against a wedged thread.
+            if alive is not None:
+                while True:
+                    try:
+                        return future.result(min(alive_check_s, max(deadline - time.monotonic(), 0.0)))
+                    except concurrent.futures.TimeoutError:
+                        if future.done() or time.monotonic() >= deadline:
+                            raise
+                        if not alive():
+                            self._abort(future)
+                            raise errors.TransferError(
+                                f"pull of {bytes(key).hex()}: the holder is gone") from None
             return future.result(timeout_s + 5.0)
         except concurrent.futures.TimeoutError:
             if future.done():  # KVTimeoutError is a TimeoutError too: the deadline's own

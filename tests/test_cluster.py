@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvpool
+from kvpool.objformat import ObjectSpec
 from kvpool.master_client import MasterClient
 from kvpool.node import NodeAddress, control_call
 from tests.cluster_actor import content, key_of, small_config
@@ -213,7 +214,7 @@ def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them
         # Corrupt key 2 in the holder's arena: the in-place read and the pull both fail
         # their checksums, so the get is a miss, never the wrong bytes.
         location = reader._master.locate(key_of(2), lease=False).replicas[0][0]["location"]
-        header_nbytes = 64 * ((48 + 8 * 8 + 63) // 64)
+        header_nbytes = ObjectSpec("float16", 8, 32, 4, 64).header_nbytes
         with open(location["path"], "r+b") as arena:
             arena.seek(4096 + location["offset"] + header_nbytes + 5)
             byte = arena.read(1)

@@ -13,10 +13,24 @@ Invariants:
 - An object pinned by a reader is neither evicted, demoted, promoted nor
   freed until the reader unpins it; a delete or overwrite of a pinned object
   hides it at once and frees its space on the last unpin.
+- Promotion out of a persistent tier *copies*: the persistent copy stays as the
+  object's backing until its tier needs the space, so reading an nvme object
+  never makes it volatile. Demoting an object that has a backing copy only
+  frees the upper copy.
+- A full disk is capacity, not failure: DiskFullError from a tier (which then
+  lowers its effective capacity) makes the manager evict and retry, so the
+  newest objects are the ones that survive.
 
 Concurrency: one lock guards the index, the policies and the allocators'
 callers. Bulk copies of a put and of a read run outside the lock; demotions and
-promotions copy under it (they are rarer than reads and must not race).
+promotions copy under it (they are rarer than reads and must not race). No
+remote call ever runs under the lock: when the bottom tier must drop objects
+and a ``may_drop_many`` hook is set (the cluster node asks the master whether a
+remote reader holds a lease), victims are chosen under the lock, the hook is
+asked once for the batch outside it, and under the lock again only the
+victims that are still the same unpinned objects are dropped. The UCX progress
+thread only ever *tries* the lock (``pin(blocking=False)``), so it never waits
+on a copy.
 """
 
 from __future__ import annotations
@@ -46,6 +60,25 @@ class _Entry:
     pins: int = 0
     doomed: bool = False  # deleted or overwritten while pinned: free on last unpin
     lower_hits: int = 0  # hits since it landed in a tier below the top
+    #: a copy left in a persistent tier when the object was promoted out of it (never read
+    #: while the upper copy exists; dropped when its tier needs the space)
+    backing: tuple[int, Extent] | None = None
+
+
+class _NeedsApproval(Exception):
+    """Making room needs the ``may_drop_many`` hook's word on these bottom-tier victims."""
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        super().__init__(f"{len(entries)} victims await approval")
+        self.entries = entries
+
+
+class LockBusy(errors.KVPoolError):
+    """``pin(blocking=False)`` found the manager's lock taken (retry on a thread that may wait)."""
+
+
+_APPROVAL_ROUNDS = 8  # rounds of "propose victims, ask outside the lock" before PoolFullError
+_DISK_FULL_RETRIES = 4
 
 
 @dataclass(frozen=True)
@@ -112,8 +145,10 @@ class TierManager:
         self.closed = False
         #: told of puts, moves and removals (the cluster node publishes them)
         self.listener: ManagerListener | None = None
-        #: asked before the bottom tier drops an object; False keeps it (a remote reader holds a lease)
-        self.may_drop: Callable[[bytes], bool] | None = None
+        #: asked (outside the lock, one batch at a time) before the bottom tier drops objects;
+        #: returns the keys that may go (the others are leased by a remote reader and stay)
+        self.may_drop_many: Callable[[list[bytes]], set[bytes]] | None = None
+        self._disk_full_warned: set[str] = set()
         self._recover()
 
     # -- lookup ---------------------------------------------------------------
@@ -134,35 +169,48 @@ class TierManager:
 
     # -- put ------------------------------------------------------------------
 
-    def put(self, key: bytes, spec: ObjectSpec, payload: memoryview) -> str:
+    def put(self, key: bytes, spec: ObjectSpec, payload: memoryview, *, persistent: bool = False) -> str:
         """Store an object (payload = layer-major bytes); returns the tier it landed in.
 
-        Raises ObjectTooLargeError if no put-enabled tier could ever hold it,
-        PoolFullError if every candidate tier is full of pinned objects.
+        ``persistent=True`` places it only in a tier that survives a restart
+        (nvme), for durable copies. Raises ObjectTooLargeError if no candidate
+        tier could ever hold it (CapacityError if ``persistent`` and there is no
+        persistent tier), PoolFullError if every candidate tier is full of
+        pinned or leased objects.
         """
         self._check_open()
         nbytes = spec.total_nbytes
         if len(payload) != spec.payload_nbytes:
             raise errors.InvalidKVError(f"payload is {len(payload)} bytes, spec needs {spec.payload_nbytes}")
-        if not any(on and t.fits_ever(nbytes) for on, t in zip(self.put_enabled, self.tiers)):
-            largest = max(t.capacity_bytes for on, t in zip(self.put_enabled, self.tiers) if on)
+        candidates = self._candidates(persistent)
+        if not any(self.tiers[i].fits_ever(nbytes) for i in candidates):
+            largest = max(self.tiers[i].capacity_bytes for i in candidates)
             raise errors.ObjectTooLargeError(
                 f"object of {nbytes} bytes is larger than every tier that takes puts (largest {largest})"
             )
-        with self._lock:
-            index, extent = self._place(nbytes)
-        tier = self.tiers[index]
-        try:
-            header = self._write_new(tier, extent, key, spec, payload)
-            tier.commit(key, extent, header)
-        except BaseException:
-            with self._lock:
-                tier.free(extent)
-            raise
+        for attempt in range(_DISK_FULL_RETRIES):
+            index, extent = self._place_outside_lock(nbytes, candidates)
+            tier = self.tiers[index]
+            try:
+                header = self._write_new(tier, extent, key, spec, payload)
+                tier.commit(key, extent, header)
+            except errors.DiskFullError as exc:
+                with self._lock:
+                    tier.free(extent)
+                self._warn_disk_full(tier, exc)
+                if attempt + 1 == _DISK_FULL_RETRIES:
+                    raise
+                continue  # the tier lowered its capacity: placing again evicts to fit
+            except BaseException:
+                with self._lock:
+                    tier.free(extent)
+                raise
+            break
         with self._lock:
             old = self._index.get(key)
             if old is not None:
-                self._unindex(old, keep_persistent_record=old.tier == index, reason=None)
+                self._unindex(old, keep_persistent_record=index in (old.tier, (old.backing or (-1,))[0]),
+                              reason=None)
             self._index[key] = _Entry(key, index, extent, header)
             self.policies[index].insert(key, nbytes)
             if self.listener is not None:
@@ -170,6 +218,20 @@ class TierManager:
             self.counters["puts"] += 1
             self.counters["bytes_put"] += spec.payload_nbytes
         return tier.name
+
+    def _candidates(self, persistent: bool) -> list[int]:
+        if persistent:
+            found = [i for i, t in enumerate(self.tiers) if t.persistent]
+            if not found:
+                raise errors.CapacityError("no persistent tier (nvme) here for a durable copy")
+            return found
+        return [i for i, on in enumerate(self.put_enabled) if on]
+
+    def _warn_disk_full(self, tier: Tier, exc: BaseException) -> None:
+        if tier.name not in self._disk_full_warned:
+            self._disk_full_warned.add(tier.name)
+            log.warning("%s: the filesystem is full (%s); capacity lowered to %d bytes, evicting to make room",
+                        tier.name, exc, tier.capacity_bytes)
 
     @staticmethod
     def _write_new(tier: Tier, extent: Extent, key: bytes, spec: ObjectSpec, payload: memoryview) -> ObjectHeader:
@@ -185,27 +247,98 @@ class TierManager:
         tier.write_object(extent, header, payload)
         return header
 
-    def _place(self, nbytes: int) -> tuple[int, Extent]:
-        """Allocate in the highest put-enabled tier that has (or can make) room."""
-        for index, tier in enumerate(self.tiers):
-            if not self.put_enabled[index] or not tier.fits_ever(nbytes):
+    def _place_outside_lock(self, nbytes: int, candidates: list[int]) -> tuple[int, Extent]:
+        """Allocate for a put; takes the lock itself and asks ``may_drop_many`` between rounds."""
+        for _ in range(_APPROVAL_ROUNDS):
+            with self._lock:
+                try:
+                    return self._place(nbytes, candidates)
+                except _NeedsApproval as need:
+                    proposals = need.entries
+            self._drop_approved(proposals, self._ask_may_drop([e.key for e in proposals]))
+        raise errors.PoolFullError(f"no room for {nbytes} bytes: the bottom tier is full of leased objects")
+
+    def _place(self, nbytes: int, candidates: list[int]) -> tuple[int, Extent]:
+        """Allocate in the first candidate tier that has (or can make) room (lock held)."""
+        for index in candidates:
+            if not self.tiers[index].fits_ever(nbytes):
                 continue
             extent = self._allocate_making_room(index, nbytes)
             if extent is not None:
                 return index, extent
         raise errors.PoolFullError(f"no room for {nbytes} bytes: every tier is full of pinned objects")
 
+    def _ask_may_drop(self, keys: list[bytes]) -> set[bytes]:
+        """The hook's answer for a batch of victims, asked without the lock."""
+        hook = self.may_drop_many
+        if hook is None:
+            return set(keys)
+        try:
+            return set(hook(keys))
+        except Exception as exc:  # a cache must make room; readers verify and fall back
+            log.debug("may_drop_many failed (%s): dropping %d victims", exc, len(keys))
+            return set(keys)
+
+    def _drop_approved(self, proposals: list[_Entry], allowed: set[bytes]) -> None:
+        """Drop the approved victims that are still the same, unpinned, bottom-tier objects."""
+        bottom = len(self.tiers) - 1
+        with self._lock:
+            for entry in proposals:
+                if entry.key not in allowed:
+                    continue  # leased: it stays (it went back into the policy when proposed)
+                current = self._index.get(entry.key) is entry
+                if not current or entry.pins or entry.tier != bottom or entry.doomed:
+                    if current and self.listener is not None:
+                        # Allowing told the master it is gone; it is still here: say so again.
+                        self.listener.moved(entry.key, self.tiers[entry.tier], entry.extent, entry.header)
+                    continue
+                self.policies[bottom].remove(entry.key)
+                self._unindex(entry, policy_removed=True, reason="evicted")
+                self.counters["evictions"] += 1
+
     def _allocate_making_room(self, index: int, nbytes: int) -> Extent | None:
+        """An extent in tier ``index``, demoting (or dropping) its coldest objects for room.
+
+        None when everything left is pinned. Raises _NeedsApproval (after putting
+        the proposed victims back into the policy) when the bottom tier must drop
+        objects and the ``may_drop_many`` hook has to be asked first.
+        """
         tier, policy = self.tiers[index], self.policies[index]
-        is_pinned = self._is_pinned
-        if index == len(self.tiers) - 1 and self.may_drop is not None:
-            may_drop = self.may_drop
-            is_pinned = lambda key: self._is_pinned(key) or not may_drop(key)  # noqa: E731
-        while (extent := tier.allocate(nbytes)) is None:
+        ask = index == len(self.tiers) - 1 and self.may_drop_many is not None
+        proposals: list[_Entry] = []
+        proposed_bytes = 0
+        needed = tier.allocated_size(nbytes)
+
+        def is_pinned(key: bytes) -> bool:
+            entry = self._index[key]
+            return entry.pins > 0 and entry.tier == index  # a backing copy is never read
+
+        extent = None
+        while True:
+            try:
+                extent = tier.allocate(nbytes)
+            except errors.DiskFullError as exc:  # the tier lowered its capacity: evict to fit
+                self._warn_disk_full(tier, exc)
+                extent = None
+            if extent is not None:
+                break
+            if proposals and proposed_bytes + tier.free_bytes >= needed:
+                break
             victim = policy.victim(is_pinned)
             if victim is None:
-                return None
-            self._demote(self._index[victim])
+                break
+            entry = self._index[victim]
+            if entry.tier != index:
+                self._drop_backing(entry)
+            elif ask:
+                proposals.append(entry)
+                proposed_bytes += tier.allocated_size(entry.header.spec.total_nbytes)
+            else:
+                self._demote(entry)
+        for entry in proposals:  # they stay until the master agrees
+            policy.insert(entry.key, entry.header.spec.total_nbytes)
+        if extent is None and proposals:
+            raise _NeedsApproval(proposals)
         return extent
 
     def _is_pinned(self, key: bytes) -> bool:
@@ -216,21 +349,54 @@ class TierManager:
     def _demote(self, entry: _Entry) -> None:
         """Move an (already policy-removed) object one tier down, or drop it from the bottom."""
         nbytes = entry.header.spec.total_nbytes
+        if entry.backing is not None:  # a persistent copy below already holds these bytes
+            self._fall_back_to_backing(entry)
+            self.counters["demotions"] += 1
+            return
         for lower in range(entry.tier + 1, len(self.tiers)):
             if not self.tiers[lower].fits_ever(nbytes):
                 continue
-            try:
-                extent = self._allocate_making_room(lower, nbytes)
+            moved = False
+            for _ in range(_DISK_FULL_RETRIES):
+                try:
+                    extent = self._allocate_making_room(lower, nbytes)
+                except _NeedsApproval:
+                    self.policies[entry.tier].insert(entry.key, nbytes)  # back in place this round
+                    raise
                 if extent is None:
+                    break
+                try:
+                    self._move(entry, lower, extent)
+                except errors.DiskFullError as exc:  # capacity lowered: evict below and retry
+                    self._warn_disk_full(self.tiers[lower], exc)
                     continue
-                self._move(entry, lower, extent)
-            except errors.DiskFullError as exc:  # treat as no room below; never fail the put
-                log.warning("demotion of %s to %s failed: %s", entry.key.hex(), self.tiers[lower].name, exc)
-                continue
-            self.counters["demotions"] += 1
-            return
+                moved = True
+                break
+            if moved:
+                self.counters["demotions"] += 1
+                return
         self._unindex(entry, policy_removed=True, reason="evicted")
         self.counters["evictions"] += 1
+
+    def _fall_back_to_backing(self, entry: _Entry) -> None:
+        """Free the upper copy of an object that still has its persistent copy (lock held, unpinned)."""
+        assert entry.backing is not None
+        upper = self.tiers[entry.tier]
+        upper.forget(entry.key, entry.extent)
+        upper.free(entry.extent)
+        entry.tier, entry.extent = entry.backing
+        entry.backing, entry.lower_hits = None, 0
+        if self.listener is not None:
+            self.listener.moved(entry.key, self.tiers[entry.tier], entry.extent, entry.header)
+
+    def _drop_backing(self, entry: _Entry) -> None:
+        """Give up the persistent copy of a promoted object (its tier needs the space)."""
+        assert entry.backing is not None
+        index, extent = entry.backing
+        entry.backing = None
+        self.tiers[index].forget(entry.key, extent)
+        self.tiers[index].free(extent)
+        self.counters["backing_dropped"] += 1
 
     def _move(self, entry: _Entry, dest_index: int, extent: Extent) -> None:
         src, dest = self.tiers[entry.tier], self.tiers[dest_index]
@@ -255,7 +421,10 @@ class TierManager:
             self.listener.moved(entry.key, dest, extent, header)
 
     def _maybe_promote(self, entry: _Entry) -> None:
-        """Copy a hot object from a lower tier up to the highest put-enabled tier (lock held)."""
+        """Copy a hot object from a lower tier up to the highest put-enabled tier (lock held).
+
+        Out of a persistent tier the copy there stays as the object's backing.
+        """
         if entry.pins or entry.doomed or self._index.get(entry.key) is not entry:
             return
         target = next((i for i in range(entry.tier) if self.put_enabled[i]), None)
@@ -267,25 +436,57 @@ class TierManager:
         entry.pins += 1  # making room above may demote into this object's tier: keep it put
         try:
             extent = self._allocate_making_room(target, nbytes)
+        except (_NeedsApproval, errors.DiskFullError):
+            return  # no room without asking the master: not worth it for a promotion
         finally:
             entry.pins -= 1
         if extent is None:
             return
-        self.policies[entry.tier].remove(entry.key)
+        keep_copy = self.tiers[entry.tier].persistent and entry.backing is None
+        if not keep_copy:
+            self.policies[entry.tier].remove(entry.key)
         try:
-            self._move(entry, target, extent)
+            if keep_copy:
+                self._copy_up(entry, target, extent)
+            else:
+                self._move(entry, target, extent)
         except errors.KVPoolError as exc:
             log.warning("promotion of %s failed: %s", entry.key.hex(), exc)
-            self._unindex(entry, policy_removed=True, reason="error")
+            if not keep_copy:
+                self._unindex(entry, policy_removed=True, reason="error")
             return
         self.counters["promotions"] += 1
 
+    def _copy_up(self, entry: _Entry, dest_index: int, extent: Extent) -> None:
+        """Copy an object into a higher tier and keep its current (persistent) copy as backing."""
+        src, dest = self.tiers[entry.tier], self.tiers[dest_index]
+        header = entry.header
+        try:
+            buf = bytearray(header.spec.payload_nbytes)
+            src.read_layers(entry.extent, header, LayerRange(0, header.spec.layers), buf)
+            dest.write_object(extent, header, memoryview(buf))
+            dest.commit(entry.key, extent, header)
+        except BaseException:
+            dest.free(extent)
+            raise
+        entry.backing = (entry.tier, entry.extent)
+        entry.tier, entry.extent, entry.lower_hits = dest_index, extent, 0
+        self.policies[dest_index].insert(entry.key, header.spec.total_nbytes)
+        if self.listener is not None:
+            self.listener.moved(entry.key, dest, extent, header)
+
     # -- read -----------------------------------------------------------------
 
-    def pin(self, key: bytes) -> PinnedObject | None:
-        """Pin an object for reading, or None on a miss. Always pair with ``unpin``."""
+    def pin(self, key: bytes, *, blocking: bool = True) -> PinnedObject | None:
+        """Pin an object for reading, or None on a miss. Always pair with ``unpin``.
+
+        ``blocking=False`` raises LockBusy instead of waiting for the lock (for
+        threads that must never wait on a copy, like UCX progress).
+        """
         self._check_open()
-        with self._lock:
+        if not self._lock.acquire(blocking=blocking):
+            raise LockBusy("tier manager busy")
+        try:
             entry = self._index.get(key)
             if entry is None:
                 self.counters["miss_absent"] += 1
@@ -296,17 +497,26 @@ class TierManager:
             if entry.tier > 0:
                 entry.lower_hits += 1
             return PinnedObject(key, entry.header, self.tiers[entry.tier], entry.extent, entry)
+        finally:
+            self._lock.release()
 
-    def unpin(self, obj: PinnedObject, *, bytes_read: int = 0) -> None:
-        with self._lock:
+    def unpin(self, obj: PinnedObject, *, bytes_read: int = 0, blocking: bool = True) -> bool:
+        """Release a pin. ``blocking=False`` returns False (nothing done) if the lock is taken,
+        and never promotes (a promotion copies): call again from a thread that may wait."""
+        if not self._lock.acquire(blocking=blocking):
+            return False
+        try:
             entry = obj._entry
             entry.pins -= 1
             self.counters["bytes_got"] += bytes_read
             if entry.pins == 0 and entry.doomed:
                 self.tiers[entry.tier].free(entry.extent)
-            elif (self.promote_enabled and entry.tier > 0 and entry.pins == 0
+            elif (blocking and self.promote_enabled and entry.tier > 0 and entry.pins == 0
                   and entry.lower_hits >= self.promote_min_hits and not self.closed):
                 self._maybe_promote(entry)
+            return True
+        finally:
+            self._lock.release()
 
     def discard_corrupt(self, obj: PinnedObject) -> None:
         """Drop an object whose bytes failed their checksum (counted as a miss)."""
@@ -346,6 +556,13 @@ class TierManager:
         if not keep_persistent_record:
             # The persistent record would resurrect the key after a restart.
             tier.forget(entry.key, entry.extent)
+        if entry.backing is not None:
+            backing_index, backing_extent = entry.backing
+            entry.backing = None
+            self.policies[backing_index].remove(entry.key)
+            if not keep_persistent_record:
+                self.tiers[backing_index].forget(entry.key, backing_extent)
+            self.tiers[backing_index].free(backing_extent)
         if entry.pins:
             entry.doomed = True
         else:
@@ -378,6 +595,7 @@ class TierManager:
     def tier_stats(self) -> list[dict[str, Any]]:
         with self._lock:
             objects = Counter(e.tier for e in self._index.values())
+            objects.update(e.backing[0] for e in self._index.values() if e.backing is not None)
             out = []
             for index, tier in enumerate(self.tiers):
                 out.append({**tier.stats(), "objects": objects[index], "put_enabled": self.put_enabled[index],

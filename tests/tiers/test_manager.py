@@ -269,3 +269,114 @@ TestManagerS3FIFO.settings = _settings
 TestManagerRealTiers = RealTiersMachine.TestCase
 TestManagerRealTiers.settings = settings(max_examples=25, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- promotion keeps the persistent copy; eviction asks outside the lock ------------------------
+
+
+def _dram_over_nvme(tmp_path: Path, dram_bytes: int = 512 * KiB, **kw) -> TierManager:
+    return TierManager([DramTier(dram_bytes, mlock=False), NvmeTier(tmp_path / "nvme", 8 << 20, segment_size=8 << 20)],
+                       promote_min_hits=2, **kw)
+
+
+def put_durable(manager: TierManager, key: bytes, arr: np.ndarray) -> str:
+    spec, arr = spec_of(arr)
+    return manager.put(key, spec, byte_view(arr), persistent=True)
+
+
+def test_promotion_out_of_nvme_copies_and_the_object_survives_a_restart(tmp_path: Path) -> None:
+    manager = _dram_over_nvme(tmp_path)
+    objs = {b"hot-%d" % i: kv(4, 64, i) for i in range(4)}
+    for key, arr in objs.items():
+        assert put_durable(manager, key, arr) == "nvme"
+    for _ in range(3):  # hits promote them to dram
+        for key, arr in objs.items():
+            np.testing.assert_array_equal(read(manager, key), arr)
+    assert manager.counters["promotions"] == 4
+    assert all(manager._index[k].tier == 0 and manager._index[k].backing is not None for k in objs)
+    manager.close()  # a restart: dram is gone, the nvme copies are not
+    manager = _dram_over_nvme(tmp_path)
+    try:
+        for key, arr in objs.items():
+            np.testing.assert_array_equal(read(manager, key), arr)
+    finally:
+        manager.close()
+
+
+def test_demoting_a_promoted_object_frees_only_the_upper_copy(tmp_path: Path) -> None:
+    manager = _dram_over_nvme(tmp_path, dram_bytes=160 * KiB)
+    try:
+        objs = {b"k%d" % i: kv(4, 64, i) for i in range(4)}  # ~32 KiB each: 4 fit in dram
+        for key, arr in objs.items():
+            put_durable(manager, key, arr)
+            for _ in range(3):
+                read(manager, key)
+        nvme_used = manager.tiers[1].used_bytes
+        more = {b"m%d" % i: kv(4, 64, 10 + i) for i in range(4)}
+        for key, arr in more.items():
+            put_durable(manager, key, arr)
+            for _ in range(3):
+                read(manager, key)  # promoted, pushing the older ones out of dram
+        assert manager.counters["demotions"] >= 1
+        assert manager.tiers[1].used_bytes == nvme_used + sum(
+            manager.tiers[1].allocated_size(manager._index[k].header.spec.total_nbytes) for k in more)
+        for key, arr in {**objs, **more}.items():
+            np.testing.assert_array_equal(read(manager, key), arr)
+        manager.delete(b"k0")  # both copies go
+        assert read(manager, b"k0") is None
+    finally:
+        manager.close()
+
+
+def test_bottom_tier_asks_for_its_victims_in_one_batch_outside_the_lock() -> None:
+    manager = make_manager(512 * KiB)
+    calls: list[list[bytes]] = []
+    leased = {b"k1"}
+
+    def may_drop_many(keys: list[bytes]) -> set[bytes]:
+        assert not manager._lock._is_owned()  # type: ignore[attr-defined]
+        calls.append(list(keys))
+        return {k for k in keys if k not in leased}
+
+    manager.may_drop_many = may_drop_many
+    objs = {b"k%d" % i: kv(4, 128, i) for i in range(7)}  # 64 KiB + header each: 7 fit
+    for key, arr in objs.items():
+        put(manager, key, arr)
+    assert calls == []
+    big = kv(4, 128 * 3, 99)  # needs three victims' room
+    put(manager, b"big", big)
+    assert calls and len(calls[0]) >= 3  # one batch
+    assert b"k1" in manager and b"k0" not in manager  # the leased one stayed, the coldest went
+    np.testing.assert_array_equal(read(manager, b"big"), big)
+    np.testing.assert_array_equal(read(manager, b"k1"), objs[b"k1"])
+
+
+def test_a_victim_pinned_while_the_master_was_asked_stays_and_is_republished() -> None:
+    manager = make_manager(512 * KiB)
+    republished: list[bytes] = []
+
+    class Listener:
+        def stored(self, *a) -> None: ...
+        def moved(self, key, *a) -> None: republished.append(key)
+        def removed(self, key, reason) -> None: ...
+
+    manager.listener = Listener()  # type: ignore[assignment]
+    pinned = []
+
+    def may_drop_many(keys: list[bytes]) -> set[bytes]:
+        if not pinned:
+            pinned.append(manager.pin(keys[0]))  # a reader arrives while the master answers
+        return set(keys)
+
+    manager.may_drop_many = may_drop_many
+    objs = {b"k%d" % i: kv(4, 128, i) for i in range(7)}
+    for key, arr in objs.items():
+        put(manager, key, arr)
+    put(manager, b"new", kv(4, 128, 50))
+    first = pinned[0]
+    assert first is not None and first.key in manager  # it stayed under its reader
+    assert first.key in republished  # and the master was told it is still here
+    out = np.empty(first.spec.shape, dtype=np.uint8)
+    first.read_layers(LayerRange(0, first.spec.layers), byte_view(out))
+    np.testing.assert_array_equal(out, objs[first.key])
+    manager.unpin(first)
