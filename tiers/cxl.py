@@ -582,11 +582,13 @@ class CxlArenaReader:
 
     def read_key_into(self, key: bytes, layers: Any,
                       out_view: Any) -> tuple[np.ndarray, memoryview] | None:
-        """Copy ``layers`` of ``key`` out of the arena, verified, or None (absent, reused, torn).
+        """Copy ``layers`` of ``key`` out of the arena, verified; None when the index has no
+        intact header of ``key`` (absent, or the extent was reused).
 
         ``out_view(spec, layer_range)`` returns (array to hand back, byte view to
         fill); LayerRangeError / OutBufferError from it propagate (the caller's
-        mistake), every sign of a concurrent change is a miss.
+        mistake). ChecksumError when the copied layers fail their checksums (the
+        extent changed during the copy, or rot): never returned as data.
         """
         found = self.find(key)
         if found is None:
@@ -594,10 +596,7 @@ class CxlArenaReader:
         offset, header = found
         layer_range = LayerRange.resolve(layers, header.spec.layers)
         arr, buf = out_view(header.spec, layer_range)
-        try:
-            self.read_layers_into(offset, header, layer_range, buf, verify=True)
-        except errors.FormatError:
-            return None
+        self.read_layers_into(offset, header, layer_range, buf, verify=True)
         return arr, buf
 
     def read_header(self, offset: int) -> ObjectHeader:

@@ -439,6 +439,8 @@ def test_find_refuses_an_extent_reused_by_another_key(cxl: CxlTier) -> None:
         cxl.index.insert(b"key-a", IndexEntry(extent.offset, extent.nbytes, header_b.checksum()))
         assert reader.find(b"key-a") is None
         assert reader.read_key_into(b"key-a", None, out_view) is None
+        cxl.write(extent, header_b.nbytes, payload_a)  # B's header, A's payload: still not A
+        assert reader.read_key_into(b"key-a", None, out_view) is None
         # A header found for A whose payload is then overwritten mid-read: the copy fails its checksums.
         cxl.write_object(extent, header_a, payload_a)
         cxl.index.insert(b"key-a", IndexEntry(extent.offset, extent.nbytes, header_a.checksum()))
