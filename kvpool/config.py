@@ -27,6 +27,24 @@ _SIZE_UNITS = {
     "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_TCP_ADDRESS_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):([0-9]{1,5})$")
+VALID_ADDRESS_HINT = "tcp://HOST:PORT with a port 1-65535 (e.g. tcp://127.0.0.1:7700) or ipc:///path/to/socket"
+
+
+def check_master_address(address: Any, what: str = "master address") -> str:
+    """``address`` if it is a ZeroMQ address kvpool can use, else ConfigError saying what one looks like.
+
+    ZeroMQ itself rejects ``localhost:7700`` only when a socket connects, and a
+    socket left open by that failure hangs context termination forever, so
+    every master address is checked here first.
+    """
+    if isinstance(address, str):
+        m = _TCP_ADDRESS_RE.match(address)
+        if m and 1 <= int(m.group(2)) <= 65535:
+            return address
+        if address.startswith("ipc://") and len(address) > len("ipc://") and "\0" not in address:
+            return address
+    raise errors.ConfigError(f"{what} {address!r} is not valid: expected {VALID_ADDRESS_HINT}")
 
 
 def parse_size(value: Any) -> int:
@@ -134,6 +152,10 @@ class MasterSection:
     reservation_timeout_s: float = _opt(30.0, "a put reserved but never committed is reclaimed after this")
     lease_s: float = _opt(10.0, "a located replica is pinned for this long unless released")
     request_timeout_s: float = _opt(5.0, "client deadline for one master round trip")
+    forget_nodes_after_s: float = _opt(60.0, "dead or departed nodes stay in stats this long, then are forgotten")
+    rereplicate_per_s: float = _opt(
+        20.0, "durable copies the master re-creates per second at most after a holder dies or leaves (0: off)")
+    rereplicate_timeout_s: float = _opt(30.0, "deadline for one re-replication (target pulls, stores, commits)")
 
 
 @dataclass
@@ -211,6 +233,10 @@ class Config:
             raise bad("tiers.nvme.io_threads", "must be positive")
         if self.eviction.promote_min_hits < 1:
             raise bad("eviction.promote_min_hits", "must be >= 1")
+        try:
+            check_master_address(self.master.listen)
+        except errors.ConfigError as exc:
+            raise bad("master.listen", str(exc)) from None
         if self.master.heartbeat_ms <= 0 or self.master.dead_after_missed <= 0:
             raise bad("master.heartbeat_ms", "heartbeat period and dead_after_missed must be positive")
         if self.node.replicas < 1:

@@ -137,3 +137,14 @@ class RemoteMissError(TransferError):
 
 class KVTimeoutError(KVPoolError, TimeoutError):
     """An operation did not finish within its deadline."""
+
+
+# -- durable puts and arguments -------------------------------------------------
+
+
+class NotEnoughReplicasError(CapacityError):
+    """A durable put asked for more copies than there are eligible storage nodes (nothing was copied)."""
+
+
+class InvalidArgumentError(KVPoolError, ValueError):
+    """An argument is out of range (e.g. ``replicas < 1``)."""

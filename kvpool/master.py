@@ -33,16 +33,32 @@ Semantics worth knowing:
   holders learn through heartbeat replies, but only once no lease pins their
   replica. A heartbeat acknowledges (``delete_ack``) the deletes of the
   previous reply; unacknowledged ones are sent again.
-* **Placement** (``place``): among alive nodes that are not excluded and have
-  a tier large enough for the object, those whose *effective free bytes*
-  (free bytes the node last reported, minus bytes reserved but not committed,
-  minus bytes committed since that report) can take the object are chosen by
-  smooth weighted round robin, weighted by effective free bytes. A node that
-  just joined empty therefore gets a share proportional to its room, not every
-  put, and each reservation lowers its weight at once. When no node has room,
-  every candidate will have to evict, and weights are their capacities.
-  Replicas go to distinct nodes, on distinct hosts where possible. Passing
-  ``key`` reserves on every chosen node in the same round trip.
+* **Leaving.** ``leave`` (a node's clean close) withdraws its replicas at once;
+  it is listed as ``left``, not dead. Dead and departed nodes are forgotten
+  ``forget_nodes_after_s`` later (they vanish from ``stats``).
+* **Placement** (``place``, for durable copies): only *storage nodes* (that
+  registered with role ``storage``: ``kvpool-server --role node|all``) with a
+  persistent tier (nvme) are eligible; inference clients never are. Asking for
+  more replicas than there are eligible nodes is NotEnoughReplicasError before
+  anything is reserved. Among eligible nodes whose persistent tier is large
+  enough, those whose *effective free bytes* (persistent free bytes the node
+  last reported, minus bytes reserved but not committed, minus bytes committed
+  since that report) can take the object are chosen by smooth weighted round
+  robin, weighted by effective free bytes. A node that just joined empty
+  therefore gets a share proportional to its room, not every put, and each
+  reservation lowers its weight at once. When too few nodes have room, every
+  candidate will have to evict, and weights are their capacities. Replicas go
+  to distinct nodes, on distinct hosts where possible. Passing ``key`` reserves
+  on every chosen node in the same round trip; committing such a reservation
+  makes the key *durable* with ``replicas`` copies wanted.
+* **Re-replication.** When a holder of a durable key dies, leaves or drops it,
+  the key is queued; between requests the serving thread plans at most
+  ``rereplicate_per_s`` copies a second (a surviving holder as source, a
+  target chosen as for ``place`` excluding current holders, a reservation on
+  it), and worker threads ask each target over its control socket to
+  ``replicate`` (pull, store in nvme, commit). Failures are retried with
+  backoff; a key with no live holder waits until a node registers it again.
+  Records re-registered with ``durable`` restore this after a master restart.
 
 Ids (reservations, leases) carry a random per-process prefix, so an id from
 before a master restart never names something of the new master. Leases,
@@ -55,8 +71,12 @@ before the restart.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import queue
+import random
+import re
 import secrets
 import signal
 import sys
@@ -64,8 +84,10 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Callable, Iterable, Mapping
 
+import msgpack
 import zmq
 
 from kvpool import errors
@@ -78,9 +100,12 @@ log = logging.getLogger("kvpool.master")
 # Deletes sent to one node per heartbeat reply; the rest follow on later beats
 # so a heartbeat stays a small message.
 MAX_DELETES_PER_BEAT = 4096
-# A dead node's entry (kept so `stats` shows it and its pending deletes survive
-# a quick comeback) is forgotten after this long.
-DEAD_NODE_RETENTION_S = 600.0
+# Re-replication: keys examined per planning round (bounds the work done between
+# requests), copies in flight at once, worker threads, and retry backoff.
+REREPLICATE_EXAMINE_PER_ROUND = 4096
+REREPLICATE_MAX_IN_FLIGHT = 16
+REREPLICATE_WORKERS = 2
+REREPLICATE_BACKOFF_S = (0.5, 30.0)
 
 COUNTERS = (
     "requests", "protocol_errors", "errors",
@@ -90,8 +115,30 @@ COUNTERS = (
     "reservations", "bytes_reserved", "commits", "bytes_committed", "commits_failed",
     "revokes", "reservations_expired", "published",
     "deletes", "evictions_allowed", "evictions_refused", "removed",
-    "registers", "heartbeats", "nodes_dead", "placements",
+    "registers", "heartbeats", "nodes_dead", "nodes_left", "placements",
+    "rereplications_started", "rereplications_done", "rereplications_failed",
 )
+
+_ENDPOINT_RE = re.compile(r"^[a-z]+://(.+:[0-9]+)")
+
+
+def describe_address(address: str) -> tuple[str, str]:
+    """(``host:port``, control socket) of a node's published address, for logs and re-replication.
+
+    A node's address is opaque to the master except for these two: a JSON
+    object with ``ucx: [host, port]`` and ``control`` (kvpool nodes) or a
+    ``scheme://host:port`` string. Never log the address itself: it carries a
+    base64 UCX worker blob.
+    """
+    try:
+        data = json.loads(address)
+        host, port = data["ucx"]
+        control = data.get("control")
+        return f"{host}:{int(port)}", control if isinstance(control, str) else ""
+    except (ValueError, KeyError, TypeError):
+        pass
+    m = _ENDPOINT_RE.match(address)
+    return (m.group(1) if m else "?"), ""
 
 
 @dataclass(slots=True)
@@ -109,6 +156,34 @@ class NodeInfo:
     # key -> seq of the heartbeat reply that last carried it (0: not sent yet)
     pending_deletes: dict[bytes, int] = field(default_factory=dict)
     delete_seq: int = 0
+    role: str = P.ROLE_CLIENT
+    persistent_tiers: tuple[str, ...] = ()
+    control: str = ""       # the node's control socket (replicate, stats)
+    endpoint: str = "?"     # host:port, for log lines
+    state: str = "alive"    # alive | dead | left
+
+    @property
+    def label(self) -> str:
+        """How log lines name a node: 8 characters of its id and host:port, never the address blob."""
+        return f"{self.node_id[:8]} ({self.endpoint})"
+
+    @property
+    def stores_durably(self) -> bool:
+        """May receive durable copies: a storage node with a persistent tier that has capacity."""
+        return self.role == P.ROLE_STORAGE and self.persistent_capacity_bytes > 0
+
+    @property
+    def persistent_capacity_bytes(self) -> int:
+        return sum(self.tiers[t]["capacity"] for t in self.persistent_tiers if t in self.tiers)
+
+    @property
+    def largest_persistent_tier_bytes(self) -> int:
+        return max((self.tiers[t]["capacity"] for t in self.persistent_tiers if t in self.tiers), default=0)
+
+    @property
+    def durable_free_bytes(self) -> int:
+        free = sum(self.tiers[t]["free"] for t in self.persistent_tiers if t in self.tiers)
+        return free - self.reserved_bytes - self.committed_since_beat
 
     @property
     def free_bytes(self) -> int:
@@ -133,6 +208,23 @@ class Reservation:
     nbytes: int
     node_id: str
     deadline: float
+    durable: int = 0  # a durable copy: committing it makes the key durable with this many replicas
+
+
+@dataclass(slots=True)
+class RereplicationTask:
+    """One copy the master asks ``target`` to make by pulling from ``source``."""
+
+    key: bytes
+    header: bytes
+    nbytes: int
+    replicas: int
+    source_id: str
+    source_address: str
+    target_id: str
+    target_label: str
+    target_control: str
+    reservation: int
 
 
 @dataclass(slots=True)
@@ -186,8 +278,17 @@ class MasterState:
         self._id_prefix = secrets.randbits(30) << 32
         self._id_count = 0
         self._swrr: dict[str, int] = {}
+        # Durability: key -> replicas wanted (from committed durable copies and
+        # re-registered records); keys whose copies may be short, each with the
+        # time before which it is not looked at again (retry backoff); the
+        # targets of copies in flight per key; failed attempts per key.
+        self.durable: dict[bytes, int] = {}
+        self.to_check: OrderedDict[bytes, float] = OrderedDict()
+        self.rereplicating: dict[bytes, set[str]] = {}
+        self._attempts: dict[bytes, int] = {}
         self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
-            P.PING: self.op_ping, P.REGISTER: self.op_register, P.HEARTBEAT: self.op_heartbeat,
+            P.PING: self.op_ping, P.REGISTER: self.op_register, P.LEAVE: self.op_leave,
+            P.HEARTBEAT: self.op_heartbeat,
             P.LOOKUP: self.op_lookup, P.EXISTS: self.op_exists, P.LOCATE: self.op_locate,
             P.RELEASE: self.op_release, P.RESERVE: self.op_reserve, P.COMMIT: self.op_commit,
             P.REVOKE: self.op_revoke, P.PUBLISH: self.op_publish,
@@ -266,6 +367,11 @@ class MasterState:
         if not isinstance(location, dict):
             raise P.MalformedRequest("location must be a map")
         record["location"] = location
+        durable = raw.get("durable")
+        if durable is not None:
+            if type(durable) is not int or durable < 1:
+                raise P.MalformedRequest(f"durable must be an int >= 1 (replicas wanted), got {durable!r:.40}")
+            record["durable"] = durable
         return key, record
 
     def _alive_node(self, node_id: Any) -> NodeInfo:
@@ -317,9 +423,10 @@ class MasterState:
             else:
                 del pins[pin]
 
-    def _reserve(self, key: bytes, nbytes: int, node: NodeInfo, now: float) -> int:
+    def _reserve(self, key: bytes, nbytes: int, node: NodeInfo, now: float, durable: int = 0) -> int:
         rid = self._new_id()
-        self.reservations[rid] = Reservation(key, nbytes, node.node_id, now + self.config.reservation_timeout_s)
+        self.reservations[rid] = Reservation(key, nbytes, node.node_id, now + self.config.reservation_timeout_s,
+                                             durable)
         node.reserved_bytes += nbytes
         self.counters["reservations"] += 1
         self.counters["bytes_reserved"] += nbytes
@@ -339,8 +446,9 @@ class MasterState:
         for node in list(self.nodes.values()):
             if node.alive and now - node.last_seen > self.dead_after_s:
                 self._declare_dead(node, now)
-            elif not node.alive and now - node.died_at > DEAD_NODE_RETENTION_S:
+            elif not node.alive and now - node.died_at > self.config.forget_nodes_after_s:
                 del self.nodes[node.node_id]
+                self._swrr.pop(node.node_id, None)
         reservations = self.reservations
         while reservations:
             rid, res = next(iter(reservations.items()))
@@ -358,20 +466,161 @@ class MasterState:
             self._unpin(lease)
             self.counters["leases_expired"] += 1
 
-    def _declare_dead(self, node: NodeInfo, now: float) -> None:
+    def _retire(self, node: NodeInfo, now: float, state: str) -> tuple[int, int]:
+        """Take a dead or departed node out of service; returns (replicas, reservations) dropped."""
         node.alive = False
+        node.state = state
         node.died_at = now
+        held = list(node.objects)
         dropped = self._drop_replicas_of(node)
         stale = [rid for rid, res in self.reservations.items() if res.node_id == node.node_id]
         for rid in stale:
             del self.reservations[rid]
         node.reserved_bytes = node.committed_since_beat = 0
         self._swrr.pop(node.node_id, None)
+        self._check_durable(held)
+        return dropped, len(stale)
+
+    def _declare_dead(self, node: NodeInfo, now: float) -> None:
+        dropped, stale = self._retire(node, now, "dead")
         self.counters["nodes_dead"] += 1
         log.warning(
-            "node %s (%s) missed %d heartbeats: declared dead; %d replicas and %d reservations dropped",
-            node.node_id, node.address, self.config.dead_after_missed, dropped, len(stale),
+            "node %s missed %d heartbeats: declared dead; %d replicas and %d reservations dropped",
+            node.label, self.config.dead_after_missed, dropped, stale,
         )
+
+    # -- durability ---------------------------------------------------------------------
+
+    def _check_durable(self, keys: Iterable[bytes]) -> None:
+        """Queue the durable ones among ``keys``: their copies may now be short."""
+        durable, check = self.durable, self.to_check
+        for key in keys:
+            if key in durable and key not in check:
+                check[key] = 0.0
+
+    def _note_durable(self, key: bytes, record: dict[str, Any]) -> None:
+        replicas = record.pop("durable", None)
+        if replicas:
+            self.durable[key] = replicas
+
+    def _eligible(self, exclude: set[str] | frozenset[str]) -> list[NodeInfo]:
+        """Nodes that may receive a durable copy: alive storage nodes with a persistent tier."""
+        return [n for n in self.nodes.values() if n.alive and n.stores_durably and n.node_id not in exclude]
+
+    def _choose(self, nbytes: int, replicas: int, candidates: list[NodeInfo]) -> list[NodeInfo]:
+        """Up to ``replicas`` distinct nodes among ``candidates`` (all large enough), by free room."""
+        roomy = [n for n in candidates if n.durable_free_bytes >= nbytes]
+        if roomy and len(roomy) >= min(replicas, len(candidates)):
+            pool, weight = roomy, (lambda n: n.durable_free_bytes)
+        else:  # too few have room: the chosen will evict; weigh by capacity
+            pool, weight = candidates, (lambda n: n.persistent_capacity_bytes)
+        chosen: list[NodeInfo] = []
+        hosts: set[str] = set()
+        for _ in range(min(replicas, len(pool))):
+            remaining = [n for n in pool if n not in chosen]
+            group = [n for n in remaining if n.host_id not in hosts] or remaining
+            pick = self._swrr_pick(group, weight)
+            chosen.append(pick)
+            hosts.add(pick.host_id)
+        return chosen
+
+    def plan_rereplication(self, now: float, limit: int) -> tuple[list[RereplicationTask], int, int]:
+        """Up to ``limit`` copies that restore durable keys' replica counts, reserved on their
+        targets; returns (tasks, keys lost: no live holder, keys waiting for a target).
+
+        Examines at most REREPLICATE_EXAMINE_PER_ROUND queued keys, so it never holds the
+        serving thread for long whatever the backlog.
+        """
+        tasks: list[RereplicationTask] = []
+        lost = waiting = 0
+        check, nodes = self.to_check, self.nodes
+        for key in list(islice(check, REREPLICATE_EXAMINE_PER_ROUND)):
+            if len(tasks) >= limit:
+                break
+            not_before = check[key]
+            wanted = self.durable.get(key)
+            if not wanted:
+                del check[key]
+                continue
+            if not_before > now:
+                check.move_to_end(key)
+                continue
+            replicas = self.index.get(key)
+            if not replicas:
+                # No live holder to copy from: it comes back when a node registers it again.
+                del check[key]
+                self._attempts.pop(key, None)
+                lost += 1
+                continue
+            in_flight = self.rereplicating.setdefault(key, set())
+            holders = [nid for nid in replicas if nodes[nid].stores_durably]
+            need = wanted - len(holders) - len(in_flight)
+            if need <= 0:
+                del check[key]  # a copy in flight queues the key again when it ends
+                if not in_flight:
+                    del self.rereplicating[key]
+                continue
+            sources = [nid for nid in holders if "header" in replicas[nid]] or \
+                [nid for nid in replicas if "header" in replicas[nid]]
+            if not sources:  # records without a header cannot be verified by a copier
+                del check[key]
+                lost += 1
+                continue
+            source_id = random.choice(sources)
+            record = replicas[source_id]
+            nbytes = record["nbytes"]
+            exclude = set(replicas) | in_flight
+            candidates = [n for n in self._eligible(exclude)
+                          if n.control and n.largest_persistent_tier_bytes >= nbytes]
+            targets = self._choose(nbytes, min(need, limit - len(tasks)), candidates)
+            if not targets:
+                waiting += 1
+                check[key] = now + REREPLICATE_BACKOFF_S[1] / 10
+                check.move_to_end(key)
+                if not in_flight:
+                    del self.rereplicating[key]
+                continue
+            source_address = nodes[source_id].address
+            for target in targets:
+                rid = self._reserve(key, nbytes, target, now, durable=wanted)
+                in_flight.add(target.node_id)
+                tasks.append(RereplicationTask(
+                    key, record["header"], nbytes, wanted, source_id, source_address,
+                    target.node_id, target.label, target.control, rid,
+                ))
+            if len(targets) < need:  # the rest next round (rate limit) or once a target turns up
+                if len(targets) < len(candidates):
+                    check[key] = now
+                else:
+                    waiting += 1
+                    check[key] = now + REREPLICATE_BACKOFF_S[1] / 10
+                check.move_to_end(key)
+            else:
+                del check[key]
+        self.counters["rereplications_started"] += len(tasks)
+        return tasks, lost, waiting
+
+    def finish_rereplication(self, task: RereplicationTask, error: str | None, now: float) -> None:
+        """A copy ended: ``error`` None means the target committed it."""
+        in_flight = self.rereplicating.get(task.key)
+        if in_flight is not None:
+            in_flight.discard(task.target_id)
+            if not in_flight:
+                del self.rereplicating[task.key]
+        delay = 0.0
+        if error is None:
+            self.counters["rereplications_done"] += 1
+            self._attempts.pop(task.key, None)
+        else:
+            self.counters["rereplications_failed"] += 1
+            res = self.reservations.pop(task.reservation, None)
+            if res is not None:
+                self._release_reservation(res)
+            attempts = self._attempts[task.key] = self._attempts.get(task.key, 0) + 1
+            low, high = REREPLICATE_BACKOFF_S
+            delay = min(high, low * 2 ** (attempts - 1))
+        if task.key in self.durable:  # look again: more copies may be short, or this one failed
+            self.to_check[task.key] = max(self.to_check.get(task.key, 0.0), now + delay)
 
     # -- operations -----------------------------------------------------------------
 
@@ -388,29 +637,57 @@ class MasterState:
         host_id = _field(body, "host_id", str)
         tiers = self._tiers(_field(body, "tiers", dict))
         raw_objects = _field(body, "objects", list, [])
+        role = _field(body, "role", str, P.ROLE_CLIENT)
+        persistent = _field(body, "persistent_tiers", list, [])
         if not node_id:
             raise P.MalformedRequest("node_id must not be empty")
+        if role not in (P.ROLE_STORAGE, P.ROLE_CLIENT):
+            raise P.MalformedRequest(f"role must be {P.ROLE_STORAGE!r} or {P.ROLE_CLIENT!r}, got {role!r:.40}")
+        if not all(isinstance(t, str) for t in persistent):
+            raise P.MalformedRequest("persistent_tiers must be a list of tier names")
+        endpoint, control = describe_address(address)
+        control = _field(body, "control", str, control)
         records = [self._record(raw, with_key=True) for raw in raw_objects]
         now = self.clock()
         node = self.nodes.get(node_id)
         if node is None:
             node = self.nodes[node_id] = NodeInfo(node_id, address, host_id, tiers, now)
+            previously: list[bytes] = []
         else:
             # The list is authoritative: forget what we believed the node held.
+            previously = list(node.objects)
             self._drop_replicas_of(node)
             node.address, node.host_id, node.tiers = address, host_id, tiers
             node.last_seen, node.alive, node.committed_since_beat = now, True, 0
+        node.role, node.persistent_tiers, node.control = role, tuple(persistent), control
+        node.endpoint, node.state = endpoint, "alive"
         skipped = 0
         for key, record in records:
             if key in node.pending_deletes:  # deleted by a client while the node was away
                 skipped += 1
                 continue
+            self._note_durable(key, record)
             self._add_replica(node, key, record)
+        # Keys this node lost, and keys it brings back (maybe the only copy left of a
+        # durable key whose other holders died), may need copies.
+        self._check_durable(previously)
+        self._check_durable(node.objects)
+        if node.stores_durably and node.control:
+            # A new target: keys waiting for one are looked at in the next round.
+            check = self.to_check
+            for key, not_before in check.items():
+                if not_before > now:
+                    check[key] = now
         self.counters["registers"] += 1
+        if role == P.ROLE_CLIENT:
+            kind = "inference client"
+        elif node.stores_durably:
+            kind = f"storage node, durable copies in {'+'.join(node.persistent_tiers)}"
+        else:
+            kind = "storage node without a persistent tier (takes no durable copies)"
         log.info(
-            "node %s registered: %s host=%s, %d objects (%d skipped: deleted meanwhile)",
-            node_id, address if len(address) <= 80 else address[:77] + "...", host_id,
-            len(records) - skipped, skipped,
+            "node %s registered: %s, host=%s, %d objects (%d skipped: deleted meanwhile)",
+            node.label, kind, host_id, len(records) - skipped, skipped,
         )
         return {
             "heartbeat_ms": self.config.heartbeat_ms,
@@ -419,6 +696,16 @@ class MasterState:
             "indexed": len(records) - skipped,
             "skipped_deleted": skipped,
         }
+
+    def op_leave(self, body: dict[str, Any]) -> Any:
+        """A clean departure: the node's replicas leave the index now; it is listed as ``left``."""
+        node = self.nodes.get(_field(body, "node_id", str))
+        if node is None or not node.alive:
+            return {"withdrawn": 0, "known": node is not None}
+        dropped, stale = self._retire(node, self.clock(), "left")
+        self.counters["nodes_left"] += 1
+        log.info("node %s left: %d replicas withdrawn, %d reservations dropped", node.label, dropped, stale)
+        return {"withdrawn": dropped, "known": True}
 
     def op_heartbeat(self, body: dict[str, Any]) -> Any:
         node_id = _field(body, "node_id", str)
@@ -539,6 +826,9 @@ class MasterState:
                 self.counters["commits_failed"] += 1
                 continue
             node.committed_since_beat += record["nbytes"]
+            self._note_durable(res.key, record)
+            if res.durable:
+                self.durable[res.key] = res.durable
             self._add_replica(node, res.key, record)
             committed.append(True)
             self.counters["commits"] += 1
@@ -559,6 +849,7 @@ class MasterState:
         node = self._alive_node(_field(body, "node_id", str))
         records = [self._record(raw, with_key=True) for raw in _field(body, "objects", list)]
         for key, record in records:
+            self._note_durable(key, record)
             if self._add_replica(node, key, record):
                 node.committed_since_beat += record["nbytes"]
         self.counters["published"] += len(records)
@@ -580,6 +871,7 @@ class MasterState:
                 self._remove_replica(node, key)
                 node.pending_deletes.pop(key, None)
                 allowed.append(key)
+        self._check_durable(allowed)
         self.counters["evictions_allowed"] += len(allowed)
         self.counters["evictions_refused"] += len(pinned)
         return {"allowed": allowed, "pinned": pinned, "reregister": False}
@@ -594,6 +886,7 @@ class MasterState:
         for key in keys:
             removed += self._remove_replica(node, key)
             node.pending_deletes.pop(key, None)
+        self._check_durable(keys)
         self.counters["removed"] += removed
         return {"removed": removed}
 
@@ -604,6 +897,9 @@ class MasterState:
         for key in keys:
             replicas = self.index.pop(key, None)
             deleted.append(replicas is not None)
+            self.durable.pop(key, None)
+            self.to_check.pop(key, None)
+            self._attempts.pop(key, None)
             for node_id in replicas or ():
                 node = nodes[node_id]
                 node.objects.discard(key)
@@ -617,37 +913,36 @@ class MasterState:
         exclude = set(_field(body, "exclude", list, []))
         raw_key = _field(body, "key", (bytes, type(None)), None)
         key = None if raw_key is None else self._key(raw_key)
-        if nbytes < 0 or replicas < 1:
-            raise P.MalformedRequest("place needs nbytes >= 0 and replicas >= 1")
-        alive = [n for n in self.nodes.values() if n.alive and n.node_id not in exclude]
-        candidates = [n for n in alive if n.largest_tier_bytes >= nbytes]
-        if not candidates:
-            if alive:
-                raise errors.ObjectTooLargeError(
-                    f"{nbytes} bytes is larger than every tier of the {len(alive)} eligible nodes"
-                )
-            raise errors.CapacityError(
-                f"no alive node to place on ({len(self.nodes)} known, {len(exclude)} excluded)"
+        if nbytes < 0:
+            raise P.MalformedRequest("place needs nbytes >= 0")
+        if replicas < 1:
+            raise errors.InvalidArgumentError(f"replicas must be >= 1, got {replicas}")
+        eligible = self._eligible(exclude)
+        if replicas > len(eligible):
+            others = sum(1 for n in self.nodes.values() if n.alive and n.node_id not in exclude) - len(eligible)
+            raise errors.NotEnoughReplicasError(
+                f"{replicas} durable replicas asked for, but only {len(eligible)} storage nodes with a "
+                f"persistent tier are alive and eligible ({len(exclude)} excluded; {others} other alive "
+                f"nodes are inference clients or have no nvme tier and never take durable copies)"
             )
-        roomy = [n for n in candidates if n.effective_free_bytes >= nbytes]
-        pool = roomy or candidates
-        weight: Callable[[NodeInfo], int] = (
-            (lambda n: n.effective_free_bytes) if roomy else (lambda n: n.capacity_bytes)
-        )
-        chosen: list[NodeInfo] = []
-        hosts: set[str] = set()
-        for _ in range(min(replicas, len(pool))):
-            remaining = [n for n in pool if n not in chosen]
-            group = [n for n in remaining if n.host_id not in hosts] or remaining
-            pick = self._swrr_pick(group, weight)
-            chosen.append(pick)
-            hosts.add(pick.host_id)
+        candidates = [n for n in eligible if n.largest_persistent_tier_bytes >= nbytes]
+        if not candidates:
+            raise errors.ObjectTooLargeError(
+                f"{nbytes} bytes is larger than the persistent tier of every one of the "
+                f"{len(eligible)} eligible storage nodes"
+            )
+        if replicas > len(candidates):
+            raise errors.NotEnoughReplicasError(
+                f"{replicas} durable replicas asked for, but the object ({nbytes} bytes) fits the persistent "
+                f"tier of only {len(candidates)} of the {len(eligible)} eligible storage nodes"
+            )
+        chosen = self._choose(nbytes, replicas, candidates)
         now = self.clock()
         self.counters["placements"] += 1
         return {"targets": [
             {
                 "node_id": n.node_id, "address": n.address, "host_id": n.host_id,
-                "reservation": None if key is None else self._reserve(key, nbytes, n, now),
+                "reservation": None if key is None else self._reserve(key, nbytes, n, now, durable=replicas),
             }
             for n in chosen
         ]}
@@ -691,7 +986,9 @@ class MasterState:
             "uptime_s": now - self.started,
             "nodes": {
                 n.node_id: {
-                    "alive": n.alive, "address": n.address, "host_id": n.host_id,
+                    "alive": n.alive, "state": n.state, "role": n.role, "endpoint": n.endpoint,
+                    "persistent_tiers": list(n.persistent_tiers), "stores_durably": n.stores_durably,
+                    "address": n.address, "host_id": n.host_id,
                     "tiers": n.tiers, "objects": len(n.objects),
                     "reserved_bytes": n.reserved_bytes,
                     "effective_free_bytes": n.effective_free_bytes,
@@ -705,8 +1002,134 @@ class MasterState:
             "reservations": len(self.reservations),
             "leases": len(self.leases),
             "pinned_replicas": len(self.pins),
+            "durable_keys": len(self.durable),
+            "under_replicated": len(self.to_check) + len(self.rereplicating),
+            "rereplications_in_flight": sum(len(t) for t in self.rereplicating.values()),
             "counters": dict(self.counters),
         }
+
+
+def control_request(context: zmq.Context, control: str, op: str, body: Mapping[str, Any], timeout_s: float,
+                    stop: threading.Event) -> Any:
+    """One request to a node's control socket; raises KVTimeoutError / the node's error (as KVPoolError).
+
+    Waits in short slices so a stopping master is never held up by a slow node.
+    """
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(control)
+        sock.send(msgpack.packb([op, dict(body)], use_bin_type=True))
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(100):
+            if stop.is_set():
+                raise errors.KVTimeoutError(f"{op}: the master is stopping")
+            if time.monotonic() >= deadline:
+                raise errors.KVTimeoutError(f"{op}: no answer within {timeout_s:.3g} s")
+        status, reply = msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close(0)
+    if status != "ok":
+        detail = reply if isinstance(reply, dict) else {}
+        raise errors.KVPoolError(f"{op} failed: {detail.get('type', '?')}: {detail.get('message', reply)}")
+    return reply
+
+
+class Rereplicator:
+    """Restores durable keys' copy counts without ever blocking the master's request loop.
+
+    :meth:`round` runs on the serving thread (it alone touches :class:`MasterState`):
+    it applies finished copies, then plans new ones within the rate limit (a token
+    bucket of ``rereplicate_per_s``) and hands them to worker threads, which only
+    talk to the targets' control sockets (each a socket of its own) and report back
+    through a queue. The target commits its copy to the master itself before it
+    answers, over the master's normal request path.
+    """
+
+    def __init__(self, state: MasterState, context: zmq.Context, config: MasterSection) -> None:
+        self.state = state
+        self.rate = config.rereplicate_per_s
+        self.timeout_s = config.rereplicate_timeout_s
+        self._context = context
+        self._tokens = max(1.0, self.rate)
+        self._burst = max(1.0, self.rate)
+        self._refilled = time.monotonic()
+        self._todo: queue.SimpleQueue[RereplicationTask | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[RereplicationTask, str | None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.in_flight = 0
+
+    def round(self, now: float) -> None:
+        state = self.state
+        done = failed = 0
+        last_error = ""
+        while True:
+            try:
+                task, error = self._done.get_nowait()
+            except queue.Empty:
+                break
+            self.in_flight -= 1
+            state.finish_rereplication(task, error, now)
+            if error is None:
+                done += 1
+            else:
+                failed += 1
+                last_error = f"{task.key.hex()[:16]} -> {task.target_label}: {error}"
+        started: list[RereplicationTask] = []
+        lost = waiting = 0
+        if self.rate > 0 and state.to_check:
+            self._tokens = min(self._burst, self._tokens + (now - self._refilled) * self.rate)
+            self._refilled = now
+            limit = min(int(self._tokens), REREPLICATE_MAX_IN_FLIGHT - self.in_flight)
+            if limit > 0:
+                started, lost, waiting = state.plan_rereplication(now, limit)
+        else:
+            self._refilled = now
+        for task in started:
+            self._start_workers()
+            self._tokens -= 1
+            self.in_flight += 1
+            self._todo.put(task)
+        if started or done or failed or lost:
+            log.info(
+                "re-replication: %d copies started, %d done, %d failed%s; %d keys without a live holder, "
+                "%d waiting for a storage node; %d under-replicated, %d copies in flight",
+                len(started), done, failed, f" (last: {last_error})" if last_error else "", lost, waiting,
+                len(state.to_check) + len(state.rereplicating), self.in_flight,
+            )
+
+    def _start_workers(self) -> None:
+        while len(self._threads) < REREPLICATE_WORKERS:
+            thread = threading.Thread(target=self._work, name=f"kvpool-rereplicate-{len(self._threads)}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                task = self._todo.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if task is None:
+                return
+            error: str | None = None
+            try:
+                control_request(self._context, task.target_control, "replicate", {
+                    "key": task.key, "header": task.header, "source": task.source_address,
+                    "reservation": task.reservation, "replicas": task.replicas, "persistent": True,
+                }, self.timeout_s, self._stop)
+            except Exception as exc:  # reported on the serving thread; retried with backoff
+                error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, errors.KVPoolError) else str(exc)
+            self._done.put((task, error))
+
+    def close(self) -> None:
+        self._stop.set()
+        for _ in self._threads:
+            self._todo.put(None)
+        for thread in self._threads:
+            thread.join(2.0)
 
 
 class MasterServer:
@@ -715,6 +1138,8 @@ class MasterServer:
     def __init__(self, config: MasterSection, *, max_key_bytes: int = 256) -> None:
         self.state = MasterState(config, max_key_bytes=max_key_bytes)
         self._context = zmq.Context(io_threads=1)
+        self._context.setsockopt(zmq.LINGER, 0)
+        self.rereplicator = Rereplicator(self.state, self._context, config)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
@@ -749,6 +1174,7 @@ class MasterServer:
             now = time.monotonic()
             if now >= next_sweep:
                 state.sweep(now)
+                self.rereplicator.round(now)
                 next_sweep = now + tick_s
 
     def serve_frames(self, frames: list[bytes]) -> list[bytes]:
@@ -782,8 +1208,11 @@ class MasterServer:
         return [*envelope, reply]
 
     def close(self) -> None:
+        self.rereplicator.close()
         self._socket.close(linger=0)
-        self._context.term()
+        # destroy(): closes whatever socket is still open (a worker that did not stop in
+        # time) instead of waiting for it forever, as term() would.
+        self._context.destroy(linger=0)
 
 
 def _sections(config: Config | MasterSection | str | os.PathLike[str] | None) -> tuple[MasterSection, int]:

@@ -26,7 +26,7 @@ import zmq
 
 from kvpool import errors
 from kvpool import protocol as P
-from kvpool.config import Config, MasterSection
+from kvpool.config import Config, MasterSection, check_master_address
 from kvpool.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
 
 log = logging.getLogger("kvpool.master_client")
@@ -66,7 +66,8 @@ class MasterClient:
     Every call raises MasterUnreachableError when no reply arrives within
     ``request_timeout_s``, ProtocolError when the reply cannot be understood,
     and the typed error a master error reply names (InvalidKeyError,
-    UnknownNodeError, ReservationError, CapacityError, ...).
+    UnknownNodeError, ReservationError, CapacityError, ...). A malformed
+    address (``localhost:7700``: no ``tcp://``) is a ConfigError at once.
     """
 
     def __init__(
@@ -77,9 +78,10 @@ class MasterClient:
         request_timeout_s: float | None = None,
     ) -> None:
         section = config if isinstance(config, MasterSection) else Config.load(config).master
-        self.address = address or section.listen
+        self.address = check_master_address(address or section.listen)
         self.request_timeout_s = section.request_timeout_s if request_timeout_s is None else request_timeout_s
         self._context = zmq.Context(io_threads=1)
+        self._context.setsockopt(zmq.LINGER, 0)  # no socket of this client can hold up term()
         self._local = threading.local()
         self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -99,7 +101,11 @@ class MasterClient:
             # Retry quickly after a master restart, but do not hammer a dead address.
             socket.setsockopt(zmq.RECONNECT_IVL, 50)
             socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            socket.connect(self.address)
+            try:
+                socket.connect(self.address)
+            except zmq.ZMQError as exc:  # an open socket would make close() hang in term()
+                socket.close(0)
+                raise errors.ConfigError(f"master address {self.address!r}: {exc}") from None
             conn = _Connection(socket)
             self._connections.add(conn)
             # When the thread ends its connection is collected; close the socket then.
@@ -152,7 +158,8 @@ class MasterClient:
             for conn in list(self._connections):
                 conn.socket.close(linger=0)
         self._local = threading.local()
-        self._context.term()
+        # destroy(): a socket still open in some thread is closed rather than waited for forever.
+        self._context.destroy(linger=0)
 
     def __enter__(self) -> MasterClient:
         return self
@@ -172,16 +179,32 @@ class MasterClient:
         host_id: str,
         tiers: Mapping[str, Mapping[str, int]],
         objects: Sequence[ReplicaRecord] = (),
+        *,
+        role: str = P.ROLE_CLIENT,
+        persistent_tiers: Sequence[str] = (),
+        control: str | None = None,
     ) -> dict[str, Any]:
         """Announce a node and everything it holds (replaces what the master believed).
 
         Each object is a :func:`kvpool.protocol.replica_record` with ``key`` set.
+        ``role`` ``"storage"`` plus a persistent tier makes the node eligible for
+        durable copies; ``control`` is its control socket (for re-replication).
         The reply carries the master's ``heartbeat_ms``/``dead_after_missed``.
         """
-        return self.call(P.REGISTER, {
+        body: dict[str, Any] = {
             "node_id": node_id, "address": address, "host_id": host_id,
-            "tiers": tiers, "objects": list(objects),
-        })
+            "tiers": tiers, "objects": list(objects), "role": role, "persistent_tiers": list(persistent_tiers),
+        }
+        if control is not None:
+            body["control"] = control
+        return self.call(P.REGISTER, body)
+
+    def leave(self, node_id: str, *, timeout_s: float | None = None) -> int:
+        """Deregister cleanly: the node's replicas leave the index; it is listed as ``left``.
+
+        Returns how many replicas were withdrawn.
+        """
+        return self.call(P.LEAVE, {"node_id": node_id}, timeout_s=timeout_s)["withdrawn"]
 
     def heartbeat(
         self, node_id: str, tiers: Mapping[str, Mapping[str, int]] | None = None, delete_ack: int = 0
@@ -267,11 +290,16 @@ class MasterClient:
         exclude: Iterable[str] = (),
         key: KeyLike | None = None,
     ) -> list[Placement]:
-        """Nodes for a durable put (at most ``replicas``, fewer if fewer are alive).
+        """Storage nodes for a durable put: exactly ``replicas`` of them.
 
-        With ``key``, each target comes with a reservation for it. Raises
-        ObjectTooLargeError / CapacityError when no node can take the object.
+        Only storage nodes with a persistent tier are eligible. With ``key``,
+        each target comes with a reservation for it (committing one makes the
+        key durable). Raises InvalidArgumentError for ``replicas < 1``,
+        NotEnoughReplicasError when fewer nodes are eligible (nothing reserved),
+        ObjectTooLargeError when no persistent tier can hold the object.
         """
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise errors.InvalidArgumentError(f"replicas must be an int >= 1, got {replicas!r}")
         reply = self.call(P.PLACE, {
             "nbytes": int(nbytes), "replicas": int(replicas), "exclude": list(exclude),
             "key": None if key is None else as_key(key),
@@ -320,7 +348,7 @@ class Heartbeater:
         self._on_delete = on_delete
         self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"kvpool-heartbeat-{node_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"kvpool-heartbeat-{node_id[:8]}", daemon=True)
         self._delete_ack = 0
         self.beats = 0            # replies received
         self.reregistrations = 0  # on_reregister calls that returned
@@ -362,15 +390,15 @@ class Heartbeater:
             reply = client.heartbeat(self.node_id, self._state_fn(), self._delete_ack)
         except errors.MasterUnreachableError as exc:
             if self.reachable:
-                log.warning("node %s: heartbeat failed: %s", self.node_id, exc)
+                log.warning("node %s: heartbeat failed: %s", self.node_id[:8], exc)
             self.reachable = False
             return
         except Exception:
-            log.exception("node %s: heartbeat failed", self.node_id)
+            log.exception("node %s: heartbeat failed", self.node_id[:8])
             self.reachable = False
             return
         if not self.reachable:
-            log.info("node %s: master at %s answers heartbeats", self.node_id, client.address)
+            log.info("node %s: master at %s answers heartbeats", self.node_id[:8], client.address)
         self.reachable = True
         self.beats += 1
         if reply.reregister:
@@ -378,15 +406,15 @@ class Heartbeater:
                 self._on_reregister()
                 self.reregistrations += 1
             except Exception:
-                log.exception("node %s: re-registration failed; retrying next beat", self.node_id)
+                log.exception("node %s: re-registration failed; retrying next beat", self.node_id[:8])
             return
         if reply.delete:
             if self._on_delete is None:
-                log.warning("node %s: %d deletes relayed but no on_delete handler", self.node_id, len(reply.delete))
+                log.warning("node %s: %d deletes relayed but no on_delete handler", self.node_id[:8], len(reply.delete))
             else:
                 try:
                     self._on_delete(reply.delete)
                 except Exception:
-                    log.exception("node %s: applying %d deletes failed", self.node_id, len(reply.delete))
+                    log.exception("node %s: applying %d deletes failed", self.node_id[:8], len(reply.delete))
                     return
             self._delete_ack = reply.delete_seq

@@ -23,9 +23,11 @@ names are ``str``.
 Bodies (every batch is one message, whatever its size)::
 
     ping            {}                                   -> {"version", "uptime_s"}
-    register        {"node_id", "address", "host_id", "tiers", "objects": [record]}
+    register        {"node_id", "address", "host_id", "tiers", "objects": [record],
+                     "role": "storage" | "client", "persistent_tiers": [tier name], "control": str}
                                                          -> {"heartbeat_ms", "dead_after_missed",
                                                              "lease_s", "indexed", "skipped_deleted"}
+    leave           {"node_id"}                          -> {"withdrawn": int, "known": bool}
     heartbeat       {"node_id", "tiers", "delete_ack": int}
                                                          -> {"reregister": bool, "delete": [key],
                                                              "delete_seq": int}
@@ -41,6 +43,8 @@ Bodies (every batch is one message, whatever its size)::
     removed         {"node_id", "keys": [key]}           -> {"removed": int}
     delete          {"keys": [key]}                      -> {"deleted": [bool]}
     place           {"nbytes", "replicas", "exclude": [node_id], "key": key | None}
+                    (only storage nodes with a persistent tier are eligible; more replicas
+                    than eligible nodes -> NotEnoughReplicasError, nothing reserved)
                                                          -> {"targets": [{"node_id", "address", "host_id",
                                                                           "reservation": id | None}]}
     stats           {}                                   -> {"nodes", "keys", "replicas", "counters", ...}
@@ -50,6 +54,25 @@ Bodies (every batch is one message, whatever its size)::
 ``tiers`` is ``{tier name: {"capacity": bytes, "free": bytes}}``. A *record*
 describes one replica as its node holds it (see :func:`replica_record`); a
 *located* replica is a record plus ``node_id``, ``address`` and ``host_id``.
+
+Durability. ``register`` says what a node is: ``role`` ``"storage"`` (a
+``kvpool-server --role node|all`` process) or ``"client"`` (an inference
+process, the default when absent), ``persistent_tiers`` (tiers whose objects
+survive a restart, e.g. ``["nvme"]``; none when absent) and ``control`` (the
+node's control socket; taken from a JSON ``address`` when absent). Only storage
+nodes with a persistent tier receive durable copies. A reservation made by
+``place`` with a ``key`` is a durable copy: committing it makes the master
+remember the key as durable with ``replicas`` copies wanted. A record may carry
+``"durable": replicas`` (a storage node re-registering its durable copies, e.g.
+after a master restart). When a holder of a durable key dies or leaves, the
+master re-creates the missing copies in the background by sending the node
+control op ``replicate`` ``{"key", "header", "source", "reservation",
+"replicas", "persistent": true}`` to a new storage node, which pulls the object
+from ``source`` (a surviving holder's address), stores it in its persistent
+tier and commits the reservation before it replies.
+
+``leave`` is a clean departure: the node's replicas leave the index at once and
+it is listed as ``left`` (not dead) until ``master.forget_nodes_after_s``.
 """
 
 from __future__ import annotations
@@ -73,6 +96,7 @@ ERROR = "error"
 
 PING = "ping"
 REGISTER = "register"
+LEAVE = "leave"
 HEARTBEAT = "heartbeat"
 LOOKUP = "lookup"
 EXISTS = "exists"
@@ -89,8 +113,11 @@ PLACE = "place"
 STATS = "stats"
 LIST = "list"
 
+ROLE_STORAGE = "storage"  # kvpool-server --role node|all: may receive durable copies
+ROLE_CLIENT = "client"    # an inference process (kvpool.connect): never receives durable copies
+
 OPS = frozenset({
-    PING, REGISTER, HEARTBEAT, LOOKUP, EXISTS, LOCATE, RELEASE, RESERVE, COMMIT,
+    PING, REGISTER, LEAVE, HEARTBEAT, LOOKUP, EXISTS, LOCATE, RELEASE, RESERVE, COMMIT,
     REVOKE, PUBLISH, EVICT_REQUEST, REMOVED, DELETE, PLACE, STATS, LIST,
 })
 
@@ -113,6 +140,7 @@ class ReplicaRecord(TypedDict, total=False):
     checksums: list[int]     # per-layer xxh3-64, or
     header: bytes            # the packed ObjectHeader
     location: dict[str, Any]  # opaque to the master (e.g. cxl path + offset)
+    durable: int             # a durable copy: replicas wanted for this key (storage nodes only)
 
 
 class LocatedReplica(ReplicaRecord, total=False):
@@ -130,6 +158,7 @@ def replica_record(
     checksums: Sequence[int] | None = None,
     header: bytes | None = None,
     location: Mapping[str, Any] | None = None,
+    durable: int | None = None,
 ) -> ReplicaRecord:
     """Build the record a node sends for one replica it holds."""
     record: ReplicaRecord = {"tier": tier, "spec": spec.to_wire(), "nbytes": int(nbytes)}
@@ -140,6 +169,8 @@ def replica_record(
     if header is not None:
         record["header"] = bytes(header)
     record["location"] = dict(location or {})
+    if durable:
+        record["durable"] = int(durable)
     return record
 
 

@@ -71,6 +71,12 @@ def _start_node(config: Config, stack: ExitStack) -> Any:
     from kvpool.node import Node
     from kvpool.pool import build_tier_manager
 
+    class StorageNode(Node):
+        """A ``kvpool-server`` node: registers as a storage node, so with an nvme tier it
+        receives durable copies (inference clients made by ``kvpool.connect`` never do)."""
+
+        role = "storage"
+
     manager = build_tier_manager(config)
 
     def close_manager() -> None:
@@ -80,7 +86,7 @@ def _start_node(config: Config, stack: ExitStack) -> Any:
                  "start (memory tiers are not kept)", on_disk)
 
     stack.callback(close_manager)
-    node = Node(config, manager, config.master.listen)
+    node = StorageNode(config, manager, config.master.listen)
     stack.callback(node.close)
     node.start()
     log.info("pool %r data_dir=%s", config.pool.name, config.pool.resolved_data_dir())

@@ -35,6 +35,8 @@ SETTINGS = {
     "master.dead_after_missed": DEAD_AFTER_MISSED,
     "master.reservation_timeout_s": RESERVATION_S,
     "master.lease_s": LEASE_S,
+    "master.forget_nodes_after_s": 1.5,
+    "master.rereplicate_per_s": 50,
 }
 
 
@@ -75,8 +77,15 @@ class SimNode:
         free: int | None = None,
         objects: dict[bytes, P.ReplicaRecord] | None = None,
         period_s: float = 0.03,
+        role: str = P.ROLE_STORAGE,
+        persistent: bool = True,
+        control: str | None = None,
     ) -> None:
         self.node_id = f"node-{os.urandom(4).hex()}"
+        # Simulated storage nodes call their one tier persistent, so placement may pick them.
+        self.role = role
+        self.persistent_tiers = ["dram"] if persistent else []
+        self.control = control
         self.address = f"ucx://127.0.0.1:{free_tcp_port()}"
         self.host_id = host_id
         self.tiers = {"dram": {"capacity": capacity, "free": capacity if free is None else free}}
@@ -92,7 +101,8 @@ class SimNode:
     def register(self) -> None:
         with self.lock:
             objects = [{**rec, "key": key} for key, rec in self.objects.items()]
-        self.client.register(self.node_id, self.address, self.host_id, self.tiers, objects)
+        self.client.register(self.node_id, self.address, self.host_id, self.tiers, objects,
+                             role=self.role, persistent_tiers=self.persistent_tiers, control=self.control)
 
     def apply_deletes(self, keys: list[bytes]) -> None:
         with self.lock:
@@ -432,7 +442,13 @@ def test_place_spreads_by_free_capacity_and_does_not_flood_a_new_node(make_node,
 
     pair = client.place(MiB, replicas=2, exclude=others)
     assert len({p.node_id for p in pair}) == 2 and len({p.host_id for p in pair}) == 2
-    assert len(client.place(MiB, replicas=5, exclude=others)) == 3  # only three nodes exist
+    with pytest.raises(errors.NotEnoughReplicasError):
+        client.place(MiB, replicas=5, exclude=others, key=new_keys(1)[0])  # only three nodes exist
+    assert sum(node_stats(client, n)["reserved_bytes"] for n in (a, b, c)) == 0  # nothing reserved
+    with pytest.raises(errors.InvalidArgumentError):
+        client.place(MiB, replicas=0, exclude=others)
+    with pytest.raises(errors.InvalidArgumentError):  # refused by the master too
+        client.call(P.PLACE, {"nbytes": MiB, "replicas": 0, "exclude": others})
 
     with pytest.raises(errors.ObjectTooLargeError):
         client.place(2000 * MiB, exclude=others)
@@ -556,3 +572,157 @@ def test_bind_failure_is_a_clear_error(master, spawn_python):
     child = spawn_python(master_args(master.address))
     assert child.popen.wait(20) == 2
     assert "cannot bind" in child.output()
+
+
+# -- durability: eligibility, re-replication, leaving, addresses ----------------------------------
+
+
+class FakeStorage:
+    """A simulated storage node with a real control socket: answers ``replicate`` by
+    committing the reservation (as a node does once its copy is stored)."""
+
+    def __init__(self, master: str, make_node: Callable[..., SimNode], **kwargs: Any) -> None:
+        self.context = zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.requests: list[dict[str, Any]] = []
+        self.fail = False
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self.node = make_node(control=f"tcp://127.0.0.1:{port}", **kwargs)
+        self.committer = MasterClient(master, request_timeout_s=2.0)
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            if not self.socket.poll(50):
+                continue
+            ident, payload = self.socket.recv_multipart()
+            op, body = msgpack.unpackb(payload, raw=False)
+            self.requests.append(body)
+            if self.fail:
+                reply = ["error", {"type": "TransferError", "message": "injected"}]
+            else:
+                rec = {**record(), "header": body["header"]}
+                self.committer.commit(body["reservation"], rec)
+                self.node.objects[body["key"]] = rec
+                reply = ["ok", {"node_id": self.node.node_id}]
+            self.socket.send_multipart([ident, msgpack.packb(reply, use_bin_type=True)])
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(2)
+        self.socket.close(0)
+        self.committer.close()
+
+
+@pytest.fixture
+def fake_storage(master: Master, make_node, client) -> Iterator[Callable[..., FakeStorage]]:
+    # Nodes of earlier tests must not be picked as targets: wait until they are dead.
+    wait_for(lambda: not any(n["alive"] for n in client.stats()["nodes"].values()), 3, "earlier nodes dead")
+    made: list[FakeStorage] = []
+
+    def make(**kwargs: Any) -> FakeStorage:
+        made.append(FakeStorage(master.address, make_node, **kwargs))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for fake in made:
+            fake.close()
+
+
+def holders(client: MasterClient, key: bytes) -> set[str]:
+    located = client.locate(key, lease=False).replicas[0]
+    return {r["node_id"] for r in located or ()}
+
+
+def test_place_only_picks_storage_nodes_with_a_persistent_tier(make_node, client):
+    storage = make_node(host_id="host-a")
+    inference = make_node(host_id="host-b", role=P.ROLE_CLIENT)  # an inference client
+    no_nvme = make_node(host_id="host-c", persistent=False)      # a storage node without nvme
+    mine = {storage.node_id, inference.node_id, no_nvme.node_id}
+    others = [n for n in client.stats()["nodes"] if n not in mine]
+    for _ in range(5):
+        assert [p.node_id for p in client.place(MiB, exclude=others)] == [storage.node_id]
+    with pytest.raises(errors.NotEnoughReplicasError, match="only 1 storage node"):
+        client.place(MiB, replicas=2, exclude=others, key=new_keys(1)[0])
+    assert node_stats(client, storage)["reserved_bytes"] == 0
+    assert node_stats(client, storage)["stores_durably"] and node_stats(client, storage)["role"] == "storage"
+
+
+def test_master_rereplicates_durable_keys_when_a_holder_dies_or_leaves(master, fake_storage, client):
+    a, b, c = (fake_storage(host_id=h) for h in ("host-a", "host-b", "host-c"))
+    writer = SimNode(master.address, role=P.ROLE_CLIENT).start()
+    try:
+        keys = new_keys(3)
+        for key in keys:
+            rec = {**record(), "header": b"header-of-" + key}
+            writer.publish([key], rec)
+            for target in client.place(SPEC.total_nbytes, replicas=2, exclude=[writer.node_id], key=key):
+                client.commit(target.reservation_id, rec)  # as the target node does after its copy
+        assert client.stats()["durable_keys"] >= 3
+        first = {k: holders(client, k) - {writer.node_id} for k in keys}
+        assert all(len(h) == 2 for h in first.values())
+
+        # A holder dies (kill -9: no more heartbeats): its keys get a copy elsewhere.
+        victim = next(f for f in (a, b, c) if any(f.node.node_id in h for h in first.values()))
+        victim.node.heartbeater.stop()
+        started = time.monotonic()
+        storage_ids = {a.node.node_id, b.node.node_id, c.node.node_id} - {victim.node.node_id}
+        wait_for(lambda: all(holders(client, k) - {writer.node_id} == storage_ids for k in keys), 5,
+                 "copies restored on the two surviving storage nodes")
+        took = time.monotonic() - started
+        copies = [r for f in (a, b, c) if f is not victim for r in f.requests]
+        assert all(r["persistent"] and r["replicas"] == 2 for r in copies)
+        assert {r["source"] for r in copies} <= {a.node.address, b.node.address, c.node.address, writer.address}
+        assert took < 5
+
+        # One leaves cleanly: nowhere to copy to until a new storage node joins.
+        leaver = next(f for f in (a, b, c) if f is not victim)
+        leaver.node.heartbeater.stop()
+        assert client.leave(leaver.node.node_id) >= 3
+        assert node_stats(client, leaver.node)["state"] == "left"
+        time.sleep(0.3)
+        assert client.stats()["under_replicated"] >= 3
+        d = fake_storage(host_id="host-d")
+        d.fail = True  # failures are retried
+        wait_for(lambda: len(d.requests) >= 1, 5, "a copy asked of the new node")
+        d.fail = False
+        wait_for(lambda: all(d.node.node_id in holders(client, k) for k in keys), 10, "copies on the new node")
+        wait_for(lambda: client.stats()["under_replicated"] == 0, 3, "nothing under-replicated")
+        counters = client.stats()["counters"]
+        assert counters["rereplications_failed"] >= 1 and counters["rereplications_done"] >= 4
+
+        # Deleted keys are no longer durable.
+        client.delete(keys)
+        assert client.stats()["durable_keys"] == 0
+
+        out = master.child.output()
+        assert f"node {leaver.node.node_id[:8]} " in out and "left:" in out
+        assert "re-replication: " in out
+        assert leaver.node.address not in out.split("left:")[0].splitlines()[-1]
+        # A departed node's row is forgotten after master.forget_nodes_after_s.
+        wait_for(lambda: leaver.node.node_id not in client.stats()["nodes"], 4, "departed row forgotten")
+        print(f"re-replication after a holder died took {took:.2f} s")
+    finally:
+        writer.stop()
+
+
+def test_reregistered_durable_records_restore_durability(fake_storage, make_node, client):
+    key = new_keys(1)[0]
+    node = make_node(objects={key: {**record(), "header": b"h", "durable": 2}})
+    assert holders(client, key) == {node.node_id}
+    assert client.stats()["under_replicated"] >= 1  # wants 2 copies, has 1 (no other storage node)
+    client.delete([key])
+
+
+@pytest.mark.parametrize("address", ["localhost:7700", "127.0.0.1:7700", "tcp://127.0.0.1", "tcp://h:0",
+                                     "tcp://h:70000", "udp://127.0.0.1:7700", ""])
+def test_malformed_master_address_is_a_config_error_at_once(address):
+    started = time.monotonic()
+    with pytest.raises(errors.ConfigError, match="tcp://HOST:PORT"):
+        MasterClient(address or "ipc://", request_timeout_s=0.5)
+    assert time.monotonic() - started < 1.0
