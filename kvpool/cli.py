@@ -1,6 +1,7 @@
 """``kvpool``: the operators' command line against a running cluster.
 
 ``kvpool stats`` (nodes, tiers, usage, hits/misses per tier, bytes moved),
+``kvpool gc`` (remove shared-memory arenas left by killed processes; no master needed),
 ``kvpool ls`` (keys and where their replicas are), ``kvpool get KEY`` (read an
 object or some layers, verified, into a ``.npy`` file) and ``kvpool rm KEY``.
 Keys are given in hex (prefix hashes are binary) or, with ``--text``, as UTF-8.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -134,6 +136,22 @@ def cmd_rm(master: MasterClient, args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove the cxl arenas (and their indexes) of dead owners on this host."""
+    from tiers.cxl import SHM_DIR, collect_stale_arenas
+
+    directories = {Path(d) for d in args.dir} or {SHM_DIR}
+    if args.config:
+        configured = Config.load(args.config).tiers.cxl.path
+        if configured:
+            directories.add(Path(configured).expanduser().parent)
+    removed = [path for directory in sorted(directories) for path in collect_stale_arenas(directory)]
+    for path in removed:
+        print(f"removed {path}")
+    print(f"{len(removed)} stale arena(s) removed")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="Inspect and operate a running kvpool cluster.")
     parser.add_argument("--master", help=f"master address (default: {Config().master.listen} or --config)")
@@ -154,11 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="delete keys everywhere")
     rm.add_argument("keys", nargs="+")
     rm.add_argument("--text", action="store_true", help="keys are UTF-8 text, not hex")
+    gc = sub.add_parser("gc", help="remove shared-memory arenas of killed kvpool processes on this host")
+    gc.add_argument("--dir", action="append", default=[], help="directory to sweep (default /dev/shm; repeatable)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "gc":
+        return cmd_gc(args)
     address = args.master or Config.load(args.config).master.listen
     commands = {"stats": cmd_stats, "ls": cmd_ls, "get": cmd_get, "rm": cmd_rm}
     with MasterClient(address, request_timeout_s=args.timeout) as master:

@@ -482,3 +482,18 @@ def test_reader_refuses_a_fifo_and_a_symlink(tmp_path: Path) -> None:
     link.symlink_to("/etc/passwd")
     with pytest.raises(errors.TierError):
         CxlArenaReader.open(link, require_owner=False)
+
+
+def test_kvpool_gc_removes_the_arena_of_a_killed_owner(arena_path: Path) -> None:
+    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
+    try:
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.proc.wait()
+        assert arena_path.exists()
+        done = subprocess.run([sys.executable, "-m", "kvpool.cli", "gc", "--dir", str(arena_path.parent)],
+                              capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert f"removed {arena_path}" in done.stdout
+        assert not arena_path.exists()
+    finally:
+        owner.stop()
