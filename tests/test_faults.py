@@ -1,0 +1,122 @@
+"""Faults over real processes: what every *other* process sees when a holder is killed,
+frozen or restarted under it. Each test starts a real master and real pool processes on
+127.0.0.1 and stops them all, also on failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.cluster_actor import content, key_of
+from tests.conftest import wait_for
+from tests.test_cluster import Cluster
+
+pytestmark = pytest.mark.timeout(180)
+KEYS = 4
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, spawn_python) -> Cluster:
+    cluster = Cluster(tmp_path, spawn_python)
+    try:
+        yield cluster
+    finally:
+        cluster.client.close()
+
+
+def _timed_gets(pool, rounds: int) -> list[float]:
+    """Seconds per get over ``rounds`` passes of every key; every value must be exact."""
+    seconds = []
+    for _ in range(rounds):
+        for i in range(KEYS):
+            started = time.perf_counter()
+            got = pool.get(key_of(i))
+            seconds.append(time.perf_counter() - started)
+            assert got is not None, f"key {i} missed although a live replica holds it"
+            np.testing.assert_array_equal(got, content(i))
+    return seconds
+
+
+def _two_holders(cluster: Cluster):
+    cluster.start_master()
+    first = cluster.start_actor("writer", "holder-a", "--keys", str(KEYS))
+    second = cluster.start_actor("writer", "holder-b", "--keys", str(KEYS))
+    return first, second
+
+
+def _holder_that_serves(cluster: Cluster, reader, first, second):
+    """Read every key once (the reader remembers where) and return (serving, other) holders."""
+    _timed_gets(reader, 1)
+    served = {w: cluster.node_stats(cluster.node_id_of(w))["transfer"]["bytes_sent"] for w in (first, second)}
+    serving = max(served, key=served.get)
+    return serving, (second if serving is first else first)
+
+
+def test_a_killed_holder_costs_at_most_one_deadline_once(cluster: Cluster) -> None:
+    first, second = _two_holders(cluster)
+    reader = cluster.connect("reader")
+    try:
+        serving, _ = _holder_that_serves(cluster, reader, first, second)
+        dead = cluster.node_id_of(serving)
+        serving.kill()
+        after_kill = _timed_gets(reader, 1)
+        later = _timed_gets(reader, 3)
+        print(f"worst get after kill -9 of the serving holder: {max(after_kill) * 1e3:.1f} ms; "
+              f"afterwards: {max(later) * 1e3:.1f} ms")
+        remote = reader.stats()["remote"]
+        assert remote.get("miss_timeout", 0) == 0  # no pull waited out its deadline on the dead holder
+        locations = reader._reader._locations  # type: ignore[attr-defined]
+        assert all(r["node_id"] != dead for replicas in locations.values() for r in replicas)
+        pull_timeout_s = reader.config.node.pull_timeout_s
+        assert max(later) < pull_timeout_s  # a dead holder is never waited on again
+    finally:
+        reader.close()
+
+
+def test_a_frozen_holder_is_skipped_once_the_master_declares_it_dead(cluster: Cluster) -> None:
+    first, second = _two_holders(cluster)
+    reader = cluster.connect("reader")
+    frozen = None
+    try:
+        serving, _ = _holder_that_serves(cluster, reader, first, second)
+        frozen = serving
+        os.kill(frozen.pid, signal.SIGSTOP)
+        during = _timed_gets(reader, 1)
+        wait_for(lambda: cluster.node_id_of(frozen) not in cluster.alive_nodes(), 10, "the frozen node to be dead")
+        time.sleep(0.5)  # one refresh of the reader's view of the alive set
+        later = _timed_gets(reader, 3)
+        print(f"worst get while the serving holder is SIGSTOPped: {max(during) * 1e3:.1f} ms; "
+              f"after it was declared dead: {max(later) * 1e3:.1f} ms")
+        assert max(later) < reader.config.node.pull_timeout_s
+        assert max(during) <= reader.config.node.pull_timeout_s + 2.0  # at most one deadline
+    finally:
+        if frozen is not None:
+            os.kill(frozen.pid, signal.SIGCONT)
+        reader.close()
+
+
+def test_restarting_a_holder_never_breaks_same_host_readers(cluster: Cluster) -> None:
+    """kill -9 a holder whose cxl arena a reader maps, start it again under the same name:
+    the reader neither crashes nor returns wrong bytes, and reads the new arena once it is up."""
+    cluster.start_master()
+    writer = cluster.start_actor("writer", "holder", "--keys", str(KEYS), "--dram", "0")
+    reader = cluster.connect("reader")
+    try:
+        _timed_gets(reader, 1)
+        assert reader.stats()["remote"]["hits_same_host"] == KEYS  # read in place from its arena
+        for round_ in range(3):
+            writer.kill()
+            for i in range(KEYS):  # while it is down: a miss or the exact bytes, nothing else
+                got = reader.get(key_of(i))
+                assert got is None or np.array_equal(got, content(i))
+            writer = cluster.start_actor("writer", "holder", "--keys", str(KEYS), "--dram", "0")
+            wait_for(lambda: all(reader.get(key_of(i)) is not None for i in range(KEYS)), 15,
+                     f"reads from the restarted holder (round {round_})")
+            _timed_gets(reader, 1)
+    finally:
+        reader.close()
