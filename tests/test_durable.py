@@ -1,0 +1,163 @@
+"""Durable puts over real processes: storage nodes only, nvme, re-replication, restarts,
+clean departures and malformed master addresses. Every process is stopped at the end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvpool
+from kvpool import errors
+from kvpool.master_client import MasterClient
+from tests.cluster_actor import content, key_of
+from tests.conftest import REPO_ROOT, wait_for
+from tests.test_cluster import HEARTBEAT_MS, Cluster
+
+pytestmark = pytest.mark.timeout(180)
+
+FORGET_S = 1.5
+KEYS = 3
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, spawn_python) -> Cluster:
+    cluster = Cluster(tmp_path, spawn_python)
+    try:
+        yield cluster
+    finally:
+        cluster.client.close()
+
+
+def start_master(cluster: Cluster):
+    cluster.master = cluster.spawn(
+        ["-m", "kvpool.daemon", "--role", "master", "--master.listen", cluster.master_address,
+         "--master.heartbeat_ms", str(HEARTBEAT_MS), "--master.dead_after_missed", "3",
+         "--master.forget_nodes_after_s", str(FORGET_S)],
+        log_path=cluster.tmp_path / "master.log",
+        ready=lambda: cluster.client.ping(timeout_s=0.5), timeout_s=30)
+    return cluster.master
+
+
+def node_id_from_log(child) -> str:
+    """The id a storage node logged when it registered (8 hex characters)."""
+    for line in child.output().splitlines():
+        if "registered with master" in line:
+            return line.split("node ", 1)[1].split()[0]
+    raise AssertionError("node did not log its registration")
+
+
+def storage_holders(cluster: Cluster, key: bytes) -> dict[str, str]:
+    """node id -> tier of each holder of ``key`` that is a storage node."""
+    nodes = cluster.client.stats()["nodes"]
+    located = cluster.client.locate(key, lease=False).replicas[0] or []
+    return {r["node_id"]: r["tier"] for r in located if nodes[r["node_id"]]["role"] == "storage"}
+
+
+def test_durable_copies_survive_writer_and_holder_loss_and_full_restart(cluster: Cluster) -> None:
+    master = start_master(cluster)
+    store_a = cluster.start_node("store-a")
+    store_b = cluster.start_node("store-b")
+    bystander = cluster.connect("bystander")  # an inference client: never a durable target
+    try:
+        wait_for(lambda: len(cluster.alive_nodes()) == 3, 10, "nodes to register")
+        writer = cluster.start_actor("writer", "writer", "--keys", str(KEYS), "--durable", "--replicas", "2")
+        writer_id = cluster.node_id_of(writer)
+        a_id, b_id = (next(n for n in cluster.alive_nodes() if n.startswith(node_id_from_log(s)))
+                      for s in (store_a, store_b))
+        for i in range(KEYS):  # committed before put returned: two copies, both in nvme
+            assert storage_holders(cluster, key_of(i)) == {a_id: "nvme", b_id: "nvme"}
+            holders = {r["node_id"] for r in cluster.client.locate(key_of(i), lease=False).replicas[0]}
+            assert bystander.node_id not in holders and writer_id in holders
+        assert cluster.client.stats()["durable_keys"] == KEYS
+
+        # A third storage node joins; the writer and one holder are killed (no goodbye).
+        store_c = cluster.start_node("store-c")
+        wait_for(lambda: len(cluster.alive_nodes()) == 5, 10, "third storage node to register")
+        c_id = next(n for n in cluster.alive_nodes() if n.startswith(node_id_from_log(store_c)))
+        writer.kill()
+        store_a.kill()
+        killed = time.monotonic()
+        wait_for(lambda: all(storage_holders(cluster, key_of(i)) == {b_id: "nvme", c_id: "nvme"}
+                             for i in range(KEYS)), 15, "the master to re-replicate onto the third node",
+                 interval_s=0.05)
+        restored_s = time.monotonic() - killed
+        assert "re-replication: " in master.output()
+        got = bystander.get(key_of(0))
+        np.testing.assert_array_equal(got, content(0))
+
+        # Every holder dies; storage nodes restart from their data dirs: nvme brings the keys back.
+        store_b.kill()
+        store_c.kill()
+        wait_for(lambda: cluster.client.lookup([key_of(0)]) == 0, 5, "holders declared dead")
+        cluster.start_node("store-b")
+        cluster.start_node("store-c")
+        wait_for(lambda: cluster.client.lookup([key_of(i) for i in range(KEYS)]) == KEYS, 10,
+                 "durable keys registered again")
+        for i in range(KEYS):
+            np.testing.assert_array_equal(bystander.get(key_of(i)), content(i))  # bit-exact
+        print(f"re-replication restored the count {restored_s:.2f} s after kill -9 "
+              f"(heartbeat {HEARTBEAT_MS} ms x 3 to detect)")
+    finally:
+        bystander.close()
+
+
+def test_replicas_are_checked_before_anything_is_copied_and_a_clean_close_is_a_departure(
+        cluster: Cluster) -> None:
+    master = start_master(cluster)
+    cluster.start_node("store-a")
+    cluster.start_node("store-b")
+    pool = cluster.connect("client")
+    node_id = pool.node_id
+    try:
+        wait_for(lambda: len(cluster.alive_nodes()) == 3, 10, "nodes to register")
+        before = cluster.client.stats()
+        with pytest.raises(errors.NotEnoughReplicasError, match="only 2 storage nodes"):
+            pool.put(b"too-many", content(1), durable=True, replicas=3)
+        with pytest.raises(errors.InvalidArgumentError):
+            pool.put(b"zero", content(1), durable=True, replicas=0)
+        after = cluster.client.stats()
+        assert not cluster.client.exists_many([b"too-many", b"zero"]) == [True, True]
+        assert cluster.client.exists_many([b"too-many", b"zero"]) == [False, False]
+        assert (after["replicas"], after["reservations"]) == (before["replicas"], before["reservations"])
+        assert after["counters"]["commits"] == before["counters"]["commits"]
+        assert pool.get(b"too-many") is None  # not even the local copy
+
+        pool.put(b"ok", content(2), durable=True, replicas=2)
+        assert len(storage_holders(cluster, b"ok")) == 2
+    finally:
+        pool.close()
+    assert cluster.client.stats()["nodes"][node_id]["state"] == "left"  # at once, not after missed beats
+    wait_for(lambda: node_id not in cluster.client.stats()["nodes"], FORGET_S + 3, "departed row to expire")
+    log = master.output()
+    assert f"node {node_id[:8]} " in log and "left:" in log
+    assert "declared dead" not in log
+    for line in log.splitlines():
+        assert '"worker"' not in line and '{"ucx"' not in line, line  # no raw address blob
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kvpool.connect("localhost:7700"),
+    lambda: kvpool.connect("127.0.0.1:7700"),
+    lambda: MasterClient("127.0.0.1:7700"),
+    lambda: MasterClient(config=kvpool.Config.load({"master": {"listen": "tcp://127.0.0.1:99999"}})),
+], ids=["connect-localhost", "connect-no-scheme", "master-client", "config-port"])
+def test_malformed_master_address_is_a_config_error_within_a_second(make) -> None:
+    started = time.monotonic()
+    with pytest.raises(errors.ConfigError, match="tcp://HOST:PORT"):
+        make()
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "kvpool.daemon", "--role", "node", "--master.listen", "127.0.0.1:7700"],
+    ["-m", "kvpool.master", "--listen", "localhost:7700"],
+])
+def test_malformed_master_address_stops_the_daemon_at_once(argv: list[str]) -> None:
+    done = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
+    assert done.returncode == 2
+    assert "tcp://HOST:PORT" in done.stdout + done.stderr
