@@ -240,6 +240,8 @@ class CxlTier(ArenaTier):
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  latency_ns: float = 0.0, bandwidth_gbps: float = 0.0, prefault: bool = True) -> None:
+        collect_stale_arenas(Path(path).parent)  # a dead owner's arena must not count as used
+        capacity_bytes = _fit_to_filesystem(Path(path), capacity_bytes)
         super().__init__(capacity_bytes, alignment=ALIGNMENT)
         self.model = AccessModel(latency_ns, bandwidth_gbps)
         self.path = Path(path)
@@ -248,7 +250,6 @@ class CxlTier(ArenaTier):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise errors.TierError(f"cxl: cannot create the directory of {self.path}: {exc}") from exc
-        collect_stale_arenas(self.path.parent)
         path_fd = self._open_and_lock(self.path)  # held until the new file has replaced the old
         self._fd = -1
         self._mmap: mmap.mmap | None = None
@@ -665,6 +666,36 @@ class CxlArenaReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_MIN_ARENA_BYTES = 1 << 20
+
+
+def _fit_to_filesystem(path: Path, capacity_bytes: int) -> int:
+    """The arena capacity the filesystem under ``path`` can really hold (full = less capacity).
+
+    A ``/dev/shm`` smaller than the configured capacity lowers it, with one
+    warning naming the directory; CapacityError when not even 1 MiB fits.
+    """
+    try:
+        fs = os.statvfs(path.parent)
+    except OSError:
+        return capacity_bytes  # the directory does not exist yet: sized (and checked) at creation
+    if not fs.f_blocks:
+        return capacity_bytes  # a filesystem that reports no size
+    available = fs.f_bavail * fs.f_frsize
+    index_nbytes = 64 + 64 * slot_count_for(capacity_bytes)
+    overhead = DATA_OFFSET + index_nbytes
+    if capacity_bytes + overhead <= available:
+        return capacity_bytes
+    fitted = (available - overhead) // ALIGNMENT * ALIGNMENT
+    if fitted < _MIN_ARENA_BYTES:
+        raise errors.CapacityError(
+            f"cxl: arena {path} needs {capacity_bytes + overhead} bytes, its filesystem has {available} free "
+            f"(lower tiers.cxl.capacity or enlarge {path.parent})")
+    log.warning("cxl: %s has only %d bytes free; arena capacity lowered from %d to %d bytes",
+                path.parent, available, capacity_bytes, fitted)
+    return fitted
 
 
 # -- stale arenas -------------------------------------------------------------------------

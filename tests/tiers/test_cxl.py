@@ -286,12 +286,40 @@ def test_stale_arena_of_a_killed_owner_is_detected_and_reused(arena_path: Path) 
         tier.close()
 
 
-def test_arena_too_large_for_shm_fails_at_start(arena_path: Path) -> None:
-    fs = os.statvfs(arena_path.parent)
-    too_big = 2 * fs.f_blocks * fs.f_frsize + (1 << 30)
+@pytest.fixture
+def tiny_shm(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MiB tmpfs (root only), unmounted afterwards."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(tiny)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield tiny
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], capture_output=True)
+
+
+def test_arena_larger_than_its_filesystem_is_lowered_to_what_fits(tiny_shm: Path, caplog) -> None:
+    tier = CxlTier(tiny_shm / "kvpool-tiny-cxl", 64 << 20)
+    try:
+        assert 1 << 20 <= tier.capacity_bytes < 4 << 20
+        assert "capacity lowered" in caplog.text and str(tiny_shm) in caplog.text
+        arr, header, payload = make_object(layers=4, tokens=64, seed=5)
+        extent = store(tier, header, payload)  # the lowered arena really holds objects
+        out = np.empty_like(arr)
+        tier.read_layers(extent, header, LayerRange(0, 4), byte_view(out))
+        np.testing.assert_array_equal(out, arr)
+    finally:
+        tier.close()
+
+
+def test_arena_that_cannot_fit_at_all_fails_at_start(tiny_shm: Path) -> None:
+    filler = tiny_shm / "filler"
+    filler.write_bytes(b"\0" * (3584 << 10))  # leaves well under 1 MiB
     with pytest.raises(errors.CapacityError):
-        CxlTier(arena_path, too_big)
-    assert not arena_path.exists()
+        CxlTier(tiny_shm / "kvpool-tiny-cxl", 64 << 20)
+    assert not (tiny_shm / "kvpool-tiny-cxl").exists()
 
 
 def test_from_config_names_the_arena_after_the_pool() -> None:
