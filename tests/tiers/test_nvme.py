@@ -63,8 +63,14 @@ def read_all(tier: NvmeTier, extent: Extent, header: ObjectHeader) -> np.ndarray
     return out
 
 
-def put(tier: NvmeTier, key: bytes, seed: int, **shape: int) -> tuple[Extent, np.ndarray]:
+def keyed_object(key: bytes, seed: int = 0, **shape: int) -> tuple[np.ndarray, ObjectHeader, memoryview]:
+    """make_object, with a header naming ``key`` (commit checks the header's key digest)."""
     arr, header, payload = make_object(seed=seed, **shape)
+    return arr, ObjectHeader.for_key(key, header.spec, header.layer_checksums), payload
+
+
+def put(tier: NvmeTier, key: bytes, seed: int, **shape: int) -> tuple[Extent, np.ndarray]:
+    arr, header, payload = keyed_object(key, seed=seed, **shape)
     extent = store(tier, header, payload)
     tier.commit(key, extent, header)
     return extent, arr
@@ -217,7 +223,7 @@ def test_space_is_rebuilt_from_the_index_and_reused_after_reopen(disk_dir: Path)
         _, header, _ = make_object(layers=4, tokens=256)
         keys = []
         while (extent := tier.allocate(header.spec.total_nbytes)) is not None:
-            _, h, p = make_object(layers=4, tokens=256, seed=len(keys))
+            _, h, p = keyed_object(b"k%d" % len(keys), layers=4, tokens=256, seed=len(keys))
             tier.write_object(extent, h, p)
             tier.commit(b"k%d" % len(keys), extent, h)
             keys.append(b"k%d" % len(keys))
@@ -235,7 +241,7 @@ def test_space_is_rebuilt_from_the_index_and_reused_after_reopen(disk_dir: Path)
         tier.free(victim)
         reused = tier.allocate(header.spec.total_nbytes)
         assert reused is not None and (reused.segment, reused.offset) == (victim.segment, victim.offset)
-        arr, h, p = make_object(layers=4, tokens=256, seed=1000)
+        arr, h, p = keyed_object(b"new", layers=4, tokens=256, seed=1000)
         tier.write_object(reused, h, p)
         tier.commit(b"new", reused, h)
     finally:
@@ -272,7 +278,7 @@ def test_bad_index_records_are_dropped_and_logged(disk_dir: Path, caplog: pytest
     tier = NvmeTier(disk_dir, 4 * MiB)
     try:
         good, arr = put(tier, b"good", seed=1)
-        _, header, _ = make_object(seed=1)
+        _, header, _ = keyed_object(b"good", seed=1)
     finally:
         tier.close()
     env = lmdb.open(str(disk_dir / INDEX_DIR), max_dbs=2, subdir=True)
@@ -292,6 +298,7 @@ def test_bad_index_records_are_dropped_and_logged(disk_dir: Path, caplog: pytest
         assert tier.stats()["dropped_records"] == 4
         assert tier.used_bytes == tier.allocated_size(good.nbytes)
         assert sum("dropped index record" in r.message for r in caplog.records) == 4
+        assert "disagree" in tier.stats()["index_rebuilt"]  # then rebuilt from the segments
         np.testing.assert_array_equal(read_all(tier, good, header), arr)
     finally:
         tier.close()
@@ -555,14 +562,15 @@ def _file_size_limit(nbytes: int) -> Iterator[None]:
         signal.signal(signal.SIGXFSZ, previous)
 
 
-def test_file_size_limit_is_disk_full_and_loses_nothing(disk_dir: Path) -> None:
+def test_file_size_limit_is_disk_full_lowers_capacity_and_loses_nothing(
+        disk_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     tier = NvmeTier(disk_dir, 4 * MiB, segment_size=1 * MiB, io_chunk=64 * KiB)
     try:
-        kept, kept_arr = put(tier, b"kept", seed=1, layers=4, tokens=256)  # 128 KiB in segment 0
+        kept, kept_arr = put(tier, b"kept", seed=1, layers=4, tokens=256)  # 256 KiB in segment 0
         kept_header = tier_header(tier, b"kept")
-        used = tier.used_bytes
-        _, header, payload = make_object(seed=2, layers=4, tokens=256)
-        with _file_size_limit(tier.allocated_size(kept.nbytes)):
+        record = tier.allocated_size(kept.nbytes)
+        _, header, payload = keyed_object(b"next", seed=2, layers=4, tokens=256)
+        with _file_size_limit(record), caplog.at_level(logging.WARNING, logger="tiers.nvme"):
             # Space in an existing segment, but the write past the limit fails.
             extent = tier.allocate(header.spec.total_nbytes)
             assert extent is not None and extent.segment == 0
@@ -570,31 +578,108 @@ def test_file_size_limit_is_disk_full_and_loses_nothing(disk_dir: Path) -> None:
                 tier.write_object(extent, header, payload)
             assert isinstance(info.value, OSError) and info.value.errno is not None
             tier.free(extent)  # what the tier manager does with a failed put
-            # A new segment cannot be preallocated: refused at allocation.
-            with pytest.raises(errors.DiskFullError):
-                tier.allocate(900 * KiB)
-            assert not (disk_dir / "seg-00001.kvs").exists()
-            assert tier.used_bytes == used
-            # Still serving what it holds.
+            # Every segment file is capped at the limit: one record's room in each.
+            assert tier.capacity_bytes == 4 * record
+            assert tier.stats()["capacity_bytes"] == 4 * record
+            assert tier.stats()["configured_capacity_bytes"] == 4 * MiB
+            assert str(disk_dir) in tier.stats()["disk_limited"]
+            for i in range(3):  # the lowered capacity is what allocations now get, and they work
+                put(tier, b"more-%d" % i, seed=10 + i, layers=4, tokens=256)
+            assert tier.allocate(header.spec.total_nbytes) is None  # full: the manager evicts
+            assert tier.used_bytes == tier.capacity_bytes
+            warnings = [r for r in caplog.records if "effective capacity lowered" in r.message]
+            assert len(warnings) == 1 and str(disk_dir) in warnings[0].message
             np.testing.assert_array_equal(read_all(tier, kept, kept_header), kept_arr)
-        # With room again, the same puts work.
-        assert tier.allocate(900 * KiB) is not None
-        again, arr = put(tier, b"again", seed=2, layers=4, tokens=256)
-        np.testing.assert_array_equal(read_all(tier, again, tier_header(tier, b"again")), arr)
+    finally:
+        tier.close()
+    tier = NvmeTier(disk_dir, 4 * MiB, segment_size=1 * MiB)  # reopening measures afresh
+    try:
+        assert tier.capacity_bytes == 4 * MiB
+        assert len(list(tier.recover())) == 4
+        put(tier, b"again", seed=2, layers=4, tokens=256)
     finally:
         tier.close()
 
 
-def test_tiny_filesystem_runs_out_of_space(tmp_path: Path) -> None:
-    with _mount(tmp_path, "tmpfs", "size=3m") as mount:
-        tier = NvmeTier(mount / "nvme", 8 * MiB, segment_size=2 * MiB)
+def test_segment_preallocation_past_the_file_size_limit_in_a_child(disk_dir: Path) -> None:
+    """EFBIG while preparing a segment (RLIMIT_FSIZE set in a child process only)."""
+    script = textwrap.dedent("""
+        import resource, signal, sys
+        from kvpool import errors
+        from tests.tiers.test_nvme import keyed_object, MiB
+        from tiers.nvme import NvmeTier
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (768 << 10, resource.RLIM_INFINITY))
+        tier = NvmeTier(sys.argv[1], 4 * MiB, segment_size=1 * MiB, direct_io="off")
+        _, header, payload = keyed_object(b"a", layers=4, tokens=256)
         try:
-            kept, kept_arr = put(tier, b"kept", seed=1, layers=4, tokens=256)
-            with pytest.raises(errors.DiskFullError, match="No space left"):
-                tier.allocate(1900 * KiB)  # segment 0 has no room; segment 1 does not fit the disk
-            assert not (mount / "nvme" / "seg-00001.kvs").exists()  # its partial space was given back
-            np.testing.assert_array_equal(read_all(tier, kept, tier_header(tier, b"kept")), kept_arr)
-            put(tier, b"small", seed=3, layers=4, tokens=64)  # room left in segment 0 is still usable
+            tier.allocate(header.spec.total_nbytes)
+        except errors.DiskFullError:
+            print("disk full", tier.capacity_bytes, flush=True)
+        stored = 0
+        while (extent := tier.allocate(header.spec.total_nbytes)) is not None:
+            key = b"k%d" % stored
+            _, header, payload = keyed_object(key, layers=4, tokens=256)
+            tier.write_object(extent, header, payload)
+            tier.commit(key, extent, header)
+            stored += 1
+        print("stored", stored, flush=True)
+        tier.close()
+    """)
+    result = subprocess.run([sys.executable, "-c", script, str(disk_dir)], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}"
+                                                             f"{os.environ.get('PYTHONPATH', '')}"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split("\n")
+    assert lines[0] == f"disk full {4 * (768 << 10)}"  # each segment file holds 768 KiB
+    assert lines[1] == "stored 8"  # two 260 KiB records per capped segment, no further error
+
+
+def test_tiny_filesystem_runs_out_of_space(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real 8 MiB tmpfs under a 32 MiB tier: DiskFullError once, then a lower capacity that fits."""
+    with _mount(tmp_path, "tmpfs", "size=8m") as mount:
+        directory = mount / "nvme"
+        tier = NvmeTier(directory, 32 * MiB, segment_size=2 * MiB)
+        live: list[tuple[bytes, Extent]] = []
+        arrays: dict[bytes, np.ndarray] = {}
+        failures = 0
+        try:
+            with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+                for seed in range(60):  # ~30 MiB of puts through ~8 MiB of disk
+                    key = b"obj-%d" % seed
+                    arr, header, payload = keyed_object(key, seed=seed, layers=4, tokens=512)  # 512 KiB
+                    while True:
+                        try:
+                            extent = tier.allocate(header.spec.total_nbytes)
+                            if extent is None:  # full: evict the oldest, as the tier manager would
+                                old_key, old = live.pop(0)
+                                tier.forget(old_key, old)
+                                tier.free(old)
+                                arrays.pop(old_key)
+                                continue
+                            tier.write_object(extent, header, payload)
+                        except errors.DiskFullError:
+                            failures += 1
+                            assert failures == 1, "the lowered capacity must fit the filesystem"
+                            continue
+                        tier.commit(key, extent, header)
+                        live.append((key, extent))
+                        arrays[key] = arr
+                        break
+            assert failures == 1
+            assert 2 * MiB <= tier.capacity_bytes < 8 * MiB
+            assert tier.stats()["capacity_bytes"] == tier.capacity_bytes
+            warnings = [r for r in caplog.records if "effective capacity lowered" in r.message]
+            assert len(warnings) == 1 and str(directory) in warnings[0].message
+            assert str(tier.capacity_bytes) in warnings[0].message
+            for key, extent in live:  # nothing stored was damaged
+                np.testing.assert_array_equal(read_all(tier, extent, tier_header(tier, key)), arrays[key])
+        finally:
+            tier.close()
+        tier = NvmeTier(directory, 32 * MiB, segment_size=2 * MiB)
+        try:
+            assert {key for key, _, _ in tier.recover()} == set(arrays)
         finally:
             tier.close()
 
