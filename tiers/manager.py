@@ -230,8 +230,9 @@ class TierManager:
     def _warn_disk_full(self, tier: Tier, exc: BaseException) -> None:
         if tier.name not in self._disk_full_warned:
             self._disk_full_warned.add(tier.name)
-            log.warning("%s: the filesystem is full (%s); capacity lowered to %d bytes, evicting to make room",
-                        tier.name, exc, tier.capacity_bytes)
+            # The tier itself warns once, naming its directory and real capacity.
+            log.info("%s: the filesystem is full (%s); capacity now %d bytes, evicting to make room",
+                     tier.name, exc, tier.capacity_bytes)
 
     @staticmethod
     def _write_new(tier: Tier, extent: Extent, key: bytes, spec: ObjectSpec, payload: memoryview) -> ObjectHeader:
