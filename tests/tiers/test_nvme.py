@@ -304,6 +304,270 @@ def test_bad_index_records_are_dropped_and_logged(disk_dir: Path, caplog: pytest
         tier.close()
 
 
+def _fill(directory: Path, count: int = 8, **kwargs: int) -> dict[bytes, np.ndarray]:
+    """A closed tier holding ``count`` committed objects of mixed sizes over several segments."""
+    tier = NvmeTier(directory, 8 * MiB, segment_size=1 * MiB, **kwargs)
+    arrays = {}
+    try:
+        for seed in range(count):
+            key = b"key-%d" % seed
+            arrays[key] = put(tier, key, seed, layers=4, tokens=64 * (1 + seed % 5))[1]
+    finally:
+        tier.close()
+    return arrays
+
+
+def _check_all(tier: NvmeTier, arrays: dict[bytes, np.ndarray], *, all_back: bool = True) -> None:
+    """Every recovered object is bit-exact (or a checksum miss); with all_back, all of them came back."""
+    recovered = {key: (extent, header) for key, extent, header in tier.recover()}
+    assert set(recovered) <= set(arrays)
+    if all_back:
+        assert set(recovered) == set(arrays)
+    for key, (extent, header) in recovered.items():
+        try:
+            np.testing.assert_array_equal(read_all(tier, extent, header), arrays[key])
+        except errors.ChecksumError:
+            assert not all_back
+
+
+def test_deleted_index_is_rebuilt_from_the_segments_bit_exact(disk_dir: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    arrays = _fill(disk_dir)
+    shutil.rmtree(disk_dir / INDEX_DIR)
+    with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+        tier = NvmeTier(disk_dir, 8 * MiB, segment_size=1 * MiB)
+    try:
+        _check_all(tier, arrays)
+        assert tier.stats()["recovered_objects"] == len(arrays) == tier.stats()["indexed_objects"]
+        assert "missing" in tier.stats()["index_rebuilt"]
+        assert any(str(disk_dir / INDEX_DIR) in r.message for r in caplog.records)
+        [counts] = [r.message for r in caplog.records if "index rebuilt" in r.message]
+        assert f"recovered {len(arrays)} objects, dropped 0 records" in counts
+        put(tier, b"after", seed=50)  # the rebuilt allocator knows what is taken
+    finally:
+        tier.close()
+    tier = NvmeTier(disk_dir, 8 * MiB, segment_size=1 * MiB)  # and the rebuilt index is used as is
+    try:
+        assert tier.stats()["index_rebuilt"] == ""
+        assert len(list(tier.recover())) == len(arrays) + 1
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage-file", "garbage-data", "empty-data", "truncated", "no-data"])
+def test_unusable_index_is_moved_aside_and_rebuilt(disk_dir: Path, damage: str,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    arrays = _fill(disk_dir, count=5)
+    index = disk_dir / INDEX_DIR
+    data = index / "data.mdb"
+    if damage == "garbage-file":
+        shutil.rmtree(index)
+        index.write_bytes(os.urandom(10_000))
+    elif damage == "garbage-data":
+        data.write_bytes(os.urandom(data.stat().st_size))
+    elif damage == "empty-data":
+        data.write_bytes(b"")
+    elif damage == "truncated":
+        # LMDB's map is larger than the file: reading the lost pages would be SIGBUS, not an error.
+        os.truncate(data, data.stat().st_size // 2)
+    else:
+        data.unlink()
+    with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+        tier = NvmeTier(disk_dir, 8 * MiB, segment_size=1 * MiB)
+    try:
+        _check_all(tier, arrays)
+        assert tier.stats()["index_rebuilt"]
+        assert (disk_dir / "index.corrupt").exists()
+        assert any(str(index) in r.message and r.levelno == logging.WARNING for r in caplog.records)
+    finally:
+        tier.close()
+
+
+def _flip_trial(directory: str, seed: int) -> None:
+    """Child: flip random bytes of the LMDB file, open, read everything (exit code tells)."""
+    import random as random_module
+
+    arrays = {b"key-%d" % s: put_args_array(s) for s in range(8)}
+    rnd = random_module.Random(seed)
+    data = Path(directory) / INDEX_DIR / "data.mdb"
+    blob = bytearray(data.read_bytes())
+    for _ in range(rnd.choice([1, 2, 4, 16, 64])):
+        # Half the flips land in the pages LMDB uses most (metas, roots), half anywhere.
+        at = rnd.randrange(3 * 4096 if rnd.random() < 0.5 else len(blob)) % len(blob)
+        blob[at] ^= 1 << rnd.randrange(8)
+    if rnd.random() < 0.2:  # and sometimes the file is cut short too
+        del blob[rnd.randrange(len(blob)):]
+    data.write_bytes(bytes(blob))
+    tier = NvmeTier(directory, 8 * MiB, segment_size=1 * MiB)
+    try:
+        _check_all(tier, arrays)
+    finally:
+        tier.close()
+
+
+def put_args_array(seed: int) -> np.ndarray:
+    return make_object(seed=seed, layers=4, tokens=64 * (1 + seed % 5))[0]
+
+
+def test_random_flips_in_the_lmdb_file_never_crash_and_lose_nothing(tmp_path: Path) -> None:
+    """Seeded byte flips in data.mdb; each trial opens in a child so a SIGBUS would show, not kill pytest."""
+    template = tmp_path / "template"
+    _fill(template)
+    script = textwrap.dedent("""
+        import sys
+        from tests.tiers.test_nvme import _flip_trial
+        for arg in sys.argv[2:]:
+            directory = f"{sys.argv[1]}/{arg}"
+            _flip_trial(directory, int(arg))
+            print("ok", arg, flush=True)
+    """)
+    trials = [str(seed) for seed in range(20)]
+    for seed in trials:
+        shutil.copytree(template, tmp_path / seed)
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path), *trials], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}"
+                                                             f"{os.environ.get('PYTHONPATH', '')}"})
+    assert result.returncode == 0, (result.returncode, result.stdout[-500:], result.stderr[-3000:])
+    assert result.stdout.split() == [w for seed in trials for w in ("ok", seed)]
+
+
+def test_forgotten_key_does_not_come_back_from_a_rescan(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        gone, _ = put(tier, b"gone", seed=1)
+        kept, arr = put(tier, b"kept", seed=2)
+        tier.forget(b"gone", gone)
+        tier.free(gone)
+    finally:
+        tier.close()
+    shutil.rmtree(disk_dir / INDEX_DIR)
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        assert [key for key, _, _ in tier.recover()] == [b"kept"]
+        assert tier.used_bytes == tier.allocated_size(kept.nbytes)
+        np.testing.assert_array_equal(read_all(tier, kept, tier_header(tier, b"kept")), arr)
+    finally:
+        tier.close()
+
+
+def test_newest_generation_wins_in_a_rescan(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        # Two live records of one key on disk (as a crash between the new
+        # record's commit and the old one's tombstone would leave them).
+        old, _ = put(tier, b"k", seed=1)
+        saved = bytearray(ALIGN)
+        with open(disk_dir / "seg-00000.kvs", "rb") as f:
+            f.seek(old.offset - ALIGN)
+            saved[:] = f.read(ALIGN)
+        new, arr = put(tier, b"k", seed=2)
+        with open(disk_dir / "seg-00000.kvs", "r+b") as f:  # undo the tombstone commit wrote
+            f.seek(old.offset - ALIGN)
+            f.write(saved)
+    finally:
+        tier.close()
+    shutil.rmtree(disk_dir / INDEX_DIR)
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        [(key, extent, header)] = list(tier.recover())
+        assert (key, extent) == (b"k", new)
+        np.testing.assert_array_equal(read_all(tier, extent, header), arr)
+        assert tier.stats()["dropped_records"] == 1  # the superseded record, now tombstoned
+    finally:
+        tier.close()
+    shutil.rmtree(disk_dir / INDEX_DIR)
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        assert [key for key, _, _ in tier.recover()] == [b"k"]
+        assert tier.stats()["dropped_records"] == 0  # the loser stays dead
+    finally:
+        tier.close()
+
+
+def test_torn_write_is_absent_after_a_rescan(disk_dir: Path) -> None:
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        kept, arr = put(tier, b"kept", seed=1)
+        torn, _ = put(tier, b"torn", seed=2, layers=4, tokens=256)
+        _, header, payload = keyed_object(b"uncommitted", seed=3)
+        store(tier, header, payload)  # written, never committed
+    finally:
+        tier.close()
+    with open(disk_dir / "seg-00000.kvs", "r+b") as f:  # the tail of "torn" never reached the disk
+        f.seek(torn.offset + torn.nbytes - 5000)
+        f.write(bytes(5000))
+    shutil.rmtree(disk_dir / INDEX_DIR)
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        assert [key for key, _, _ in tier.recover()] == [b"kept"]
+        assert tier.stats()["dropped_records"] == 1
+        np.testing.assert_array_equal(read_all(tier, kept, tier_header(tier, b"kept")), arr)
+    finally:
+        tier.close()
+
+
+def test_index_record_disagreeing_with_its_segment_triggers_a_rescan(disk_dir: Path) -> None:
+    arrays = _fill(disk_dir, count=4)
+    env = lmdb.open(str(disk_dir / INDEX_DIR), max_dbs=2, subdir=True)
+    try:
+        db = env.open_db(b"objects")
+        with env.begin(write=True, db=db) as txn:  # a key flipped in the index: the record is lost under it
+            raw = txn.pop(b"key-2")
+            txn.put(b"kez-2", raw)
+    finally:
+        env.close()
+    tier = NvmeTier(disk_dir, 8 * MiB, segment_size=1 * MiB)
+    try:
+        _check_all(tier, arrays)  # key-2 came back under its real key, from its record prefix
+        assert "disagree" in tier.stats()["index_rebuilt"]
+    finally:
+        tier.close()
+
+
+def test_segment_truncated_under_a_running_tier_is_a_miss(disk_dir: Path) -> None:
+    from kvpool.pool import Pool
+
+    config = {"pool": {"data_dir": str(disk_dir / "data")},
+              "tiers": {"hbm": {"capacity": 0}, "dram": {"capacity": 0}, "cxl": {"capacity": 0},
+                        "nvme": {"capacity": "4MiB", "segment_size": "4MiB", "path": str(disk_dir)}}}
+    try:
+        pool = Pool(config)
+    except errors.ConfigError as exc:  # pragma: no cover - the config schema moved
+        pytest.skip(f"cannot build an nvme-only pool here: {exc}")
+    try:
+        arr = put_args_array(3)
+        pool.put(b"k", arr)
+        os.truncate(disk_dir / "seg-00000.kvs", 3 * ALIGN)  # cut inside the record
+        tier = pool._manager.tiers[-1]
+        [(_, extent, header)] = [(k, e, h) for k, t, e, h in pool._manager.snapshot()]
+        with pytest.raises(errors.ChecksumError):
+            read_all(tier, extent, header)
+        with pytest.raises(errors.ChecksumError):
+            tier.read_into(extent, 0, bytearray(extent.nbytes))
+        assert pool.get(b"k") is None  # a miss, not an exception
+        assert pool.get(b"k") is None  # and it stays one
+    finally:
+        pool.close()
+
+
+def test_files_are_private(disk_dir: Path) -> None:
+    import stat as stat_module
+
+    tier = NvmeTier(disk_dir, 4 * MiB)
+    try:
+        put(tier, b"k", seed=1)
+    finally:
+        tier.close()
+    assert stat_module.S_IMODE(os.stat(disk_dir).st_mode) == 0o700
+    assert stat_module.S_IMODE(os.stat(disk_dir / INDEX_DIR).st_mode) == 0o700
+    for name in ("LOCK", "seg-00000.kvs", f"{INDEX_DIR}/data.mdb"):
+        assert stat_module.S_IMODE(os.stat(disk_dir / name).st_mode) == 0o600, name
+    os.chmod(disk_dir / "seg-00000.kvs", 0o644)  # left by an older build: tightened at open
+    NvmeTier(disk_dir, 4 * MiB).close()
+    assert stat_module.S_IMODE(os.stat(disk_dir / "seg-00000.kvs").st_mode) == 0o600
+
+
 def test_other_segment_size_on_an_existing_directory_is_refused(disk_dir: Path) -> None:
     NvmeTier(disk_dir, 4 * MiB, segment_size=1 * MiB).close()
     with pytest.raises(errors.TierError, match="segment_size=1048576"):
