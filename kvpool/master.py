@@ -1009,11 +1009,21 @@ class MasterState:
         }
 
 
+_ADDRESS_BLOB_RE = re.compile(r"'?\{\"ucx\".*?\}'?\}?'?")
+
+
+def loggable(message: str, limit: int = 300) -> str:
+    """``message`` without node address blobs (JSON with a base64 worker address), at most ``limit`` chars."""
+    message = _ADDRESS_BLOB_RE.sub("<node address>", message)
+    return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
 def control_request(context: zmq.Context, control: str, op: str, body: Mapping[str, Any], timeout_s: float,
-                    stop: threading.Event) -> Any:
+                    stop: threading.Event, abort: Callable[[], bool] = lambda: False) -> Any:
     """One request to a node's control socket; raises KVTimeoutError / the node's error (as KVPoolError).
 
-    Waits in short slices so a stopping master is never held up by a slow node.
+    Waits in short slices so a stopping master (``stop``) or a target known to be
+    gone (``abort()``) never holds a worker for the whole deadline.
     """
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -1024,6 +1034,8 @@ def control_request(context: zmq.Context, control: str, op: str, body: Mapping[s
         while not sock.poll(100):
             if stop.is_set():
                 raise errors.KVTimeoutError(f"{op}: the master is stopping")
+            if abort():
+                raise errors.UnknownNodeError(f"{op}: the target left or was declared dead")
             if time.monotonic() >= deadline:
                 raise errors.KVTimeoutError(f"{op}: no answer within {timeout_s:.3g} s")
         status, reply = msgpack.unpackb(sock.recv(), raw=False)
@@ -1059,6 +1071,8 @@ class Rereplicator:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.in_flight = 0
+        # Targets no longer alive, so a worker waiting on one gives up (replaced, never mutated).
+        self._gone: frozenset[str] = frozenset()
 
     def round(self, now: float) -> None:
         state = self.state
@@ -1075,10 +1089,15 @@ class Rereplicator:
                 done += 1
             else:
                 failed += 1
-                last_error = f"{task.key.hex()[:16]} -> {task.target_label}: {error}"
+                last_error = f"{task.key.hex()[:16]} -> {task.target_label}: {loggable(error)}"
+        if self.in_flight:
+            self._gone = frozenset(nid for nid, n in state.nodes.items() if not n.alive)
         started: list[RereplicationTask] = []
         lost = waiting = 0
-        if self.rate > 0 and state.to_check:
+        # Just after a (re)start, nodes are still re-registering what they hold: copies
+        # counted short now may only be unregistered yet.
+        settled = now - state.started >= state.dead_after_s
+        if self.rate > 0 and state.to_check and settled:
             self._tokens = min(self._burst, self._tokens + (now - self._refilled) * self.rate)
             self._refilled = now
             limit = min(int(self._tokens), REREPLICATE_MAX_IN_FLIGHT - self.in_flight)
@@ -1119,7 +1138,7 @@ class Rereplicator:
                 control_request(self._context, task.target_control, "replicate", {
                     "key": task.key, "header": task.header, "source": task.source_address,
                     "reservation": task.reservation, "replicas": task.replicas, "persistent": True,
-                }, self.timeout_s, self._stop)
+                }, self.timeout_s, self._stop, lambda: task.target_id in self._gone)
             except Exception as exc:  # reported on the serving thread; retried with backoff
                 error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, errors.KVPoolError) else str(exc)
             self._done.put((task, error))
