@@ -120,3 +120,51 @@ def test_restarting_a_holder_never_breaks_same_host_readers(cluster: Cluster) ->
             _timed_gets(reader, 1)
     finally:
         reader.close()
+
+
+# -- a disk smaller than the configured nvme capacity ------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 8 MiB filesystem (tmpfs; root only), unmounted afterwards."""
+    import subprocess
+
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_is_capacity_and_the_newest_objects_survive(small_disk: Path, tmp_path: Path, caplog) -> None:
+    import logging
+
+    import kvpool
+    from tests.pool_configs import small_config
+
+    config = small_config(tmp_path, ("dram", "nvme"), dram=1 << 20, nvme=64 << 20)
+    config.tiers.nvme.path = str(small_disk / "nvme")
+    config.tiers.nvme.segment_size = 2 << 20
+    pool = kvpool.Pool(config)
+    objects = {b"obj-%03d" % i: np.random.default_rng(i).standard_normal((4, 2, 128, 2, 64)).astype(np.float16)
+               for i in range(48)}  # 256 KiB each: 12 MiB in all, for 1 MiB of dram + an 8 MiB disk
+    try:
+        with caplog.at_level(logging.WARNING):
+            for key, arr in objects.items():
+                pool.put(key, arr)  # never DiskFullError: the full disk is capacity
+        got = {key: pool.get(key) for key in objects}
+        for key, arr in got.items():
+            assert arr is None or np.array_equal(arr, objects[key])
+        survivors = [i for i, key in enumerate(objects) if got[key] is not None]
+        assert len(survivors) >= 20  # most of what the disk and dram hold
+        assert survivors == list(range(48 - len(survivors), 48))  # the newest, not the oldest
+        warnings = [r for r in caplog.records if "full" in r.getMessage() and r.levelno == logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert str(small_disk) in warnings[0].getMessage() or "nvme" in warnings[0].getMessage()
+    finally:
+        pool.close()
