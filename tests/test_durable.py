@@ -33,12 +33,12 @@ def cluster(tmp_path: Path, spawn_python) -> Cluster:
         cluster.client.close()
 
 
-def start_master(cluster: Cluster):
+def start_master(cluster: Cluster, log_name: str = "master.log"):
     cluster.master = cluster.spawn(
         ["-m", "kvpool.daemon", "--role", "master", "--master.listen", cluster.master_address,
          "--master.heartbeat_ms", str(HEARTBEAT_MS), "--master.dead_after_missed", "3",
          "--master.forget_nodes_after_s", str(FORGET_S)],
-        log_path=cluster.tmp_path / "master.log",
+        log_path=cluster.tmp_path / log_name,
         ready=lambda: cluster.client.ping(timeout_s=0.5), timeout_s=30)
     return cluster.master
 
@@ -100,6 +100,11 @@ def test_durable_copies_survive_writer_and_holder_loss_and_full_restart(cluster:
                  "durable keys registered again")
         for i in range(KEYS):
             np.testing.assert_array_equal(bystander.get(key_of(i)), content(i))  # bit-exact
+
+        # A master restart: the storage nodes' records say which keys are durable.
+        master.kill()
+        start_master(cluster, "master-2.log")
+        wait_for(lambda: cluster.client.stats()["durable_keys"] == KEYS, 10, "durability known again")
         print(f"re-replication restored the count {restored_s:.2f} s after kill -9 "
               f"(heartbeat {HEARTBEAT_MS} ms x 3 to detect)")
     finally:
