@@ -564,6 +564,8 @@ class MasterState:
                 [nid for nid in replicas if "header" in replicas[nid]]
             if not sources:  # records without a header cannot be verified by a copier
                 del check[key]
+                if not in_flight:
+                    del self.rereplicating[key]
                 lost += 1
                 continue
             source_id = random.choice(sources)
@@ -616,9 +618,10 @@ class MasterState:
             res = self.reservations.pop(task.reservation, None)
             if res is not None:
                 self._release_reservation(res)
-            attempts = self._attempts[task.key] = self._attempts.get(task.key, 0) + 1
-            low, high = REREPLICATE_BACKOFF_S
-            delay = min(high, low * 2 ** (attempts - 1))
+            if task.key in self.durable:
+                attempts = self._attempts[task.key] = self._attempts.get(task.key, 0) + 1
+                low, high = REREPLICATE_BACKOFF_S
+                delay = min(high, low * 2 ** (attempts - 1))
         if task.key in self.durable:  # look again: more copies may be short, or this one failed
             self.to_check[task.key] = max(self.to_check.get(task.key, 0.0), now + delay)
 
@@ -1065,7 +1068,7 @@ class Rereplicator:
         self._context = context
         self._tokens = max(1.0, self.rate)
         self._burst = max(1.0, self.rate)
-        self._refilled = time.monotonic()
+        self._refilled = state.clock()
         self._todo: queue.SimpleQueue[RereplicationTask | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple[RereplicationTask, str | None]] = queue.SimpleQueue()
         self._stop = threading.Event()

@@ -726,3 +726,37 @@ def test_malformed_master_address_is_a_config_error_at_once(address):
     with pytest.raises(errors.ConfigError, match="tcp://HOST:PORT"):
         MasterClient(address or "ipc://", request_timeout_s=0.5)
     assert time.monotonic() - started < 1.0
+
+
+def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():
+    """MasterState + Rereplicator in-process, on a synthetic clock (targets never answer)."""
+    from kvpool.config import MasterSection
+    from kvpool.master import MasterState, Rereplicator
+
+    clock = [1000.0]
+    section = MasterSection(heartbeat_ms=100, rereplicate_per_s=5.0, rereplicate_timeout_s=5.0)
+    state = MasterState(section, clock=lambda: clock[0])
+    keys = new_keys(40)
+    tiers = {"nvme": {"capacity": 1 << 30, "free": 1 << 30}}
+    common = {"host_id": "h", "tiers": tiers, "role": P.ROLE_STORAGE, "persistent_tiers": ["nvme"]}
+    state.handle(P.REGISTER, {**common, "node_id": "source", "address": "tcp://127.0.0.1:1",
+                              "control": "tcp://127.0.0.1:1",
+                              "objects": [{**record("nvme"), "key": k, "header": b"h", "durable": 2} for k in keys]})
+    state.handle(P.REGISTER, {**common, "node_id": "target", "address": "tcp://127.0.0.1:2",
+                              "control": f"tcp://127.0.0.1:{free_tcp_port()}", "objects": []})
+    context = zmq.Context()
+    rereplicator = Rereplicator(state, context, section)
+    try:
+        rereplicator.round(clock[0])  # just started: nodes may still be re-registering
+        assert state.counters["rereplications_started"] == 0
+        clock[0] += 1.0
+        rereplicator.round(clock[0])
+        assert state.counters["rereplications_started"] == 5  # the burst: one second's worth
+        for _ in range(5):  # one more second, in steps: five more copies
+            clock[0] += 0.2
+            rereplicator.round(clock[0])
+        assert state.counters["rereplications_started"] == 10
+        assert state.op_stats({})["nodes"]["target"]["reserved_bytes"] == 10 * SPEC.total_nbytes
+    finally:
+        rereplicator.close()
+        context.destroy(linger=0)
