@@ -67,7 +67,7 @@ def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
         transfer = detail.get("transfer", {})
         counters = detail.get("counters", {})
         moves = "/".join(str(counters.get(c, 0)) for c in ("demotions", "promotions", "evictions"))
-        rows.append([node_id[:12], "alive" if node["alive"] else "dead", f"{address.peer.host}:{address.peer.port}",
+        rows.append([node_id[:12], node.get("state") or ("alive" if node["alive"] else "dead"), f"{address.peer.host}:{address.peer.port}",
                      node["objects"], counters.get("miss_absent", "-"), moves,
                      format_size(transfer.get("bytes_sent", 0)), transfer.get("requests_served", "-"),
                      f"{node['last_seen_s']:.1f} s"])
@@ -181,9 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "gc":
         return cmd_gc(args)
-    address = args.master or Config.load(args.config).master.listen
     commands = {"stats": cmd_stats, "ls": cmd_ls, "get": cmd_get, "rm": cmd_rm}
-    with MasterClient(address, request_timeout_s=args.timeout) as master:
+    try:
+        address = args.master or Config.load(args.config).master.listen
+        master = MasterClient(address, request_timeout_s=args.timeout)
+    except errors.ConfigError as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return 2
+    with master:
         try:
             return commands[args.command](master, args)
         except errors.MasterUnreachableError as exc:

@@ -24,7 +24,7 @@ import queue
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -34,7 +34,7 @@ from kvpool import errors
 from kvpool.config import Config
 from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader
-from kvpool.protocol import REMOVED, ReplicaRecord, replica_record
+from kvpool.protocol import ReplicaRecord, replica_record
 from kvpool.transfer import (PeerAddress, ProviderWouldBlock, PullClient, PullServer, ServeSource,
                              in_inline_provider, local_host_id)
 from tiers.base import Extent, Tier

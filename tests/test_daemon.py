@@ -131,3 +131,11 @@ def test_every_setting_has_a_flag() -> None:
 
     for dotted, _field, _default in iter_settings():
         assert f"--{dotted}" in result.stdout
+
+
+def test_cli_with_a_malformed_master_address_prints_one_line_and_exits_2() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvpool.cli", "--master", "127.0.0.1:7700", "stats"],
+                          capture_output=True, text=True, timeout=30, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tcp://" in lines[0] and "Traceback" not in done.stderr
