@@ -176,6 +176,15 @@ class MetricsSection:
 
 
 @dataclass
+class SecuritySection:
+    auth: bool = _opt(True, "authenticate every process with the cluster key (false is UNSAFE: anyone who can "
+                            "reach a port can read, poison and delete keys)")
+    key_file: str = _opt("", "cluster secret; default $XDG_CONFIG_HOME/kvpool/cluster.key (~/.config/kvpool), "
+                             "created 0600 on first use; copy it to every host (kvpool keygen FILE makes one)")
+    token_ttl_s: float = _opt(30.0, "a pull token issued with a locate is accepted for this long")
+
+
+@dataclass
 class Config:
     pool: PoolSection = field(default_factory=PoolSection)
     tiers: TiersSection = field(default_factory=TiersSection)
@@ -183,6 +192,7 @@ class Config:
     master: MasterSection = field(default_factory=MasterSection)
     node: NodeSection = field(default_factory=NodeSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
 
     # -- loading ------------------------------------------------------------
 
@@ -245,6 +255,8 @@ class Config:
             raise bad("node.location_cache", "must be >= 0")
         if self.node.max_message < 4096:
             raise bad("node.max_message", "must be at least 4096 bytes")
+        if self.security.token_ttl_s <= 0:
+            raise bad("security.token_ttl_s", "must be positive")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -148,3 +148,7 @@ class NotEnoughReplicasError(CapacityError):
 
 class InvalidArgumentError(KVPoolError, ValueError):
     """An argument is out of range (e.g. ``replicas < 1``)."""
+
+
+class AuthenticationError(KVPoolError, PermissionError):
+    """The peer refused this process's credentials (no or another cluster key), or a pull token."""

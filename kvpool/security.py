@@ -1,0 +1,250 @@
+"""The cluster secret and what is derived from it: CURVE keys for ZeroMQ, pull tokens.
+
+Owns the key file (``security.key_file``; default
+``$XDG_CONFIG_HOME/kvpool/cluster.key``, i.e. ``~/.config/kvpool/cluster.key``),
+created 0600 in a 0700 directory by the first kvpool process that needs it,
+and the keys derived from it. It does not own sockets: the master, the node
+control socket and their clients call :meth:`ClusterKey.secure_server` /
+:meth:`ClusterKey.secure_client` on theirs.
+
+Threat model (README "Security"): every process that holds the cluster key is
+trusted; any other local user or network peer is not. The key never travels.
+
+* **ZeroMQ** (master, node control): CURVE (libzmq's Curve25519 + XSalsa20-
+  Poly1305) with key pairs derived from the secret by HMAC-SHA256. A server
+  accepts only clients that prove the derived client key (ZAP through
+  ``zmq.auth``); a client only talks to a server that proves the derived
+  server key. A process with no key or another key cannot complete the
+  handshake: its requests time out, which the client reports as
+  :class:`~kvpool.errors.AuthenticationError`.
+* **Pulls** (UCX): the master issues, with every located replica, a token
+  ``expiry_ms (u64) ‖ HMAC-SHA256(token key, key ‖ node id ‖ expiry_ms)[:16]``;
+  the holder checks it before it sends a byte. Tokens are short-lived
+  (``security.token_ttl_s``) and name one key on one node.
+
+With ``security.auth = false`` (documented as unsafe) nothing is derived and
+every check passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvpool import errors
+
+if TYPE_CHECKING:
+    import zmq
+
+    from kvpool.config import Config
+
+log = logging.getLogger(__name__)
+
+SECRET_NBYTES = 32
+TOKEN_NBYTES = 24  # expiry u64 + 16 bytes of HMAC-SHA256
+_EXPIRY = struct.Struct("<Q")
+_ZAP_DOMAIN = "kvpool"
+
+
+def default_key_file() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "kvpool" / "cluster.key"
+
+
+def keygen(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write a new random cluster secret to ``path`` (mode 0600, parent 0700)."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if overwrite else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise errors.ConfigError(f"{path} already exists (remove it first to make a new cluster key)") from None
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fh.fileno(), 0o600)
+        fh.write(secrets.token_hex(SECRET_NBYTES) + "\n")
+    return path
+
+
+def _read_secret(path: Path) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise errors.ConfigError(f"security.key_file: cannot open {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "r") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise errors.ConfigError(f"security.key_file: {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise errors.ConfigError(
+                f"security.key_file: {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"chmod 600 {path}")
+        text = fh.read(4 * SECRET_NBYTES).strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        raise errors.ConfigError(f"security.key_file: {path} does not hold a kvpool key "
+                                 f"(make one with: kvpool keygen {path})")
+    return secret
+
+
+def load_or_create(path: str | os.PathLike[str] | None) -> bytes:
+    """The secret in ``path`` (default :func:`default_key_file`), created there if absent."""
+    path = Path(path).expanduser() if path else default_key_file()
+    if not path.exists():
+        try:
+            keygen(path)
+            log.info("created cluster key %s (copy it to every host of this cluster)", path)
+        except errors.ConfigError:
+            pass  # another process created it first: read theirs
+    return _read_secret(path)
+
+
+class ClusterKey:
+    """The secret, or nothing (``auth`` off): derives CURVE key pairs and pull tokens."""
+
+    def __init__(self, secret: bytes | None, *, token_ttl_s: float = 30.0) -> None:
+        self.secret = secret
+        self.token_ttl_s = token_ttl_s
+        self._token_key = self._derive(b"pull-token") if secret else b""
+
+    @classmethod
+    def from_config(cls, config: Config) -> ClusterKey:
+        section = config.security
+        if not section.auth:
+            return cls(None, token_ttl_s=section.token_ttl_s)
+        return _cached(section.key_file, section.token_ttl_s)
+
+    @property
+    def enabled(self) -> bool:
+        return self.secret is not None
+
+    def _derive(self, label: bytes) -> bytes:
+        assert self.secret is not None
+        return hmac.new(self.secret, b"kvpool/v1/" + label, hashlib.sha256).digest()
+
+    # -- ZeroMQ CURVE ------------------------------------------------------------------
+
+    def _curve_pair(self, label: bytes) -> tuple[bytes, bytes]:
+        import zmq
+        from zmq.utils import z85
+
+        secret_z85 = z85.encode(self._derive(label))
+        return zmq.curve_public(secret_z85), secret_z85
+
+    def secure_server(self, sock: zmq.Socket[Any]) -> None:
+        """Make ``sock`` (before bind) a CURVE server that admits only holders of this key."""
+        if not self.enabled:
+            return
+        public, secret = self._curve_pair(b"curve-server")
+        _ensure_authenticator(sock.context, self._curve_pair(b"curve-client")[0])
+        sock.zap_domain = _ZAP_DOMAIN.encode()
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+
+    def secure_client(self, sock: zmq.Socket[Any]) -> None:
+        """Make ``sock`` (before connect) a CURVE client of servers holding this key."""
+        if not self.enabled:
+            return
+        public, secret = self._curve_pair(b"curve-client")
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_serverkey = self._curve_pair(b"curve-server")[0]
+
+    # -- pull tokens ------------------------------------------------------------------
+
+    def mint_token(self, key: bytes, node_id: str, *, now: float | None = None) -> bytes:
+        """A token that lets its bearer pull ``key`` from ``node_id`` for ``token_ttl_s``."""
+        if not self.enabled:
+            return b""
+        expiry_ms = int(((time.time() if now is None else now) + self.token_ttl_s) * 1000)
+        return _EXPIRY.pack(expiry_ms) + self._token_mac(key, node_id, expiry_ms)
+
+    def check_token(self, token: Any, key: bytes, node_id: str, *, now: float | None = None) -> None:
+        """Raise AuthenticationError unless ``token`` was minted for ``key`` on ``node_id`` and is current."""
+        if not self.enabled:
+            return
+        if not isinstance(token, (bytes, bytearray, memoryview)) or len(token) != TOKEN_NBYTES:
+            raise errors.AuthenticationError("pull refused: no valid token")
+        token = bytes(token)
+        (expiry_ms,) = _EXPIRY.unpack_from(token, 0)
+        if not hmac.compare_digest(token[_EXPIRY.size:], self._token_mac(key, node_id, expiry_ms)):
+            raise errors.AuthenticationError("pull refused: token not issued for this key and node")
+        if expiry_ms < (time.time() if now is None else now) * 1000:
+            raise errors.AuthenticationError("pull refused: token expired")
+
+    @staticmethod
+    def token_expiry_s(token: bytes) -> float:
+        """When ``token`` stops being accepted (epoch seconds); 0 for an empty token."""
+        return _EXPIRY.unpack_from(token, 0)[0] / 1000.0 if len(token) == TOKEN_NBYTES else float("inf")
+
+    def _token_mac(self, key: bytes, node_id: str, expiry_ms: int) -> bytes:
+        message = _EXPIRY.pack(expiry_ms) + len(key).to_bytes(2, "little") + bytes(key) + node_id.encode()
+        return hmac.new(self._token_key, message, hashlib.sha256).digest()[:16]
+
+
+_CACHE: dict[tuple[str, float], ClusterKey] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _cached(key_file: str, token_ttl_s: float) -> ClusterKey:
+    with _CACHE_LOCK:
+        found = _CACHE.get((key_file, token_ttl_s))
+        if found is None:
+            found = _CACHE[(key_file, token_ttl_s)] = ClusterKey(load_or_create(key_file or None),
+                                                                 token_ttl_s=token_ttl_s)
+        return found
+
+
+# -- ZAP: one authenticator per ZeroMQ context ----------------------------------------------
+
+_AUTHENTICATORS: dict[int, Any] = {}
+_AUTH_LOCK = threading.Lock()
+
+
+class _AllowOneKey:
+    """ZAP credentials provider: only the cluster's derived client key is admitted."""
+
+    def __init__(self, client_public_z85: bytes) -> None:
+        self.allowed = {client_public_z85}
+
+    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq passes the client key z85-encoded
+        return bytes(key) in self.allowed
+
+
+def _ensure_authenticator(context: zmq.Context[Any], client_public_z85: bytes) -> None:
+    from zmq.auth.thread import ThreadAuthenticator
+
+    with _AUTH_LOCK:
+        auth = _AUTHENTICATORS.get(id(context))
+        if auth is None or not auth.is_alive():
+            auth = ThreadAuthenticator(context, log=logging.getLogger("kvpool.zap"))
+            auth.start()
+            _AUTHENTICATORS[id(context)] = auth
+        provider = getattr(auth, "kvpool_provider", None)
+        if provider is None:
+            provider = _AllowOneKey(client_public_z85)
+            auth.kvpool_provider = provider
+            auth.configure_curve_callback(domain=_ZAP_DOMAIN, credentials_provider=provider)
+        else:
+            provider.allowed.add(client_public_z85)
+
+
+def stop_authenticator(context: zmq.Context[Any]) -> None:
+    """Stop the ZAP thread of ``context`` (before the context is terminated)."""
+    with _AUTH_LOCK:
+        auth = _AUTHENTICATORS.pop(id(context), None)
+    if auth is not None:
+        auth.stop()

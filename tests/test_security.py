@@ -1,0 +1,89 @@
+"""The cluster key: key file handling, CURVE on ZeroMQ sockets, pull tokens."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvpool import errors
+from kvpool.security import TOKEN_NBYTES, ClusterKey, keygen, load_or_create
+
+
+def test_key_file_is_created_private_and_reused(tmp_path: Path) -> None:
+    path = tmp_path / "conf" / "kvpool" / "cluster.key"
+    secret = load_or_create(path)
+    assert len(secret) == 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert load_or_create(path) == secret  # the next process reads the same key
+    with pytest.raises(errors.ConfigError, match="already exists"):
+        keygen(path)
+
+
+def test_a_key_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    path = keygen(tmp_path / "k")
+    os.chmod(path, 0o644)
+    with pytest.raises(errors.ConfigError, match="chmod 600"):
+        load_or_create(path)
+    path.write_text("not a key\n")
+    os.chmod(path, 0o600)
+    with pytest.raises(errors.ConfigError, match="kvpool keygen"):
+        load_or_create(path)
+
+
+def test_tokens_name_one_key_on_one_node_and_expire() -> None:
+    key = ClusterKey(b"s" * 32, token_ttl_s=10.0)
+    token = key.mint_token(b"prefix", "node-a", now=1000.0)
+    assert len(token) == TOKEN_NBYTES
+    key.check_token(token, b"prefix", "node-a", now=1005.0)
+    for args in ((b"other", "node-a", 1005.0), (b"prefix", "node-b", 1005.0), (b"prefix", "node-a", 1011.0)):
+        with pytest.raises(errors.AuthenticationError):
+            key.check_token(token, args[0], args[1], now=args[2])
+    with pytest.raises(errors.AuthenticationError):  # another cluster's key cannot mint one
+        key.check_token(ClusterKey(b"t" * 32).mint_token(b"prefix", "node-a", now=1000.0), b"prefix", "node-a",
+                        now=1005.0)
+    forged = bytearray(token)
+    forged[0] ^= 0xFF  # a later expiry with the same MAC
+    with pytest.raises(errors.AuthenticationError):
+        key.check_token(bytes(forged), b"prefix", "node-a", now=1005.0)
+    ClusterKey(None).check_token(b"", b"prefix", "node-a")  # auth off: everything passes
+
+
+def _roundtrip(server_key: ClusterKey, client_key: ClusterKey | None) -> bool:
+    ctx = zmq.Context()
+    try:
+        server = ctx.socket(zmq.ROUTER)
+        server.setsockopt(zmq.LINGER, 0)
+        server_key.secure_server(server)
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client = zmq.Context.instance().socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        if client_key is not None:
+            client_key.secure_client(client)
+        client.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            client.send(b"ping")
+            if not server.poll(1500):
+                return False
+            ident, body = server.recv_multipart()
+            server.send_multipart([ident, body])
+            return bool(client.poll(1500)) and client.recv() == b"ping"
+        finally:
+            client.close(0)
+            server.close(0)
+    finally:
+        from kvpool.security import stop_authenticator
+
+        stop_authenticator(ctx)
+        ctx.destroy(linger=0)
+
+
+def test_curve_admits_only_holders_of_the_cluster_key() -> None:
+    ours = ClusterKey(b"a" * 32)
+    assert _roundtrip(ours, ClusterKey(b"a" * 32))
+    assert not _roundtrip(ours, ClusterKey(b"b" * 32))  # another cluster's key
+    assert not _roundtrip(ours, None)  # no key at all
