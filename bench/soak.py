@@ -397,20 +397,25 @@ def run_worker(args: argparse.Namespace) -> int:
         for i in range(args.first, args.first + args.keys):  # seed: this worker's share of the keys
             if args.seed_share and i % args.seed_share[1] == args.seed_share[0]:
                 worker.put(i, 0)
-        print(f"READY {pool.node_id}", flush=True)
-        if args.go_file and not wait_for_file(args.go_file, args.go_timeout_s):
-            print(f"no go file {args.go_file} within {args.go_timeout_s} s", flush=True)
-            return 2
-        started = time.monotonic()
-        deadline = started + args.seconds
-        while time.monotonic() < deadline:
-            worker.step()
-            if args.think_ms:
-                time.sleep(args.think_ms / 1000.0)
-        print(RESULT_PREFIX + json.dumps(worker.result(time.monotonic() - started)), flush=True)
-        return 0
+        return drive_worker(pool, worker, args)
     finally:
         pool.close()
+
+
+def drive_worker(pool: Any, worker: Any, args: argparse.Namespace) -> int:
+    """Say READY, wait for the go file, step the workload for ``args.seconds``, print the result."""
+    print(f"READY {pool.node_id}", flush=True)
+    if args.go_file and not wait_for_file(args.go_file, args.go_timeout_s):
+        print(f"no go file {args.go_file} within {args.go_timeout_s} s", flush=True)
+        return 2
+    started = time.monotonic()
+    deadline = started + args.seconds
+    while time.monotonic() < deadline:
+        worker.step()
+        if args.think_ms:
+            time.sleep(args.think_ms / 1000.0)
+    print(RESULT_PREFIX + json.dumps(worker.result(time.monotonic() - started)), flush=True)
+    return 0
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:

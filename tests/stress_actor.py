@@ -19,11 +19,9 @@ derived from (key, version), so any value received can be checked).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 
-from bench.soak import RESULT_PREFIX, Worker, add_worker_args, shape_of, wait_for_file, worker_config
+from bench.soak import Worker, add_worker_args, drive_worker, shape_of, worker_config
 
 
 class Owner(Worker):
@@ -67,18 +65,7 @@ def main() -> int:
         if args.role == "owner":
             for i in range(args.first, args.first + args.keys):
                 worker.put(i, 0)
-        print(f"READY {pool.node_id}", flush=True)
-        if args.go_file and not wait_for_file(args.go_file, args.go_timeout_s):
-            print(f"no go file {args.go_file} within {args.go_timeout_s} s", flush=True)
-            return 2
-        started = time.monotonic()
-        deadline = started + args.seconds
-        while time.monotonic() < deadline:
-            worker.step()
-            if args.think_ms:
-                time.sleep(args.think_ms / 1000.0)
-        print(RESULT_PREFIX + json.dumps(worker.result(time.monotonic() - started)), flush=True)
-        return 0
+        return drive_worker(pool, worker, args)
     finally:
         pool.close()
 
