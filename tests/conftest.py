@@ -147,6 +147,40 @@ def python_process(args: Sequence[str], **kwargs: Any) -> Iterator[ChildProcess]
 
 
 @pytest.fixture
+def cluster(tmp_path: Path, spawn_python: Callable[..., ChildProcess]) -> Iterator[Any]:
+    """A :class:`tests.test_cluster.Cluster` (real master, nodes, actors on 127.0.0.1), always stopped."""
+    from tests.test_cluster import Cluster
+
+    cluster = Cluster(tmp_path, spawn_python)
+    try:
+        yield cluster
+    finally:
+        cluster.client.close()
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``tmpfs("8m")`` mounts a real tmpfs of that size under ``tmp_path`` (root only; skips
+    otherwise) and returns its path; every mount is lazily unmounted at teardown."""
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"tmpfs-{len(mounts)}"
+        path.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounts.append(path)
+        return path
+
+    try:
+        yield mount
+    finally:
+        for path in mounts:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
 def spawn_python(tmp_path: Path) -> Iterator[Callable[..., ChildProcess]]:
     """``spawn_python(args, ready=..., timeout_s=...)``; every child is stopped at teardown."""
     children: list[ChildProcess] = []

@@ -82,15 +82,6 @@ def reader_result(child: ChildProcess) -> dict:
     return json.loads(child.output().strip().splitlines()[-1])
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, spawn_python) -> Cluster:
-    cluster = Cluster(tmp_path, spawn_python)
-    try:
-        yield cluster
-    finally:
-        cluster.client.close()
-
-
 def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
     cluster.start_master()
     cluster.start_node("store-a")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,15 +21,6 @@ pytestmark = pytest.mark.timeout(180)
 
 FORGET_S = 1.5
 KEYS = 3
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, spawn_python) -> Cluster:
-    cluster = Cluster(tmp_path, spawn_python)
-    try:
-        yield cluster
-    finally:
-        cluster.client.close()
 
 
 def start_master(cluster: Cluster, log_name: str = "master.log"):

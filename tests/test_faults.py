@@ -20,15 +20,6 @@ pytestmark = pytest.mark.timeout(180)
 KEYS = 4
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, spawn_python) -> Cluster:
-    cluster = Cluster(tmp_path, spawn_python)
-    try:
-        yield cluster
-    finally:
-        cluster.client.close()
-
-
 def _timed_gets(pool, rounds: int) -> list[float]:
     """Seconds per get over ``rounds`` passes of every key; every value must be exact."""
     seconds = []
@@ -126,19 +117,9 @@ def test_restarting_a_holder_never_breaks_same_host_readers(cluster: Cluster) ->
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path):
-    """A real 8 MiB filesystem (tmpfs; root only), unmounted afterwards."""
-    import subprocess
-
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+def small_disk(tmpfs) -> Path:
+    """A real 8 MiB filesystem (tmpfs; root only)."""
+    return tmpfs("8m")
 
 
 def test_a_full_disk_is_capacity_and_the_newest_objects_survive(small_disk: Path, tmp_path: Path, caplog) -> None:

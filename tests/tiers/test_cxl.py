@@ -287,17 +287,9 @@ def test_stale_arena_of_a_killed_owner_is_detected_and_reused(arena_path: Path) 
 
 
 @pytest.fixture
-def tiny_shm(tmp_path: Path) -> Iterator[Path]:
-    """A real 4 MiB tmpfs (root only), unmounted afterwards."""
-    tiny = tmp_path / "tiny"
-    tiny.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(tiny)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield tiny
-    finally:
-        subprocess.run(["umount", "-l", str(tiny)], capture_output=True)
+def tiny_shm(tmpfs) -> Path:
+    """A real 4 MiB tmpfs (root only)."""
+    return tmpfs("4m")
 
 
 def test_arena_larger_than_its_filesystem_is_lowered_to_what_fits(tiny_shm: Path, caplog) -> None:
