@@ -156,6 +156,13 @@ class MasterSection:
     rereplicate_per_s: float = _opt(
         20.0, "durable copies the master re-creates per second at most after a holder dies or leaves (0: off)")
     rereplicate_timeout_s: float = _opt(30.0, "deadline for one re-replication (target pulls, stores, commits)")
+    max_request_bytes: int = _size(
+        "64MiB", "largest message the master (and a node's control socket) accepts; larger ones are dropped "
+        "unread (ZeroMQ MAXMSGSIZE); clients refuse to send them (RequestTooLargeError)")
+    max_batch: int = _opt(
+        65536, "most keys/items/records in one request; more is RequestTooLargeError "
+        "(MasterClient splits larger batches into several requests)")
+    max_address_bytes: int = _size("64KiB", "longest node address a node may register with (RequestTooLargeError)")
 
 
 @dataclass
@@ -249,6 +256,12 @@ class Config:
             raise bad("master.listen", str(exc)) from None
         if self.master.heartbeat_ms <= 0 or self.master.dead_after_missed <= 0:
             raise bad("master.heartbeat_ms", "heartbeat period and dead_after_missed must be positive")
+        if self.master.max_request_bytes < 1 << 20:
+            raise bad("master.max_request_bytes", "must be at least 1MiB")
+        if self.master.max_batch < 1:
+            raise bad("master.max_batch", "must be >= 1")
+        if not 256 <= self.master.max_address_bytes <= self.master.max_request_bytes // 16:
+            raise bad("master.max_address_bytes", "must be at least 256 bytes and at most max_request_bytes / 16")
         if self.node.replicas < 1:
             raise bad("node.replicas", "must be >= 1")
         if self.node.location_cache < 0:

@@ -119,6 +119,10 @@ class ProtocolError(KVPoolError):
     """A peer sent a message that could not be parsed or names an unknown version."""
 
 
+class RequestTooLargeError(ProtocolError):
+    """A request (or a field of it: batch, address, id, record) exceeds the receiver's limits."""
+
+
 class UnknownNodeError(KVPoolError, LookupError):
     """A request named a node the master does not know or has declared dead."""
 

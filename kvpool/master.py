@@ -87,7 +87,6 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Callable, Iterable, Mapping
 
-import msgpack
 import zmq
 
 from kvpool import errors
@@ -106,6 +105,18 @@ REREPLICATE_EXAMINE_PER_ROUND = 4096
 REREPLICATE_MAX_IN_FLIGHT = 16
 REREPLICATE_WORKERS = 2
 REREPLICATE_BACKOFF_S = (0.5, 30.0)
+# Bounds on request fields (besides master.max_batch / max_address_bytes / max_request_bytes
+# and pool.max_key_bytes): node and host ids, control addresses, tier names and counts,
+# the parts of a replica record. A longer one is RequestTooLargeError.
+MAX_ID_BYTES = 256
+MAX_CONTROL_BYTES = 1024
+MAX_TIER_NAME_BYTES = 64
+MAX_TIERS = 64
+MAX_RECORD_HEADER_BYTES = 64 << 10
+MAX_LOCATION_ENTRIES = 32
+# A request that kept the serving thread longer than this pauses liveness for that long
+# (see MasterState.note_busy): nodes are not declared dead because the master was busy.
+STALL_CREDIT_MIN_S = 0.02
 
 COUNTERS = (
     "requests", "protocol_errors", "errors",
@@ -286,6 +297,7 @@ class MasterState:
         self.to_check: OrderedDict[bytes, float] = OrderedDict()
         self.rereplicating: dict[bytes, set[str]] = {}
         self._attempts: dict[bytes, int] = {}
+        self._last_turn: float | None = None  # see note_turn
         self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             P.PING: self.op_ping, P.REGISTER: self.op_register, P.LEAVE: self.op_leave,
             P.HEARTBEAT: self.op_heartbeat,
@@ -310,12 +322,28 @@ class MasterState:
         impossible length can only miss. map() over builtins keeps the checks
         in C, so a 1000-hash lookup does not spend its time validating.
         """
-        keys = _field(body, name, list)
+        keys = self._batch(body, name)
         if keys and (set(map(type, keys)) != {bytes} or strict and (
                 not 0 < min(map(len, keys)) or max(map(len, keys)) > self.max_key_bytes)):
             for key in keys:
                 self._key(key)
         return keys
+
+    def _batch(self, body: Mapping[str, Any], name: str, default: Any = _MISSING) -> list[Any]:
+        """The list ``body[name]``, at most ``master.max_batch`` long (RequestTooLargeError)."""
+        items = _field(body, name, list, default)
+        if len(items) > self.config.max_batch:
+            raise errors.RequestTooLargeError(
+                f"{name}: {len(items)} items in one request; the most is master.max_batch = "
+                f"{self.config.max_batch} (MasterClient splits larger batches)")
+        return items
+
+    @staticmethod
+    def _bounded_str(body: Mapping[str, Any], name: str, limit: int, default: Any = _MISSING) -> str:
+        value = _field(body, name, str, default)
+        if len(value) > limit:
+            raise errors.RequestTooLargeError(f"{name} is {len(value)} characters; the most is {limit}")
+        return value
 
     def _key(self, key: Any) -> bytes:
         if type(key) is not bytes or not 0 < len(key) <= self.max_key_bytes:
@@ -328,13 +356,17 @@ class MasterState:
     def _tiers(raw: Any) -> dict[str, dict[str, int]]:
         if not isinstance(raw, dict):
             raise P.MalformedRequest("tiers must be a map {name: {capacity, free}}")
+        if len(raw) > MAX_TIERS:
+            raise errors.RequestTooLargeError(f"{len(raw)} tiers; the most is {MAX_TIERS}")
         tiers: dict[str, dict[str, int]] = {}
         for name, state in raw.items():
+            if not isinstance(name, str) or len(name) > MAX_TIER_NAME_BYTES:
+                raise P.MalformedRequest(f"tier names must be str of at most {MAX_TIER_NAME_BYTES} characters")
             if not isinstance(state, dict):
                 raise P.MalformedRequest(f"tier {name!r} must be a map {{capacity, free}}")
             capacity, free = state.get("capacity"), state.get("free")
             if type(capacity) is not int or type(free) is not int or capacity < 0 or not 0 <= free <= capacity:
-                raise P.MalformedRequest(f"tier {name!r}: need ints 0 <= free <= capacity, got {state!r}")
+                raise P.MalformedRequest(f"tier {name!r}: need ints 0 <= free <= capacity, got {state!r:.100}")
             tiers[str(name)] = {"capacity": capacity, "free": free}
         return tiers
 
@@ -344,7 +376,7 @@ class MasterState:
             raise P.MalformedRequest(f"replica record must be a map, got {type(raw).__name__}")
         key = self._key(raw.get("key")) if with_key else b""
         tier, nbytes, spec = raw.get("tier"), raw.get("nbytes"), raw.get("spec")
-        if type(tier) is not str or type(nbytes) is not int or nbytes < 0:
+        if type(tier) is not str or type(nbytes) is not int or nbytes < 0 or len(tier) > MAX_TIER_NAME_BYTES:
             raise P.MalformedRequest(f"replica record needs tier (str) and nbytes (int >= 0): {raw!r:.200}")
         try:
             layers = ObjectSpec.from_wire(spec).layers
@@ -362,10 +394,17 @@ class MasterState:
         if header is not None:
             if not isinstance(header, bytes):
                 raise P.MalformedRequest("header must be bytes")
+            if len(header) > MAX_RECORD_HEADER_BYTES:
+                raise errors.RequestTooLargeError(
+                    f"record header is {len(header)} bytes; the most is {MAX_RECORD_HEADER_BYTES}")
             record["header"] = header
         location = raw.get("location", {})
         if not isinstance(location, dict):
             raise P.MalformedRequest("location must be a map")
+        if len(location) > MAX_LOCATION_ENTRIES or any(
+                isinstance(v, (str, bytes, list, dict)) and len(v) > MAX_CONTROL_BYTES for v in location.values()):
+            raise errors.RequestTooLargeError(
+                f"record location: at most {MAX_LOCATION_ENTRIES} entries of at most {MAX_CONTROL_BYTES} each")
         record["location"] = location
         durable = raw.get("durable")
         if durable is not None:
@@ -480,6 +519,31 @@ class MasterState:
         self._swrr.pop(node.node_id, None)
         self._check_durable(held)
         return dropped, len(stale)
+
+    def note_turn(self, now: float, expected_s: float) -> None:
+        """One turn of the serving loop ended at ``now``; a turn normally lasts at most
+        ``expected_s`` (the idle receive timeout). Anything longer (a large request, a slow
+        sweep retiring a big node, a garbage collection) is a stall: see :meth:`note_busy`.
+        """
+        last, self._last_turn = self._last_turn, now
+        if last is not None:
+            self.note_busy(last + expected_s, now)
+
+    def note_busy(self, started: float, ended: float) -> None:
+        """The serving thread was busy from ``started`` to ``ended`` (clock() times).
+
+        Heartbeats that arrived meanwhile are still queued unread, so a long stall
+        must not count against the nodes: every alive node's silence is shortened
+        by the stall (its deadline moves out by that much). Stalls shorter than
+        STALL_CREDIT_MIN_S are ignored (they are far below a heartbeat period).
+        A node that really died during the stall is declared dead that much later.
+        """
+        stall = ended - started
+        if stall < STALL_CREDIT_MIN_S:
+            return
+        for node in self.nodes.values():
+            if node.alive:
+                node.last_seen = min(ended, node.last_seen + stall)
 
     def _declare_dead(self, node: NodeInfo, now: float) -> None:
         dropped, stale = self._retire(node, now, "dead")
@@ -635,13 +699,15 @@ class MasterState:
         return {"version": P.PROTOCOL_VERSION, "uptime_s": self.clock() - self.started}
 
     def op_register(self, body: dict[str, Any]) -> Any:
-        node_id = _field(body, "node_id", str)
-        address = _field(body, "address", str)
-        host_id = _field(body, "host_id", str)
+        node_id = self._bounded_str(body, "node_id", MAX_ID_BYTES)
+        address = self._bounded_str(body, "address", self.config.max_address_bytes)
+        host_id = self._bounded_str(body, "host_id", MAX_ID_BYTES)
         tiers = self._tiers(_field(body, "tiers", dict))
-        raw_objects = _field(body, "objects", list, [])
+        raw_objects = self._batch(body, "objects", [])
         role = _field(body, "role", str, P.ROLE_CLIENT)
         persistent = _field(body, "persistent_tiers", list, [])
+        if len(persistent) > MAX_TIERS:
+            raise errors.RequestTooLargeError(f"{len(persistent)} persistent tiers; the most is {MAX_TIERS}")
         if not node_id:
             raise P.MalformedRequest("node_id must not be empty")
         if role not in (P.ROLE_STORAGE, P.ROLE_CLIENT):
@@ -649,7 +715,9 @@ class MasterState:
         if not all(isinstance(t, str) for t in persistent):
             raise P.MalformedRequest("persistent_tiers must be a list of tier names")
         endpoint, control = describe_address(address)
-        control = _field(body, "control", str, control)
+        control = self._bounded_str(body, "control", MAX_CONTROL_BYTES, control)
+        if len(control) > MAX_CONTROL_BYTES:
+            raise errors.RequestTooLargeError(f"control address longer than {MAX_CONTROL_BYTES} characters")
         records = [self._record(raw, with_key=True) for raw in raw_objects]
         now = self.clock()
         node = self.nodes.get(node_id)
@@ -689,7 +757,7 @@ class MasterState:
         else:
             kind = "storage node without a persistent tier (takes no durable copies)"
         log.info(
-            "node %s registered: %s, host=%s, %d objects (%d skipped: deleted meanwhile)",
+            "node %s registered: %s, host=%.64s, %d objects (%d skipped: deleted meanwhile)",
             node.label, kind, host_id, len(records) - skipped, skipped,
         )
         return {
@@ -787,7 +855,7 @@ class MasterState:
         return {"replicas": out, "lease": lease_id}
 
     def op_release(self, body: dict[str, Any]) -> Any:
-        lease_ids = _field(body, "leases", list)
+        lease_ids = self._batch(body, "leases")
         released = 0
         for lid in lease_ids:
             lease = self.leases.pop(lid, None) if type(lid) is int else None
@@ -798,7 +866,7 @@ class MasterState:
         return {"released": released}
 
     def op_reserve(self, body: dict[str, Any]) -> Any:
-        items = _field(body, "items", list)
+        items = self._batch(body, "items")
         checked = []
         for item in items:
             if not isinstance(item, dict):
@@ -812,7 +880,7 @@ class MasterState:
         return {"reservations": [self._reserve(key, nbytes, node, now) for key, nbytes, node in checked]}
 
     def op_commit(self, body: dict[str, Any]) -> Any:
-        items = _field(body, "items", list)
+        items = self._batch(body, "items")
         checked = []
         for item in items:
             if not isinstance(item, dict):
@@ -840,7 +908,7 @@ class MasterState:
 
     def op_revoke(self, body: dict[str, Any]) -> Any:
         revoked = 0
-        for rid in _field(body, "reservations", list):
+        for rid in self._batch(body, "reservations"):
             res = self.reservations.pop(rid, None) if type(rid) is int else None
             if res is not None:
                 self._release_reservation(res)
@@ -850,7 +918,7 @@ class MasterState:
 
     def op_publish(self, body: dict[str, Any]) -> Any:
         node = self._alive_node(_field(body, "node_id", str))
-        records = [self._record(raw, with_key=True) for raw in _field(body, "objects", list)]
+        records = [self._record(raw, with_key=True) for raw in self._batch(body, "objects")]
         for key, record in records:
             self._note_durable(key, record)
             if self._add_replica(node, key, record):
@@ -913,7 +981,7 @@ class MasterState:
     def op_place(self, body: dict[str, Any]) -> Any:
         nbytes = _field(body, "nbytes", int)
         replicas = _field(body, "replicas", int, 1)
-        exclude = set(_field(body, "exclude", list, []))
+        exclude = set(self._batch(body, "exclude", []))
         raw_key = _field(body, "key", (bytes, type(None)), None)
         key = None if raw_key is None else self._key(raw_key)
         if nbytes < 0:
@@ -971,6 +1039,7 @@ class MasterState:
         limit = _field(body, "limit", int, 1000)
         if limit < 0:
             raise P.MalformedRequest("field 'limit' must be >= 0")
+        limit = min(limit, self.config.max_batch)  # a reply stays as bounded as a request
         out = []
         for key, replicas in self.index.items():
             if not key.startswith(prefix):
@@ -1030,9 +1099,11 @@ def control_request(context: zmq.Context, control: str, op: str, body: Mapping[s
     """
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # a reply larger than this is dropped unread
+    request_id = secrets.randbits(62)
     try:
         sock.connect(control)
-        sock.send(msgpack.packb([op, dict(body)], use_bin_type=True))
+        sock.send(P.pack_control_request(request_id, op, body))
         deadline = time.monotonic() + timeout_s
         while not sock.poll(100):
             if stop.is_set():
@@ -1041,13 +1112,13 @@ def control_request(context: zmq.Context, control: str, op: str, body: Mapping[s
                 raise errors.UnknownNodeError(f"{op}: the target left or was declared dead")
             if time.monotonic() >= deadline:
                 raise errors.KVTimeoutError(f"{op}: no answer within {timeout_s:.3g} s")
-        status, reply = msgpack.unpackb(sock.recv(), raw=False)
+        frame = sock.recv()
     finally:
         sock.close(0)
-    if status != "ok":
-        detail = reply if isinstance(reply, dict) else {}
-        raise errors.KVPoolError(f"{op} failed: {detail.get('type', '?')}: {detail.get('message', reply)}")
-    return reply
+    try:
+        return P.unpack_control_reply(frame, request_id)  # the node's typed error, TransferError if not ours
+    except errors.KVPoolError as exc:
+        raise type(exc)(f"{op} failed: {type(exc).__name__}: {exc}") from None
 
 
 class Rereplicator:
@@ -1164,7 +1235,8 @@ class MasterServer:
         self.rereplicator = Rereplicator(self.state, self._context, config)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        # A larger message is dropped by ZeroMQ before it is read (the peer is disconnected).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes)
         try:
             self._socket.bind(config.listen)
         except zmq.ZMQError as exc:
@@ -1194,6 +1266,9 @@ class MasterServer:
                 except zmq.Again:  # that peer's queue is full: it will time out and retry
                     pass
             now = time.monotonic()
+            # A turn longer than the receive timeout (a large request, a slow sweep, a GC
+            # pause) is time the nodes' heartbeats spent queued: not held against them.
+            state.note_turn(now, tick_s)
             if now >= next_sweep:
                 state.sweep(now)
                 self.rereplicator.round(now)
@@ -1222,11 +1297,12 @@ class MasterServer:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             # A body shaped wrong in a way the validators did not name.
             self.state.counters["protocol_errors"] += 1
-            reply = P.pack_error(request_id, "ProtocolError", f"malformed {op} body: {type(exc).__name__}: {exc}")
+            reply = P.pack_error(request_id, "ProtocolError",
+                                 f"malformed {op} body: {type(exc).__name__}: {loggable(str(exc))}")
         except Exception as exc:  # keep serving: one bad request must not take the master down
             log.exception("internal error serving %s", op)
             self.state.counters["errors"] += 1
-            reply = P.pack_error(request_id, "KVPoolError", f"internal master error in {op}: {exc!r}")
+            reply = P.pack_error(request_id, "KVPoolError", f"internal master error in {op}: {loggable(repr(exc))}")
         return [*envelope, reply]
 
     def close(self) -> None:

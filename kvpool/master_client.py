@@ -80,6 +80,10 @@ class MasterClient:
         section = config if isinstance(config, MasterSection) else Config.load(config).master
         self.address = check_master_address(address or section.listen)
         self.request_timeout_s = section.request_timeout_s if request_timeout_s is None else request_timeout_s
+        # The master's limits (master.max_request_bytes, master.max_batch): larger batches are
+        # split into several requests, and a request that still does not fit is never sent.
+        self.max_request_bytes = section.max_request_bytes
+        self.max_batch = section.max_batch
         self._context = zmq.Context(io_threads=1)
         self._context.setsockopt(zmq.LINGER, 0)  # no socket of this client can hold up term()
         self._local = threading.local()
@@ -101,6 +105,9 @@ class MasterClient:
             # Retry quickly after a master restart, but do not hammer a dead address.
             socket.setsockopt(zmq.RECONNECT_IVL, 50)
             socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            # Replies are bounded too (a locate of max_batch keys with their replicas can
+            # be a few times its request): anything larger is dropped unread.
+            socket.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_request_bytes)
             try:
                 socket.connect(self.address)
             except zmq.ZMQError as exc:  # an open socket would make close() hang in term()
@@ -123,8 +130,13 @@ class MasterClient:
         conn = self._connection()
         request_id = next(conn.ids)
         deadline = time.monotonic() + timeout
+        frame = P.pack_request(request_id, op, body)
+        if len(frame) > self.max_request_bytes:  # the master would drop it unread: never a silent timeout
+            raise errors.RequestTooLargeError(
+                f"{op} request is {len(frame)} bytes; the master accepts at most master.max_request_bytes = "
+                f"{self.max_request_bytes}")
         try:
-            conn.socket.send(P.pack_request(request_id, op, body), zmq.NOBLOCK)
+            conn.socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:  # the send queue is full: the master has been gone for a while
             self._discard(conn)
             raise errors.MasterUnreachableError(f"master at {self.address} is not accepting requests") from None
@@ -161,6 +173,29 @@ class MasterClient:
         # destroy(): a socket still open in some thread is closed rather than waited for forever.
         self._context.destroy(linger=0)
 
+    def _batched(self, items: Sequence[Any], call_one: Callable[[Sequence[Any]], Any],
+                 until: Callable[[Sequence[Any], Any], bool] | None = None) -> list[Any]:
+        """``call_one(batch)`` for consecutive batches of ``items`` (at least one call, even for
+        none); returns the replies in order. A batch holds at most ``max_batch`` items, fewer when
+        it does not fit ``max_request_bytes`` (RequestTooLargeError halves it, down to one item).
+        ``until(batch, reply)`` true stops early.
+        """
+        replies: list[Any] = []
+        size, done = self.max_batch, 0
+        while True:
+            batch = items[done:done + size]
+            try:
+                reply = call_one(batch)
+            except errors.RequestTooLargeError:
+                if len(batch) <= 1:
+                    raise
+                size = len(batch) // 2
+                continue
+            replies.append(reply)
+            done += len(batch)
+            if done >= len(items) or (until is not None and until(batch, reply)):
+                return replies
+
     def __enter__(self) -> MasterClient:
         return self
 
@@ -191,13 +226,25 @@ class MasterClient:
         durable copies; ``control`` is its control socket (for re-replication).
         The reply carries the master's ``heartbeat_ms``/``dead_after_missed``.
         """
-        body: dict[str, Any] = {
-            "node_id": node_id, "address": address, "host_id": host_id,
-            "tiers": tiers, "objects": list(objects), "role": role, "persistent_tiers": list(persistent_tiers),
-        }
-        if control is not None:
-            body["control"] = control
-        return self.call(P.REGISTER, body)
+        first: list[dict[str, Any]] = []
+
+        def send(batch: Sequence[ReplicaRecord]) -> int:
+            # The first batch registers (replacing what the master believed); the rest are published.
+            if first:
+                return self.call(P.PUBLISH, {"node_id": node_id, "objects": list(batch)})["indexed"]
+            body: dict[str, Any] = {
+                "node_id": node_id, "address": address, "host_id": host_id,
+                "tiers": tiers, "objects": list(batch), "role": role, "persistent_tiers": list(persistent_tiers),
+            }
+            if control is not None:
+                body["control"] = control
+            first.append(self.call(P.REGISTER, body))
+            return first[0].get("indexed", 0)
+
+        indexed = self._batched(objects if isinstance(objects, Sequence) else list(objects), send)
+        reply = dict(first[0])
+        reply["indexed"] = sum(indexed)
+        return reply
 
     def leave(self, node_id: str, *, timeout_s: float | None = None) -> int:
         """Deregister cleanly: the node's replicas leave the index; it is listed as ``left``.
@@ -217,10 +264,13 @@ class MasterClient:
 
     def lookup(self, hashes: Iterable[KeyLike]) -> int:
         """How many leading ``hashes`` are cached somewhere (the longest cached prefix)."""
-        return self.call(P.LOOKUP, {"keys": _keys(hashes)})["prefix"]
+        replies = self._batched(_keys(hashes), lambda b: self.call(P.LOOKUP, {"keys": list(b)})["prefix"],
+                                until=lambda batch, prefix: prefix < len(batch))
+        return sum(replies)
 
     def exists_many(self, keys: Iterable[KeyLike]) -> list[bool]:
-        return self.call(P.EXISTS, {"keys": _keys(keys)})["exists"]
+        return [hit for reply in self._batched(
+            _keys(keys), lambda b: self.call(P.EXISTS, {"keys": list(b)})["exists"]) for hit in reply]
 
     def exists(self, key: KeyLike) -> bool:
         return self.exists_many([key])[0]
@@ -228,8 +278,14 @@ class MasterClient:
     def locate_many(self, keys: Iterable[KeyLike], lease: bool = True) -> Located:
         """Every replica of each key (None on a miss); with ``lease`` they are pinned
         until :meth:`release` or the master's ``lease_s``."""
-        reply = self.call(P.LOCATE, {"keys": _keys(keys), "lease": lease})
-        return Located(reply["replicas"], reply["lease"])
+        replies = self._batched(_keys(keys), lambda b: self.call(P.LOCATE, {"keys": list(b), "lease": lease}))
+        leases = [r["lease"] for r in replies if r["lease"] is not None]
+        if len(replies) == 1:
+            return Located(replies[0]["replicas"], replies[0]["lease"])
+        # More than max_batch keys: one lease per request; lease_id is the first, the others
+        # are in more_leases (a caller that releases only lease_id leaves them to expire).
+        return Located([x for r in replies for x in r["replicas"]], leases[0] if leases else None,
+                       tuple(leases[1:]))
 
     def locate(self, key: KeyLike, lease: bool = True) -> Located:
         return self.locate_many([key], lease)
@@ -237,7 +293,9 @@ class MasterClient:
     def release(self, lease_ids: Iterable[int | None]) -> int:
         """End leases early; unknown or expired ids are ignored. Returns how many ended."""
         ids = [lid for lid in lease_ids if lid is not None]
-        return self.call(P.RELEASE, {"leases": ids})["released"] if ids else 0
+        if not ids:
+            return 0
+        return sum(self._batched(ids, lambda b: self.call(P.RELEASE, {"leases": list(b)})["released"]))
 
     def reserve_many(self, items: Iterable[tuple[KeyLike, int, str]]) -> list[int]:
         """Reserve (key, nbytes, node_id) puts; the keys stay invisible until commit.
@@ -245,7 +303,23 @@ class MasterClient:
         All or nothing: UnknownNodeError if any node is not alive.
         """
         body = [{"key": as_key(k), "nbytes": int(n), "node_id": node} for k, n, node in items]
-        return self.call(P.RESERVE, {"items": body})["reservations"]
+        done: list[int] = []
+
+        def send(batch: Sequence[dict[str, Any]]) -> list[int]:
+            ids = self.call(P.RESERVE, {"items": list(batch)})["reservations"]
+            done.extend(ids)
+            return ids
+
+        try:
+            self._batched(body, send)
+        except errors.KVPoolError:
+            if done:  # all or nothing across the split too
+                try:
+                    self.revoke(done)
+                except errors.KVPoolError:
+                    pass  # they expire after master.reservation_timeout_s
+            raise
+        return done
 
     def reserve(self, key: KeyLike, nbytes: int, node_id: str) -> int:
         return self.reserve_many([(key, nbytes, node_id)])[0]
@@ -254,7 +328,8 @@ class MasterClient:
         """Make reserved puts visible; False for a reservation that expired, was
         revoked, or whose node died."""
         body = [{"reservation": rid, "replica": record} for rid, record in items]
-        return self.call(P.COMMIT, {"items": body})["committed"]
+        return [ok for reply in self._batched(body, lambda b: self.call(P.COMMIT, {"items": list(b)})["committed"])
+                for ok in reply]
 
     def commit(self, reservation_id: int, replica: ReplicaRecord) -> None:
         if not self.commit_many([(reservation_id, replica)])[0]:
@@ -263,25 +338,31 @@ class MasterClient:
             )
 
     def revoke(self, reservation_ids: Iterable[int]) -> int:
-        return self.call(P.REVOKE, {"reservations": list(reservation_ids)})["revoked"]
+        return sum(self._batched(list(reservation_ids),
+                                 lambda b: self.call(P.REVOKE, {"reservations": list(b)})["revoked"]))
 
     def publish(self, node_id: str, objects: Sequence[ReplicaRecord]) -> int:
         """Index replicas a node already holds, in one step (records with ``key``)."""
-        return self.call(P.PUBLISH, {"node_id": node_id, "objects": list(objects)})["indexed"]
+        return sum(self._batched(list(objects), lambda b: self.call(
+            P.PUBLISH, {"node_id": node_id, "objects": list(b)})["indexed"]))
 
     def evict_request(self, node_id: str, keys: Iterable[KeyLike]) -> EvictDecision:
         """Ask to drop keys: allowed ones are already out of the index; pinned ones
         must stay until their readers' leases end."""
-        reply = self.call(P.EVICT_REQUEST, {"node_id": node_id, "keys": _keys(keys)})
-        return EvictDecision(reply["allowed"], reply["pinned"], reply["reregister"])
+        replies = self._batched(_keys(keys), lambda b: self.call(
+            P.EVICT_REQUEST, {"node_id": node_id, "keys": list(b)}))
+        return EvictDecision([k for r in replies for k in r["allowed"]], [k for r in replies for k in r["pinned"]],
+                             any(r["reregister"] for r in replies))
 
     def removed(self, node_id: str, keys: Iterable[KeyLike]) -> int:
         """Report keys the node no longer holds; returns how many were indexed."""
-        return self.call(P.REMOVED, {"node_id": node_id, "keys": _keys(keys)})["removed"]
+        return sum(self._batched(_keys(keys), lambda b: self.call(
+            P.REMOVED, {"node_id": node_id, "keys": list(b)})["removed"]))
 
     def delete(self, keys: Iterable[KeyLike]) -> list[bool]:
         """Remove keys from the pool (lookups miss at once); False for unknown keys."""
-        return self.call(P.DELETE, {"keys": _keys(keys)})["deleted"]
+        return [d for reply in self._batched(_keys(keys), lambda b: self.call(P.DELETE, {"keys": list(b)})["deleted"])
+                for d in reply]
 
     def place(
         self,

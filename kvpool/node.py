@@ -21,16 +21,17 @@ import concurrent.futures
 import json
 import logging
 import queue
+import secrets
 import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import zmq
 
 from kvpool import errors
+from kvpool import protocol as P
 from kvpool.config import Config
 from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader
@@ -43,6 +44,7 @@ from tiers.manager import LockBusy, TierManager
 log = logging.getLogger("kvpool.node")
 
 _PUBLISH_BATCH = 512
+_MAX_CONTROL_HEADER_BYTES = 64 << 10  # a replicate request's packed object header
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ class Node:
         self._zmq = zmq.Context.instance()
         self._control = self._zmq.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
+        # A larger message is dropped unread (its peer disconnected), never buffered.
+        self._control.setsockopt(zmq.MAXMSGSIZE, config.master.max_request_bytes)
         port = self._control.bind_to_random_port(f"tcp://{config.node.host}")
         self.control_address = f"tcp://{config.node.host}:{port}"
         self._replicator: PullClient | None = None
@@ -309,21 +313,44 @@ class Node:
         while not self._stopping.is_set():
             if not poller.poll(200):
                 continue
-            frames = self._control.recv_multipart()
-            ident, payload = frames[0], frames[-1]
             try:
-                op, body = msgpack.unpackb(payload, raw=False)
-                if op == "replicate":
-                    reply: Any = ["ok", self._replicate(body)]
-                elif op == "ping":
-                    reply = ["ok", {"node_id": self.node_id}]
-                elif op == "stats":
-                    reply = ["ok", self.stats()]
-                else:
-                    raise errors.ProtocolError(f"unknown control op {op!r}")
-            except Exception as exc:  # every failure becomes a typed reply; the loop keeps serving
-                reply = ["error", {"type": type(exc).__name__, "message": str(exc)}]
-            self._control.send_multipart([ident, msgpack.packb(reply, use_bin_type=True)])
+                frames = self._control.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) < 2:
+                continue
+            reply = self.serve_control(frames[-1])
+            try:
+                self._control.send_multipart([*frames[:-1], reply], zmq.NOBLOCK)
+            except zmq.ZMQError:  # the peer is gone or its queue is full: it times out
+                pass
+
+    def serve_control(self, payload: bytes) -> bytes:
+        """One control request in, one reply out; every failure is a typed error reply.
+
+        Malformed requests (not msgpack, wrong shape or version, unknown op, a body
+        field missing or of the wrong type) are ProtocolError; kvpool errors keep
+        their type; anything else is TransferError. Nothing raises out of here.
+        """
+        request_id: Any = None
+        try:
+            request = P.unpack_control_request(payload)
+            request_id, op, body = request.request_id, request.op, request.body
+            if op == P.CONTROL_REPLICATE:
+                result: Any = self._replicate(body)
+            elif op == P.CONTROL_PING:
+                result = {"node_id": self.node_id}
+            else:
+                result = self.stats()
+            return P.pack_control_reply(request_id, result)
+        except P.MalformedRequest as exc:
+            rid = exc.request_id if exc.request_id is not None else request_id
+            return P.pack_control_error(rid, "ProtocolError", str(exc))
+        except errors.KVPoolError as exc:
+            return P.pack_control_error(request_id, type(exc).__name__, str(exc))
+        except Exception as exc:  # the loop keeps serving
+            log.warning("control request failed: %s: %.200s", type(exc).__name__, exc)
+            return P.pack_control_error(request_id, "TransferError", f"{type(exc).__name__}: {str(exc):.500}")
 
     def _puller(self) -> PullClient:
         with self._replicator_lock:
@@ -339,11 +366,27 @@ class Node:
         its key is appended to ``durable.log`` there, so the node re-registers it
         as durable after a restart. Replies only once the master has the commit.
         """
-        key, header = body["key"], ObjectHeader.unpack(body["header"])
-        source = NodeAddress.decode(body["source"]).peer
-        persistent = bool(body.get("persistent", False))
-        replicas = int(body.get("replicas") or 1)
+        key = body.get("key")
+        raw_header, raw_source = body.get("header"), body.get("source")
+        reservation, persistent = body.get("reservation"), body.get("persistent", False)
+        replicas = body.get("replicas") or 1
+        if type(key) is not bytes or not 0 < len(key) <= self.config.pool.max_key_bytes:
+            raise errors.ProtocolError(f"replicate: key must be 1..{self.config.pool.max_key_bytes} bytes")
+        if type(raw_header) is not bytes or len(raw_header) > _MAX_CONTROL_HEADER_BYTES:
+            raise errors.ProtocolError(f"replicate: header must be bytes (at most {_MAX_CONTROL_HEADER_BYTES})")
+        if type(raw_source) is not str or len(raw_source) > self.config.master.max_address_bytes:
+            raise errors.ProtocolError("replicate: source must be a node address (str, bounded)")
+        if type(reservation) is not int or type(replicas) is not int or replicas < 1 \
+                or type(persistent) is not bool:
+            raise errors.ProtocolError("replicate: reservation (int), replicas (int >= 1), persistent (bool)")
+        header = ObjectHeader.unpack(raw_header)
+        source = NodeAddress.decode(raw_source).peer
         spec = header.spec
+        # Never allocate what a peer's header claims before checking it could be stored here.
+        room = max((t.capacity_bytes for t in self.manager.tiers if t.persistent or not persistent), default=0)
+        if spec.payload_nbytes > room:
+            raise errors.ObjectTooLargeError(
+                f"replicate: object of {spec.payload_nbytes} bytes is larger than every tier here ({room})")
         payload = np.empty(spec.payload_nbytes, dtype=np.uint8)
         whole = LayerRange(0, spec.layers)
         self._puller().pull_into(source, key, whole, payload, timeout_s=self.config.node.pull_timeout_s)
@@ -360,7 +403,7 @@ class Node:
             with open(f"{getattr(found[0], 'path')}/durable.log", "a", encoding="ascii") as fh:
                 fh.write(f"{key.hex()} {replicas}\n")
         record = record_for(key, *found, durable=replicas if persistent else None)
-        self.master.commit(int(body["reservation"]), record)
+        self.master.commit(reservation, record)
         return {"node_id": self.node_id, "tier": found[0].name}
 
 
@@ -369,17 +412,17 @@ def control_call(control: str, op: str, body: dict[str, Any], timeout_s: float,
     """One request to a node's control socket (``replicate`` or ``stats``); raises the node's typed error."""
     sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # a reply larger than this is dropped unread
+    request_id = secrets.randbits(62)
     try:
         sock.connect(control)
-        sock.send(msgpack.packb([op, body], use_bin_type=True))
+        sock.send(P.pack_control_request(request_id, op, body))
         if not sock.poll(int(timeout_s * 1000)):
             raise errors.KVTimeoutError(f"node {control} did not answer {op!r} within {timeout_s} s")
-        status, reply = msgpack.unpackb(sock.recv(), raw=False)
+        frame = sock.recv()
     finally:
         sock.close(0)
-    if status != "ok":
-        cls = getattr(errors, str(reply.get("type")), None)
-        if not (isinstance(cls, type) and issubclass(cls, errors.KVPoolError)):
-            cls = errors.TransferError
-        raise cls(f"{op} on {control} failed: {reply.get('message')}")
-    return reply
+    try:
+        return P.unpack_control_reply(frame, request_id)
+    except errors.KVPoolError as exc:
+        raise type(exc)(f"{op} on {control} failed: {exc}") from None

@@ -87,9 +87,9 @@ from kvpool.objformat import ObjectSpec
 
 PROTOCOL_VERSION = 1
 
-# The master refuses (drops the connection of) anything larger: a register of
-# 100k records is ~20 MB, so this only stops garbage from exhausting memory.
-MAX_MESSAGE_BYTES = 256 << 20
+# The default of master.max_request_bytes (the master, and a node's control socket,
+# drop anything larger unread); the configured value is what applies.
+MAX_MESSAGE_BYTES = 64 << 20
 
 OK = "ok"
 ERROR = "error"
@@ -188,6 +188,7 @@ class HeartbeatReply:
 class Located:
     replicas: list[list[LocatedReplica] | None]  # per key; None on a miss
     lease_id: int | None                         # pins every replica returned until released/expired
+    more_leases: tuple[int, ...] = ()            # further leases when the keys took several requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,15 +241,17 @@ def unpack_request(frame: bytes | memoryview) -> Request:
     if not isinstance(message, list) or len(message) != 4:
         raise MalformedRequest("request must be a msgpack array [version, request_id, op, body]")
     version, request_id, op, body = message
-    if not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
-        raise MalformedRequest(f"request_id must be an int or str, got {type(request_id).__name__}")
+    if not isinstance(request_id, (int, str)) or isinstance(request_id, bool) or (
+            isinstance(request_id, str) and len(request_id) > 256):
+        raise MalformedRequest(f"request_id must be an int or a str of at most 256 characters, "
+                               f"got {type(request_id).__name__}")
     if version != PROTOCOL_VERSION:
         raise MalformedRequest(
-            f"protocol version {version!r} is not supported; this master speaks {PROTOCOL_VERSION}",
+            f"protocol version {version!r:.40} is not supported; this master speaks {PROTOCOL_VERSION}",
             request_id,
         )
     if not isinstance(op, str) or op not in OPS:
-        raise MalformedRequest(f"unknown op {op!r}; known: {', '.join(sorted(OPS))}", request_id)
+        raise MalformedRequest(f"unknown op {op!r:.80}; known: {', '.join(sorted(OPS))}", request_id)
     if not isinstance(body, dict):
         raise MalformedRequest(f"body of {op} must be a map, got {type(body).__name__}", request_id)
     return Request(request_id, op, body)
@@ -276,7 +279,7 @@ def unpack_reply(frame: bytes | memoryview) -> tuple[Any, bool, Any]:
     version, request_id, status, body = message
     if version != PROTOCOL_VERSION:
         raise errors.ProtocolError(
-            f"master speaks protocol version {version!r}; this client speaks {PROTOCOL_VERSION}"
+            f"master speaks protocol version {version!r:.40}; this client speaks {PROTOCOL_VERSION}"
         )
     return request_id, status == OK, body
 
@@ -284,9 +287,91 @@ def unpack_reply(frame: bytes | memoryview) -> tuple[Any, bool, Any]:
 def error_from_reply(body: Any) -> errors.KVPoolError:
     """The exception an error reply names (ProtocolError when the name is not ours)."""
     if not isinstance(body, dict):
-        return errors.ProtocolError(f"malformed error reply: {body!r}")
+        return errors.ProtocolError(f"malformed error reply: {body!r:.200}")
     name, message = body.get("type"), str(body.get("message", ""))
     cls = getattr(errors, name, None) if isinstance(name, str) else None
     if isinstance(cls, type) and issubclass(cls, errors.KVPoolError):
         return cls(message)
-    return errors.ProtocolError(f"{name}: {message}")
+    return errors.ProtocolError(f"{name!r:.80}: {message:.1000}")
+
+
+# -- node control socket ------------------------------------------------------------------
+#
+# A node's control socket (a ZeroMQ ROUTER; the master and clients send ``replicate``,
+# the CLI ``stats``) speaks msgpack ``[CONTROL_PROTOCOL_VERSION, request_id, op, body]``
+# and answers ``[CONTROL_PROTOCOL_VERSION, request_id, "ok" | "error", body]``; an error
+# body is ``{"type": <kvpool.errors class name>, "message"}``. Version 1 was the
+# unversioned ``[op, body]`` -> ``[status, body]``; a node answers it (and anything else
+# malformed) with a ProtocolError reply and keeps serving.
+
+CONTROL_PROTOCOL_VERSION = 2
+CONTROL_REPLICATE = "replicate"
+CONTROL_PING = "ping"
+CONTROL_STATS = "stats"
+CONTROL_OPS = frozenset({CONTROL_REPLICATE, CONTROL_PING, CONTROL_STATS})
+
+
+def pack_control_request(request_id: int, op: str, body: Mapping[str, Any]) -> bytes:
+    return msgpack.packb([CONTROL_PROTOCOL_VERSION, request_id, op, dict(body)], use_bin_type=True)
+
+
+def unpack_control_request(frame: bytes | memoryview) -> Request:
+    """Parse one control request; raises MalformedRequest (with the id when readable)."""
+    try:
+        message = _unpack(frame)
+    except Exception as exc:  # ExtraData, ValueError, ... : never leaks as such
+        raise MalformedRequest(f"control request is not msgpack: {type(exc).__name__}: {str(exc):.200}") from None
+    if not isinstance(message, list) or len(message) != 4:
+        raise MalformedRequest(
+            f"control request must be [version={CONTROL_PROTOCOL_VERSION}, request_id, op, body] "
+            "(an unversioned [op, body] is protocol 1, no longer served)")
+    version, request_id, op, body = message
+    if type(request_id) is not int:
+        raise MalformedRequest(f"control request_id must be an int, got {type(request_id).__name__}")
+    if version != CONTROL_PROTOCOL_VERSION:
+        raise MalformedRequest(f"control protocol version {version!r:.40} is not supported; this node "
+                               f"speaks {CONTROL_PROTOCOL_VERSION}", request_id)
+    if not isinstance(op, str) or op not in CONTROL_OPS:
+        raise MalformedRequest(f"unknown control op {op!r:.80}; known: {', '.join(sorted(CONTROL_OPS))}",
+                               request_id)
+    if not isinstance(body, dict):
+        raise MalformedRequest(f"body of {op} must be a map, got {type(body).__name__}", request_id)
+    return Request(request_id, op, body)
+
+
+def pack_control_reply(request_id: Any, body: Any) -> bytes:
+    return msgpack.packb([CONTROL_PROTOCOL_VERSION, request_id, OK, body], use_bin_type=True)
+
+
+def pack_control_error(request_id: Any, error_type: str, message: str) -> bytes:
+    return msgpack.packb([CONTROL_PROTOCOL_VERSION, request_id, ERROR,
+                          {"type": error_type, "message": message[:2000]}], use_bin_type=True)
+
+
+def unpack_control_reply(frame: bytes | memoryview, request_id: int) -> Any:
+    """The body of a control reply to ``request_id``; raises the error it names.
+
+    An error type that is not a kvpool error becomes TransferError; a reply that
+    cannot be parsed (or answers another request) is ProtocolError.
+    """
+    try:
+        message = _unpack(frame)
+    except Exception as exc:
+        raise errors.ProtocolError(f"control reply is not msgpack: {type(exc).__name__}") from None
+    if not isinstance(message, list) or len(message) != 4 or message[2] not in (OK, ERROR):
+        raise errors.ProtocolError("control reply is not [version, request_id, status, body]")
+    version, reply_id, status, body = message
+    if version != CONTROL_PROTOCOL_VERSION:
+        raise errors.ProtocolError(f"node speaks control protocol {version!r:.40}; this build speaks "
+                                   f"{CONTROL_PROTOCOL_VERSION}")
+    if reply_id != request_id:
+        raise errors.ProtocolError(f"control reply answers request {reply_id!r:.40}, not {request_id}")
+    if status == OK:
+        return body
+    if not isinstance(body, dict):
+        raise errors.ProtocolError(f"malformed control error reply: {body!r:.200}")
+    name, message_text = body.get("type"), str(body.get("message", ""))[:2000]
+    cls = getattr(errors, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, errors.KVPoolError)):
+        raise errors.TransferError(f"{name!r:.80}: {message_text}")
+    raise cls(message_text)

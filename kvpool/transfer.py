@@ -147,6 +147,11 @@ _INDEX_BITS = 20
 _MAX_REQUEST_ID = (1 << (63 - _INDEX_BITS)) - 1
 _ABORT_INDEX = (1 << _INDEX_BITS) - 1  # reply tag of a mid-stream abort
 _MAX_CHUNKS = _ABORT_INDEX - 1
+# A client asking for smaller chunks gets chunks of at least this (at most the server's
+# max_message): a pull is never a million tiny messages. A client refuses a status frame
+# whose chunk is below _MIN_CHUNK_FLOOR (the smallest max_message a server may have).
+MIN_CHUNK = 64 << 10
+_MIN_CHUNK_FLOOR = 4096
 
 # magic, version, flags, key_len, addr_len, client_id, conn_id, request_id,
 # layer start, layer stop, capacity (bytes), max chunk (bytes), xxh3-64 of the address
@@ -952,7 +957,7 @@ class PullServer:
             )
             self._finish(job, ok=False, reason="client buffer too small", counted=False)
             return
-        job.chunk = max(1, min(request.max_chunk, self.max_message))
+        job.chunk = max(min(MIN_CHUNK, self.max_message), min(request.max_chunk, self.max_message))
         job.chunks_total = -(-source.nbytes // job.chunk)
         if job.chunks_total > _MAX_CHUNKS:
             self._send_status(job, STATUS_ERROR, text="payload needs too many messages")
@@ -1223,8 +1228,8 @@ def _parse_request(buf: bytearray) -> _Request:
     if version != PROTOCOL_VERSION:
         raise errors.ProtocolError(
             f"request protocol version {version}, this build speaks {PROTOCOL_VERSION}")
-    if key_len > _MAX_KEY_BYTES or addr_len > _MAX_ADDRESS_BYTES:
-        raise errors.ProtocolError("request key or address too long")
+    if not 0 < key_len <= _MAX_KEY_BYTES or addr_len > _MAX_ADDRESS_BYTES:
+        raise errors.ProtocolError("request key empty, or key or address too long")
     if not start < stop or request_id > _MAX_REQUEST_ID or max_chunk <= 0:
         raise errors.ProtocolError("request fields out of range")
     key_end = _REQUEST.size + key_len
@@ -1243,7 +1248,8 @@ def _parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, str] 
         magic, version, status, text_len, frame_request_id, nbytes, chunk = _STATUS.unpack_from(buf)
     except struct.error:
         return None
-    if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id:
+    if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id \
+            or text_len > _MAX_STATUS_TEXT:
         return None
     text = bytes(buf[_STATUS.size:_STATUS.size + text_len]).decode("utf-8", "replace")
     return status, nbytes, chunk, text
@@ -1566,7 +1572,8 @@ class PullClient:
             }.get(status, errors.TransferError)
             self._fail(pull, exc_type(f"{what}: {text}"))
             return
-        if nbytes > pull.out.nbytes or (nbytes and chunk <= 0) or -(-nbytes // max(chunk, 1)) > _MAX_CHUNKS:
+        if nbytes > pull.out.nbytes or (nbytes and chunk < min(_MIN_CHUNK_FLOOR, nbytes)) \
+                or -(-nbytes // max(chunk, 1)) > _MAX_CHUNKS:
             self._fail(pull, errors.ProtocolError(f"{what}: bad sizes {nbytes}/{chunk}"), drop_peer=True)
             return
         pull.nbytes, pull.chunk = nbytes, chunk

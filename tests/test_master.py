@@ -599,16 +599,17 @@ class FakeStorage:
             if not self.socket.poll(50):
                 continue
             ident, payload = self.socket.recv_multipart()
-            op, body = msgpack.unpackb(payload, raw=False)
+            request = P.unpack_control_request(payload)  # [version, request_id, op, body]
+            body = request.body
             self.requests.append(body)
             if self.fail:
-                reply = ["error", {"type": "TransferError", "message": "injected"}]
+                reply = P.pack_control_error(request.request_id, "TransferError", "injected")
             else:
                 rec = {**record(), "header": body["header"]}
                 self.committer.commit(body["reservation"], rec)
                 self.node.objects[body["key"]] = rec
-                reply = ["ok", {"node_id": self.node.node_id}]
-            self.socket.send_multipart([ident, msgpack.packb(reply, use_bin_type=True)])
+                reply = P.pack_control_reply(request.request_id, {"node_id": self.node.node_id})
+            self.socket.send_multipart([ident, reply])
 
     def close(self) -> None:
         self.stopping.set()
