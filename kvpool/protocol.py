@@ -147,6 +147,7 @@ class LocatedReplica(ReplicaRecord, total=False):
     node_id: str
     address: str
     host_id: str
+    token: bytes  # pull token for this key on this node (empty with security.auth = false)
 
 
 def replica_record(

@@ -77,8 +77,15 @@ UCX environment
     process of a pool must run with the same UCX options: with
     ``RNDV_SCHEME`` differing between client and server, listener connections
     were seen to fail ("no remote ep address for lane").
-    The ucxx listener binds the wildcard address; ``host`` is only the address
-    advertised to clients. UCX trusts what peers send it (a malformed worker
+    Both ends pass ``NET_DEVICES`` = the interface holding their ``host``
+    (:func:`ucx_interface_options`, e.g. ``lo`` for 127.0.0.1), so UCX's own
+    TCP listener binds that address only. The ucxx 0.52 sockaddr listener
+    cannot bind an address (it takes the wildcard): ``PullServer(listener=False)``
+    has none, and clients reach it by worker address (``"tcp"``: with UCX
+    peer-failure detection, the server replying with it too). Requests carry
+    a pull token (at most 64 bytes) that ``authorize(key, token)`` checks
+    before the provider runs; a refusal is STATUS_UNAUTHORIZED
+    (:class:`errors.AuthenticationError`), never data. UCX trusts what peers send it (a malformed worker
     address aborts the process; both ends check addresses first, see
     :func:`plausible_worker_address`): keep UCX ports on a trusted network.
 """
@@ -140,7 +147,7 @@ def in_inline_provider() -> bool:
 
 # -- wire format ---------------------------------------------------------------
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # v2: requests carry a pull token; reply endpoints may ask for error handling
 # Top bit set: never equal to a reply tag (request ids stay below 2**43).
 REQUEST_TAG = 0xC0DE_4B56_5055_4C4C
 _INDEX_BITS = 20
@@ -154,13 +161,16 @@ MIN_CHUNK = 64 << 10
 _MIN_CHUNK_FLOOR = 4096
 
 # magic, version, flags, key_len, addr_len, client_id, conn_id, request_id,
-# layer start, layer stop, capacity (bytes), max chunk (bytes), xxh3-64 of the address
-_REQUEST = struct.Struct("<4sBBHHQQQIIQQQ")
+# layer start, layer stop, capacity (bytes), max chunk (bytes), xxh3-64 of the address,
+# token_len; then key, token, reply address
+_REQUEST = struct.Struct("<4sBBHHQQQIIQQQH")
 _REQUEST_MAGIC = b"KVPR"
 _FLAG_REPLY_TO_ADDRESS = 0x1
+_FLAG_REPLY_ERROR_HANDLING = 0x2  # reply over an endpoint with UCX peer-failure detection (tcp)
 _MAX_KEY_BYTES = 1024
 _MAX_ADDRESS_BYTES = 8192
-_REQUEST_BUFFER_NBYTES = _REQUEST.size + _MAX_KEY_BYTES + _MAX_ADDRESS_BYTES
+_MAX_TOKEN_BYTES = 64
+_REQUEST_BUFFER_NBYTES = _REQUEST.size + _MAX_KEY_BYTES + _MAX_TOKEN_BYTES + _MAX_ADDRESS_BYTES
 
 # magic, version, status, message length, request id, payload bytes, chunk bytes
 _STATUS = struct.Struct("<4sBBHQQQ")
@@ -177,6 +187,7 @@ STATUS_ERROR = 2
 STATUS_BAD_RANGE = 3
 STATUS_OUT_TOO_SMALL = 4
 STATUS_BAD_REQUEST = 5
+STATUS_UNAUTHORIZED = 6  # the request's token was refused: nothing else is sent
 
 _RECEIVES_POSTED = 4  # request receives kept posted on a server's worker
 _POLL_FALLBACK_S = 0.5  # wake at least this often even if UCX raised no event
@@ -192,6 +203,59 @@ def plausible_worker_address(address: bytes) -> bool:
     port belongs on a trusted network.
     """
     return 16 <= len(address) <= _MAX_ADDRESS_BYTES and (address[0] & 0x0F) in (0, 1)
+
+
+def interface_for_host(host: str) -> str | None:
+    """The network interface that holds address ``host`` (``127.0.0.1`` -> ``lo``), or None
+    for a wildcard address, or one no local interface holds."""
+    import fcntl
+    import ipaddress
+
+    if host in ("", "*", "0.0.0.0", "::"):
+        return None
+    try:
+        wanted = {ipaddress.ip_address(info[4][0].split("%")[0])
+                  for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, ValueError):
+        return None
+    found: dict[Any, str] = {}
+    try:
+        with open("/proc/net/if_inet6") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) >= 6:
+                    found[ipaddress.IPv6Address(int(fields[0], 16))] = fields[5]
+    except (OSError, ValueError):
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            found[ipaddress.IPv4Address(raw[20:24])] = name
+    for address in wanted:
+        if address in found:
+            return found[address]
+        if address.is_loopback:  # 127.0.0.2 and friends live on the loopback interface too
+            name = next((n for a, n in found.items() if a.is_loopback and a.version == address.version), None)
+            if name is not None:
+                return name
+    return None
+
+
+def ucx_interface_options(host: str | None) -> dict[str, str]:
+    """UCX options that keep a context's network transports on the interface of ``host``:
+    ``NET_DEVICES`` names it, so UCX's own TCP listener binds that interface's address only
+    (UCX otherwise listens on every interface). Empty for None or a wildcard ``host``."""
+    if host is None:
+        return {}
+    name = interface_for_host(host)
+    if name is None:
+        if host not in ("", "*", "0.0.0.0", "::"):
+            log.warning("no local interface holds %r: UCX transports are not restricted to one", host)
+        return {}
+    return {"NET_DEVICES": name}
 
 
 def local_host_id() -> str:
@@ -554,6 +618,8 @@ class _Request:
     capacity: int
     max_chunk: int
     reply_address: bytes
+    token: bytes = b""
+    reply_error_handling: bool = False
 
 
 class _StagingPool:
@@ -639,22 +705,29 @@ class PullServer:
         staging_buffers: int = 4,
         ucx_options: Mapping[str, str] | None = None,
         name: str = "kvpool-pull-server",
+        authorize: Callable[[bytes, bytes], None] | None = None,
+        listener: bool = True,
     ) -> None:
         if max_message < 4096:
             raise ValueError(f"max_message must be at least 4096 bytes, got {max_message}")
         self._provider = provider
+        #: ``authorize(key, token)`` raises AuthenticationError to refuse a pull; called before
+        #: the provider, on the same thread, so a refused pull never pins or sends anything
+        self._authorize = authorize
         self._host = host
         self._requested_port = port
+        self._use_listener = listener
         self.max_message = max_message
         self.send_timeout_s = send_timeout_s
         self.inline_provider = inline_provider
         self._provider_threads = provider_threads
         self._staging_count = max(2, staging_buffers)
-        self._ucx_options = ucx_options
+        self._ucx_options = {**ucx_interface_options(host), **(ucx_options or {})}
         self._name = name
         self._engine: _ProgressThread | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._listener: Any = None
+        self._closing = False  # progress thread: close began, requests are no longer served
         self._port = 0
         self._worker_address = b""
         self._host_id = local_host_id()
@@ -674,6 +747,7 @@ class PullServer:
         self.requests_served = 0
         self.misses = 0
         self.errors = 0
+        self.refused = 0  # pulls whose token authorize() refused
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -701,10 +775,12 @@ class PullServer:
     def _start_on_thread(self) -> None:
         engine = self._engine
         assert engine is not None
-        self._listener = ucx_api.UCXListener.create(
-            engine.worker, self._requested_port, self._on_connection
-        )
-        self._port = self._listener.port
+        if self._use_listener:
+            # ucxx 0.52 binds its sockaddr listener to every interface (no address parameter).
+            self._listener = ucx_api.UCXListener.create(
+                engine.worker, self._requested_port, self._on_connection
+            )
+            self._port = self._listener.port
         self._worker_address = engine.worker.address.tobytes()
         for _ in range(_RECEIVES_POSTED):
             self._post_request_receive()
@@ -727,6 +803,7 @@ class PullServer:
             self._staging = None
 
     def _close_on_thread(self) -> None:
+        self._closing = True
         self._listener = None  # ucp_listener_destroy: no new connections
         eps = list(self._pending_hello) + list(self._conns.values())
         self._pending_hello.clear()
@@ -779,6 +856,7 @@ class PullServer:
             "requests_served": self.requests_served,
             "misses": self.misses,
             "errors": self.errors,
+            "refused": self.refused,
             "in_flight": len(self._jobs | self._awaiting_provider | self._deferred_release) + self._releasing,
         }
 
@@ -833,8 +911,8 @@ class PullServer:
 
     def _on_request_frame(self, slot: tuple[Any, bytearray], error: BaseException | None) -> None:
         self._recv_slots.remove(slot)
-        if self._engine is None or self._listener is None:
-            return  # closing
+        if self._engine is None or self._closing:
+            return
         self._post_request_receive()
         if error is not None:
             self.errors += 1
@@ -872,7 +950,9 @@ class PullServer:
             self._drop_client(stale)
         try:
             address = ucx_api.UCXAddress.create_from_buffer(request.reply_address)
-            ep = self._engine.worker.create_endpoint_from_worker_address(address, False)
+            ep = self._engine.worker.create_endpoint_from_worker_address(address, request.reply_error_handling)
+            if request.reply_error_handling:
+                ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_connections,))
         except Exception as exc:
             self.errors += 1
             log.warning("%s: cannot reach client by worker address: %s", self._name, exc)
@@ -907,6 +987,8 @@ class PullServer:
         try:
             _INLINE.active = inline
             try:
+                if self._authorize is not None:
+                    self._authorize(job.request.key, job.request.token)
                 outcome: ServeSource | BaseException | None = self._provider(
                     job.request.key, job.request.layer_range
                 )
@@ -939,6 +1021,11 @@ class PullServer:
             self.misses += 1
             self._send_status(job, STATUS_MISS, text=f"key {request.key.hex()} not held here")
             self._finish(job, ok=True, counted=False)
+            return
+        if isinstance(outcome, errors.AuthenticationError):
+            self.refused += 1
+            self._send_status(job, STATUS_UNAUTHORIZED, text=str(outcome))
+            self._finish(job, ok=False, reason="token refused", counted=False)
             return
         if isinstance(outcome, BaseException):
             status = STATUS_BAD_RANGE if isinstance(outcome, errors.LayerRangeError) else STATUS_ERROR
@@ -1220,7 +1307,7 @@ def _safe_release(release: Callable[[], None]) -> None:
 def _parse_request(buf: bytearray) -> _Request:
     try:
         (magic, version, flags, key_len, addr_len, client_id, conn_id, request_id, start, stop,
-         capacity, max_chunk, address_sum) = _REQUEST.unpack_from(buf, 0)
+         capacity, max_chunk, address_sum, token_len) = _REQUEST.unpack_from(buf, 0)
     except struct.error as exc:
         raise errors.ProtocolError(f"request too short: {exc}") from None
     if magic != _REQUEST_MAGIC:
@@ -1228,18 +1315,20 @@ def _parse_request(buf: bytearray) -> _Request:
     if version != PROTOCOL_VERSION:
         raise errors.ProtocolError(
             f"request protocol version {version}, this build speaks {PROTOCOL_VERSION}")
-    if not 0 < key_len <= _MAX_KEY_BYTES or addr_len > _MAX_ADDRESS_BYTES:
-        raise errors.ProtocolError("request key empty, or key or address too long")
+    if not 0 < key_len <= _MAX_KEY_BYTES or addr_len > _MAX_ADDRESS_BYTES or token_len > _MAX_TOKEN_BYTES:
+        raise errors.ProtocolError("request key empty, or key, token or address too long")
     if not start < stop or request_id > _MAX_REQUEST_ID or max_chunk <= 0:
         raise errors.ProtocolError("request fields out of range")
     key_end = _REQUEST.size + key_len
-    address = bytes(buf[key_end:key_end + addr_len]) if flags & _FLAG_REPLY_TO_ADDRESS else b""
+    token_end = key_end + token_len
+    address = bytes(buf[token_end:token_end + addr_len]) if flags & _FLAG_REPLY_TO_ADDRESS else b""
     # UCX aborts the process on a malformed worker address: check before use.
     if address and (xxhash.xxh3_64_intdigest(address) != address_sum
                     or not plausible_worker_address(address)):
         raise errors.ProtocolError("request carries a corrupt reply address")
     return _Request(client_id, conn_id, request_id, bytes(buf[_REQUEST.size:key_end]),
-                    LayerRange(start, stop), capacity, max_chunk, address)
+                    LayerRange(start, stop), capacity, max_chunk, address, bytes(buf[key_end:token_end]),
+                    bool(flags & _FLAG_REPLY_ERROR_HANDLING))
 
 
 def _parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, str] | None:
@@ -1277,6 +1366,8 @@ class _Peer:
     label: str
     conn_id: int = field(default_factory=lambda: secrets.randbits(64))
     pulls: set[_Pull] = field(default_factory=set)
+    #: reached through its worker address (no listener): the server replies to ours
+    by_worker_address: bool = False
 
 
 @dataclass(eq=False)
@@ -1297,6 +1388,7 @@ class _Pull:
     abort_receive: Any = None
     done: bool = False
     timer: _Timer | None = None
+    token: bytes = b""
 
 
 class PullClient:
@@ -1316,6 +1408,7 @@ class PullClient:
         max_message: int = 16 * MiB,
         ucx_options: Mapping[str, str] | None = None,
         name: str = "kvpool-pull-client",
+        host: str | None = "127.0.0.1",
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -1328,7 +1421,8 @@ class PullClient:
         self._host_id = local_host_id()
         self._request_ids = itertools.count(1)
         self._peers: dict[tuple[Any, ...], _Peer] = {}
-        self._engine = _ProgressThread(name, ucx_options)
+        # ``host``: this process's address (node.host); UCX's transports stay on its interface.
+        self._engine = _ProgressThread(name, {**ucx_interface_options(host), **(ucx_options or {})})
         self._worker_address: bytes = self._engine.call(lambda: self._engine.worker.address.tobytes())
         self._closing = False
         self.pulls = 0
@@ -1348,6 +1442,7 @@ class PullClient:
         timeout_s: float = 10.0,
         alive: Callable[[], bool] | None = None,
         alive_check_s: float = 0.05,
+        token: bytes = b"",
     ) -> int:
         """Pull the bytes of ``layer_range`` of ``key`` from ``address`` into ``out``.
 
@@ -1360,6 +1455,10 @@ class PullClient:
         with TransferError instead of waiting out the deadline (the shared-memory
         transport cannot see a dead peer by itself).
 
+        ``token`` (at most 64 bytes) travels with the request: the pull token the
+        master issued for this key on this holder. A server that refuses it
+        answers :class:`errors.AuthenticationError` and sends nothing else.
+
         Raises :class:`errors.RemoteMissError` if the peer does not hold the
         key, :class:`errors.LayerRangeError` if the range is outside the
         object, :class:`errors.OutBufferError` if ``out`` is unusable or too
@@ -1368,7 +1467,7 @@ class PullClient:
         within ``timeout_s``. After an exception the content of ``out`` is
         undefined (possibly partly written), never reported as valid.
         """
-        future = self._submit(address, key, layer_range, out, timeout_s)
+        future = self._submit(address, key, layer_range, out, timeout_s, token)
         # The progress thread enforces the deadline; the slack only guards
         # against a wedged thread.
         deadline = time.monotonic() + timeout_s + 5.0
@@ -1400,6 +1499,7 @@ class PullClient:
         out: Any,
         *,
         timeout_s: float = 10.0,
+        token: bytes = b"",
     ) -> int:
         """Asyncio twin of :meth:`pull_into` (same arguments, result and errors).
 
@@ -1410,7 +1510,7 @@ class PullClient:
         ``out`` may still be written until then. It stays referenced, never
         freed under UCX.
         """
-        return await asyncio.wrap_future(self._submit(address, key, layer_range, out, timeout_s))
+        return await asyncio.wrap_future(self._submit(address, key, layer_range, out, timeout_s, token))
 
     def close(self) -> None:
         """Fail pulls still in flight, close endpoints and stop the progress thread."""
@@ -1448,6 +1548,7 @@ class PullClient:
         layer_range: LayerRange | tuple[int, int] | range,
         out: Any,
         timeout_s: float,
+        token: bytes = b"",
     ) -> concurrent.futures.Future[int]:
         if self._closing:
             raise errors.PoolClosedError(f"{self._name} is closed")
@@ -1458,6 +1559,8 @@ class PullClient:
             raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not isinstance(token, (bytes, bytearray, memoryview)) or len(token) > _MAX_TOKEN_BYTES:
+            raise errors.AuthenticationError(f"pull token must be at most {_MAX_TOKEN_BYTES} bytes")
         pull = _Pull(
             address=peer,
             key=bytes(key),
@@ -1465,6 +1568,7 @@ class PullClient:
             out=_as_out_view(out),
             timeout_s=float(timeout_s),
             future=concurrent.futures.Future(),
+            token=bytes(token),
         )
         pull.future.kvpool_pull = pull  # type: ignore[attr-defined]  # for _abort
         self._engine.submit(lambda: self._start(pull))
@@ -1497,8 +1601,9 @@ class PullClient:
         pull.peer = peer
         peer.pulls.add(pull)
         pull.request_id = next(self._request_ids) & _MAX_REQUEST_ID
-        reply_address = b"" if peer.error_handling else self._worker_address
-        frame = _pack_request(self._client_id, peer.conn_id, pull, self.max_message, reply_address)
+        reply_address = self._worker_address if peer.by_worker_address else b""
+        frame = _pack_request(self._client_id, peer.conn_id, pull, self.max_message, reply_address,
+                              peer.error_handling)
         status_array, frame_array = Array(pull.status_buf), Array(frame)
         try:
             status_req = peer.ep.tag_recv(status_array, _reply_tag(pull.request_id, 0))
@@ -1519,8 +1624,14 @@ class PullClient:
             log.warning("%s: %s:%d advertises a malformed worker address; using its listener",
                         self._name, address.host, address.port)
             use_worker_address = False
+        # A server without a sockaddr listener (port 0) is reached through its worker address
+        # with UCX's peer-failure detection on: TCP over the interfaces its UCX context uses.
+        checked_worker_address = (not use_worker_address and not address.port
+                                  and plausible_worker_address(address.worker_address))
         key: tuple[Any, ...] = (
-            ("wa", address.worker_address) if use_worker_address else ("tcp", address.host, address.port))
+            ("wa", address.worker_address) if use_worker_address
+            else ("wa-eh", address.worker_address) if checked_worker_address
+            else ("tcp", address.host, address.port))
         peer = self._peers.get(key)
         if peer is not None and peer.error_handling and not peer.ep.alive:
             self._drop_peer(peer, "endpoint failed while idle")
@@ -1531,7 +1642,15 @@ class PullClient:
         if use_worker_address:
             ucx_address = ucx_api.UCXAddress.create_from_buffer(address.worker_address)
             ep = worker.create_endpoint_from_worker_address(ucx_address, False)
-            peer = _Peer(key, ep, False, f"{address.host}:{address.port} (worker address)")
+            peer = _Peer(key, ep, False, f"{address.host}:{address.port} (worker address)",
+                         by_worker_address=True)
+        elif checked_worker_address:
+            ucx_address = ucx_api.UCXAddress.create_from_buffer(address.worker_address)
+            ep = worker.create_endpoint_from_worker_address(ucx_address, True)
+            ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_peers,))
+            peer = _Peer(key, ep, True, f"{address.host} (worker address, tcp)", by_worker_address=True)
+        elif not address.port:
+            raise errors.TransferError(f"{address.host}: neither a listener port nor a usable worker address")
         else:
             ep = ucx_api.UCXEndpoint.create(worker, address.host, address.port, True)
             ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_peers,))
@@ -1569,6 +1688,7 @@ class PullClient:
                 STATUS_MISS: errors.RemoteMissError,
                 STATUS_BAD_RANGE: errors.LayerRangeError,
                 STATUS_OUT_TOO_SMALL: errors.OutBufferError,
+                STATUS_UNAUTHORIZED: errors.AuthenticationError,
             }.get(status, errors.TransferError)
             self._fail(pull, exc_type(f"{what}: {text}"))
             return
@@ -1745,18 +1865,23 @@ def _as_out_view(out: Any) -> memoryview:
 
 
 def _pack_request(
-    client_id: int, conn_id: int, pull: _Pull, max_chunk: int, reply_address: bytes
+    client_id: int, conn_id: int, pull: _Pull, max_chunk: int, reply_address: bytes,
+    reply_error_handling: bool = False,
 ) -> bytearray:
-    frame = bytearray(_REQUEST.size + len(pull.key) + len(reply_address))
+    token = pull.token
+    frame = bytearray(_REQUEST.size + len(pull.key) + len(token) + len(reply_address))
     _REQUEST.pack_into(
         frame, 0, _REQUEST_MAGIC, PROTOCOL_VERSION,
-        _FLAG_REPLY_TO_ADDRESS if reply_address else 0,
+        (_FLAG_REPLY_TO_ADDRESS if reply_address else 0)
+        | (_FLAG_REPLY_ERROR_HANDLING if reply_address and reply_error_handling else 0),
         len(pull.key), len(reply_address), client_id, conn_id, pull.request_id,
         pull.layer_range.start, pull.layer_range.stop, pull.out.nbytes, max_chunk,
-        xxhash.xxh3_64_intdigest(reply_address),
+        xxhash.xxh3_64_intdigest(reply_address), len(token),
     )
-    frame[_REQUEST.size:_REQUEST.size + len(pull.key)] = pull.key
-    frame[_REQUEST.size + len(pull.key):] = reply_address
+    key_end = _REQUEST.size + len(pull.key)
+    frame[_REQUEST.size:key_end] = pull.key
+    frame[key_end:key_end + len(token)] = token
+    frame[key_end + len(token):] = reply_address
     return frame
 
 
