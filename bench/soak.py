@@ -211,12 +211,15 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
     cxl_path = args.cxl_path or str(data_dir / "cxl")
     tiers: dict[str, Any] = {
         "dram": {"capacity": args.dram, "mlock": False, "prefault": False},
-        "cxl": {"capacity": args.cxl, "path": cxl_path},
+        # Workers' arenas live under their data dirs, not /dev/shm: name the common parent as a
+        # shared directory so that same-host readers may map each other's arenas.
+        "cxl": {"capacity": args.cxl, "path": cxl_path,
+                "shared_dirs": ":".join({str(data_dir.parent), str(Path(cxl_path).parent)})},
         "nvme": {"capacity": args.nvme, "segment_size": "1MiB"},
     }
     for tier in ("cxl", "nvme"):
         if str(getattr(args, tier)).strip() in ("", "0"):
-            tiers[tier] = {"capacity": 0}
+            tiers[tier] = {"capacity": 0, **({"shared_dirs": tiers["cxl"]["shared_dirs"]} if tier == "cxl" else {})}
     return {
         "pool": {"name": args.name, "data_dir": str(data_dir)},
         "tiers": tiers,

@@ -3,10 +3,13 @@
 ``kvpool stats`` (nodes, tiers, usage, hits/misses per tier, bytes moved),
 ``kvpool gc`` (remove shared-memory arenas left by killed processes; no master needed),
 ``kvpool ls`` (keys and where their replicas are), ``kvpool get KEY`` (read an
-object or some layers, verified, into a ``.npy`` file) and ``kvpool rm KEY``.
+object or some layers, verified, into a ``.npy`` file) and ``kvpool rm KEY``;
+``kvpool keygen FILE`` writes a new cluster key (mode 0600).
 Keys are given in hex (prefix hashes are binary) or, with ``--text``, as UTF-8.
 This process joins nothing: it asks the master, and reads bytes as a plain
-puller without tiers of its own.
+puller without tiers of its own. It authenticates with the cluster key
+(``--key-file``, else the config's ``security.key_file``, else the default key
+file); a refused key is one line on stderr and exit status 3.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
         detail: dict[str, Any] = {}
         if node["alive"]:
             try:
-                detail = control_call(address.control, "stats", {}, timeout_s=args.timeout)
+                detail = control_call(address.control, "stats", {}, timeout_s=args.timeout,
+                                      cluster_key=master.cluster_key)
             except errors.KVPoolError as exc:
                 detail = {"error": str(exc)}
         transfer = detail.get("transfer", {})
@@ -104,15 +108,18 @@ def cmd_ls(master: MasterClient, args: argparse.Namespace) -> int:
 
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     from kvpool.pool import Pool
-    from kvpool.remote import ReplicaReader
+    from kvpool.remote import ReplicaReader, replicas_at, shared_dirs_of
     from kvpool.transfer import local_host_id
 
     key = _key(args.key, args.text)
     layers = range(*map(int, args.layers.split(":"))) if args.layers else None
+    config = Config.load(args.config)
     located = master.locate(key, lease=True)
-    reader = ReplicaReader(local_host_id(), transport=args.transport, pull_timeout_s=args.timeout)
+    # What the master says is checked before use: only arenas in the shared-memory dirs are mapped.
+    reader = ReplicaReader(local_host_id(), transport=args.transport, pull_timeout_s=args.timeout,
+                           allowed_dirs=shared_dirs_of(config), host=config.node.host)
     try:
-        arr = reader.read(key, located.replicas[0], layers, None, Pool._out_view)
+        arr = reader.read(key, replicas_at(located, 0), layers, None, Pool._out_view)
     finally:
         master.release([located.lease_id])
         reader.close()
@@ -152,11 +159,31 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """Write a new cluster key (0600); an existing file is kept unless ``--force``."""
+    from kvpool.security import keygen
+
+    path = Path(args.file).expanduser()
+    if path.exists() and not args.force:
+        print(f"kvpool: {path} already exists; not overwritten (use --force to replace it: every "
+              f"process of the cluster then needs the new key)", file=sys.stderr)
+        return 1
+    try:
+        keygen(path, overwrite=args.force)
+    except (errors.ConfigError, OSError) as exc:
+        print(f"kvpool: keygen {path}: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote a new cluster key to {path} (mode 0600); copy it to every host of the cluster")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="Inspect and operate a running kvpool cluster.")
     parser.add_argument("--master", help=f"master address (default: {Config().master.listen} or --config)")
     parser.add_argument("--config", metavar="FILE", help="TOML file to take master.listen from")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request (default 5)")
+    parser.add_argument("--key-file", metavar="FILE",
+                        help="cluster key (default: security.key_file of --config, else ~/.config/kvpool/cluster.key)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("stats", help="nodes, tiers, usage, hits, bytes served")
     ls = sub.add_parser("ls", help="list keys and their replicas")
@@ -174,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--text", action="store_true", help="keys are UTF-8 text, not hex")
     gc = sub.add_parser("gc", help="remove shared-memory arenas of killed kvpool processes on this host")
     gc.add_argument("--dir", action="append", default=[], help="directory to sweep (default /dev/shm; repeatable)")
+    keygen = sub.add_parser("keygen", help="write a new cluster key to FILE (mode 0600)")
+    keygen.add_argument("file", metavar="FILE")
+    keygen.add_argument("--force", action="store_true", help="overwrite an existing FILE")
     return parser
 
 
@@ -181,16 +211,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "gc":
         return cmd_gc(args)
+    if args.command == "keygen":
+        return cmd_keygen(args)
     commands = {"stats": cmd_stats, "ls": cmd_ls, "get": cmd_get, "rm": cmd_rm}
     try:
-        address = args.master or Config.load(args.config).master.listen
-        master = MasterClient(address, request_timeout_s=args.timeout)
+        config = Config.load(args.config)
+        if args.key_file:
+            config.set("security.key_file", args.key_file)
+        address = args.master or config.master.listen
+        master = MasterClient(address, config=config, request_timeout_s=args.timeout)
     except errors.ConfigError as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
     with master:
         try:
             return commands[args.command](master, args)
+        except errors.AuthenticationError as exc:
+            print(f"kvpool: {exc}", file=sys.stderr)
+            return 3
         except errors.MasterUnreachableError as exc:
             print(f"kvpool: master {address} unreachable: {exc}", file=sys.stderr)
             return 2

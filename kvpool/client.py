@@ -31,7 +31,7 @@ from kvpool.node import Node, NodeAddress, control_call
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, byte_view, spec_of
 from kvpool.pool import Key, Pool, timed
 from kvpool.protocol import LocatedReplica
-from kvpool.remote import ReplicaReader
+from kvpool.remote import ReplicaReader, alive_nodes_of, replicas_at, shared_dirs_of
 
 log = logging.getLogger("kvpool.client")
 
@@ -109,7 +109,8 @@ class ClusterPool(Pool):
             self._reader = ReplicaReader(self._node.host_id, node_id=self._node.node_id, transport=transport,
                                          max_message=self.config.node.max_message,
                                          pull_timeout_s=self.config.node.pull_timeout_s,
-                                         location_cache_size=self.config.node.location_cache)
+                                         location_cache_size=self.config.node.location_cache,
+                                         allowed_dirs=shared_dirs_of(self.config), host=self.config.node.host)
             self._neighbours_stop = threading.Event()
             self._refresh_from_master()
             self._neighbours_thread: threading.Thread | None = threading.Thread(
@@ -126,7 +127,9 @@ class ClusterPool(Pool):
         stats = self._master.stats()
         if self.config.node.same_host_index:
             self._reader.refresh_neighbours(stats)
-        self._reader.forget_nodes_except({nid for nid, n in stats["nodes"].items() if n["alive"]})
+        alive = alive_nodes_of(stats)  # None: the master's stats are unreadable, keep what we know
+        if alive is not None:
+            self._reader.forget_nodes_except(alive)
 
     def _watch_neighbours(self) -> None:
         """Keep the view of the other nodes current (they join, leave, die) once per heartbeat."""
@@ -136,6 +139,8 @@ class ClusterPool(Pool):
                 self._refresh_from_master()
             except errors.KVPoolError as exc:
                 log.debug("refreshing the view of other nodes failed: %s", exc)
+            except Exception as exc:  # garbage from the master must not stop this thread
+                log.warning("refreshing the view of other nodes failed: %s: %.200s", type(exc).__name__, exc)
 
     @property
     def node_id(self) -> str:
@@ -222,7 +227,8 @@ class ClusterPool(Pool):
             control_call(NodeAddress.decode(target.address).control, "replicate", {
                 "key": key, "header": record["header"], "source": source, "reservation": target.reservation_id,
                 "replicas": len(targets), "persistent": True,
-            }, timeout_s=self.config.node.pull_timeout_s + 5.0)
+                "token": self._node.cluster_key.mint_token(key, self._node.node_id),
+            }, timeout_s=self.config.node.pull_timeout_s + 5.0, cluster_key=self._node.cluster_key)
             self._remote["replicated"] += 1
 
     # -- reads ----------------------------------------------------------------------------
@@ -243,7 +249,7 @@ class ClusterPool(Pool):
             return remembered
         located = self._master.locate(key, lease=True)
         try:
-            return self._get_remote(key, located.replicas[0], layers, out)
+            return self._get_remote(key, replicas_at(located, 0), layers, out)
         finally:
             self._releaser.release(located.lease_id)
 
@@ -262,7 +268,8 @@ class ClusterPool(Pool):
         if missing:
             located = self._master.locate_many([keys[i] for i in missing], lease=True)
             try:
-                pulled = self._reader.read_many([keys[i] for i in missing], located.replicas, layers,
+                pulled = self._reader.read_many([keys[i] for i in missing],
+                                                [replicas_at(located, j) for j in range(len(missing))], layers,
                                                 self._out_view, [outs[i] for i in missing])
                 for i, arr in zip(missing, pulled):
                     results[i] = arr
@@ -285,11 +292,15 @@ class ClusterPool(Pool):
             return
         located = await asyncio.to_thread(self._master.locate, key, True)
         try:
-            replicas = self._reader.ordered(located.replicas[0] or [])
+            replicas = self._reader.ordered(replicas_at(located, 0))
             if not replicas:
                 return
-            header = ObjectHeader.unpack(replicas[0]["header"])
-            header.check_identity(key)
+            try:
+                header = ObjectHeader.unpack(replicas[0]["header"])
+                header.check_identity(key)
+            except errors.FormatError as exc:  # the master's record does not describe this key
+                log.warning("located header of %s is unusable: %s", key.hex(), exc)
+                return
             layer_range = LayerRange.resolve(layers, header.spec.layers)
             arr, _ = self._out_view(header.spec, layer_range, out)
 
@@ -348,7 +359,7 @@ class ClusterPool(Pool):
         stats["node"] = self._node.stats()
         remote = self._reader.stats()
         stats["remote"] = {**remote, **self._remote}
-        for reason in ("evicted", "checksum", "timeout", "holder_gone"):
+        for reason in ("evicted", "checksum", "timeout", "holder_gone", "unauthorized", "malformed"):
             stats["misses"][reason] = remote.get(f"miss_{reason}", 0)
         # every remote read starts with a local miss: count where the key really was absent
         stats["misses"]["absent"] = remote.get("miss_absent", 0)

@@ -113,6 +113,8 @@ class CxlSection:
     capacity: int = _size("1GiB", "bytes of the shared-memory arena; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
     path: str = _opt("", "arena file; default /dev/shm/kvpool-<pool name>-cxl")
+    shared_dirs: str = _opt("", "more directories (':'-separated) whose same-host cxl arenas may be mapped; "
+                                "/dev/shm and this arena's own directory always may, nothing else")
     latency_ns: float = _opt(0.0, "emulated access latency per operation (0 = no model)")
     bandwidth_gbps: float = _opt(0.0, "emulated bandwidth in GB/s (0 = no model; CXL 3.0 Type 3 ~64)")
 
@@ -167,8 +169,10 @@ class MasterSection:
 
 @dataclass
 class NodeSection:
-    host: str = _opt("127.0.0.1", "interface the node's UCX listener binds to")
-    port: int = _opt(0, "UCX listener port; 0 picks a free one")
+    host: str = _opt("127.0.0.1", "address whose interface the node's UCX transports and control socket "
+                                  "use (nothing listens elsewhere)")
+    port: int = _opt(0, "0: no UCX sockaddr listener, peers connect by worker address; a port: also "
+                        "listen there (ucxx binds that listener to EVERY interface)")
     max_message: int = _size("16MiB", "large layer ranges are split into messages of at most this many bytes")
     durable: bool = _opt(False, "puts default to durable placement on storage nodes")
     replicas: int = _opt(1, "replicas for durable puts")

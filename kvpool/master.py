@@ -93,6 +93,7 @@ from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
 from kvpool.objformat import ObjectSpec
+from kvpool.security import ClusterKey, HandshakeWatch, refused_error, stop_authenticator
 
 log = logging.getLogger("kvpool.master")
 
@@ -298,6 +299,8 @@ class MasterState:
         self.rereplicating: dict[bytes, set[str]] = {}
         self._attempts: dict[bytes, int] = {}
         self._last_turn: float | None = None  # see note_turn
+        #: mints the pull token every located replica carries (MasterServer sets it; None: no tokens)
+        self.cluster_key: ClusterKey | None = None
         self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             P.PING: self.op_ping, P.REGISTER: self.op_register, P.LEAVE: self.op_leave,
             P.HEARTBEAT: self.op_heartbeat,
@@ -828,6 +831,7 @@ class MasterState:
         keys = self._keys(body, strict=False)
         want_lease = _field(body, "lease", bool, True)
         index, nodes = self.index, self.nodes
+        mint = self.cluster_key.mint_token if self.cluster_key is not None and self.cluster_key.enabled else None
         out: list[list[dict[str, Any]] | None] = []
         pins: list[tuple[bytes, str]] = []
         for key in keys:
@@ -838,7 +842,8 @@ class MasterState:
             located = []
             for node_id, record in replicas.items():
                 node = nodes[node_id]
-                located.append({**record, "address": node.address, "host_id": node.host_id})
+                token = mint(key, node_id) if mint is not None else b""
+                located.append({**record, "address": node.address, "host_id": node.host_id, "token": token})
                 pins.append((key, node_id))
             out.append(located)
         hits = len(keys) - out.count(None)
@@ -1091,30 +1096,40 @@ def loggable(message: str, limit: int = 300) -> str:
 
 
 def control_request(context: zmq.Context, control: str, op: str, body: Mapping[str, Any], timeout_s: float,
-                    stop: threading.Event, abort: Callable[[], bool] = lambda: False) -> Any:
+                    stop: threading.Event, abort: Callable[[], bool] = lambda: False,
+                    cluster_key: ClusterKey | None = None) -> Any:
     """One request to a node's control socket; raises KVTimeoutError / the node's error (as KVPoolError).
 
     Waits in short slices so a stopping master (``stop``) or a target known to be
-    gone (``abort()``) never holds a worker for the whole deadline.
+    gone (``abort()``) never holds a worker for the whole deadline. A node that
+    refuses ``cluster_key`` (default: the default key file) is AuthenticationError.
     """
+    key = cluster_key or ClusterKey.default()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # a reply larger than this is dropped unread
+    key.secure_client(sock)
+    watch = HandshakeWatch(sock)
     request_id = secrets.randbits(62)
     try:
         sock.connect(control)
         sock.send(P.pack_control_request(request_id, op, body))
         deadline = time.monotonic() + timeout_s
         while not sock.poll(100):
+            if watch.refused():
+                raise refused_error(f"{op}: node control socket", control, key)
             if stop.is_set():
                 raise errors.KVTimeoutError(f"{op}: the master is stopping")
             if abort():
                 raise errors.UnknownNodeError(f"{op}: the target left or was declared dead")
             if time.monotonic() >= deadline:
+                if watch.refused(settled=True):
+                    raise refused_error(f"{op}: node control socket", control, key)
                 raise errors.KVTimeoutError(f"{op}: no answer within {timeout_s:.3g} s")
         frame = sock.recv()
     finally:
         sock.close(0)
+        watch.close()
     try:
         return P.unpack_control_reply(frame, request_id)  # the node's typed error, TransferError if not ours
     except errors.KVPoolError as exc:
@@ -1132,8 +1147,10 @@ class Rereplicator:
     answers, over the master's normal request path.
     """
 
-    def __init__(self, state: MasterState, context: zmq.Context, config: MasterSection) -> None:
+    def __init__(self, state: MasterState, context: zmq.Context, config: MasterSection,
+                 cluster_key: ClusterKey | None = None) -> None:
         self.state = state
+        self.cluster_key = cluster_key or ClusterKey.default()
         self.rate = config.rereplicate_per_s
         self.timeout_s = config.rereplicate_timeout_s
         self._context = context
@@ -1212,7 +1229,8 @@ class Rereplicator:
                 control_request(self._context, task.target_control, "replicate", {
                     "key": task.key, "header": task.header, "source": task.source_address,
                     "reservation": task.reservation, "replicas": task.replicas, "persistent": True,
-                }, self.timeout_s, self._stop, lambda: task.target_id in self._gone)
+                    "token": self.cluster_key.mint_token(task.key, task.source_id),
+                }, self.timeout_s, self._stop, lambda: task.target_id in self._gone, self.cluster_key)
             except Exception as exc:  # reported on the serving thread; retried with backoff
                 error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, errors.KVPoolError) else str(exc)
             self._done.put((task, error))
@@ -1228,13 +1246,18 @@ class Rereplicator:
 class MasterServer:
     """The ROUTER socket and the single thread that serves :class:`MasterState`."""
 
-    def __init__(self, config: MasterSection, *, max_key_bytes: int = 256) -> None:
+    def __init__(self, config: MasterSection, *, max_key_bytes: int = 256,
+                 cluster_key: ClusterKey | None = None) -> None:
+        # Only holders of the cluster key (default: the default key file) get an answer.
+        self.cluster_key = cluster_key or ClusterKey.default()
         self.state = MasterState(config, max_key_bytes=max_key_bytes)
+        self.state.cluster_key = self.cluster_key
         self._context = zmq.Context(io_threads=1)
         self._context.setsockopt(zmq.LINGER, 0)
-        self.rereplicator = Rereplicator(self.state, self._context, config)
+        self.rereplicator = Rereplicator(self.state, self._context, config, self.cluster_key)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self.cluster_key.secure_server(self._socket)
         # A larger message is dropped by ZeroMQ before it is read (the peer is disconnected).
         self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes)
         try:
@@ -1308,6 +1331,7 @@ class MasterServer:
     def close(self) -> None:
         self.rereplicator.close()
         self._socket.close(linger=0)
+        stop_authenticator(self._context)  # its ZAP thread holds a socket of this context
         # destroy(): closes whatever socket is still open (a worker that did not stop in
         # time) instead of waiting for it forever, as term() would.
         self._context.destroy(linger=0)
@@ -1339,8 +1363,11 @@ def run_master(
     if stop_event is None and threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: stop.set())
-    server = MasterServer(section, max_key_bytes=max_key_bytes)
+    cluster_key = ClusterKey.default() if isinstance(config, MasterSection) else ClusterKey.from_config(
+        Config.load(config))
+    server = MasterServer(section, max_key_bytes=max_key_bytes, cluster_key=cluster_key)
     try:
+        log.info("kvpool master authenticates with %s", cluster_key.describe())
         log.info(
             "kvpool master listening on %s (protocol v%d, heartbeat %d ms x %d, lease %.1f s)",
             server.endpoint, P.PROTOCOL_VERSION, section.heartbeat_ms,

@@ -28,6 +28,7 @@ from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, MasterSection, check_master_address
 from kvpool.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
+from kvpool.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
 
 log = logging.getLogger("kvpool.master_client")
 
@@ -53,11 +54,17 @@ def _keys(keys: Iterable[KeyLike]) -> list[bytes]:
 
 
 class _Connection:
-    __slots__ = ("socket", "ids", "__weakref__")
+    __slots__ = ("socket", "ids", "watch", "answered", "__weakref__")
 
-    def __init__(self, socket: zmq.Socket) -> None:
+    def __init__(self, socket: zmq.Socket, watch: HandshakeWatch) -> None:
         self.socket = socket
         self.ids = itertools.count(1)
+        self.watch = watch
+        self.answered = False  # a reply arrived: the handshake is done, later calls take the fast path
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.watch.close()
 
 
 class MasterClient:
@@ -68,6 +75,11 @@ class MasterClient:
     and the typed error a master error reply names (InvalidKeyError,
     UnknownNodeError, ReservationError, CapacityError, ...). A malformed
     address (``localhost:7700``: no ``tcp://``) is a ConfigError at once.
+
+    Every socket is a CURVE client with ``cluster_key`` (default: the key of
+    ``config``'s ``[security]``; a MasterSection or no config means the default
+    key file). A master that refuses the key (another cluster's key, or auth on
+    one side only) raises AuthenticationError instead of MasterUnreachableError.
     """
 
     def __init__(
@@ -76,8 +88,12 @@ class MasterClient:
         *,
         config: Config | MasterSection | None = None,
         request_timeout_s: float | None = None,
+        cluster_key: ClusterKey | None = None,
     ) -> None:
-        section = config if isinstance(config, MasterSection) else Config.load(config).master
+        full = None if isinstance(config, MasterSection) else Config.load(config)
+        section = config if isinstance(config, MasterSection) else full.master  # type: ignore[union-attr]
+        # The key before anything is opened: an unreadable key file is a ConfigError at once.
+        self.cluster_key = cluster_key or (ClusterKey.from_config(full) if full is not None else ClusterKey.default())
         self.address = check_master_address(address or section.listen)
         self.request_timeout_s = section.request_timeout_s if request_timeout_s is None else request_timeout_s
         # The master's limits (master.max_request_bytes, master.max_batch): larger batches are
@@ -108,21 +124,25 @@ class MasterClient:
             # Replies are bounded too (a locate of max_batch keys with their replicas can
             # be a few times its request): anything larger is dropped unread.
             socket.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_request_bytes)
+            self.cluster_key.secure_client(socket)
+            watch = HandshakeWatch(socket)  # before connect: it must see the first handshake
             try:
                 socket.connect(self.address)
             except zmq.ZMQError as exc:  # an open socket would make close() hang in term()
                 socket.close(0)
+                watch.close()
                 raise errors.ConfigError(f"master address {self.address!r}: {exc}") from None
-            conn = _Connection(socket)
+            conn = _Connection(socket, watch)
             self._connections.add(conn)
             # When the thread ends its connection is collected; close the socket then.
             weakref.finalize(conn, socket.close, 0)
+            weakref.finalize(conn, watch.monitor.close, 0)
         self._local.conn = conn
         return conn
 
     def _discard(self, conn: _Connection) -> None:
         self._local.conn = None
-        conn.socket.close(linger=0)
+        conn.close()
 
     def call(self, op: str, body: Mapping[str, Any], *, timeout_s: float | None = None) -> Any:
         """Send one request and return the reply body (raises the error a reply names)."""
@@ -142,15 +162,29 @@ class MasterClient:
             raise errors.MasterUnreachableError(f"master at {self.address} is not accepting requests") from None
         socket = conn.socket
         while True:
-            # A blocking recv with a timeout costs one call; poll + recv would be two.
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             try:
                 if remaining_ms <= 0:
                     raise zmq.Again
-                socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
-                frame = socket.recv()
+                if conn.answered:
+                    # A blocking recv with a timeout costs one call; poll + recv would be two.
+                    socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                    frame = socket.recv()
+                else:  # the first reply: also watch the handshake, so a refused key fails fast
+                    try:
+                        got = recv_or_refused(socket, conn.watch, remaining_ms / 1000, "master", self.address,
+                                              self.cluster_key)
+                    except errors.AuthenticationError:
+                        self._discard(conn)
+                        raise
+                    if got is None:
+                        raise zmq.Again
+                    frame, conn.answered = got, True
             except zmq.Again:
+                refused = conn.watch.refused(settled=True)
                 self._discard(conn)
+                if refused:
+                    raise refused_error("master", self.address, self.cluster_key) from None
                 raise errors.MasterUnreachableError(
                     f"master at {self.address} did not answer {op} within {timeout:.3g} s"
                 ) from None
@@ -168,7 +202,7 @@ class MasterClient:
                 return
             self._closed = True
             for conn in list(self._connections):
-                conn.socket.close(linger=0)
+                conn.close()
         self._local = threading.local()
         # destroy(): a socket still open in some thread is closed rather than waited for forever.
         self._context.destroy(linger=0)
@@ -434,6 +468,7 @@ class Heartbeater:
         self.beats = 0            # replies received
         self.reregistrations = 0  # on_reregister calls that returned
         self.reachable = False    # did the last beat get a reply?
+        self._auth_warned = False
 
     def start(self) -> Heartbeater:
         self._thread.start()
@@ -472,6 +507,12 @@ class Heartbeater:
         except errors.MasterUnreachableError as exc:
             if self.reachable:
                 log.warning("node %s: heartbeat failed: %s", self.node_id[:8], exc)
+            self.reachable = False
+            return
+        except errors.AuthenticationError as exc:  # logged once per outage, not at every beat
+            if self.reachable or not self._auth_warned:
+                log.error("node %s: heartbeat refused: %s", self.node_id[:8], exc)
+            self._auth_warned = True
             self.reachable = False
             return
         except Exception:

@@ -36,6 +36,7 @@ from kvpool.config import Config
 from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader
 from kvpool.protocol import ReplicaRecord, replica_record
+from kvpool.security import ClusterKey, HandshakeWatch, recv_or_refused
 from kvpool.transfer import (PeerAddress, ProviderWouldBlock, PullClient, PullServer, ServeSource,
                              in_inline_provider, local_host_id)
 from tiers.base import Extent, Tier
@@ -98,12 +99,17 @@ class Node:
         self.node_id = uuid.uuid4().hex
         self.host_id = local_host_id()
         self.master_address = master_address
-        self.master = MasterClient(master_address, config=config)
+        self.cluster_key = ClusterKey.from_config(config)
+        self.master = MasterClient(master_address, config=config, cluster_key=self.cluster_key)
         # The provider only pins and takes a view (or hands nvme reads to a worker), so it
         # runs on the progress thread: a thread hand-off per pull costs ~50-140 us here.
+        # Every pull must carry a token the master (or a key holder) minted for this node; with
+        # node.port 0 there is no UCX sockaddr listener (ucxx binds those to every interface):
+        # peers reach this node by its worker address, over UCX transports kept on node.host.
         self.server = PullServer(self._provide, host=config.node.host, port=config.node.port,
                                  max_message=config.node.max_message, inline_provider=True,
-                                 name=f"kvpool-node-{self.node_id[:8]}")
+                                 name=f"kvpool-node-{self.node_id[:8]}", authorize=self._authorize,
+                                 listener=bool(config.node.port))
         self._events: queue.Queue[tuple[str, bytes, Any]] = queue.Queue()
         #: unpins that found the manager busy on the progress thread finish here
         self._unpinner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-unpin")
@@ -116,6 +122,7 @@ class Node:
         self._control.setsockopt(zmq.LINGER, 0)
         # A larger message is dropped unread (its peer disconnected), never buffered.
         self._control.setsockopt(zmq.MAXMSGSIZE, config.master.max_request_bytes)
+        self.cluster_key.secure_server(self._control)  # only holders of the cluster key are answered
         port = self._control.bind_to_random_port(f"tcp://{config.node.host}")
         self.control_address = f"tcp://{config.node.host}:{port}"
         self._replicator: PullClient | None = None
@@ -135,7 +142,8 @@ class Node:
         self._control_thread.start()
         self.register()
         self.heartbeater = Heartbeater(
-            lambda: MasterClient(self.master_address, config=self.config), self.node_id,
+            lambda: MasterClient(self.master_address, config=self.config, cluster_key=self.cluster_key),
+            self.node_id,
             self.config.master.heartbeat_ms / 1000.0, self.tier_state, self.register, self._on_delete,
         ).start()
         log.info("node %s serving pulls on %s:%d, control %s, master %s", self.node_id[:8],
@@ -267,6 +275,10 @@ class Node:
 
     # -- serving pulls ----------------------------------------------------------------
 
+    def _authorize(self, key: bytes, token: bytes) -> None:
+        """Refuse (AuthenticationError) a pull whose token was not minted for ``key`` on this node."""
+        self.cluster_key.check_token(token, key, self.node_id)
+
     def _provide(self, key: bytes, layer_range: LayerRange) -> ServeSource | None:
         # On the UCX progress thread the manager's lock is only tried: a demotion copying
         # under it must not stall every transfer; the transport retries on a worker.
@@ -355,7 +367,8 @@ class Node:
     def _puller(self) -> PullClient:
         with self._replicator_lock:
             if self._replicator is None:
-                self._replicator = PullClient(transport="auto", max_message=self.config.node.max_message)
+                self._replicator = PullClient(transport="auto", max_message=self.config.node.max_message,
+                                              host=self.config.node.host)
             return self._replicator
 
     def _replicate(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -370,6 +383,7 @@ class Node:
         raw_header, raw_source = body.get("header"), body.get("source")
         reservation, persistent = body.get("reservation"), body.get("persistent", False)
         replicas = body.get("replicas") or 1
+        token = body.get("token", b"")  # minted for the source node by the master or the writer
         if type(key) is not bytes or not 0 < len(key) <= self.config.pool.max_key_bytes:
             raise errors.ProtocolError(f"replicate: key must be 1..{self.config.pool.max_key_bytes} bytes")
         if type(raw_header) is not bytes or len(raw_header) > _MAX_CONTROL_HEADER_BYTES:
@@ -379,6 +393,8 @@ class Node:
         if type(reservation) is not int or type(replicas) is not int or replicas < 1 \
                 or type(persistent) is not bool:
             raise errors.ProtocolError("replicate: reservation (int), replicas (int >= 1), persistent (bool)")
+        if type(token) is not bytes or len(token) > 64:
+            raise errors.ProtocolError("replicate: token must be bytes (at most 64)")
         header = ObjectHeader.unpack(raw_header)
         source = NodeAddress.decode(raw_source).peer
         spec = header.spec
@@ -389,7 +405,8 @@ class Node:
                 f"replicate: object of {spec.payload_nbytes} bytes is larger than every tier here ({room})")
         payload = np.empty(spec.payload_nbytes, dtype=np.uint8)
         whole = LayerRange(0, spec.layers)
-        self._puller().pull_into(source, key, whole, payload, timeout_s=self.config.node.pull_timeout_s)
+        self._puller().pull_into(source, key, whole, payload, timeout_s=self.config.node.pull_timeout_s,
+                                 token=token)
         header.verify(whole, payload)
         if persistent:
             self.manager.put(key, spec, memoryview(payload), persistent=True)
@@ -408,20 +425,28 @@ class Node:
 
 
 def control_call(control: str, op: str, body: dict[str, Any], timeout_s: float,
-                 context: zmq.Context | None = None) -> Any:
-    """One request to a node's control socket (``replicate`` or ``stats``); raises the node's typed error."""
+                 context: zmq.Context | None = None, cluster_key: ClusterKey | None = None) -> Any:
+    """One request to a node's control socket (``replicate`` or ``stats``); raises the node's typed error.
+
+    Authenticates with ``cluster_key`` (default: the default key file); a node that
+    refuses it is AuthenticationError, as soon as the handshake fails.
+    """
+    key = cluster_key or ClusterKey.default()
     sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # a reply larger than this is dropped unread
+    key.secure_client(sock)
+    watch = HandshakeWatch(sock)
     request_id = secrets.randbits(62)
     try:
         sock.connect(control)
         sock.send(P.pack_control_request(request_id, op, body))
-        if not sock.poll(int(timeout_s * 1000)):
+        frame = recv_or_refused(sock, watch, timeout_s, "node control socket", control, key)
+        if frame is None:
             raise errors.KVTimeoutError(f"node {control} did not answer {op!r} within {timeout_s} s")
-        frame = sock.recv()
     finally:
         sock.close(0)
+        watch.close()
     try:
         return P.unpack_control_reply(frame, request_id)
     except errors.KVPoolError as exc:

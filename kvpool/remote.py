@@ -6,13 +6,28 @@ arena, else a UCX pull into the caller's buffer), checksum verification of
 every layer received, and the miss reasons. Used by the cluster client and
 by the operators' CLI; it does not talk to the master (callers locate and
 lease replicas first).
+
+What the master says is not trusted blindly (a wrong or hostile master must not
+crash or redirect a reader): every located replica and every node entry is
+checked before use (:func:`clean_replica`, :func:`clean_node_address`), and a bad
+one is a miss (``miss_malformed``) plus one log line, never an exception. Only
+regular files inside the allowed shared-memory directories (``allowed_dirs``:
+``/dev/shm``, the directory of this process's own cxl arena and
+``tiers.cxl.shared_dirs``) are ever mapped, opened non-blocking and without
+following a final symlink. Each replica carries the pull token the master
+minted for it; the location cache stops using a replica once its token expired.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import concurrent.futures
+import json
 import logging
+import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Mapping, Sequence
 
@@ -22,7 +37,8 @@ from kvpool import errors
 from kvpool.node import NodeAddress
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.protocol import LocatedReplica
-from kvpool.transfer import PullClient
+from kvpool.security import ClusterKey
+from kvpool.transfer import PeerAddress, PullClient, plausible_worker_address
 
 log = logging.getLogger("kvpool.remote")
 
@@ -30,17 +46,125 @@ _PARALLEL_PULLS = 8  # pulls of one get_many in flight at once
 
 OutView = Callable[[ObjectSpec, LayerRange, Any], "tuple[np.ndarray, memoryview]"]
 
+DEFAULT_SHARED_DIRS = ("/dev/shm",)
+_TOKEN_MARGIN_S = 1.0  # a cached replica whose token expires sooner is not used (locate again)
+_MAX_ID = 256
+_MAX_ADDRESS = 64 << 10
+_MAX_HEADER = 64 << 10
+_MAX_TOKEN = 64
+
+
+def shared_dirs_of(config: Any) -> tuple[str, ...]:
+    """The directories whose cxl arenas this process may map: /dev/shm, the directory of its own
+    configured arena, and ``tiers.cxl.shared_dirs`` (``:``-separated)."""
+    dirs = list(DEFAULT_SHARED_DIRS)
+    cxl = getattr(getattr(config, "tiers", None), "cxl", None)
+    own = getattr(cxl, "path", "") or ""
+    if own:
+        dirs.append(os.path.dirname(os.path.abspath(os.path.expanduser(own))))
+    extra = getattr(cxl, "shared_dirs", "") or ""
+    dirs += [os.path.expanduser(d) for d in str(extra).split(":") if d]
+    return tuple(dirs)
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def clean_location(raw: Any) -> dict[str, Any] | None:
+    """A cxl location ``{path, offset, instance?, ...}`` with sane types, or None."""
+    if not isinstance(raw, dict):
+        return None
+    path, offset, instance = raw.get("path"), raw.get("offset"), raw.get("instance")
+    if not isinstance(path, str) or not 0 < len(path) <= 4096 or "\0" in path:
+        return None
+    if not _is_int(offset) or not 0 <= offset < 1 << 62:
+        return None
+    if instance is not None and not (isinstance(instance, (str, bytes)) and len(instance) <= 256):
+        return None
+    return {**raw, "path": path, "offset": offset}
+
+
+def clean_node_address(text: Any) -> NodeAddress | None:
+    """A node address string from the master, decoded and checked, or None."""
+    if not isinstance(text, str) or len(text) > _MAX_ADDRESS:
+        return None
+    try:
+        data = json.loads(text)
+        host, port = data["ucx"]
+        worker = base64.b64decode(data["worker"], validate=True)
+        host_id, control, arena = data["host_id"], data["control"], data.get("arena")
+    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
+        return None
+    if not isinstance(host, str) or not 0 < len(host) <= 255 or not _is_int(port) or not 0 <= port < 65536:
+        return None
+    if worker and not plausible_worker_address(worker):
+        return None
+    if not isinstance(host_id, str) or len(host_id) > 1024 or not isinstance(control, str) \
+            or len(control) > 1024:
+        return None
+    if arena is not None and not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
+                                  and isinstance(arena.get("instance"), str) and len(arena["instance"]) <= 256
+                                  and 0 < len(arena["path"]) <= 4096):
+        return None
+    return NodeAddress(PeerAddress(host, port, worker, host_id), control, arena)
+
+
+def clean_replica(raw: Any) -> LocatedReplica | None:
+    """A located replica with every field the reader uses checked (types, bounds), or None."""
+    if not isinstance(raw, dict):
+        return None
+    node_id, address, host_id = raw.get("node_id"), raw.get("address"), raw.get("host_id", "")
+    tier, header, token = raw.get("tier", ""), raw.get("header"), raw.get("token", b"")
+    location = raw.get("location")
+    if not isinstance(node_id, str) or not 0 < len(node_id) <= _MAX_ID:
+        return None
+    if not isinstance(host_id, str) or len(host_id) > 1024 or not isinstance(tier, str) or len(tier) > 64:
+        return None
+    if not isinstance(header, bytes) or len(header) > _MAX_HEADER:
+        return None
+    if not isinstance(token, bytes) or len(token) > _MAX_TOKEN:
+        return None
+    if clean_node_address(address) is None:
+        return None
+    if location:
+        location = clean_location(location)
+        if location is None:
+            return None
+    return {**raw, "node_id": node_id, "address": address, "host_id": host_id, "tier": tier,
+            "header": header, "token": token, "location": location or {}}  # type: ignore[typeddict-item]
+
+
+def replicas_at(located: Any, index: int) -> Any:
+    """``located.replicas[index]`` of a master reply, or None when the reply has no such entry."""
+    replicas = getattr(located, "replicas", None)
+    if not isinstance(replicas, list) or not 0 <= index < len(replicas):
+        return None
+    return replicas[index]
+
+
+def alive_nodes_of(master_stats: Any) -> set[str] | None:
+    """Node ids the master's stats list as alive; None when the stats are unreadable."""
+    nodes = master_stats.get("nodes") if isinstance(master_stats, dict) else None
+    if not isinstance(nodes, dict):
+        return None
+    return {nid for nid, node in nodes.items() if isinstance(nid, str) and isinstance(node, dict)
+            and node.get("alive") is True}
+
 
 class ReplicaReader:
     """Reads layer ranges from located replicas; never returns unverified bytes."""
 
     def __init__(self, host_id: str, *, node_id: str | None = None, transport: str = "auto",
                  max_message: int = 16 << 20, pull_timeout_s: float = 10.0,
-                 location_cache_size: int = 0) -> None:
+                 location_cache_size: int = 0, allowed_dirs: Sequence[str] | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
-        self.puller = PullClient(transport=transport, max_message=max_message)
+        #: only arenas that are regular files directly or deeper inside these are mapped
+        self.allowed_dirs = tuple(os.path.realpath(d) for d in (allowed_dirs or DEFAULT_SHARED_DIRS))
+        self.puller = PullClient(transport=transport, max_message=max_message, host=host)
         self.counters: Counter[str] = Counter()
         self._cxl_readers: dict[tuple[str, str], Any] = {}
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
@@ -54,20 +178,45 @@ class ReplicaReader:
 
     # -- same-host arenas, found by key without the master ----------------------------
 
+    def allowed_path(self, path: str) -> str | None:
+        """``path`` resolved, if it lies inside one of :attr:`allowed_dirs`; else None (logged)."""
+        try:
+            real = os.path.realpath(path)
+        except (OSError, ValueError):
+            real = ""
+        for folder in self.allowed_dirs:
+            if real.startswith(folder.rstrip("/") + "/"):
+                return real
+        log.warning("refusing to map %.300r: not inside the allowed shared-memory directories %s",
+                    path, self.allowed_dirs)
+        self.counters["refused_paths"] += 1
+        return None
+
     def refresh_neighbours(self, master_stats: Mapping[str, Any]) -> None:
         """Map the cxl arenas of live nodes on this host; forget the ones gone."""
         from tiers.cxl import CxlArenaReader
 
         wanted: dict[str, dict[str, str]] = {}
-        for node_id, node in master_stats.get("nodes", {}).items():
-            if node_id == self.node_id or not node.get("alive") or node.get("host_id") != self.host_id:
+        nodes = master_stats.get("nodes") if isinstance(master_stats, dict) else None
+        if not isinstance(nodes, dict):
+            log.warning("master stats without a readable node list: %.200r", master_stats)
+            nodes = {}
+        for node_id, node in nodes.items():
+            if not isinstance(node_id, str) or not isinstance(node, dict):
+                self.counters["bad_records"] += 1
                 continue
-            try:
-                arena = NodeAddress.decode(node["address"]).arena
-            except errors.ProtocolError:
+            if node_id == self.node_id or node.get("alive") is not True or node.get("host_id") != self.host_id:
                 continue
+            address = clean_node_address(node.get("address"))
+            if address is None:
+                self.counters["bad_records"] += 1
+                log.warning("master lists node %.64s with an unreadable address", node_id)
+                continue
+            arena = address.arena
             if arena:
-                wanted[node_id] = arena
+                path = self.allowed_path(arena["path"])
+                if path is not None:
+                    wanted[node_id] = {**arena, "path": path}
         with self._lock:
             for node_id in list(self._neighbours):
                 reader = self._neighbours[node_id]
@@ -103,8 +252,28 @@ class ReplicaReader:
             return arr
         return None
 
+    def clean(self, replicas: Any) -> list[LocatedReplica]:
+        """The well-formed replicas of a master's answer (see :func:`clean_replica`); each bad
+        one is counted (``bad_records``) and logged once."""
+        if replicas is None:
+            return []
+        if not isinstance(replicas, list):
+            self.counters["bad_records"] += 1
+            log.warning("master sent replicas that are not a list: %.200r", replicas)
+            return []
+        good = []
+        for raw in replicas[:1024]:
+            replica = clean_replica(raw)
+            if replica is None:
+                self.counters["bad_records"] += 1
+                log.warning("ignoring a malformed replica record from the master: %.200r", raw)
+                continue
+            good.append(replica)
+        return good
+
     def ordered(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
         """Same-host replicas first (no network), ``cxl`` first among them; never this node's own."""
+        replicas = self.clean(replicas)
         others = [r for r in replicas if self.node_id is None or r.get("node_id") != self.node_id]
         return sorted(others, key=lambda r: (r.get("host_id") != self.host_id, r.get("tier") != "cxl"))
 
@@ -118,6 +287,10 @@ class ReplicaReader:
         """
         if not replicas:
             self.counters["miss_absent"] += 1
+            return None
+        replicas = self.clean(replicas)
+        if not replicas:
+            self.counters["miss_malformed"] += 1
             return None
         failed: set[str] = set()
         arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=True,
@@ -138,8 +311,17 @@ class ReplicaReader:
             replicas = self._locations.get(key)
         if replicas is None:
             return None
+        # A replica whose token is about to expire would be refused: ask the master again.
+        soon = time.time() + _TOKEN_MARGIN_S
+        current = [r for r in replicas if ClusterKey.token_expiry_s(r.get("token", b"")) > soon]
+        if not current:
+            with self._lock:
+                if self._locations.get(key) is replicas:
+                    del self._locations[key]
+            self.counters["location_cache_expired"] += 1
+            return None
         failed: set[str] = set()
-        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=False,
+        arr = self._first_intact(key, self.ordered(current), layers, out, out_view, count_misses=False,
                                  failed=failed)
         if arr is None:
             with self._lock:
@@ -150,7 +332,7 @@ class ReplicaReader:
             if failed:  # a holder that failed once is not asked first again: it costs a deadline
                 with self._lock:
                     if self._locations.get(key) is replicas:
-                        self._locations[key] = [r for r in replicas if r.get("node_id") not in failed]
+                        self._locations[key] = [r for r in current if r.get("node_id") not in failed]
         return arr
 
     def forget(self, key: bytes) -> None:
@@ -214,9 +396,17 @@ class ReplicaReader:
                 reason = "checksum"
             except errors.KVTimeoutError:
                 reason = "timeout"
+            except errors.AuthenticationError as exc:  # the holder refused the token: never data
+                log.info("replica of %s on %s refused the pull: %s", key.hex(), replica.get("node_id"), exc)
+                reason = "unauthorized"
             except (errors.TransferError, errors.FormatError, errors.TierError) as exc:
                 log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
                 reason = "holder_gone"
+            except (ValueError, TypeError, KeyError, IndexError, OverflowError, errors.KVPoolError) as exc:
+                # what the master said about this replica does not add up (header, location)
+                log.warning("replica of %s on %s is malformed: %s: %.200s", key.hex(), replica.get("node_id"),
+                            type(exc).__name__, exc)
+                reason = "malformed"
             if failed is not None:
                 failed.add(str(replica.get("node_id")))
             if count_misses:
@@ -239,6 +429,9 @@ class ReplicaReader:
     def read_into(self, key: bytes, replica: LocatedReplica, header: ObjectHeader,
                   layer_range: LayerRange, buf: memoryview) -> None:
         """Fill ``buf`` with verified layers from one replica, or raise."""
+        replica = clean_replica(replica)  # type: ignore[assignment]
+        if replica is None:
+            raise errors.TransferError("malformed replica record")
         location = replica.get("location") or {}
         if replica.get("host_id") == self.host_id and replica.get("tier") == "cxl" and location:
             try:
@@ -248,20 +441,24 @@ class ReplicaReader:
                 return
             except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
                 log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
-        peer = NodeAddress.decode(replica["address"]).peer
-        self.puller.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
-                              alive=lambda: self.holder_alive(replica))
+        address = clean_node_address(replica["address"])
+        assert address is not None  # clean_replica checked it
+        self.puller.pull_into(address.peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
+                              alive=lambda: self.holder_alive(replica), token=replica.get("token", b""))
         header.verify(layer_range, buf)
         self.counters["pulls"] += 1
 
     def _cxl_reader(self, location: Mapping[str, Any]) -> Any:
         from tiers.cxl import CxlArenaReader
 
-        ident = (str(location["path"]), str(location.get("instance", "")))
+        path = self.allowed_path(str(location["path"]))
+        if path is None:
+            raise errors.TierError(f"cxl: {str(location['path'])[:300]!r} is outside the allowed directories")
+        ident = (path, str(location.get("instance", "")))
         with self._lock:
             reader = self._cxl_readers.get(ident)
             if reader is None:
-                reader = self._cxl_readers[ident] = CxlArenaReader.from_location(dict(location))
+                reader = self._cxl_readers[ident] = CxlArenaReader.from_location({**location, "path": path})
             return reader
 
     def stats(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import secrets
@@ -102,21 +103,26 @@ def _read_secret(path: Path) -> bytes:
 def load_or_create(path: str | os.PathLike[str] | None) -> bytes:
     """The secret in ``path`` (default :func:`default_key_file`), created there if absent."""
     path = Path(path).expanduser() if path else default_key_file()
-    if not path.exists():
-        try:
-            keygen(path)
-            log.info("created cluster key %s (copy it to every host of this cluster)", path)
-        except errors.ConfigError:
-            pass  # another process created it first: read theirs
+    try:
+        if not path.exists():
+            try:
+                keygen(path)
+                log.info("created cluster key %s (copy it to every host of this cluster)", path)
+            except errors.ConfigError:
+                pass  # another process created it first: read theirs
+    except OSError as exc:  # e.g. a directory on the way this user may not enter: one line, no traceback
+        raise errors.ConfigError(f"security.key_file: cannot use {path}: {exc.strerror}") from None
     return _read_secret(path)
 
 
 class ClusterKey:
     """The secret, or nothing (``auth`` off): derives CURVE key pairs and pull tokens."""
 
-    def __init__(self, secret: bytes | None, *, token_ttl_s: float = 30.0) -> None:
+    def __init__(self, secret: bytes | None, *, token_ttl_s: float = 30.0, source: str = "") -> None:
         self.secret = secret
         self.token_ttl_s = token_ttl_s
+        #: where the secret came from (a key file path), for messages; never the secret
+        self.source = source
         self._token_key = self._derive(b"pull-token") if secret else b""
 
     @classmethod
@@ -126,9 +132,23 @@ class ClusterKey:
             return cls(None, token_ttl_s=section.token_ttl_s)
         return _cached(section.key_file, section.token_ttl_s)
 
+    @classmethod
+    def default(cls) -> ClusterKey:
+        """The key of a default config (``security.key_file`` default, created on first use):
+        what a component built without a Config uses."""
+        from kvpool.config import Config
+
+        return cls.from_config(Config.load(None))
+
     @property
     def enabled(self) -> bool:
         return self.secret is not None
+
+    def describe(self) -> str:
+        """Which key this is, for logs and errors (the key file, never the secret)."""
+        if not self.enabled:
+            return "no cluster key (security.auth = false: UNAUTHENTICATED)"
+        return f"cluster key file {self.source}" if self.source else "an explicit cluster key"
 
     def _derive(self, label: bytes) -> bytes:
         assert self.secret is not None
@@ -203,8 +223,9 @@ def _cached(key_file: str, token_ttl_s: float) -> ClusterKey:
     with _CACHE_LOCK:
         found = _CACHE.get((key_file, token_ttl_s))
         if found is None:
-            found = _CACHE[(key_file, token_ttl_s)] = ClusterKey(load_or_create(key_file or None),
-                                                                 token_ttl_s=token_ttl_s)
+            path = Path(key_file).expanduser() if key_file else default_key_file()
+            found = _CACHE[(key_file, token_ttl_s)] = ClusterKey(load_or_create(path), token_ttl_s=token_ttl_s,
+                                                                 source=str(path))
         return found
 
 
@@ -248,3 +269,105 @@ def stop_authenticator(context: zmq.Context[Any]) -> None:
         auth = _AUTHENTICATORS.pop(id(context), None)
     if auth is not None:
         auth.stop()
+
+
+# -- telling "refused our key" from "nobody answers" ------------------------------------------
+
+_MONITOR_IDS = itertools.count()
+_HANDSHAKE_FAILED = ("EVENT_HANDSHAKE_FAILED_NO_DETAIL", "EVENT_HANDSHAKE_FAILED_PROTOCOL",
+                     "EVENT_HANDSHAKE_FAILED_AUTH")
+
+
+class HandshakeWatch:
+    """Watches the ZeroMQ handshakes of one client socket (a socket monitor).
+
+    A server that holds another key, or that wants CURVE from a client without
+    one (or the reverse), never completes the handshake; a request on it would
+    just time out. What the client sees (libzmq 4.3): its connection closed
+    right after connecting (``EVENT_HANDSHAKE_FAILED_NO_DETAIL``, EPIPE), again
+    at every reconnect; or, when it reads the server's greeting first,
+    ``EVENT_HANDSHAKE_FAILED_PROTOCOL`` with ZMTP_MECHANISM_MISMATCH (after
+    which libzmq stops reconnecting); or a ZAP denial
+    (``EVENT_HANDSHAKE_FAILED_AUTH``). A dead address produces no handshake
+    event at all. :meth:`refused` tells the two apart. Reading the monitor costs nothing on the request path: callers
+    look only while they wait for a first reply or after a timeout.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        import zmq
+
+        mask = zmq.EVENT_HANDSHAKE_SUCCEEDED
+        for name in _HANDSHAKE_FAILED:
+            mask |= getattr(zmq, name)
+        self._failed_mask = mask & ~zmq.EVENT_HANDSHAKE_SUCCEEDED
+        self._denied = zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        self._protocol = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        # Protocol errors that mean "not our key / not our mechanism" (not a garbled stream).
+        self._auth_protocol_errors = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH,
+                                      zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC,
+                                      zmq.PROTOCOL_ERROR_ZMTP_KEY_EXCHANGE}
+        # A name of its own: pyzmq's default names the socket's fd, which a socket opened right
+        # after this one closes may reuse before the old monitor endpoint is gone (EADDRINUSE).
+        address = f"inproc://kvpool-handshake-{os.getpid()}-{next(_MONITOR_IDS)}"
+        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(mask, addr=address)
+        self.failures = 0       # handshakes failed since the last one that succeeded
+        self.denied = False     # a decisive refusal: a ZAP denial or a mechanism/crypto mismatch
+        self.succeeded = False  # the last handshake succeeded
+
+    def update(self) -> None:
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:  # zmq.Again (nothing more), or the monitor is closed
+                return
+            message = parse_monitor_message(frames)
+            event = message["event"]
+            if event & self._failed_mask:
+                self.failures += 1
+                self.succeeded = False
+                self.denied = self.denied or bool(event & self._denied) or bool(
+                    event & self._protocol and int(message["value"]) in self._auth_protocol_errors)
+            else:
+                self.failures, self.denied, self.succeeded = 0, False, True
+
+    def refused(self, *, settled: bool = False) -> bool:
+        """True when the peer refuses our key: a decisive refusal, or failed handshakes and none
+        succeeding since (two in a row while still waiting; one once the wait is over)."""
+        self.update()
+        return self.denied or self.failures >= (1 if settled else 2)
+
+    def close(self) -> None:
+        self.monitor.close(0)
+
+
+def refused_error(what: str, address: str, key: ClusterKey | None) -> errors.AuthenticationError:
+    mine = key.describe() if key is not None else "no cluster key"
+    return errors.AuthenticationError(
+        f"{what} at {address} refused the connection: authentication failed (this process uses {mine}; "
+        f"the server holds another cluster key, or security.auth differs)")
+
+
+def recv_or_refused(sock: zmq.Socket[Any], watch: HandshakeWatch, timeout_s: float, what: str, address: str,
+                    key: ClusterKey | None) -> bytes | None:
+    """The next message on ``sock`` within ``timeout_s``, None at the deadline; raises
+    AuthenticationError as soon as the peer is seen refusing our key (also at the deadline)."""
+    import zmq
+
+    deadline = time.monotonic() + timeout_s
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(watch.monitor, zmq.POLLIN)
+    while True:
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0:
+            if watch.refused(settled=True):
+                raise refused_error(what, address, key)
+            return None
+        ready = dict(poller.poll(min(remaining_ms, 100)))
+        if sock in ready:
+            return sock.recv(zmq.NOBLOCK)
+        if watch.refused():
+            raise refused_error(what, address, key)

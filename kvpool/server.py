@@ -22,8 +22,16 @@ log = logging.getLogger("kvpool.server")
 
 def serve(config: Config, role: str, stop: threading.Event) -> int:
     """Run ``role`` until ``stop`` is set; returns the exit status."""
+    from kvpool import errors
     from kvpool.master_client import MasterClient
+    from kvpool.security import ClusterKey
 
+    try:
+        cluster_key = ClusterKey.from_config(config)  # created on first use; an unreadable one stops here
+    except errors.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    log.info("authenticating with %s", cluster_key.describe())
     with ExitStack() as stack:
         master_client = stack.enter_context(MasterClient(config.master.listen, config=config))
         if role in ("master", "all"):

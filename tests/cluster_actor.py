@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -34,7 +35,9 @@ def content(i: int) -> np.ndarray:
 def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int, dram: str = "4MiB") -> Config:
     return Config.load({
         "pool": {"name": name, "data_dir": data_dir},
-        "tiers": {"dram": {"capacity": dram, "mlock": False}, "cxl": {"capacity": "4MiB", "path": f"{data_dir}/cxl"},
+        "tiers": {"dram": {"capacity": dram, "mlock": False}, "cxl": {"capacity": "4MiB", "path": f"{data_dir}/cxl",
+                                                                    # every actor's arena lives beside ours
+                                                                    "shared_dirs": os.path.dirname(data_dir)},
                   "nvme": {"capacity": "16MiB", "segment_size": "8MiB"}},
         "master": {"listen": master, "heartbeat_ms": heartbeat_ms, "request_timeout_s": 3.0},
         "node": {"pull_timeout_s": 3.0},

@@ -33,10 +33,10 @@ class Cluster:
         self.client = MasterClient(self.master_address, request_timeout_s=2.0)
         self.master: ChildProcess | None = None
 
-    def start_master(self) -> ChildProcess:
+    def start_master(self, dead_after_missed: int = 3) -> ChildProcess:
         self.master = self.spawn(
             ["-m", "kvpool.daemon", "--role", "master", "--master.listen", self.master_address,
-             "--master.heartbeat_ms", str(HEARTBEAT_MS), "--master.dead_after_missed", "3"],
+             "--master.heartbeat_ms", str(HEARTBEAT_MS), "--master.dead_after_missed", str(dead_after_missed)],
             ready=lambda: self.client.ping(timeout_s=0.5), timeout_s=30)
         return self.master
 
@@ -243,9 +243,12 @@ def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
     import zmq
 
     cluster.start_master()
+    from kvpool.security import ClusterKey
+
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    ClusterKey.default().secure_client(sock)  # garbage from a key holder: past authentication
     try:
         sock.connect(cluster.master_address)
         for junk in (b"", b"\xff\x00garbage", b"\x93\x01\x02\x03", b"x" * 10000):

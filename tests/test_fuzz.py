@@ -264,7 +264,8 @@ def test_control_reply_errors_map_to_kvpool_types() -> None:
 
 def _valid_request_frame(key: bytes = b"some-key", with_address: bool = False) -> bytearray:
     address = bytes([0x01]) + b"\x05" * 40 if with_address else b""
-    pull = SimpleNamespace(key=key, request_id=5, layer_range=LayerRange(0, 4), out=SimpleNamespace(nbytes=1 << 20))
+    pull = SimpleNamespace(key=key, request_id=5, layer_range=LayerRange(0, 4), out=SimpleNamespace(nbytes=1 << 20),
+                           token=b"t" * 48)
     frame = T._pack_request(1, 2, pull, 1 << 20, address)  # type: ignore[arg-type]
     buf = bytearray(T._REQUEST_BUFFER_NBYTES)  # what the server receives into: a fixed-size buffer
     buf[:len(frame)] = frame[:T._REQUEST_BUFFER_NBYTES]
@@ -281,6 +282,7 @@ def check_request_frame(frame: bytes) -> None:
             return
     assert 0 < len(request.key) <= T._MAX_KEY_BYTES
     assert len(request.reply_address) <= T._MAX_ADDRESS_BYTES
+    assert len(request.token) <= T._MAX_TOKEN_BYTES
     assert request.max_chunk > 0 and request.layer_range.start < request.layer_range.stop
 
 
@@ -295,7 +297,8 @@ def check_status_frame(frame: bytes) -> None:
 
 
 def test_valid_frames_parse() -> None:
-    assert T._parse_request(_valid_request_frame()).key == b"some-key"
+    request = T._parse_request(_valid_request_frame())
+    assert (request.key, request.token) == (b"some-key", b"t" * 48)
     assert T._parse_status(T._pack_status(5, T.STATUS_OK, 100, 64, "fine"), 5) == (T.STATUS_OK, 100, 64, "fine")
     buf = bytearray(T._STATUS_BUFFER_NBYTES)
     frame = T._pack_status(5, T.STATUS_OK, 100, 64, "x")

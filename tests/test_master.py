@@ -23,6 +23,7 @@ from kvpool import protocol as P
 from kvpool.hashing import prefix_hashes
 from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import ObjectSpec
+from kvpool.security import ClusterKey
 from tests.conftest import ChildProcess, free_tcp_port, python_process, wait_for
 
 MiB = 1 << 20
@@ -495,6 +496,7 @@ def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALE
     ctx = zmq.Context.instance()
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.LINGER, 0)
+    ClusterKey.default().secure_client(sock)  # the master answers only holders of the cluster key
     try:
         sock.connect(address)
         sock.send_multipart(frames)
@@ -585,6 +587,7 @@ class FakeStorage:
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        ClusterKey.default().secure_server(self.socket)  # as a node's control socket
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.requests: list[dict[str, Any]] = []
         self.fail = False

@@ -224,7 +224,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for index, tier in enumerate(self.manager.tiers):
             assert tier.used_bytes <= tier.capacity_bytes
             live = sum(tier.allocated_size(e.header.spec.total_nbytes)
-                       for e in self.manager._index.values() if e.tier == index)
+                       for e in self.manager._index.values()
+                       if e.tier == index or (e.backing is not None and e.backing[0] == index))
             doomed = sum(tier.allocated_size(e.header.spec.total_nbytes)
                          for e in pinned_doomed.values() if e.tier == index)
             assert tier.used_bytes == live + doomed

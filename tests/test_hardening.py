@@ -1,0 +1,199 @@
+"""Pull tokens, loopback-only listeners, and untrusted master metadata (issue "Authenticated by
+default, bounded everywhere")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from kvpool import errors
+from kvpool.config import Config
+from kvpool.node import NodeAddress
+from kvpool.objformat import ObjectHeader, encode
+from kvpool.pool import Pool
+from kvpool.remote import ReplicaReader, alive_nodes_of
+from kvpool.security import ClusterKey
+from kvpool.transfer import PeerAddress, local_host_id
+from tests.conftest import ChildProcess, free_tcp_port
+
+SHAPE = (2, 2, 4, 2, 8)
+
+
+def listeners_of(pid: int) -> list[str]:
+    """Local addresses pid listens on (TCP, v4 and v6), from ``ss -ltnp``."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=10).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+
+
+def only_loopback(addresses: list[str]) -> bool:
+    return all(a.rsplit(":", 1)[0] in ("127.0.0.1", "[::1]") for a in addresses)
+
+
+def test_default_daemon_and_its_clients_listen_only_on_loopback(
+        tmp_path: Path, spawn_python: Callable[..., ChildProcess]) -> None:
+    import kvpool
+
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    log = tmp_path / "daemon.log"
+    daemon = spawn_python(["-m", "kvpool.daemon", "--pool.data_dir", str(tmp_path / "d"),
+                           "--tiers.cxl.path", str(tmp_path / "d" / "cxl"), "--tiers.dram.mlock", "false",
+                           "--master.listen", master, "--metrics.port", str(free_tcp_port())],
+                          log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60)
+    config = Config.load({"pool": {"name": "w", "data_dir": str(tmp_path / "w")},
+                          "tiers": {"dram": {"capacity": "4MiB", "mlock": False}, "cxl": {"capacity": 0},
+                                    "nvme": {"capacity": 0}},
+                          "master": {"listen": master}})
+    pool = kvpool.connect(master, config=config)
+    try:
+        kv = np.ones(SHAPE, np.float16)
+        pool.put(b"loopback-key", kv, durable=True)  # the daemon pulls a copy from this process
+        located = pool._master.locate(b"loopback-key")
+        theirs = [r for r in located.replicas[0] if r["node_id"] != pool.node_id]
+        assert theirs, located
+        for transport in ("tcp", "auto"):  # and this process pulls it back from the daemon
+            reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0)
+            try:
+                got = reader.read(b"loopback-key", theirs, None, None, Pool._out_view)
+                assert got is not None and np.array_equal(got, kv), reader.counters
+            finally:
+                reader.close()
+        daemon_listens, own_listens = listeners_of(daemon.pid), listeners_of(os.getpid())
+        assert daemon_listens and only_loopback(daemon_listens), daemon_listens
+        assert only_loopback(own_listens), own_listens
+    finally:
+        pool.close()
+        daemon.stop()
+
+
+def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
+    cluster.start_master()
+    cluster.start_node("storage")
+    writer = cluster.connect("writer")
+    try:
+        kv = np.arange(np.prod(SHAPE), dtype=np.float16).reshape(SHAPE)
+        writer.put(b"token-key", kv, durable=True)  # replication pulls carry the writer's token
+        replicas = cluster.client.locate(b"token-key").replicas[0]
+        by_node = {r["node_id"]: r for r in replicas}
+        stored = next(r for nid, r in by_node.items() if nid != writer.node_id)
+        assert len(stored["token"]) == 24
+        key = ClusterKey.default()
+        cases = {
+            "no token": b"",
+            "another node's token": by_node[writer.node_id]["token"],
+            "another key's token": key.mint_token(b"other-key", stored["node_id"]),
+            "expired": key.mint_token(b"token-key", stored["node_id"], now=time.time() - 3600),
+            "garbage": os.urandom(24),
+        }
+        for transport in ("tcp", "auto"):
+            reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0)
+            try:
+                got = reader.read(b"token-key", [stored], None, None, Pool._out_view)
+                assert got is not None and np.array_equal(got, kv)
+                for what, token in cases.items():
+                    assert reader.read(b"token-key", [{**stored, "token": token}], None, None,
+                                       Pool._out_view) is None, what
+                assert reader.counters["miss_unauthorized"] == len(cases), reader.counters
+                with pytest.raises(errors.AuthenticationError):
+                    peer = NodeAddress.decode(stored["address"]).peer
+                    reader.puller.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
+            finally:
+                reader.close()
+        # the location cache drops a replica whose token expired: locate again
+        remembered = ReplicaReader(local_host_id(), pull_timeout_s=5.0, location_cache_size=8)
+        try:
+            stale = {**stored, "token": key.mint_token(b"token-key", stored["node_id"], now=time.time() - 29.5)}
+            assert remembered.read(b"token-key", [stale], None, None, Pool._out_view) is not None
+            assert remembered.read_cached(b"token-key", None, None, Pool._out_view) is None
+            assert remembered.counters["location_cache_expired"] == 1
+        finally:
+            remembered.close()
+        # the neighbours thread survives garbage from the master
+        writer._master.stats = lambda *a, **k: {"nodes": [1, 2, {"x": None}]}  # type: ignore[method-assign]
+        time.sleep(1.0)
+        writer._master.stats = lambda *a, **k: None  # type: ignore[method-assign]
+        time.sleep(1.0)
+        assert writer._neighbours_thread is not None and writer._neighbours_thread.is_alive()
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+def reader(tmp_path: Path) -> Any:
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    reader = ReplicaReader(local_host_id(), transport="tcp", pull_timeout_s=2.0, allowed_dirs=[str(shared)])
+    yield reader, shared
+    reader.close()
+
+
+def test_garbage_from_the_master_is_a_miss_never_an_exception(reader: Any, tmp_path: Path) -> None:
+    reader, shared = reader
+    key = b"garbage-key"
+    header = ObjectHeader.unpack(encode(np.zeros(SHAPE, np.float16), key)).pack()
+    os.mkfifo(shared / "fifo")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"\0" * 8192)
+    (shared / "link").symlink_to(outside)
+    (shared / "dir").mkdir()
+    (shared / "short").write_bytes(b"x")
+    address = NodeAddress(PeerAddress("127.0.0.1", 0, b"", reader.host_id), "tcp://127.0.0.1:1").encode()
+    good = {"node_id": "n1", "address": address, "host_id": reader.host_id, "tier": "cxl",
+            "header": header, "token": b"", "location": {"path": str(shared / "fifo"), "offset": 0}}
+
+    def loc(**fields: Any) -> dict[str, Any]:
+        return {**good, "location": {**good["location"], **fields}}
+
+    bad_addresses = ["not json", json.dumps({"ucx": ["127.0.0.1", 1], "worker": "!!!", "host_id": "",
+                                             "control": ""}),
+                     json.dumps({"ucx": ["127.0.0.1", "x"], "worker": "", "host_id": "", "control": ""}),
+                     json.dumps({"ucx": ["127.0.0.1", 1, 2], "worker": "", "host_id": "", "control": ""}),
+                     json.dumps({"ucx": ["127.0.0.1", 1e300], "worker": "", "host_id": "", "control": ""}),
+                     json.dumps({"ucx": [None, 1], "worker": "", "host_id": "", "control": ""}),
+                     json.dumps({"ucx": ["h", 1], "worker": "AAAA", "host_id": "", "control": "",
+                                 "arena": "x"}),
+                     json.dumps([1, 2]), "[" * 100000, 5, None, b"bytes"]
+    replicas: list[Any] = [
+        good, loc(path=str(shared / "link")), loc(path=str(outside)), loc(path=str(shared / "dir")),
+        loc(path=str(shared / "short")), loc(path=str(shared / ".." / "outside")), loc(path="/etc/passwd"),
+        loc(offset=-1), loc(offset=2 ** 70), loc(offset=True), loc(offset="0"), loc(path=7), loc(path="a\0b"),
+        loc(instance=[1]), {**good, "location": [1, 2]}, {**good, "location": "str"}, {**good, "location": 5},
+        {**good, "header": "str"}, {**good, "header": b"garbage"}, {**good, "header": None},
+        {**good, "token": "str"}, {**good, "token": b"t" * 1000}, {**good, "node_id": 5},
+        {**good, "host_id": None}, {**good, "tier": 3},
+        *[{k: v for k, v in good.items() if k != missing} for missing in ("node_id", "address", "header")],
+        *[{**good, "address": a, "location": {}} for a in bad_addresses],
+        None, 5, "x", [], {},
+    ]
+    results: list[Any] = []
+
+    def run() -> None:
+        for one in replicas:
+            results.append(reader.read(key, [one], None, None, Pool._out_view))
+        for many in ({"a": 1}, "str", 7, [None, 1.5], replicas):
+            results.append(reader.read(key, many, None, None, Pool._out_view))
+        for stats in (None, [], {"nodes": []}, {"nodes": {"a": 5}}, {"nodes": {5: {}}},
+                      *[{"nodes": {"n1": {"alive": True, "host_id": reader.host_id, "address": r.get("address")}}}
+                        for r in replicas if isinstance(r, dict)],
+                      *[{"nodes": {"n2": {"alive": True, "host_id": reader.host_id, "address": NodeAddress(
+                          PeerAddress("127.0.0.1", 0), "", {"path": p, "instance": "00"}).encode()}}}
+                        for p in (str(shared / "fifo"), str(shared / "link"), str(outside), "/etc/passwd")]):
+            reader.refresh_neighbours(stats)  # type: ignore[arg-type]
+            results.append(alive_nodes_of(stats))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)  # a FIFO opened blocking would hang here
+    assert not thread.is_alive(), "a read hung on a crafted record"
+    n = len(replicas) + 5
+    assert len(results) == n + len(results[n:]) and all(r is None for r in results[:n]), results[:n]
+    assert not reader._neighbours and not reader._cxl_readers
+    assert reader.counters["bad_records"] > 0 and reader.counters["refused_paths"] > 0, reader.counters
+    assert alive_nodes_of({"nodes": {"a": {"alive": True}, "b": {"alive": 1}, "c": 5}}) == {"a"}
