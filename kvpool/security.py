@@ -28,6 +28,7 @@ every check passes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import itertools
@@ -62,17 +63,34 @@ def default_key_file() -> Path:
 
 
 def keygen(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-    """Write a new random cluster secret to ``path`` (mode 0600, parent 0700)."""
+    """Write a new random cluster secret to ``path`` (mode 0600, parent 0700).
+
+    The key is written to a private temporary file and then linked into place, so a process
+    that finds ``path`` always finds a whole key (many processes start at once on a fresh
+    host, and each may be the first to need it)."""
     path = Path(path).expanduser()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if overwrite else os.O_EXCL)
+    if not overwrite and os.path.lexists(path):
+        raise errors.ConfigError(f"{path} already exists (remove it first to make a new cluster key)")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fd = os.open(path, flags, 0o600)
-    except FileExistsError:
-        raise errors.ConfigError(f"{path} already exists (remove it first to make a new cluster key)") from None
-    with os.fdopen(fd, "w") as fh:
-        os.fchmod(fh.fileno(), 0o600)
-        fh.write(secrets.token_hex(SECRET_NBYTES) + "\n")
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            fh.write(secrets.token_hex(SECRET_NBYTES) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise errors.ConfigError(
+                    f"{path} already exists (remove it first to make a new cluster key)") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return path
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,21 @@ def test_key_file_is_created_private_and_reused(tmp_path: Path) -> None:
     assert load_or_create(path) == secret  # the next process reads the same key
     with pytest.raises(errors.ConfigError, match="already exists"):
         keygen(path)
+
+
+def test_processes_starting_together_on_a_fresh_host_agree_on_one_key(tmp_path: Path) -> None:
+    # Each may be the first to need the key: none may read a half-written one or make its own.
+    path = tmp_path / "fresh" / "cluster.key"
+    code = ("import sys; from kvpool.security import load_or_create; "
+            "print(load_or_create(sys.argv[1]).hex())")
+    for _ in range(3):
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(8)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+        assert len({out.strip() for out, _ in outs}) == 1
+        assert [p.name for p in path.parent.iterdir()] == ["cluster.key"]  # no temporary left behind
+        path.unlink()
 
 
 def test_a_key_file_others_can_read_is_refused(tmp_path: Path) -> None:
