@@ -113,6 +113,8 @@ class CxlSection:
     capacity: int = _size("1GiB", "bytes of the shared-memory arena; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
     path: str = _opt("", "arena file; default /dev/shm/kvpool-<pool name>-cxl")
+    group: str = _opt("", "a group (name or gid) whose members may read this arena and its index "
+                          "(files 0640); empty: this user only (0600)")
     shared_dirs: str = _opt("", "more directories (':'-separated) whose same-host cxl arenas may be mapped; "
                                 "/dev/shm and this arena's own directory always may, nothing else")
     latency_ns: float = _opt(0.0, "emulated access latency per operation (0 = no model)")

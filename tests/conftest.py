@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+NOBODY = 65534  # uid and gid of nobody/nogroup on Debian
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str = "condition", interval_s: float = 0.01) -> Any:
@@ -196,3 +199,36 @@ def spawn_python(tmp_path: Path) -> Iterator[Callable[..., ChildProcess]]:
     finally:
         for child in reversed(children):
             child.stop()
+
+
+# -- another Unix user ------------------------------------------------------------------------
+
+
+def as_nobody() -> None:
+    """``preexec_fn`` that turns the child into the user and group nobody (65534), no other groups."""
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def nobody_python() -> tuple[str, dict[str, str]]:
+    """A Python the user nobody can run, with this repo and its packages importable."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user (os.setuid)")
+    paths = [str(REPO_ROOT), *site.getsitepackages()]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(paths), "HOME": "/nonexistent",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    minor = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    # The test's own interpreter may live where nobody cannot go (e.g. under /root/.pyenv).
+    for candidate in (sys.executable, os.path.realpath(sys.executable), shutil.which(minor, path="/usr/bin:/bin")):
+        if not candidate:
+            continue
+        try:
+            probe = subprocess.run([candidate, "-c", "import kvpool.node, zmq, numpy"], capture_output=True,
+                                   timeout=60, env=env, preexec_fn=as_nobody, cwd="/")
+        except OSError:  # nobody may not even execute it
+            continue
+        if probe.returncode == 0:
+            return candidate, env
+    pytest.skip(f"no Python interpreter that the user nobody can run imports kvpool (tried {sys.executable} "
+                f"and /usr/bin/{minor}: the interpreter or the repo is not readable by other users)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import site
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from kvpool.config import Config
 from kvpool.master_client import MasterClient
 from kvpool.node import NodeAddress
 from kvpool.security import ClusterKey, keygen
-from tests.conftest import REPO_ROOT, free_tcp_port, wait_for
+from tests.conftest import REPO_ROOT, as_nobody, free_tcp_port, nobody_python, wait_for
 from tests.test_daemon import http_get
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,7 +35,6 @@ SHAPE = (4, 2, 16, 4, 64)
 TIMEOUT_S = 2.0
 ATTACKS = ["ping", "stats", "ls", "exists", "lookup", "locate", "register+publish", "publish", "reserve",
            "heartbeat", "delete", "control stats", "control replicate", "get"]
-NOBODY = 65534
 
 
 def content(i: int) -> np.ndarray:
@@ -198,37 +196,8 @@ def test_a_master_client_with_another_key_gets_authentication_error_not_unreacha
 # -- another Unix user ---------------------------------------------------------------------------
 
 
-def _as_nobody() -> None:
-    os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
-
-
-def _nobody_python() -> tuple[str, dict[str, str]]:
-    """A Python the user nobody can run, with this repo and its packages importable."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a process as another user (os.setuid)")
-    paths = [str(REPO_ROOT), *site.getsitepackages()]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(paths), "HOME": "/nonexistent",
-           "PYTHONDONTWRITEBYTECODE": "1"}
-    minor = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    # The test's own interpreter may live where nobody cannot go (e.g. under /root/.pyenv).
-    for candidate in (sys.executable, os.path.realpath(sys.executable), shutil.which(minor, path="/usr/bin:/bin")):
-        if not candidate:
-            continue
-        try:
-            probe = subprocess.run([candidate, "-c", "import kvpool.node, zmq, numpy"], capture_output=True,
-                                   timeout=60, env=env, preexec_fn=_as_nobody, cwd="/")
-        except OSError:  # nobody may not even execute it
-            continue
-        if probe.returncode == 0:
-            return candidate, env
-    pytest.skip(f"no Python interpreter that the user nobody can run imports kvpool (tried {sys.executable} "
-                f"and /usr/bin/{minor}: the interpreter or the repo is not readable by other users)")
-
-
 def test_another_unix_user_cannot_read_the_key_or_the_tiers(secured: Secured) -> None:
-    python, env = _nobody_python()
+    python, env = nobody_python()
     arena = Path("/dev/shm") / f"kvpool-{secured.pool_name}-cxl"
     segments = sorted((secured.data_dir / "nvme").glob("seg*")) or sorted(
         p for p in (secured.data_dir / "nvme").rglob("*") if p.is_file())
@@ -241,20 +210,20 @@ def test_another_unix_user_cannot_read_the_key_or_the_tiers(secured: Secured) ->
         env = {**env, "XDG_CONFIG_HOME": str(shared / "config")}  # nobody gets a key of its own there
         files = [str(secured.key_a), str(arena), str(segments[0])]
         # 1. The files themselves: the key, the cxl arena, an nvme segment.
-        results = attack({"files": files, "master": ""}, python=python, env=env, preexec_fn=_as_nobody)
+        results = attack({"files": files, "master": ""}, python=python, env=env, preexec_fn=as_nobody)
         for path in files:
             assert results[f"open {path}"]["error"] == "PermissionError", results[f"open {path}"]
         # 2. With security.key_file = A: the key cannot be loaded (one line, no traceback).
         config = secured.config(secured.key_a, "nobody")
         config["pool"]["data_dir"] = str(shared / "data")
         results = attack({"master": secured.master, "control": secured.control(), "keys": [secured.keys[0].hex()],
-                          "config": config, "timeout_s": TIMEOUT_S}, python=python, env=env, preexec_fn=_as_nobody)
+                          "config": config, "timeout_s": TIMEOUT_S}, python=python, env=env, preexec_fn=as_nobody)
         assert results["load key"]["error"] == "ConfigError", results["load key"]
         assert "Permission denied" in results["load key"]["message"]
         # 3. With its own (default) key: every operation refused.
         config["security"]["key_file"] = ""
         results = attack({"master": secured.master, "control": secured.control(), "keys": [secured.keys[0].hex()],
-                          "config": config, "timeout_s": TIMEOUT_S}, python=python, env=env, preexec_fn=_as_nobody)
+                          "config": config, "timeout_s": TIMEOUT_S}, python=python, env=env, preexec_fn=as_nobody)
         assert results["load key"]["ok"], results["load key"]
         assert_all_refused(results)
     finally:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import grp
 import logging
 import stat
 import mmap
@@ -97,6 +98,30 @@ _LOCK_RETRY_S = 0.25
 _ARENA_NAME = re.compile(r"^kvpool-.+-cxl(\.tmp-[0-9a-f]+)?$")
 #: the largest object header read from an arena (layers <= 4096 -> 80 + 8 * 4096 bytes, rounded)
 _MAX_HEADER_NBYTES = FIXED_HEADER_NBYTES + 8 * 4096 + 64
+
+
+def resolve_group(group: str | int | None) -> int | None:
+    """``tiers.cxl.group`` (a group name or gid; empty for none) as a gid."""
+    if group is None or group == "":
+        return None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise errors.ConfigError(f"tiers.cxl.group: no group named {group!r} on this host") from None
+
+
+def share_with_group(fd: int, gid: int | None) -> None:
+    """Make a freshly created 0600 file readable by ``gid`` (0640, group ``gid``); no-op for None."""
+    if gid is None:
+        return
+    try:
+        os.fchown(fd, -1, gid)
+    except PermissionError:
+        raise errors.ConfigError(
+            f"tiers.cxl.group: this user may not give files to gid {gid} (not a member)") from None
+    os.fchmod(fd, 0o640)
 
 
 def default_arena_path(pool_name: str) -> Path:
@@ -239,13 +264,17 @@ class CxlTier(ArenaTier):
     supports_views = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
-                 latency_ns: float = 0.0, bandwidth_gbps: float = 0.0, prefault: bool = True) -> None:
+                 latency_ns: float = 0.0, bandwidth_gbps: float = 0.0, prefault: bool = True,
+                 group: int | None = None) -> None:
+        """``group``: a gid whose members may read the arena and its index (files 0640 in that
+        group); None keeps both 0600, readable by this user's processes only."""
         collect_stale_arenas(Path(path).parent)  # a dead owner's arena must not count as used
         capacity_bytes = _fit_to_filesystem(Path(path), capacity_bytes)
         super().__init__(capacity_bytes, alignment=ALIGNMENT)
         self.model = AccessModel(latency_ns, bandwidth_gbps)
         self.path = Path(path)
         self.instance = uuid.uuid4().bytes
+        self.group = group
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -257,6 +286,7 @@ class CxlTier(ArenaTier):
         tmp = self.path.with_name(f"{self.path.name}.tmp-{self.instance.hex()[:12]}")
         try:
             self._fd = self._create_locked(tmp)
+            share_with_group(self._fd, group)
             file_nbytes = DATA_OFFSET + self.capacity_bytes
             self._size_file(file_nbytes)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
@@ -269,7 +299,7 @@ class CxlTier(ArenaTier):
             # Same-host readers find objects by key here, without asking the master.
             self._index_lock = threading.Lock()
             self.index = SharedIndexWriter(index_path(self.path), slot_count_for(self.capacity_bytes),
-                                           self.instance)
+                                           self.instance, group=group)
             # Written before the rename: a reader that opens the path sees either
             # the old (stale) arena or this one complete, never a half-made one.
             header = ArenaHeader(DATA_OFFSET, self.capacity_bytes, self.alignment, self.instance,
@@ -293,7 +323,8 @@ class CxlTier(ArenaTier):
     def from_config(cls, section: CxlSection, config: Config) -> CxlTier:
         path = section.path or default_arena_path(config.pool.name)
         return cls(os.path.expanduser(path), section.capacity,
-                   latency_ns=section.latency_ns, bandwidth_gbps=section.bandwidth_gbps)
+                   latency_ns=section.latency_ns, bandwidth_gbps=section.bandwidth_gbps,
+                   group=resolve_group(section.group))
 
     # -- file setup ---------------------------------------------------------------------
 

@@ -417,6 +417,22 @@ def _file_size_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+def _make_private_dirs(path: Path) -> None:
+    """``mkdir -p`` where every directory this creates (the data dir too, not only ``nvme/``)
+    is 0700; directories that already exist keep their mode."""
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # made meanwhile by another process: not ours to change
+        os.chmod(folder, 0o700)  # mkdir's mode is masked by the umask
+
+
 class NvmeTier(Tier):
     """Objects in preallocated, aligned segment files plus an LMDB index.
 
@@ -627,7 +643,7 @@ class NvmeTier(Tier):
 
     def _open(self, direct_io: str) -> None:
         try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _make_private_dirs(self.path)
         except OSError as exc:
             raise errors.TierError(f"nvme: cannot create {self.path}: {exc}") from exc
         self._take_lock()

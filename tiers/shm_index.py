@@ -84,7 +84,8 @@ class _Table:
 class SharedIndexWriter:
     """The arena owner's side: insert and remove entries (call from one thread at a time)."""
 
-    def __init__(self, path: str | os.PathLike[str], slots: int, instance: bytes) -> None:
+    def __init__(self, path: str | os.PathLike[str], slots: int, instance: bytes, *,
+                 group: int | None = None) -> None:
         if slots & (slots - 1):
             raise ValueError(f"slots must be a power of two, got {slots}")
         self.path = Path(path)
@@ -94,6 +95,9 @@ class SharedIndexWriter:
         tmp = self.path.with_name(f"{self.path.name}.tmp-{instance.hex()[:12]}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            if group is not None:  # readable by that group's members too (tiers.cxl.group)
+                os.fchown(fd, -1, group)
+                os.fchmod(fd, 0o640)
             os.ftruncate(fd, nbytes)
             try:
                 os.posix_fallocate(fd, 0, nbytes)

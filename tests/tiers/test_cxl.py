@@ -20,7 +20,7 @@ import xxhash
 
 from kvpool import errors
 from kvpool.config import Config
-from kvpool.objformat import LayerRange, byte_view
+from kvpool.objformat import LayerRange, ObjectHeader, byte_view
 from tests.tiers.tier_suite import TierTests, make_object, store
 from tiers.cxl import DATA_OFFSET, CxlArenaReader, CxlTier, default_arena_path
 
@@ -517,3 +517,56 @@ def test_kvpool_gc_removes_the_arena_of_a_killed_owner(arena_path: Path) -> None
         assert not arena_path.exists()
     finally:
         owner.stop()
+
+
+# -- another Unix user: only by explicit group ---------------------------------------------------
+
+GROUP_READER = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np, xxhash
+    from kvpool.objformat import LayerRange
+    from tiers.cxl import CxlArenaReader
+
+    path, key = sys.argv[1], sys.argv[2].encode()
+    try:
+        reader = CxlArenaReader.open(path)
+        out = {}
+        got = reader.read_key_into(key, LayerRange(0, 2), lambda spec, rng: (
+            out.setdefault("a", np.empty(spec.array_shape(rng), spec.dtype)),
+            memoryview(out["a"].reshape(-1).view(np.uint8))))
+        arr = got[0]
+        print(json.dumps({"digest": xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(arr)).cast("B"))}))
+    except Exception as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+    """
+)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "group"])
+def test_another_user_reads_an_arena_only_through_its_configured_group(arena_path: Path, shared: bool) -> None:
+    from tests.conftest import NOBODY, as_nobody, nobody_python
+
+    python, env = nobody_python()
+    if not str(arena_path).startswith("/dev/shm/"):
+        pytest.skip("needs /dev/shm")
+    tier = CxlTier(arena_path, 1 << 20, group=NOBODY if shared else None)
+    try:
+        arr, header, payload = make_object(layers=4, seed=7)
+        header = ObjectHeader.for_key(b"shared-key", header.spec, header.layer_checksums)
+        extent = store(tier, header, payload)
+        tier.commit(b"shared-key", extent, header)
+        for path in (arena_path, Path(f"{arena_path}.index")):
+            st = path.stat()
+            assert oct(st.st_mode & 0o777) == oct(0o640 if shared else 0o600), path
+            if shared:
+                assert st.st_gid == NOBODY, path
+        proc = subprocess.run([python, "-c", GROUP_READER, str(arena_path), "shared-key"], capture_output=True,
+                              text=True, timeout=60, env=env, preexec_fn=as_nobody, cwd="/")
+        result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"stderr": proc.stderr}
+        if shared:
+            assert result == {"digest": digest(arr[0:2])}, result
+        else:
+            assert result.get("error") == "TierError" and "Permission denied" in result.get("message", ""), result
+    finally:
+        tier.close()

@@ -568,6 +568,20 @@ def test_files_are_private(disk_dir: Path) -> None:
     assert stat_module.S_IMODE(os.stat(disk_dir / "seg-00000.kvs").st_mode) == 0o600
 
 
+def test_the_data_dir_it_creates_is_private_too(tmp_path: Path) -> None:
+    import stat as stat_module
+
+    os.chmod(tmp_path, 0o755)
+    old_umask = os.umask(0o022)
+    try:
+        NvmeTier(tmp_path / "data" / "pool" / "nvme", 4 * MiB).close()
+    finally:
+        os.umask(old_umask)
+    for folder in ("data", "data/pool", "data/pool/nvme"):
+        assert stat_module.S_IMODE(os.stat(tmp_path / folder).st_mode) == 0o700, folder
+    assert stat_module.S_IMODE(os.stat(tmp_path).st_mode) == 0o755  # what existed is left alone
+
+
 def test_other_segment_size_on_an_existing_directory_is_refused(disk_dir: Path) -> None:
     NvmeTier(disk_dir, 4 * MiB, segment_size=1 * MiB).close()
     with pytest.raises(errors.TierError, match="segment_size=1048576"):
