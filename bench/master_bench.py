@@ -39,6 +39,7 @@ from kvpool import protocol as P  # noqa: E402
 from kvpool.hashing import prefix_hashes  # noqa: E402
 from kvpool.master_client import MasterClient  # noqa: E402
 from kvpool.objformat import ObjectSpec  # noqa: E402
+from kvpool.security import ClusterKey  # noqa: E402
 
 
 def _free_port() -> int:
@@ -66,6 +67,7 @@ def _wait_ping(address: str, timeout_s: float = 20.0) -> None:
 def _echo_server(address: str) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
+    ClusterKey.default().secure_server(sock)  # CURVE like the master, so the ratio is the master's own cost
     sock.bind(address)
     while True:  # terminated by the parent
         sock.send_multipart(sock.recv_multipart())
@@ -83,6 +85,7 @@ def _single_lookup_worker(
             client.lookup([key])  # connect this thread's socket before the clock starts
             return lambda: client.lookup([key])
         sock = zmq.Context.instance().socket(zmq.DEALER)
+        ClusterKey.default().secure_client(sock)
         sock.connect(address)
         frame = P.pack_request(1, P.LOOKUP, {"keys": [key]})
         sock.send(frame)
@@ -154,6 +157,7 @@ def _batched(address: str, mode: str, hashes: list[bytes], iters: int, warmup: i
     else:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
+        ClusterKey.default().secure_client(sock)
         sock.connect(address)
         frame = P.pack_request(1, P.LOOKUP, {"keys": hashes})
 
@@ -238,7 +242,7 @@ def main() -> None:
         for name, value, limit, higher_better in rows:
             ratio = value / limit if higher_better else limit / value
             print(f"{name:<44} {value:>12,.1f} {limit:>12,.1f} {ratio:>11.0%}")
-        print("\n(zmq echo = same frames bounced off a bare ROUTER: the transport's limit on this machine;"
+        print("\n(zmq echo = same frames bounced off a bare ROUTER with the same CURVE security: the transport's limit on this machine;"
               " ratio = share of that limit the master reaches)")
     finally:
         if echo is not None:

@@ -121,7 +121,7 @@ def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     try:
         arr = reader.read(key, replicas_at(located, 0), layers, None, Pool._out_view)
     finally:
-        master.release([located.lease_id])
+        master.release(located.lease_ids)
         reader.close()
     if arr is None:
         print(f"kvpool: {_show_key(key)}: miss ({dict(reader.counters)})", file=sys.stderr)

@@ -46,8 +46,8 @@ class LeaseReleaser:
         self._thread = threading.Thread(target=self._run, name="kvpool-lease-release", daemon=True)
         self._thread.start()
 
-    def release(self, lease_id: int | None) -> None:
-        if lease_id is not None:
+    def release(self, lease_ids: Iterable[int]) -> None:
+        for lease_id in lease_ids:
             self._pending.put(lease_id)
 
     def _run(self) -> None:
@@ -251,7 +251,7 @@ class ClusterPool(Pool):
         try:
             return self._get_remote(key, replicas_at(located, 0), layers, out)
         finally:
-            self._releaser.release(located.lease_id)
+            self._releaser.release(located.lease_ids)
 
     def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None,
                  outs: Sequence[Any] | None = None) -> list[np.ndarray | None]:
@@ -274,7 +274,7 @@ class ClusterPool(Pool):
                 for i, arr in zip(missing, pulled):
                     results[i] = arr
             finally:
-                self._releaser.release(located.lease_id)
+                self._releaser.release(located.lease_ids)
         return results
 
     def _get_remote(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any,
@@ -322,7 +322,7 @@ class ClusterPool(Pool):
                     pending = asyncio.ensure_future(asyncio.to_thread(fetch, i + 1))
                 yield layer_range.start + i, arr[i]
         finally:
-            self._releaser.release(located.lease_id)
+            self._releaser.release(located.lease_ids)
 
     # -- metadata -------------------------------------------------------------------------
 

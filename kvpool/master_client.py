@@ -312,12 +312,20 @@ class MasterClient:
     def locate_many(self, keys: Iterable[KeyLike], lease: bool = True) -> Located:
         """Every replica of each key (None on a miss); with ``lease`` they are pinned
         until :meth:`release` or the master's ``lease_s``."""
-        replies = self._batched(_keys(keys), lambda b: self.call(P.LOCATE, {"keys": list(b), "lease": lease}))
+        def locate(batch: Sequence[bytes]) -> dict[str, Any]:
+            reply = self.call(P.LOCATE, {"keys": list(batch), "lease": lease})
+            # Shape checked here; the records themselves are checked where they are used (remote.py).
+            if not (isinstance(reply, dict) and isinstance(reply.get("replicas"), list)
+                    and (reply.get("lease") is None or type(reply.get("lease")) is int)):
+                raise errors.ProtocolError("locate reply without a replica list and a lease id")
+            return reply
+
+        replies = self._batched(_keys(keys), locate)
         leases = [r["lease"] for r in replies if r["lease"] is not None]
         if len(replies) == 1:
             return Located(replies[0]["replicas"], replies[0]["lease"])
         # More than max_batch keys: one lease per request; lease_id is the first, the others
-        # are in more_leases (a caller that releases only lease_id leaves them to expire).
+        # are in more_leases (Located.lease_ids names them all).
         return Located([x for r in replies for x in r["replicas"]], leases[0] if leases else None,
                        tuple(leases[1:]))
 

@@ -191,6 +191,11 @@ class Located:
     lease_id: int | None                         # pins every replica returned until released/expired
     more_leases: tuple[int, ...] = ()            # further leases when the keys took several requests
 
+    @property
+    def lease_ids(self) -> tuple[int, ...]:
+        """Every lease this locate took: release them all when done."""
+        return ((self.lease_id,) if self.lease_id is not None else ()) + self.more_leases
+
 
 @dataclass(frozen=True, slots=True)
 class EvictDecision:
