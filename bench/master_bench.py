@@ -242,8 +242,8 @@ def main() -> None:
         for name, value, limit, higher_better in rows:
             ratio = value / limit if higher_better else limit / value
             print(f"{name:<44} {value:>12,.1f} {limit:>12,.1f} {ratio:>11.0%}")
-        print("\n(zmq echo = same frames bounced off a bare ROUTER with the same CURVE security: the transport's limit on this machine;"
-              " ratio = share of that limit the master reaches)")
+        print("\n(zmq echo = same frames bounced off a bare ROUTER with the same CURVE security: the transport's"
+              " limit on this machine; ratio = share of that limit the master reaches)")
     finally:
         if echo is not None:
             echo.terminate()
