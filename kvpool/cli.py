@@ -15,6 +15,7 @@ file); a refused key is one line on stderr and exit status 3.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -178,25 +179,30 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpool", description="Inspect and operate a running kvpool cluster.")
-    parser.add_argument("--master", help=f"master address (default: {Config().master.listen} or --config)")
-    parser.add_argument("--config", metavar="FILE", help="TOML file to take master.listen from")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request (default 5)")
-    parser.add_argument("--key-file", metavar="FILE",
+    # The connection options go before or after the command (kvpool --master X stats, kvpool stats --master X).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--master", default=argparse.SUPPRESS,
+                        help=f"master address (default: {Config().master.listen} or --config)")
+    common.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="TOML file to take master.listen and security from")
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="seconds per request (default 5)")
+    common.add_argument("--key-file", metavar="FILE", default=argparse.SUPPRESS,
                         help="cluster key (default: security.key_file of --config, else ~/.config/kvpool/cluster.key)")
+    parser = argparse.ArgumentParser(prog="kvpool", description="Inspect and operate a running kvpool cluster.",
+                                     parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("stats", help="nodes, tiers, usage, hits, bytes served")
-    ls = sub.add_parser("ls", help="list keys and their replicas")
+    sub.add_parser("stats", help="nodes, tiers, usage, hits, bytes served", parents=[common])
+    ls = sub.add_parser("ls", help="list keys and their replicas", parents=[common])
     ls.add_argument("--prefix", default="")
     ls.add_argument("--limit", type=int, default=100)
     ls.add_argument("--text", action="store_true", help="prefix is UTF-8 text, not hex")
-    get = sub.add_parser("get", help="read an object (or --layers a:b) into a .npy file")
+    get = sub.add_parser("get", help="read an object (or --layers a:b) into a .npy file", parents=[common])
     get.add_argument("key")
     get.add_argument("--layers", help="a:b, half-open")
     get.add_argument("--out", default="kv.npy")
     get.add_argument("--transport", default="auto", choices=("auto", "tcp"))
     get.add_argument("--text", action="store_true", help="the key is UTF-8 text, not hex")
-    rm = sub.add_parser("rm", help="delete keys everywhere")
+    rm = sub.add_parser("rm", help="delete keys everywhere", parents=[common])
     rm.add_argument("keys", nargs="+")
     rm.add_argument("--text", action="store_true", help="keys are UTF-8 text, not hex")
     gc = sub.add_parser("gc", help="remove shared-memory arenas of killed kvpool processes on this host")
@@ -209,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name, default in (("master", None), ("config", None), ("timeout", 5.0), ("key_file", None)):
+        if not hasattr(args, name):  # given neither before nor after the command
+            setattr(args, name, default)
     if args.command == "gc":
         return cmd_gc(args)
     if args.command == "keygen":
@@ -226,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with master:
         try:
             return commands[args.command](master, args)
+        except BrokenPipeError:  # `kvpool ls | head`: the reader is gone, which is not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
         except errors.AuthenticationError as exc:
             print(f"kvpool: {exc}", file=sys.stderr)
             return 3

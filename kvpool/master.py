@@ -1367,7 +1367,8 @@ def run_master(
         Config.load(config))
     server = MasterServer(section, max_key_bytes=max_key_bytes, cluster_key=cluster_key)
     try:
-        log.info("kvpool master authenticates with %s", cluster_key.describe())
+        (log.info if cluster_key.enabled else log.warning)(
+            "kvpool master authenticates with %s", cluster_key.describe())
         log.info(
             "kvpool master listening on %s (protocol v%d, heartbeat %d ms x %d, lease %.1f s)",
             server.endpoint, P.PROTOCOL_VERSION, section.heartbeat_ms,

@@ -31,7 +31,11 @@ def serve(config: Config, role: str, stop: threading.Event) -> int:
     except errors.ConfigError as exc:
         log.error("%s", exc)
         return 2
-    log.info("authenticating with %s", cluster_key.describe())
+    if cluster_key.enabled:
+        log.info("authenticating with %s", cluster_key.describe())
+    else:
+        log.warning("security.auth = false: anyone who can reach this pool's ports can read, write and delete "
+                    "every key (see README, Security)")
     with ExitStack() as stack:
         master_client = stack.enter_context(MasterClient(config.master.listen, config=config))
         if role in ("master", "all"):

@@ -124,6 +124,17 @@ def test_cli_reports_an_unreachable_master() -> None:
     assert result.returncode == 2 and "unreachable" in result.stderr
 
 
+def test_cli_options_work_before_or_after_the_command() -> None:
+    port = free_tcp_port()
+    for argv in (["--master", f"tcp://127.0.0.1:{port}", "--timeout", "0.5", "stats"],
+                 ["stats", "--master", f"tcp://127.0.0.1:{port}", "--timeout", "0.5"],
+                 ["--timeout", "0.5", "ls", "--master", f"tcp://127.0.0.1:{port}"]):
+        result = subprocess.run([sys.executable, "-m", "kvpool.cli", *argv], capture_output=True, text=True,
+                                timeout=60, cwd=REPO_ROOT)
+        assert result.returncode == 2, (argv, result.stderr)
+        assert f"tcp://127.0.0.1:{port} unreachable" in result.stderr and "within 0.5 s" in result.stderr, argv
+
+
 def test_every_setting_has_a_flag() -> None:
     result = subprocess.run([sys.executable, "-m", "kvpool.daemon", "--help"], capture_output=True, text=True,
                             timeout=60, cwd=REPO_ROOT)
