@@ -20,6 +20,7 @@ import base64
 import concurrent.futures
 import json
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -417,7 +418,9 @@ class Node:
             raise errors.CapacityError("replica evicted before it could be committed")
         if persistent and found[0].persistent:
             # Only the control thread appends; a torn last line is skipped when read.
-            with open(f"{getattr(found[0], 'path')}/durable.log", "a", encoding="ascii") as fh:
+            fd = os.open(f"{getattr(found[0], 'path')}/durable.log",
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with open(fd, "a", encoding="ascii") as fh:
                 fh.write(f"{key.hex()} {replicas}\n")
         record = record_for(key, *found, durable=replicas if persistent else None)
         self.master.commit(reservation, record)
