@@ -52,7 +52,13 @@ def build_tier_manager(config: Config) -> TierManager:
             section = getattr(config.tiers, name)
             if section.capacity <= 0:
                 continue
-            tiers.append(tier_class(name).from_config(section, config))  # type: ignore[attr-defined]
+            try:
+                tiers.append(tier_class(name).from_config(section, config))  # type: ignore[attr-defined]
+            except errors.PoolLockedError as exc:
+                raise errors.PoolLockedError(
+                    f"{exc}. Pool {config.pool.name!r} is open in another process (a kvpool-server or another "
+                    f"Pool with the same settings): share it with kvpool.connect(<its master address>), or give "
+                    f"this process its own pool.name and pool.data_dir") from None
             put_enabled.append(section.put)
         return TierManager(
             tiers, put_enabled=put_enabled, policy=config.eviction.policy,

@@ -161,6 +161,27 @@ def test_closed_pool_refuses_every_call(tmp_path) -> None:
             call()
 
 
+def test_a_second_process_opening_the_same_pool_is_told_what_to_do(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    config = small_config(tmp_path, ("dram", "cxl", "nvme"))
+    pool = kvpool.Pool(config)
+    try:
+        pool.put(b"mine", kv(1))
+        code = ("import sys, kvpool; from tests.pool_configs import small_config; from pathlib import Path; "
+                "kvpool.Pool(small_config(Path(sys.argv[1]), ('dram', 'cxl', 'nvme')))")
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                              timeout=60, cwd=REPO_ROOT)
+        assert done.returncode != 0
+        assert "PoolLockedError" in done.stderr and "kvpool.connect" in done.stderr, done.stderr[-2000:]
+        np.testing.assert_array_equal(pool.get(b"mine"), kv(1))  # the owner lost nothing
+    finally:
+        pool.close()
+
+
 def test_stats_report_tiers_hits_and_misses(pool: kvpool.Pool) -> None:
     pool.put(b"k", kv(1))
     pool.get(b"k")
