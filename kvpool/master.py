@@ -84,6 +84,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from typing import Any, Callable, Iterable, Mapping
 
@@ -92,8 +93,9 @@ import zmq
 from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
+from kvpool.master_client import control_call
 from kvpool.objformat import ObjectSpec
-from kvpool.security import ClusterKey, HandshakeWatch, refused_error, stop_authenticator
+from kvpool.security import ClusterKey, stop_authenticator
 
 log = logging.getLogger("kvpool.master")
 
@@ -1095,47 +1097,6 @@ def loggable(message: str, limit: int = 300) -> str:
     return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
-def control_request(context: zmq.Context, control: str, op: str, body: Mapping[str, Any], timeout_s: float,
-                    stop: threading.Event, abort: Callable[[], bool] = lambda: False,
-                    cluster_key: ClusterKey | None = None) -> Any:
-    """One request to a node's control socket; raises KVTimeoutError / the node's error (as KVPoolError).
-
-    Waits in short slices so a stopping master (``stop``) or a target known to be
-    gone (``abort()``) never holds a worker for the whole deadline. A node that
-    refuses ``cluster_key`` (default: the default key file) is AuthenticationError.
-    """
-    key = cluster_key or ClusterKey.default()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # a reply larger than this is dropped unread
-    key.secure_client(sock)
-    watch = HandshakeWatch(sock)
-    request_id = secrets.randbits(62)
-    try:
-        sock.connect(control)
-        sock.send(P.pack_control_request(request_id, op, body))
-        deadline = time.monotonic() + timeout_s
-        while not sock.poll(100):
-            if watch.refused():
-                raise refused_error(f"{op}: node control socket", control, key)
-            if stop.is_set():
-                raise errors.KVTimeoutError(f"{op}: the master is stopping")
-            if abort():
-                raise errors.UnknownNodeError(f"{op}: the target left or was declared dead")
-            if time.monotonic() >= deadline:
-                if watch.refused(settled=True):
-                    raise refused_error(f"{op}: node control socket", control, key)
-                raise errors.KVTimeoutError(f"{op}: no answer within {timeout_s:.3g} s")
-        frame = sock.recv()
-    finally:
-        sock.close(0)
-        watch.close()
-    try:
-        return P.unpack_control_reply(frame, request_id)  # the node's typed error, TransferError if not ours
-    except errors.KVPoolError as exc:
-        raise type(exc)(f"{op} failed: {type(exc).__name__}: {exc}") from None
-
-
 class Rereplicator:
     """Restores durable keys' copy counts without ever blocking the master's request loop.
 
@@ -1226,14 +1187,21 @@ class Rereplicator:
                 return
             error: str | None = None
             try:
-                control_request(self._context, task.target_control, "replicate", {
+                control_call(task.target_control, "replicate", {
                     "key": task.key, "header": task.header, "source": task.source_address,
                     "reservation": task.reservation, "replicas": task.replicas, "persistent": True,
                     "token": self.cluster_key.mint_token(task.key, task.source_id),
-                }, self.timeout_s, self._stop, lambda: task.target_id in self._gone, self.cluster_key)
+                }, self.timeout_s, self._context, self.cluster_key, check=partial(self._check_task, task))
             except Exception as exc:  # reported on the serving thread; retried with backoff
                 error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, errors.KVPoolError) else str(exc)
             self._done.put((task, error))
+
+    def _check_task(self, task: Any) -> None:
+        """While a copy waits: give up when the master stops or the target is gone."""
+        if self._stop.is_set():
+            raise errors.KVTimeoutError("replicate: the master is stopping")
+        if task.target_id in self._gone:
+            raise errors.UnknownNodeError("replicate: the target left or was declared dead")
 
     def close(self) -> None:
         self._stop.set()

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import queue
-import secrets
 import threading
 import uuid
 from dataclasses import dataclass
@@ -34,10 +33,10 @@ import zmq
 from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config
-from kvpool.master_client import Heartbeater, MasterClient
+from kvpool.master_client import Heartbeater, MasterClient, control_call  # noqa: F401 - control_call re-exported
 from kvpool.objformat import LayerRange, ObjectHeader
 from kvpool.protocol import ReplicaRecord, replica_record
-from kvpool.security import ClusterKey, HandshakeWatch, recv_or_refused
+from kvpool.security import ClusterKey
 from kvpool.transfer import (PeerAddress, ProviderWouldBlock, PullClient, PullServer, ServeSource,
                              in_inline_provider, local_host_id)
 from tiers.base import Extent, Tier
@@ -425,32 +424,3 @@ class Node:
         record = record_for(key, *found, durable=replicas if persistent else None)
         self.master.commit(reservation, record)
         return {"node_id": self.node_id, "tier": found[0].name}
-
-
-def control_call(control: str, op: str, body: dict[str, Any], timeout_s: float,
-                 context: zmq.Context | None = None, cluster_key: ClusterKey | None = None) -> Any:
-    """One request to a node's control socket (``replicate`` or ``stats``); raises the node's typed error.
-
-    Authenticates with ``cluster_key`` (default: the default key file); a node that
-    refuses it is AuthenticationError, as soon as the handshake fails.
-    """
-    key = cluster_key or ClusterKey.default()
-    sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # a reply larger than this is dropped unread
-    key.secure_client(sock)
-    watch = HandshakeWatch(sock)
-    request_id = secrets.randbits(62)
-    try:
-        sock.connect(control)
-        sock.send(P.pack_control_request(request_id, op, body))
-        frame = recv_or_refused(sock, watch, timeout_s, "node control socket", control, key)
-        if frame is None:
-            raise errors.KVTimeoutError(f"node {control} did not answer {op!r} within {timeout_s} s")
-    finally:
-        sock.close(0)
-        watch.close()
-    try:
-        return P.unpack_control_reply(frame, request_id)
-    except errors.KVPoolError as exc:
-        raise type(exc)(f"{op} on {control} failed: {exc}") from None

@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvpool import errors
 
@@ -369,9 +369,10 @@ def refused_error(what: str, address: str, key: ClusterKey | None) -> errors.Aut
 
 
 def recv_or_refused(sock: zmq.Socket[Any], watch: HandshakeWatch, timeout_s: float, what: str, address: str,
-                    key: ClusterKey | None) -> bytes | None:
+                    key: ClusterKey | None, check: Callable[[], None] | None = None) -> bytes | None:
     """The next message on ``sock`` within ``timeout_s``, None at the deadline; raises
-    AuthenticationError as soon as the peer is seen refusing our key (also at the deadline)."""
+    AuthenticationError as soon as the peer is seen refusing our key (also at the deadline).
+    ``check()`` runs every 100 ms of waiting and may raise to give up early."""
     import zmq
 
     deadline = time.monotonic() + timeout_s
@@ -389,3 +390,5 @@ def recv_or_refused(sock: zmq.Socket[Any], watch: HandshakeWatch, timeout_s: flo
             return sock.recv(zmq.NOBLOCK)
         if watch.refused():
             raise refused_error(what, address, key)
+        if check is not None:
+            check()
