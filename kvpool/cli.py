@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvpool import errors
-from kvpool.config import Config, format_size
+from kvpool.config import Config, format_size, node_host
 from kvpool.master_client import MasterClient
 from kvpool.node import NodeAddress, control_call
 
@@ -118,7 +118,7 @@ def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     located = master.locate(key, lease=True)
     # What the master says is checked before use: only arenas in the shared-memory dirs are mapped.
     reader = ReplicaReader(local_host_id(), transport=args.transport, pull_timeout_s=args.timeout,
-                           allowed_dirs=shared_dirs_of(config), host=config.node.host)
+                           allowed_dirs=shared_dirs_of(config), host=node_host(config, master.address))
     try:
         arr = reader.read(key, replicas_at(located, 0), layers, None, Pool._out_view)
     finally:

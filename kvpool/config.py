@@ -47,6 +47,32 @@ def check_master_address(address: Any, what: str = "master address") -> str:
     raise errors.ConfigError(f"{what} {address!r} is not valid: expected {VALID_ADDRESS_HINT}")
 
 
+def node_host(config: Config, master: str | None = None) -> str:
+    """The address this process's node serves on: ``node.host`` when set; else (``""``, auto)
+    127.0.0.1 when the master is on this host, or the local address of the route to the
+    master, so that a node or client on another host is reachable with no extra setting."""
+    if config.node.host:
+        return config.node.host
+    master = master or config.master.listen
+    m = _TCP_ADDRESS_RE.match(master or "")
+    if m is None:  # ipc:// or unparsable: this host only
+        return "127.0.0.1"
+    master_host, port = m.group(1).strip("[]"), int(m.group(2))
+    if master_host in ("*", "0.0.0.0", "::", "localhost") or master_host.startswith("127.") or master_host == "::1":
+        return "127.0.0.1"
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in master_host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_host, port))  # no packet is sent: this only asks the routing table
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise errors.ConfigError(
+            f"node.host: no route from this host to the master {master} ({exc.strerror or exc}); "
+            f"set node.host to this host's address") from None
+
+
 def parse_size(value: Any) -> int:
     """Bytes from an int or a string such as ``"512MiB"``, ``"2GiB"``, ``"64KB"``."""
     if isinstance(value, bool):
@@ -171,8 +197,9 @@ class MasterSection:
 
 @dataclass
 class NodeSection:
-    host: str = _opt("127.0.0.1", "address whose interface the node's UCX transports and control socket "
-                                  "use (nothing listens elsewhere)")
+    host: str = _opt("", "address whose interface the node's UCX transports and control socket use (nothing "
+                         "listens elsewhere); empty: 127.0.0.1 with a master on this host, else the local "
+                         "address of the route to the master")
     port: int = _opt(0, "0: no UCX sockaddr listener, peers connect by worker address; a port: also "
                         "listen there (ucxx binds that listener to EVERY interface)")
     max_message: int = _size("16MiB", "large layer ranges are split into messages of at most this many bytes")

@@ -32,7 +32,7 @@ import zmq
 
 from kvpool import errors
 from kvpool import protocol as P
-from kvpool.config import Config
+from kvpool.config import Config, node_host
 from kvpool.master_client import Heartbeater, MasterClient, control_call  # noqa: F401 - control_call re-exported
 from kvpool.objformat import LayerRange, ObjectHeader
 from kvpool.protocol import ReplicaRecord, replica_record
@@ -99,6 +99,7 @@ class Node:
         self.node_id = uuid.uuid4().hex
         self.host_id = local_host_id()
         self.master_address = master_address
+        self.host = node_host(config, master_address)  # what this node binds and advertises
         self.cluster_key = ClusterKey.from_config(config)
         self.master = MasterClient(master_address, config=config, cluster_key=self.cluster_key)
         # The provider only pins and takes a view (or hands nvme reads to a worker), so it
@@ -106,7 +107,7 @@ class Node:
         # Every pull must carry a token the master (or a key holder) minted for this node; with
         # node.port 0 there is no UCX sockaddr listener (ucxx binds those to every interface):
         # peers reach this node by its worker address, over UCX transports kept on node.host.
-        self.server = PullServer(self._provide, host=config.node.host, port=config.node.port,
+        self.server = PullServer(self._provide, host=self.host, port=config.node.port,
                                  max_message=config.node.max_message, inline_provider=True,
                                  name=f"kvpool-node-{self.node_id[:8]}", authorize=self._authorize,
                                  listener=bool(config.node.port))
@@ -123,8 +124,8 @@ class Node:
         # A larger message is dropped unread (its peer disconnected), never buffered.
         self._control.setsockopt(zmq.MAXMSGSIZE, config.master.max_request_bytes)
         self.cluster_key.secure_server(self._control)  # only holders of the cluster key are answered
-        port = self._control.bind_to_random_port(f"tcp://{config.node.host}")
-        self.control_address = f"tcp://{config.node.host}:{port}"
+        port = self._control.bind_to_random_port(f"tcp://{self.host}")
+        self.control_address = f"tcp://{self.host}:{port}"
         self._replicator: PullClient | None = None
         self._replicator_lock = threading.Lock()
         self.heartbeater: Heartbeater | None = None
@@ -368,7 +369,7 @@ class Node:
         with self._replicator_lock:
             if self._replicator is None:
                 self._replicator = PullClient(transport="auto", max_message=self.config.node.max_message,
-                                              host=self.config.node.host)
+                                              host=self.host)
             return self._replicator
 
     def _replicate(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,8 @@ def content(i: int) -> np.ndarray:
     return np.random.default_rng(1000 + i).standard_normal(SHAPE).astype(np.float16)
 
 
-def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int, dram: str = "4MiB") -> Config:
+def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int, dram: str = "4MiB",
+                 host: str = "") -> Config:
     return Config.load({
         "pool": {"name": name, "data_dir": data_dir},
         "tiers": {"dram": {"capacity": dram, "mlock": False}, "cxl": {"capacity": "4MiB", "path": f"{data_dir}/cxl",
@@ -40,7 +41,7 @@ def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int, dram:
                                                                     "shared_dirs": os.path.dirname(data_dir)},
                   "nvme": {"capacity": "16MiB", "segment_size": "8MiB"}},
         "master": {"listen": master, "heartbeat_ms": heartbeat_ms, "request_timeout_s": 3.0},
-        "node": {"pull_timeout_s": 3.0},
+        "node": {"pull_timeout_s": 3.0, "host": host},
     })
 
 
@@ -57,9 +58,10 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--heartbeat-ms", type=int, default=200)
+    parser.add_argument("--host", default="", help="node.host (default: auto, from the route to the master)")
     parser.add_argument("--dram", default="4MiB", help="0: puts land in the cxl arena (same-host readers read in place)")
     args = parser.parse_args()
-    config = small_config(args.master, args.name, args.data_dir, args.heartbeat_ms, args.dram)
+    config = small_config(args.master, args.name, args.data_dir, args.heartbeat_ms, args.dram, args.host)
     pool = kvpool.connect(args.master, config=config, transport=args.transport)
     try:
         keys = range(args.first, args.first + args.keys)

@@ -68,3 +68,18 @@ def test_dotted_set_from_command_line() -> None:
     assert config.tiers.nvme.capacity == 2 << 30
     with pytest.raises(errors.ConfigError, match="<command line>"):
         config.set("tiers.nvme.nope", "1")
+
+
+def test_node_host_is_loopback_for_a_local_master_and_the_route_to_a_remote_one() -> None:
+    from kvpool.config import node_host
+
+    for master in ("tcp://127.0.0.1:7700", "tcp://localhost:7700", "tcp://*:7700", "ipc:///tmp/kvpool-master"):
+        assert node_host(Config.load({"master": {"listen": master}})) == "127.0.0.1", master
+    assert node_host(Config.load({"node": {"host": "10.9.9.9"}, "master": {"listen": "tcp://192.0.2.1:7700"}})) \
+        == "10.9.9.9"  # an explicit node.host is kept
+    try:
+        routed = node_host(Config.load({}), "tcp://192.0.2.1:7700")  # TEST-NET-1: only a route is asked for
+    except errors.ConfigError as exc:  # a machine with no route there at all
+        assert "node.host" in str(exc)
+    else:
+        assert not routed.startswith("127.")
