@@ -26,7 +26,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -168,25 +167,13 @@ def _keys(address: str) -> int:
         return -1
 
 
-def publish_parallel(address: str, work: list[tuple[KeyNode, list[P.ReplicaRecord]]]) -> float:
-    """Every node publishes its new records at once; seconds taken."""
-    errors: list[BaseException] = []
-
-    def send(node: KeyNode, records: list[P.ReplicaRecord]) -> None:
-        try:
-            with MasterClient(address, request_timeout_s=120) as client:
-                client.publish(node.node_id, records)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            errors.append(exc)
-
-    threads = [threading.Thread(target=send, args=item) for item in work]
+def publish_all(address: str, work: list[tuple[KeyNode, list[P.ReplicaRecord]]]) -> float:
+    """The nodes publish their new records one after the other (one thread: this process's
+    heartbeat threads must not starve behind eight threads packing huge batches); seconds taken."""
     started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    with MasterClient(address, request_timeout_s=120) as client:
+        for node, records in work:
+            client.publish(node.node_id, records)
     return time.perf_counter() - started
 
 
@@ -209,8 +196,9 @@ def main() -> int:
           f"{args.layers}-layer objects, header {len(ObjectHeader.for_key(b'k', spec, (0,) * args.layers).pack())} B",
           file=sys.stderr)
     rows: list[list[Any]] = []
+    key_beaters: list[Heartbeater] = []
+    beaters: list[Heartbeater] = []
     try:
-        key_beaters = []
         for node in nodes:
             # Registered by its first beat; after a master restart the beat's answer makes it
             # re-register everything it holds, as a real node does.
@@ -227,7 +215,7 @@ def main() -> int:
                 first = indexed + n * per_node
                 stop = target if n == len(nodes) - 1 else first + per_node
                 work.append((node, node.add(first, stop)))
-            publish_s = publish_parallel(address, work)
+            publish_s = publish_all(address, work)
             indexed = target
             with MasterClient(address, request_timeout_s=60) as client:
                 assert client.stats()["keys"] == target
@@ -241,7 +229,6 @@ def main() -> int:
                                 "p50 us", "p99 us", "exists keys/s (1000/req)"], rows[-1:]), file=sys.stderr)
 
         # Heartbeats from many nodes: none may be declared dead.
-        beaters: list[Heartbeater] = []
         for i in range(args.heartbeat_nodes):
             node_id = f"beat-node-{i:03d}"
 
@@ -257,6 +244,7 @@ def main() -> int:
             stats = client.stats()
         for beater in beaters:
             beater.stop()
+        beaters.clear()
         dead = stats["counters"]["nodes_dead"]
         alive_beaters = sum(1 for nid, n in stats["nodes"].items() if nid.startswith("beat-node") and n["alive"])
 
@@ -267,8 +255,6 @@ def main() -> int:
         up_s = master.start()
         found = wait_until(lambda: _keys(address) == indexed, 600) and _keys(address)
         register_s = time.monotonic() - started
-        for beater in key_beaters:
-            beater.stop()
         print()
         print(format_table(["keys", "master RSS MiB", "B/key", "publish keys/s", "lookups/s (1 in flight)",
                             "p50 us", "p99 us", "exists keys/s (1000/req)"], rows))
@@ -282,6 +268,8 @@ def main() -> int:
         ]))
         return 0 if dead == 0 and found == indexed else 1
     finally:
+        for beater in key_beaters + beaters:  # before the master goes, and before zmq is torn down
+            beater.stop()
         master.stop()
 
 

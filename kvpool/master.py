@@ -262,6 +262,52 @@ def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], de
     return value
 
 
+class Replica:
+    """One replica record as the master keeps it. A million keys are a million of these, so a
+    record is a slotted object with its spec, tier and node id shared, not a dict; it reads like
+    the wire record (``record["nbytes"]``, ``"header" in record``, ``{**record}``)."""
+
+    __slots__ = ("tier", "spec", "nbytes", "checksums", "header", "location", "durable", "node_id")
+    _SPECS: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # equal specs share one tuple (bounded)
+
+    def __init__(self, tier: str, spec: Any, nbytes: int, checksums: list[int] | None, header: bytes | None,
+                 location: dict[str, Any] | None, durable: int | None) -> None:
+        spec = tuple(spec) if isinstance(spec, (list, tuple)) else spec
+        if isinstance(spec, tuple):
+            shared = Replica._SPECS.get(spec)
+            if shared is None and len(Replica._SPECS) < 4096:
+                shared = Replica._SPECS[spec] = spec
+            spec = shared or spec
+        self.tier = sys.intern(tier)
+        self.spec = spec
+        self.nbytes = nbytes
+        self.checksums = checksums
+        self.header = header
+        self.location = location or None
+        self.durable = durable
+        self.node_id: str | None = None
+
+    def keys(self) -> list[str]:
+        return [name for name in self.__slots__ if name == "location" or getattr(self, name) is not None]
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "location":
+            return dict(self.location or {})
+        value = getattr(self, name, None) if name in self.__slots__ else None
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.__slots__ and (name == "location" or getattr(self, str(name)) is not None)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+
 class MasterState:
     """All master state and every operation on it; no sockets, no threads.
 
@@ -282,7 +328,7 @@ class MasterState:
         self.dead_after_s = config.heartbeat_ms / 1000 * config.dead_after_missed
         self.started = clock()
         self.nodes: dict[str, NodeInfo] = {}
-        self.index: dict[bytes, dict[str, dict[str, Any]]] = {}  # key -> node_id -> record
+        self.index: dict[bytes, dict[str, Replica]] = {}  # key -> node_id -> record
         # Every reservation (lease) gets the same timeout, so insertion order is
         # deadline order and expiry pops from the front.
         self.reservations: OrderedDict[int, Reservation] = OrderedDict()
@@ -375,7 +421,7 @@ class MasterState:
             tiers[str(name)] = {"capacity": capacity, "free": free}
         return tiers
 
-    def _record(self, raw: Any, *, with_key: bool) -> tuple[bytes, dict[str, Any]]:
+    def _record(self, raw: Any, *, with_key: bool) -> tuple[bytes, Replica]:
         """Validate one replica record; returns (key or b"", the record as stored)."""
         if not isinstance(raw, dict):
             raise P.MalformedRequest(f"replica record must be a map, got {type(raw).__name__}")
@@ -387,14 +433,12 @@ class MasterState:
             layers = ObjectSpec.from_wire(spec).layers
         except (TypeError, ValueError, errors.KVPoolError) as exc:
             raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
-        record: dict[str, Any] = {"tier": tier, "spec": spec, "nbytes": nbytes}
         checksums = raw.get("checksums")
         if checksums is not None:
             # Element types are not checked one by one: a node that sends junk
             # checksums only fails its own readers' verification.
             if not isinstance(checksums, list) or len(checksums) != layers:
                 raise P.MalformedRequest(f"checksums must be a list of {layers} ints")
-            record["checksums"] = checksums
         header = raw.get("header")
         if header is not None:
             if not isinstance(header, bytes):
@@ -402,7 +446,6 @@ class MasterState:
             if len(header) > MAX_RECORD_HEADER_BYTES:
                 raise errors.RequestTooLargeError(
                     f"record header is {len(header)} bytes; the most is {MAX_RECORD_HEADER_BYTES}")
-            record["header"] = header
         location = raw.get("location", {})
         if not isinstance(location, dict):
             raise P.MalformedRequest("location must be a map")
@@ -410,13 +453,10 @@ class MasterState:
                 isinstance(v, (str, bytes, list, dict)) and len(v) > MAX_CONTROL_BYTES for v in location.values()):
             raise errors.RequestTooLargeError(
                 f"record location: at most {MAX_LOCATION_ENTRIES} entries of at most {MAX_CONTROL_BYTES} each")
-        record["location"] = location
         durable = raw.get("durable")
-        if durable is not None:
-            if type(durable) is not int or durable < 1:
-                raise P.MalformedRequest(f"durable must be an int >= 1 (replicas wanted), got {durable!r:.40}")
-            record["durable"] = durable
-        return key, record
+        if durable is not None and (type(durable) is not int or durable < 1):
+            raise P.MalformedRequest(f"durable must be an int >= 1 (replicas wanted), got {durable!r:.40}")
+        return key, Replica(tier, spec, nbytes, checksums, header, location, durable)
 
     def _alive_node(self, node_id: Any) -> NodeInfo:
         node = self.nodes.get(node_id) if isinstance(node_id, str) else None
@@ -424,9 +464,9 @@ class MasterState:
             raise errors.UnknownNodeError(f"node {node_id!r} is not registered or was declared dead")
         return node
 
-    def _add_replica(self, node: NodeInfo, key: bytes, record: dict[str, Any]) -> bool:
+    def _add_replica(self, node: NodeInfo, key: bytes, record: Replica) -> bool:
         """Index ``record`` for ``key`` on ``node``; True if the node did not hold it before."""
-        record["node_id"] = node.node_id
+        record.node_id = node.node_id  # the node's own string: one per node, not one per record
         replicas = self.index.get(key)
         if replicas is None:
             replicas = self.index[key] = {}
@@ -567,8 +607,8 @@ class MasterState:
             if key in durable and key not in check:
                 check[key] = 0.0
 
-    def _note_durable(self, key: bytes, record: dict[str, Any]) -> None:
-        replicas = record.pop("durable", None)
+    def _note_durable(self, key: bytes, record: Replica) -> None:
+        replicas, record.durable = record.durable, None
         if replicas:
             self.durable[key] = replicas
 
@@ -926,6 +966,9 @@ class MasterState:
     def op_publish(self, body: dict[str, Any]) -> Any:
         node = self._alive_node(_field(body, "node_id", str))
         records = [self._record(raw, with_key=True) for raw in self._batch(body, "objects")]
+        # A node sending what it holds is alive: one that re-registers a large index in many
+        # batches is never declared dead between them for want of a heartbeat.
+        node.last_seen = max(node.last_seen, self.clock())
         for key, record in records:
             self._note_durable(key, record)
             if self._add_replica(node, key, record):

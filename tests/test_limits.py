@@ -137,6 +137,25 @@ def test_client_splits_large_batches_transparently(server: MasterServer) -> None
         thread.join(5)
 
 
+def test_a_node_sending_its_index_in_batches_is_alive_without_heartbeats() -> None:
+    # After a master restart a node re-registers in max_batch-sized requests, which may take
+    # longer than dead_after while other nodes do the same: those requests are proof of life.
+    now = [100.0]
+    state = MasterState(MasterSection(heartbeat_ms=100, dead_after_missed=3), clock=lambda: now[0])
+    srv = object.__new__(MasterServer)
+    srv.state = state
+    register(srv, "n1")
+    for _ in range(10):  # 10 x 0.2 s: four times dead_after, no heartbeat
+        now[0] += 0.2
+        ok, _ = call(srv, P.PUBLISH, {"node_id": "n1", "objects": [record(os.urandom(16))]})
+        assert ok
+        state.sweep()
+    assert state.nodes["n1"].alive and len(state.index) == 10
+    now[0] += 0.31  # then silence counts as before
+    state.sweep()
+    assert not state.nodes["n1"].alive and not state.index
+
+
 def test_a_long_request_does_not_starve_liveness_fake_clock() -> None:
     now = [100.0]
     section = MasterSection(heartbeat_ms=100, dead_after_missed=3)
