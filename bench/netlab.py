@@ -76,6 +76,15 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, check=check)
 
 
+def _bits_per_s(rate: str) -> int:
+    """``"10gbit"`` -> 10**10 (tc's decimal units: kbit, mbit, gbit)."""
+    text = rate.strip().lower()
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    raise ValueError(f"rate {rate!r}: use e.g. 100mbit, 1gbit, 25gbit")
+
+
 @dataclass(frozen=True)
 class Host:
     name: str       # also its hostname
@@ -108,8 +117,11 @@ class Lab:
                 _ip("-n", host.netns, "link", "set", "eth0", "up")
                 _ip("-n", host.netns, "link", "set", "lo", "up")
                 if rate:
+                    # A bucket of 2 ms of traffic (at least 32 KiB): a larger one lets whole small
+                    # transfers through at memory speed, a smaller one cannot reach the rate.
+                    burst = max(32 << 10, _bits_per_s(rate) // 8 // 500)
                     subprocess.run(["ip", "netns", "exec", host.netns, "tc", "qdisc", "add", "dev", "eth0", "root",
-                                    "tbf", "rate", rate, "burst", "1mb", "latency", "100ms"],
+                                    "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"],
                                    capture_output=True, text=True, timeout=20, check=True)
                 self.hosts.append(host)
         except BaseException:

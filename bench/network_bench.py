@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
 import statistics
 import sys
+import threading
 import tempfile
 import time
 from pathlib import Path
@@ -67,7 +70,10 @@ def writer(args: argparse.Namespace) -> int:
         for nbytes in parse_sizes(args.sizes):
             pool.put(key_of(nbytes), content(nbytes, args.layers))
         print("READY", flush=True)
-        sys.stdin.read()  # until the parent closes it
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        while not stop.wait(0.5):  # serve pulls until the lab stops this process
+            pass
         return 0
     finally:
         pool.close()
@@ -78,7 +84,7 @@ def reader(args: argparse.Namespace) -> int:
 
     import kvpool
 
-    pool = kvpool.connect(args.master, config=config(args.master, "net-reader", args.data_dir, "0"),
+    pool = kvpool.connect(args.master, config=config(args.master, "net-reader", args.data_dir, "1MiB"),
                           transport="tcp")
     results = []
     try:
@@ -88,6 +94,8 @@ def reader(args: argparse.Namespace) -> int:
             k = max(1, layers // 4)
             out = np.empty_like(want)
             got = pool.get(key, out=out)  # warm: located once, then straight to the holder
+            if got is None:
+                raise RuntimeError(f"{size_label(nbytes)}: a miss ({pool.stats().get('remote')})")
             assert got is out and np.array_equal(out, want), "wrong bytes"
 
             def timed(fn: Any) -> float:
@@ -120,7 +128,7 @@ def run_rate(rate: str, args: argparse.Namespace, tmp: Path) -> list[dict[str, A
                   ready=lambda: "listening on" in log.read_text())
         common = ["--master", master, "--sizes", args.sizes, "--layers", str(args.layers), "--iters", str(args.iters)]
         log = tmp / f"writer-{rate}.log"
-        writer_child = lab.spawn(h1, [str(Path(__file__)), "--role", "writer", "--data-dir", str(tmp / "w"), *common],
+        lab.spawn(h1, [str(Path(__file__)), "--role", "writer", "--data-dir", str(tmp / "w"), *common],
                                  log, ready=lambda: "READY" in log.read_text(), timeout_s=120)
         log = tmp / f"reader-{rate}.log"
         child = lab.spawn(h2, [str(Path(__file__)), "--role", "reader", "--data-dir", str(tmp / "r"), *common], log)
@@ -128,7 +136,6 @@ def run_rate(rate: str, args: argparse.Namespace, tmp: Path) -> list[dict[str, A
         lines = [line for line in child.output().splitlines() if line.startswith("[")]
         if child.popen.returncode != 0 or not lines:
             raise RuntimeError(f"reader failed:\n{child.output()[-3000:]}")
-        del writer_child
         return json.loads(lines[-1])
     finally:
         lab.close()
@@ -143,6 +150,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--master", default="")
     parser.add_argument("--data-dir", default="")
+    parser.add_argument("--keep", action="store_true", help="keep the logs (printed path)")
     args = parser.parse_args()
     if args.role == "writer":
         return writer(args)
@@ -153,7 +161,8 @@ def main() -> int:
         print(f"network_bench: {why}", file=sys.stderr)
         return 2
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kvpool-netbench-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="kvpool-netbench-")
+    try:
         for rate in args.rates.split(","):
             print(f"link {rate} ...", file=sys.stderr)
             for r in run_rate(rate, args, Path(tmp)):
@@ -161,6 +170,11 @@ def main() -> int:
                 rows.append([rate, size_label(n), f"{r['whole_s'] * 1e3:.2f}", f"{n / r['whole_s'] / 1e9:.3f}",
                              f"{r['paged_s'] * 1e3:.2f}", f"{r['paged_s'] / r['whole_s']:.2f}",
                              f"{k}/{layers}", f"{r['part_s'] * 1e3:.2f}", f"{r['part_s'] / r['whole_s']:.2f}"])
+    finally:
+        if args.keep:
+            print(f"logs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(format_table(["link", "object", "whole ms", "whole GB/s", "per-layer ms", "per-layer/whole",
                         "k/L", "k of L ms", "time ratio"], rows))
     print("\n(two network namespaces on one VM, UCX over TCP on veth + bridge, tbf on each host's egress; "
