@@ -94,3 +94,33 @@ def test_peers_bench_quick_kvpool_tcp_and_skipped_peers(tmp_path: Path) -> None:
     assert not any(tmp_path.glob("kvpool-peers-*")), "the bench left its work directory behind"
     if importlib.util.find_spec("matplotlib") is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scale_bench_small_run_reports_every_step_and_the_checks() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "scale_bench.py"), "--keys", "2000,6000", "--layers", "4",
+         "--nodes-with-keys", "2", "--lookup-seconds", "0.3", "--heartbeat-nodes", "5", "--heartbeat-seconds", "2"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit() and "," in line.split()[0]]
+    assert [row[0] for row in rows] == ["2,000", "6,000"]
+    assert "5 alive, 0 declared dead" in proc.stdout
+    assert "6,000 found" in proc.stdout  # every key indexed again after the master restart
+
+
+def test_network_bench_one_link_one_size() -> None:
+    from bench.netlab import unavailable
+
+    if unavailable():
+        import pytest
+
+        pytest.skip(unavailable())
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "network_bench.py"), "--rates", "1gbit", "--sizes", "1M",
+         "--iters", "2"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("1gbit"))
+    assert row[1] == "1M" and row[6] == "8/32" and float(row[3]) > 0  # whole GB/s measured
