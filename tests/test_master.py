@@ -764,3 +764,27 @@ def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():
     finally:
         rereplicator.close()
         context.destroy(linger=0)
+
+
+def test_holders_behave_like_a_dict_of_replicas_by_node() -> None:
+    from kvpool.master import Holders, Replica
+
+    def replica(tier: str) -> Replica:
+        return Replica(tier, SPEC.to_wire(), SPEC.total_nbytes, None, b"h", None, None)
+
+    held = Holders()
+    assert not held and len(held) == 0 and held.get("a") is None and held.pop("a", "none") == "none"
+    first = replica("dram")
+    held["a"] = first
+    assert held and list(held) == ["a"] and held["a"] is first and "a" in held and "b" not in held
+    held["b"] = replica("nvme")
+    held["c"] = replica("cxl")
+    newer = replica("nvme")
+    held["a"] = newer  # replaces the node's record, keeps the others
+    assert sorted(held) == ["a", "b", "c"] and held["a"] is newer and len(held.values()) == 3
+    assert {nid: r.tier for nid, r in held.items()} == {"a": "nvme", "b": "nvme", "c": "cxl"}
+    assert held.pop("b").tier == "nvme" and sorted(held) == ["a", "c"]
+    assert held.pop("c") is not None and list(held) == ["a"] and held["a"] is newer
+    assert held.pop("a") is newer and not held and len(held) == 0
+    with pytest.raises(KeyError):
+        held["a"]
