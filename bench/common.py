@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, Sequence
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
@@ -274,3 +277,41 @@ def plot_series(path: str, series: Sequence[dict[str, Any]], *, title: str,
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+# -- child processes ----------------------------------------------------------------
+
+
+class Child:
+    """A started child process and its log file: its output, and ways to end it (benchmarks and
+    tests alike start their servers this way)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.popen = popen
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL (no cleanup in the child) and reap."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(10)
+
+    def stop(self, grace_s: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait(10)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -27,38 +26,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
-
-class Child:
-    """A process started on a lab host, with its log."""
-
-    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path) -> None:
-        self.popen = popen
-        self.log_path = log_path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def output(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(10)
-
-    def stop(self, grace_s: float = 5.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-        return self.popen.wait(10)
+from bench.common import Child  # noqa: E402
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import site
 import socket
 import subprocess
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import pytest
+
+from bench.common import Child
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534  # uid and gid of nobody/nogroup on Debian
@@ -65,38 +66,7 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
-class ChildProcess:
-    """A started Python child: its Popen, its log, and ways to end it."""
-
-    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path) -> None:
-        self.popen = popen
-        self.log_path = log_path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def output(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL (no cleanup in the child) and reap."""
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(10)
-
-    def stop(self, grace_s: float = 5.0) -> int:
-        """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-        return self.popen.wait(10)
+ChildProcess = Child  # a started child, its log, and ways to end it (shared with the benchmarks)
 
 
 def start_python(
