@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,10 @@ from typing import IO, Any, Callable, ClassVar, Sequence
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.common import Child  # noqa: E402
 KV_HEADS, HEAD_DIM, ITEM_BYTES = 8, 128, 2  # float16 KV of a Llama-3-8B-like model
 TOKEN_LAYER_BYTES = 2 * KV_HEADS * HEAD_DIM * ITEM_BYTES  # K and V of one token in one layer: 4 KiB
 SOURCE_SPAN_BYTES = 128 << 20  # distinct random bytes behind the values (values past it shift by 4 KiB)
@@ -267,22 +270,18 @@ def pinned_command(command: Sequence[str], cpus: frozenset[int] | None) -> list[
     return [sys.executable, "-c", _PIN_AND_EXEC, _cpus(cpus), *command]
 
 
-class ServerProcess:
-    """A child process with its output in a log file; stopped with SIGTERM, then SIGKILL."""
+class ServerProcess(Child):
+    """A peer's server process, pinned to ``cpus``, with its output in a log file."""
 
     def __init__(self, name: str, command: Sequence[str], log_path: Path, cpus: frozenset[int] | None,
                  env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.log_path = log_path
         with log_path.open("wb") as log:
-            self.popen = subprocess.Popen(
+            popen = subprocess.Popen(
                 pinned_command(command, cpus), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
+        super().__init__(popen, log_path)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -311,14 +310,8 @@ class ServerProcess:
                                 f"{self.output()}")
             time.sleep(0.05)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-        self.popen.wait(10)
+    def stop(self, grace_s: float = 10.0) -> int:  # servers flushing state get longer than the default
+        return super().stop(grace_s)
 
 
 def free_port() -> int:
