@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections import Counter
@@ -97,6 +98,13 @@ class ClusterPool(Pool):
 
         if master_address is not None:
             check_master_address(master_address)  # before any tier is opened
+        if config is None:
+            # No settings given: this process's own pool, never the one of a kvpool-server or of
+            # another client on this host (same name = same arena and nvme dir = PoolLockedError),
+            # and no nvme tier: durable copies live on storage nodes, a client spills nothing.
+            config = Config.load(None)
+            config.set("pool.name", f"client-{os.getpid()}", origin="kvpool.connect defaults")
+            config.set("tiers.nvme.capacity", 0, origin="kvpool.connect defaults")
         super().__init__(config)
         self.master_address = master_address or self.config.master.listen
         self._remote = Counter[str]()

@@ -150,3 +150,34 @@ def test_cli_with_a_malformed_master_address_prints_one_line_and_exits_2() -> No
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "tcp://" in lines[0] and "Traceback" not in done.stderr
+
+
+CLIENT_WITH_DEFAULTS = """
+import sys, time, numpy as np, kvpool
+pool = kvpool.connect(sys.argv[1])  # no settings at all, as the README's example
+me, other = int(sys.argv[2]), 3 - int(sys.argv[2])
+pool.put(b"defaults-%d" % me, np.full((2, 2, 16, 2, 32), me, np.float16))
+deadline = time.monotonic() + 30
+while (got := pool.get(b"defaults-%d" % other)) is None and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(pool.config.pool.name, pool.config.tiers.nvme.capacity, None if got is None else float(got.flat[0]), flush=True)
+time.sleep(1.0)  # the other may still be reading from this one
+pool.close()
+"""
+
+
+def test_clients_with_default_settings_run_side_by_side_with_a_daemon(tmp_path: Path, spawn_python) -> None:
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    log = tmp_path / "daemon.log"
+    spawn_python(["-m", "kvpool.daemon", "--master.listen", master, "--pool.name", f"daemon-{tmp_path.name}",
+                  "--pool.data_dir", str(tmp_path / "d"), "--tiers.dram.mlock", "false",
+                  "--tiers.cxl.capacity", "16MiB", "--tiers.nvme.capacity", "16MiB"],
+                 log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60)
+    clients = [subprocess.Popen([sys.executable, "-c", CLIENT_WITH_DEFAULTS, master, str(i)], cwd=REPO_ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
+    outs = [c.communicate(timeout=120) for c in clients]
+    for i, (client, (out, err)) in enumerate(zip(clients, outs), start=1):
+        assert client.returncode == 0, err[-3000:]
+        name, nvme, seen = out.split()
+        assert name == f"client-{client.pid}" and nvme == "0"  # its own pool, never the daemon's
+        assert float(seen) == 3 - i  # and it reads the other client's put
