@@ -24,8 +24,8 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.config import Config, format_size, node_host
-from kvpool.master_client import MasterClient
-from kvpool.node import NodeAddress, control_call
+from kvpool.master_client import MasterClient, control_call
+from kvpool.node import NodeAddress
 
 
 def _key(text: str, as_text: bool) -> bytes:

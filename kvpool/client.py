@@ -27,8 +27,8 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.config import Config
-from kvpool.master_client import MasterClient
-from kvpool.node import Node, NodeAddress, control_call
+from kvpool.master_client import MasterClient, control_call
+from kvpool.node import Node, NodeAddress
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, byte_view, spec_of
 from kvpool.pool import Key, Pool, timed
 from kvpool.protocol import LocatedReplica

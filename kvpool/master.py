@@ -820,8 +820,6 @@ class MasterState:
             raise P.MalformedRequest("persistent_tiers must be a list of tier names")
         endpoint, control = describe_address(address)
         control = self._bounded_str(body, "control", MAX_CONTROL_BYTES, control)
-        if len(control) > MAX_CONTROL_BYTES:
-            raise errors.RequestTooLargeError(f"control address longer than {MAX_CONTROL_BYTES} characters")
         records = [self._record(raw, with_key=True) for raw in raw_objects]
         now = self.clock()
         node = self.nodes.get(node_id)

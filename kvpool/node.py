@@ -33,7 +33,7 @@ import zmq
 from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, node_host
-from kvpool.master_client import Heartbeater, MasterClient, control_call  # noqa: F401 - control_call re-exported
+from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader
 from kvpool.protocol import ReplicaRecord, replica_record
 from kvpool.security import ClusterKey

@@ -125,14 +125,21 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
         return None
     if not isinstance(token, bytes) or len(token) > _MAX_TOKEN:
         return None
-    if clean_node_address(address) is None:
+    node = clean_node_address(address)
+    if node is None:
         return None
     if location:
         location = clean_location(location)
         if location is None:
             return None
-    return {**raw, "node_id": node_id, "address": address, "host_id": host_id, "tier": tier,
-            "header": header, "token": token, "location": location or {}}  # type: ignore[typeddict-item]
+    # "_node": the decoded address, which also marks the record as checked (nothing from the wire
+    # can be a NodeAddress), so later steps of the same get neither re-check nor re-parse it.
+    return {**raw, "node_id": node_id, "address": address, "host_id": host_id,  # type: ignore[typeddict-item]
+            "tier": tier, "header": header, "token": token, "location": location or {}, "_node": node}
+
+
+def _is_clean(replica: Any) -> bool:
+    return isinstance(replica, dict) and isinstance(replica.get("_node"), NodeAddress)
 
 
 def replicas_at(located: Any, index: int) -> Any:
@@ -263,7 +270,7 @@ class ReplicaReader:
             return []
         good = []
         for raw in replicas[:1024]:
-            replica = clean_replica(raw)
+            replica = raw if _is_clean(raw) else clean_replica(raw)
             if replica is None:
                 self.counters["bad_records"] += 1
                 log.warning("ignoring a malformed replica record from the master: %.200r", raw)
@@ -294,7 +301,7 @@ class ReplicaReader:
             return None
         failed: set[str] = set()
         arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=True,
-                                 failed=failed)
+                                 failed=failed)  # ordered() keeps the checked records as they are
         if arr is not None and self.location_cache_size:
             keep = [r for r in replicas if r.get("node_id") not in failed]
             with self._lock:
@@ -429,9 +436,10 @@ class ReplicaReader:
     def read_into(self, key: bytes, replica: LocatedReplica, header: ObjectHeader,
                   layer_range: LayerRange, buf: memoryview) -> None:
         """Fill ``buf`` with verified layers from one replica, or raise."""
-        replica = clean_replica(replica)  # type: ignore[assignment]
-        if replica is None:
-            raise errors.TransferError("malformed replica record")
+        if not _is_clean(replica):
+            replica = clean_replica(replica)  # type: ignore[assignment]
+            if replica is None:
+                raise errors.TransferError("malformed replica record")
         location = replica.get("location") or {}
         if replica.get("host_id") == self.host_id and replica.get("tier") == "cxl" and location:
             try:
@@ -441,9 +449,8 @@ class ReplicaReader:
                 return
             except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
                 log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
-        address = clean_node_address(replica["address"])
-        assert address is not None  # clean_replica checked it
-        self.puller.pull_into(address.peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
+        peer = replica["_node"].peer  # type: ignore[typeddict-item]
+        self.puller.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
                               alive=lambda: self.holder_alive(replica), token=replica.get("token", b""))
         header.verify(layer_range, buf)
         self.counters["pulls"] += 1

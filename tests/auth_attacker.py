@@ -35,7 +35,7 @@ def main(spec: dict[str, Any]) -> None:
     from kvpool import protocol as P
     from kvpool.config import Config
     from kvpool.master_client import MasterClient
-    from kvpool.node import control_call
+    from kvpool.master_client import control_call
     from kvpool.objformat import ObjectSpec
     from kvpool.security import ClusterKey
 

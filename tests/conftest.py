@@ -69,6 +69,18 @@ def free_tcp_port() -> int:
 ChildProcess = Child  # a started child, its log, and ways to end it (shared with the benchmarks)
 
 
+def communicate_all(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of every process; each one still running after that (a timeout, an
+    error) is killed, so no test leaves one behind."""
+    try:
+        return [p.communicate(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 def start_python(
     args: Sequence[str],
     *,

@@ -13,8 +13,8 @@ import pytest
 
 import kvpool
 from kvpool.objformat import ObjectSpec
-from kvpool.master_client import MasterClient
-from kvpool.node import NodeAddress, control_call
+from kvpool.master_client import MasterClient, control_call
+from kvpool.node import NodeAddress
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
 
@@ -22,6 +22,16 @@ HEARTBEAT_MS = 200
 LAYER_NBYTES = 2 * 32 * 4 * 64 * 2  # one layer of tests.cluster_actor.SHAPE, float16
 
 pytestmark = pytest.mark.timeout(180)
+
+
+def node_config(name: str, data_dir: Path, master_address: str, host: str | None = None) -> str:
+    """The TOML of a small storage node (``host``: node.host; None leaves it to the default)."""
+    return (f'[pool]\nname = "{name}"\ndata_dir = "{data_dir}"\n'
+            f'[tiers.dram]\ncapacity = "4MiB"\nmlock = false\n'
+            f'[tiers.cxl]\ncapacity = "4MiB"\npath = "{data_dir}/cxl"\n'
+            f'[tiers.nvme]\ncapacity = "16MiB"\nsegment_size = "8MiB"\n'
+            f'[master]\nlisten = "{master_address}"\nheartbeat_ms = {HEARTBEAT_MS}\n'
+            + (f'[node]\nhost = "{host}"\n' if host else ""))
 
 
 class Cluster:
@@ -43,13 +53,7 @@ class Cluster:
     def start_node(self, name: str) -> ChildProcess:
         data_dir = self.tmp_path / name
         config = self.tmp_path / f"{name}.toml"
-        config.write_text(
-            f'[pool]\nname = "{name}"\ndata_dir = "{data_dir}"\n'
-            f'[tiers.dram]\ncapacity = "4MiB"\nmlock = false\n'
-            f'[tiers.cxl]\ncapacity = "4MiB"\npath = "{data_dir}/cxl"\n'
-            f'[tiers.nvme]\ncapacity = "16MiB"\nsegment_size = "8MiB"\n'
-            f'[master]\nlisten = "{self.master_address}"\nheartbeat_ms = {HEARTBEAT_MS}\n'
-        )
+        config.write_text(node_config(name, data_dir, self.master_address))
         log = self.tmp_path / f"{name}.log"
         return self.spawn(["-m", "kvpool.daemon", "--role", "node", "--config", str(config)],
                           log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=30)

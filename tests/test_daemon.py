@@ -14,7 +14,7 @@ import pytest
 
 import kvpool
 from kvpool.config import Config
-from tests.conftest import REPO_ROOT, ChildProcess, free_tcp_port, wait_for
+from tests.conftest import REPO_ROOT, ChildProcess, communicate_all, free_tcp_port, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 SHAPE = (4, 2, 16, 4, 64)
@@ -153,15 +153,17 @@ def test_cli_with_a_malformed_master_address_prints_one_line_and_exits_2() -> No
 
 
 CLIENT_WITH_DEFAULTS = """
-import sys, time, numpy as np, kvpool
+import sys, time, pathlib, numpy as np, kvpool
 pool = kvpool.connect(sys.argv[1])  # no settings at all, as the README's example
-me, other = int(sys.argv[2]), 3 - int(sys.argv[2])
+me, other, flags = int(sys.argv[2]), 3 - int(sys.argv[2]), pathlib.Path(sys.argv[3])
 pool.put(b"defaults-%d" % me, np.full((2, 2, 16, 2, 32), me, np.float16))
 deadline = time.monotonic() + 30
 while (got := pool.get(b"defaults-%d" % other)) is None and time.monotonic() < deadline:
     time.sleep(0.1)
 print(pool.config.pool.name, pool.config.tiers.nvme.capacity, None if got is None else float(got.flat[0]), flush=True)
-time.sleep(1.0)  # the other may still be reading from this one
+(flags / f"read-{me}").touch()
+while not (flags / f"read-{other}").exists() and time.monotonic() < deadline:  # the other still reads from me
+    time.sleep(0.05)
 pool.close()
 """
 
@@ -173,9 +175,10 @@ def test_clients_with_default_settings_run_side_by_side_with_a_daemon(tmp_path: 
                   "--pool.data_dir", str(tmp_path / "d"), "--tiers.dram.mlock", "false",
                   "--tiers.cxl.capacity", "16MiB", "--tiers.nvme.capacity", "16MiB"],
                  log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60)
-    clients = [subprocess.Popen([sys.executable, "-c", CLIENT_WITH_DEFAULTS, master, str(i)], cwd=REPO_ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
-    outs = [c.communicate(timeout=120) for c in clients]
+    clients = [subprocess.Popen([sys.executable, "-c", CLIENT_WITH_DEFAULTS, master, str(i), str(tmp_path)],
+                                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i in (1, 2)]
+    outs = communicate_all(clients, 120)
     for i, (client, (out, err)) in enumerate(zip(clients, outs), start=1):
         assert client.returncode == 0, err[-3000:]
         name, nvme, seen = out.split()

@@ -22,7 +22,7 @@ from kvpool.pool import Pool
 from kvpool.remote import ReplicaReader, alive_nodes_of
 from kvpool.security import ClusterKey
 from kvpool.transfer import PeerAddress, local_host_id
-from tests.conftest import ChildProcess, free_tcp_port
+from tests.conftest import ChildProcess, free_tcp_port, wait_for
 
 SHAPE = (2, 2, 4, 2, 8)
 
@@ -116,10 +116,15 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
         finally:
             remembered.close()
         # the neighbours thread survives garbage from the master
-        writer._master.stats = lambda *a, **k: {"nodes": [1, 2, {"x": None}]}  # type: ignore[method-assign]
-        time.sleep(1.0)
-        writer._master.stats = lambda *a, **k: None  # type: ignore[method-assign]
-        time.sleep(1.0)
+        for garbage in ({"nodes": [1, 2, {"x": None}]}, None):
+            asked: list[int] = []
+
+            def stats(*_: Any, garbage: Any = garbage, asked: list[int] = asked, **__: Any) -> Any:
+                asked.append(1)
+                return garbage
+
+            writer._master.stats = stats  # type: ignore[method-assign]
+            wait_for(lambda asked=asked: len(asked) >= 2, 10, "the neighbours thread to read it twice")
         assert writer._neighbours_thread is not None and writer._neighbours_thread.is_alive()
     finally:
         writer.close()

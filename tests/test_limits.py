@@ -19,8 +19,8 @@ from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, MasterSection
 from kvpool.master import MasterServer, MasterState
-from kvpool.master_client import Heartbeater, MasterClient
-from kvpool.node import NodeAddress, control_call
+from kvpool.master_client import Heartbeater, MasterClient, control_call
+from kvpool.node import NodeAddress
 from kvpool.objformat import ObjectSpec
 from kvpool.security import ClusterKey
 from tests.conftest import wait_for

@@ -13,6 +13,7 @@ import pytest
 
 from tests.cluster_actor import content
 from tests.conftest import wait_for
+from tests.test_cluster import node_config
 from tests.netns import Host, Lab, lab_or_skip
 
 LAYER_NBYTES = content(0)[0].nbytes
@@ -50,13 +51,8 @@ class Hosts:
     def start_node(self, host: Host, name: str, *, auto_host: bool = False) -> Any:
         data_dir = self.tmp_path / name
         config = self.tmp_path / f"{name}.toml"
-        config.write_text(
-            f'[pool]\nname = "{name}"\ndata_dir = "{data_dir}"\n'
-            f'[tiers.dram]\ncapacity = "4MiB"\nmlock = false\n'
-            f'[tiers.cxl]\ncapacity = "4MiB"\npath = "{data_dir}/cxl"\n'
-            f'[tiers.nvme]\ncapacity = "16MiB"\nsegment_size = "8MiB"\n'
-            f'[master]\nlisten = "{self.master_address}"\nheartbeat_ms = 200\n'
-            + ("" if auto_host else f'[node]\nhost = "{host.address}"\n'))  # auto: the route to the master
+        # auto_host: node.host left to its default (the route to the master)
+        config.write_text(node_config(name, data_dir, self.master_address, None if auto_host else host.address))
         log = self.tmp_path / f"{name}.log"
         return self.lab.spawn(host, ["-m", "kvpool.daemon", "--role", "node", "--config", str(config)], log,
                               ready=lambda: "ready" in log.read_text())

@@ -13,6 +13,7 @@ import zmq
 
 from kvpool import errors
 from kvpool.security import TOKEN_NBYTES, ClusterKey, keygen, load_or_create
+from tests.conftest import communicate_all
 
 
 def test_key_file_is_created_private_and_reused(tmp_path: Path) -> None:
@@ -34,7 +35,7 @@ def test_processes_starting_together_on_a_fresh_host_agree_on_one_key(tmp_path: 
     for _ in range(3):
         procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for _ in range(8)]
-        outs = [p.communicate(timeout=60) for p in procs]
+        outs = communicate_all(procs, 60)
         assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
         assert len({out.strip() for out, _ in outs}) == 1
         assert [p.name for p in path.parent.iterdir()] == ["cluster.key"]  # no temporary left behind

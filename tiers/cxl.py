@@ -75,7 +75,8 @@ import xxhash
 from kvpool import errors
 from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, decode, header_nbytes_at
 from tiers.base import ArenaTier, Extent, close_mapping
-from tiers.shm_index import IndexEntry, SharedIndexReader, SharedIndexWriter, index_path, slot_count_for
+from tiers.shm_index import (IndexEntry, SharedIndexReader, SharedIndexWriter, index_path, share_with_group,
+                              slot_count_for)
 
 log = logging.getLogger(__name__)
 
@@ -110,18 +111,6 @@ def resolve_group(group: str | int | None) -> int | None:
         return grp.getgrnam(str(group)).gr_gid
     except KeyError:
         raise errors.ConfigError(f"tiers.cxl.group: no group named {group!r} on this host") from None
-
-
-def share_with_group(fd: int, gid: int | None) -> None:
-    """Make a freshly created 0600 file readable by ``gid`` (0640, group ``gid``); no-op for None."""
-    if gid is None:
-        return
-    try:
-        os.fchown(fd, -1, gid)
-    except PermissionError:
-        raise errors.ConfigError(
-            f"tiers.cxl.group: this user may not give files to gid {gid} (not a member)") from None
-    os.fchmod(fd, 0o640)
 
 
 def default_arena_path(pool_name: str) -> Path:

@@ -48,6 +48,18 @@ _MAX_LOAD = 0.75
 _RETRIES = 64
 
 
+def share_with_group(fd: int, gid: int | None) -> None:
+    """Make a freshly created 0600 file readable by ``gid`` (0640, group ``gid``); no-op for None."""
+    if gid is None:
+        return
+    try:
+        os.fchown(fd, -1, gid)
+    except PermissionError:
+        raise errors.ConfigError(
+            f"tiers.cxl.group: this user may not give files to gid {gid} (not a member)") from None
+    os.fchmod(fd, 0o640)
+
+
 def index_path(arena_path: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(arena_path)}.index")
 
@@ -95,9 +107,7 @@ class SharedIndexWriter:
         tmp = self.path.with_name(f"{self.path.name}.tmp-{instance.hex()[:12]}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            if group is not None:  # readable by that group's members too (tiers.cxl.group)
-                os.fchown(fd, -1, group)
-                os.fchmod(fd, 0o640)
+            share_with_group(fd, group)  # readable by that group's members too (tiers.cxl.group)
             os.ftruncate(fd, nbytes)
             try:
                 os.posix_fallocate(fd, 0, nbytes)
