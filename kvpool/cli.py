@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvpool import errors
-from kvpool.config import Config, format_size, node_host
+from kvpool.config import Config, format_size, master_address, node_host
 from kvpool.master_client import MasterClient, control_call
 from kvpool.node import NodeAddress
 
@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--master", default=argparse.SUPPRESS,
                         help=f"master address (default: {Config().master.listen} or --config)")
+    common.add_argument("--etcd", metavar="URLS", default=argparse.SUPPRESS,
+                        help="talk to the master leader found in etcd at URLS (master.etcd) instead of --master")
     common.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="TOML file to take master.listen and security from")
     common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="seconds per request (default 5)")
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name, default in (("master", None), ("config", None), ("timeout", 5.0), ("key_file", None)):
+    for name, default in (("master", None), ("config", None), ("timeout", 5.0), ("key_file", None), ("etcd", None)):
         if not hasattr(args, name):  # given neither before nor after the command
             setattr(args, name, default)
     if args.command == "gc":
@@ -227,7 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = Config.load(args.config)
         if args.key_file:
             config.set("security.key_file", args.key_file)
-        address = args.master or config.master.listen
+        if args.etcd:
+            config.set("master.etcd", args.etcd)
+        address = master_address(config, args.master)
         master = MasterClient(address, config=config, request_timeout_s=args.timeout)
     except errors.ConfigError as exc:
         print(f"kvpool: {exc}", file=sys.stderr)

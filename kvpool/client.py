@@ -16,6 +16,7 @@ peers from its tiers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import queue
@@ -73,9 +74,18 @@ class LeaseReleaser:
         self._thread.join(5.0)
 
 
+_CLIENT_POOLS = itertools.count()
+
+
 def connect(master_address: str | None = None, *, config: str | Config | Mapping[str, Any] | None = None,
             transport: str = "auto") -> ClusterPool:
-    """A pool backed by the cluster whose master listens on ``master_address``.
+    """A pool backed by the cluster whose master listens on ``master_address`` (default:
+    ``master.listen``; with ``master.etcd`` set and no address, the master leader found in
+    etcd, followed when it changes).
+
+    Settings given as a mapping (or none) that name no ``pool.name`` open this process's
+    own local pool (``client-<pid>``, no nvme tier), so clients never collide with each
+    other or with a ``kvpool-server`` on the same host.
 
     ``transport``: ``"auto"`` (same-host peers over shared memory, others over
     TCP) or ``"tcp"`` (always the UCX listener, with UCX's own peer-failure
@@ -95,18 +105,24 @@ class ClusterPool(Pool):
     def __init__(self, master_address: str | None = None, *,
                  config: str | Config | Mapping[str, Any] | None = None, transport: str = "auto") -> None:
         from kvpool.config import check_master_address
+        from kvpool.config import master_address as config_master_address
 
         if master_address is not None:
             check_master_address(master_address)  # before any tier is opened
-        if config is None:
-            # No settings given: this process's own pool, never the one of a kvpool-server or of
+        if config is None or isinstance(config, Mapping):
+            # No pool named: this process's own pool, never the one of a kvpool-server or of
             # another client on this host (same name = same arena and nvme dir = PoolLockedError),
-            # and no nvme tier: durable copies live on storage nodes, a client spills nothing.
-            config = Config.load(None)
-            config.set("pool.name", f"client-{os.getpid()}", origin="kvpool.connect defaults")
-            config.set("tiers.nvme.capacity", 0, origin="kvpool.connect defaults")
+            # and no nvme tier unless asked for: durable copies live on storage nodes.
+            given = config or {}
+            config = Config.load(dict(given))
+            if "name" not in given.get("pool", {}):
+                n = next(_CLIENT_POOLS)  # a second pool in this process needs its own name too
+                config.set("pool.name", f"client-{os.getpid()}" + (f"-{n}" if n else ""),
+                           origin="kvpool.connect defaults")
+            if "capacity" not in given.get("tiers", {}).get("nvme", {}):
+                config.set("tiers.nvme.capacity", 0, origin="kvpool.connect defaults")
         super().__init__(config)
-        self.master_address = master_address or self.config.master.listen
+        self.master_address = config_master_address(self.config, master_address)  # None: the leader in etcd
         self._remote = Counter[str]()
         try:
             self._node = Node(self.config, self._manager, self.master_address)

@@ -47,12 +47,25 @@ def check_master_address(address: Any, what: str = "master address") -> str:
     raise errors.ConfigError(f"{what} {address!r} is not valid: expected {VALID_ADDRESS_HINT}")
 
 
+def master_address(config: Config, explicit: str | None = None) -> str | None:
+    """The master a client or node talks to: ``explicit``, else None with ``master.etcd`` (follow
+    the leader there), else ``master.listen``."""
+    if explicit:
+        return explicit
+    return None if config.master.etcd else config.master.listen
+
+
 def node_host(config: Config, master: str | None = None) -> str:
     """The address this process's node serves on: ``node.host`` when set; else (``""``, auto)
     127.0.0.1 when the master is on this host, or the local address of the route to the
     master, so that a node or client on another host is reachable with no extra setting."""
     if config.node.host:
         return config.node.host
+    if master is None and config.master.etcd:  # the masters' hosts are not known yet: route to etcd's
+        from kvpool.etcd import parse_endpoints
+
+        host, port = parse_endpoints(config.master.etcd)[0]
+        master = f"tcp://{host}:{port}"
     master = master or config.master.listen
     m = _TCP_ADDRESS_RE.match(master or "")
     if m is None:  # ipc:// or unparsable: this host only
@@ -193,6 +206,12 @@ class MasterSection:
         65536, "most keys/items/records in one request; more is RequestTooLargeError "
         "(MasterClient splits larger batches into several requests)")
     max_address_bytes: int = _size("64KiB", "longest node address a node may register with (RequestTooLargeError)")
+    etcd: str = _opt("", "etcd client URLs (http://HOST:PORT, comma-separated) for a highly available master: "
+                         "masters elect a leader there, clients and nodes find it there; empty: one master "
+                         "at master.listen")
+    etcd_prefix: str = _opt("/kvpool", "etcd key prefix of this cluster's leader and master list (one per cluster)")
+    leader_ttl_s: int = _opt(2, "etcd lease of the leader: a dead leader is replaced this long after its last "
+                                "renewal (etcd's minimum is about 2 s)")
 
 
 @dataclass
@@ -287,6 +306,17 @@ class Config:
             check_master_address(self.master.listen)
         except errors.ConfigError as exc:
             raise bad("master.listen", str(exc)) from None
+        if self.master.etcd:
+            from kvpool.etcd import parse_endpoints
+
+            try:
+                parse_endpoints(self.master.etcd)
+            except errors.ConfigError as exc:
+                raise bad("master.etcd", str(exc).removeprefix("master.etcd: ")) from None
+            if not self.master.etcd_prefix.startswith("/") or len(self.master.etcd_prefix) > 200:
+                raise bad("master.etcd_prefix", "must start with / (at most 200 characters)")
+        if not 1 <= self.master.leader_ttl_s <= 600:
+            raise bad("master.leader_ttl_s", "must be 1..600 seconds")
         if self.master.heartbeat_ms <= 0 or self.master.dead_after_missed <= 0:
             raise bad("master.heartbeat_ms", "heartbeat period and dead_after_missed must be positive")
         if self.master.max_request_bytes < 1 << 20:

@@ -115,6 +115,15 @@ class MasterUnreachableError(KVPoolError, ConnectionError):
     """The metadata master did not answer within the deadline."""
 
 
+class NotLeaderError(MasterUnreachableError):
+    """A standby master (``master.etcd``) was asked; the message names the leader it knows.
+    Clients configured with ``master.etcd`` follow the leader by themselves."""
+
+
+class CoordinatorError(KVPoolError, ConnectionError):
+    """etcd (``master.etcd``) cannot be reached or answered something unusable."""
+
+
 class ProtocolError(KVPoolError):
     """A peer sent a message that could not be parsed or names an unknown version."""
 

@@ -93,6 +93,7 @@ import zmq
 from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
+from kvpool.etcd import EtcdClient, Election, check_address_for_etcd
 from kvpool.master_client import control_call
 from kvpool.objformat import ObjectSpec
 from kvpool.security import ClusterKey, stop_authenticator
@@ -408,6 +409,8 @@ class MasterState:
         self._last_turn: float | None = None  # see note_turn
         #: mints the pull token every located replica carries (MasterServer sets it; None: no tokens)
         self.cluster_key: ClusterKey | None = None
+        #: with master.etcd: {"etcd", "term", "endpoint"} of this leader's term (shown in stats)
+        self.ha: dict[str, Any] | None = None
         self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             P.PING: self.op_ping, P.REGISTER: self.op_register, P.LEAVE: self.op_leave,
             P.HEARTBEAT: self.op_heartbeat,
@@ -1185,6 +1188,7 @@ class MasterState:
             "under_replicated": len(self.to_check) + len(self.rereplicating),
             "rereplications_in_flight": sum(len(t) for t in self.rereplicating.values()),
             "counters": dict(self.counters),
+            "ha": self.ha,
         }
 
 
@@ -1318,11 +1322,11 @@ class MasterServer:
                  cluster_key: ClusterKey | None = None) -> None:
         # Only holders of the cluster key (default: the default key file) get an answer.
         self.cluster_key = cluster_key or ClusterKey.default()
-        self.state = MasterState(config, max_key_bytes=max_key_bytes)
-        self.state.cluster_key = self.cluster_key
+        self.config = config
+        self.max_key_bytes = max_key_bytes
         self._context = zmq.Context(io_threads=1)
         self._context.setsockopt(zmq.LINGER, 0)
-        self.rereplicator = Rereplicator(self.state, self._context, config, self.cluster_key)
+        self.state, self.rereplicator = self._fresh_state()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self.cluster_key.secure_server(self._socket)
@@ -1334,13 +1338,44 @@ class MasterServer:
             self.close()
             raise errors.ConfigError(f"master.listen = {config.listen!r}: cannot bind: {exc}") from None
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        # With master.etcd this master serves only while it leads (see kvpool.etcd); a
+        # standby answers every request with NotLeaderError naming the leader.
+        self.election: Election | None = None
+        self._term = 0
+        if config.etcd:
+            try:
+                check_address_for_etcd(self.endpoint)
+            except errors.ConfigError:
+                self.close()
+                raise
+            self.election = Election(EtcdClient(config.etcd), config.etcd_prefix, self.endpoint,
+                                     config.leader_ttl_s).start()
         # Timers (dead nodes, reservation and lease expiry) run at least this
         # often; between requests the socket poll blocks for at most this long.
         heartbeat_s = config.heartbeat_ms / 1000
         self.tick_s = max(0.01, min(0.25, heartbeat_s / 2))
 
+    def _fresh_state(self) -> tuple[MasterState, Rereplicator]:
+        state = MasterState(self.config, max_key_bytes=self.max_key_bytes)
+        state.cluster_key = self.cluster_key
+        return state, Rereplicator(state, self._context, self.config, self.cluster_key)
+
+    def leading(self) -> bool:
+        """Serve requests now? Always without etcd; with it, only while this master's term lasts
+        (a new term starts from an empty index, rebuilt by the nodes' re-registration)."""
+        election = self.election
+        if election is None:
+            return True
+        if election.term != self._term:
+            self._term = election.term
+            self.rereplicator.close()
+            self.state, self.rereplicator = self._fresh_state()
+            self.state.ha = {"etcd": election.client.urls, "term": self._term, "endpoint": self.endpoint}
+            log.info("serving as master leader, term %d: nodes re-register what they hold", self._term)
+        return election.leading()
+
     def serve(self, stop_event: threading.Event) -> None:
-        sock, state, tick_s = self._socket, self.state, self.tick_s
+        sock, tick_s = self._socket, self.tick_s
         # A blocking recv with a timeout is one call per request when busy (a
         # poll and a failing non-blocking recv would be three) and wakes up at
         # least every tick when idle, so timers and stop_event are noticed.
@@ -1357,10 +1392,11 @@ class MasterServer:
                 except zmq.Again:  # that peer's queue is full: it will time out and retry
                     pass
             now = time.monotonic()
+            state = self.state
             # A turn longer than the receive timeout (a large request, a slow sweep, a GC
             # pause) is time the nodes' heartbeats spent queued: not held against them.
             state.note_turn(now, tick_s)
-            if now >= next_sweep:
+            if now >= next_sweep and self.leading():
                 state.sweep(now)
                 self.rereplicator.round(now)
                 next_sweep = now + tick_s
@@ -1377,6 +1413,10 @@ class MasterServer:
                 raise P.MalformedRequest(f"expected one message frame after the envelope, got {len(payload)}")
             request = P.unpack_request(payload[0])
             request_id, op = request.request_id, request.op
+            if not self.leading():
+                leader = self.election.leader if self.election is not None else None
+                raise errors.NotLeaderError(
+                    f"master {self.endpoint} is a standby; the leader is {leader or '(being elected)'}")
             reply = P.pack_reply(request_id, self.state.handle(op, request.body))
         except P.MalformedRequest as exc:
             self.state.counters["protocol_errors"] += 1
@@ -1397,6 +1437,8 @@ class MasterServer:
         return [*envelope, reply]
 
     def close(self) -> None:
+        if getattr(self, "election", None) is not None:
+            self.election.stop()  # the lease is revoked: a standby takes over at once
         self.rereplicator.close()
         self._socket.close(linger=0)
         stop_authenticator(self._context)  # its ZAP thread holds a socket of this context
@@ -1438,9 +1480,11 @@ def run_master(
         (log.info if cluster_key.enabled else log.warning)(
             "kvpool master authenticates with %s", cluster_key.describe())
         log.info(
-            "kvpool master listening on %s (protocol v%d, heartbeat %d ms x %d, lease %.1f s)",
+            "kvpool master listening on %s (protocol v%d, heartbeat %d ms x %d, lease %.1f s)%s",
             server.endpoint, P.PROTOCOL_VERSION, section.heartbeat_ms,
             section.dead_after_missed, section.lease_s,
+            f"; campaigning for leadership in etcd at {section.etcd} ({section.etcd_prefix})"
+            if section.etcd else "",
         )
         if on_ready is not None:
             on_ready(server.endpoint)

@@ -28,6 +28,7 @@ import zmq
 from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, MasterSection, check_master_address
+from kvpool.etcd import LeaderFinder
 from kvpool.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
 from kvpool.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
 
@@ -55,10 +56,11 @@ def _keys(keys: Iterable[KeyLike]) -> list[bytes]:
 
 
 class _Connection:
-    __slots__ = ("socket", "ids", "watch", "answered", "__weakref__")
+    __slots__ = ("socket", "address", "ids", "watch", "answered", "__weakref__")
 
-    def __init__(self, socket: zmq.Socket, watch: HandshakeWatch) -> None:
+    def __init__(self, socket: zmq.Socket, address: str, watch: HandshakeWatch) -> None:
         self.socket = socket
+        self.address = address
         self.ids = itertools.count(1)
         self.watch = watch
         self.answered = False  # a reply arrived: the handshake is done, later calls take the fast path
@@ -66,6 +68,15 @@ class _Connection:
     def close(self) -> None:
         self.socket.close(0)
         self.watch.close()
+
+
+# Following a leader (master.etcd): how long a reply may take before the client checks
+# whether the leader has moved.
+LEADER_CHECK_S = 0.2
+
+
+class _LeaderMoved(Exception):
+    """A call's master is no longer the leader in etcd: resend to the new one."""
 
 
 class MasterClient:
@@ -81,6 +92,11 @@ class MasterClient:
     ``config``'s ``[security]``; a MasterSection or no config means the default
     key file). A master that refuses the key (another cluster's key, or auth on
     one side only) raises AuthenticationError instead of MasterUnreachableError.
+
+    With ``master.etcd`` set and no ``address``, the client follows the leader
+    of the masters in etcd: it reads the leader there, and a call whose master
+    is slow to answer (over LEADER_CHECK_S) or answers NotLeaderError looks
+    again and resends to a new leader within the same deadline.
     """
 
     def __init__(
@@ -95,7 +111,12 @@ class MasterClient:
         section = config if isinstance(config, MasterSection) else full.master  # type: ignore[union-attr]
         # The key before anything is opened: an unreadable key file is a ConfigError at once.
         self.cluster_key = cluster_key or (ClusterKey.from_config(full) if full is not None else ClusterKey.default())
-        self.address = check_master_address(address or section.listen)
+        self._finder: LeaderFinder | None = None
+        if address is None and section.etcd:
+            self._fixed: str | None = None
+            self._finder = LeaderFinder(section.etcd, section.etcd_prefix)
+        else:
+            self._fixed = check_master_address(address or section.listen)
         self.request_timeout_s = section.request_timeout_s if request_timeout_s is None else request_timeout_s
         # The master's limits (master.max_request_bytes, master.max_batch): larger batches are
         # split into several requests, and a request that still does not fit is never sent.
@@ -110,10 +131,34 @@ class MasterClient:
 
     # -- plumbing -----------------------------------------------------------------
 
-    def _connection(self) -> _Connection:
+    @property
+    def address(self) -> str:
+        """The master this client talks to (with etcd: the leader last seen, or where to find it)."""
+        if self._finder is None:
+            return self._fixed  # type: ignore[return-value]
+        return self._finder.current() or self._finder.describe()
+
+    def _leader(self, deadline: float, refresh: bool = False) -> str:
+        """The master to send to: the fixed address, or the leader in etcd (waits for one
+        until ``deadline``)."""
+        if self._finder is None:
+            return self._fixed  # type: ignore[return-value]
+        while True:
+            leader = self._finder.refresh() if refresh else self._finder.current()
+            if leader is not None:
+                return check_master_address(leader, "leader address in etcd")
+            if time.monotonic() >= deadline:
+                raise errors.MasterUnreachableError(f"no master leader in etcd at {self._finder.client.urls} "
+                                                    f"(prefix {self._finder.key.decode()!r})")
+            refresh = True
+            time.sleep(min(LEADER_CHECK_S, max(0.0, deadline - time.monotonic())))
+
+    def _connection(self, address: str) -> _Connection:
         conn: _Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
-            return conn
+            if conn.address == address:
+                return conn
+            self._discard(conn)  # the leader moved
         if self._closed:
             raise errors.PoolClosedError("master client is closed")
         with self._lock:
@@ -128,12 +173,12 @@ class MasterClient:
             self.cluster_key.secure_client(socket)
             watch = HandshakeWatch(socket)  # before connect: it must see the first handshake
             try:
-                socket.connect(self.address)
+                socket.connect(address)
             except zmq.ZMQError as exc:  # an open socket would make close() hang in term()
                 socket.close(0)
                 watch.close()
-                raise errors.ConfigError(f"master address {self.address!r}: {exc}") from None
-            conn = _Connection(socket, watch)
+                raise errors.ConfigError(f"master address {address!r}: {exc}") from None
+            conn = _Connection(socket, address, watch)
             self._connections.add(conn)
             # When the thread ends its connection is collected; close the socket then.
             weakref.finalize(conn, socket.close, 0)
@@ -148,9 +193,26 @@ class MasterClient:
     def call(self, op: str, body: Mapping[str, Any], *, timeout_s: float | None = None) -> Any:
         """Send one request and return the reply body (raises the error a reply names)."""
         timeout = self.request_timeout_s if timeout_s is None else timeout_s
-        conn = self._connection()
-        request_id = next(conn.ids)
         deadline = time.monotonic() + timeout
+        if self._finder is None:
+            return self._call_once(self._connection(self._fixed), op, body, deadline, timeout)  # type: ignore[arg-type]
+        refresh = False
+        while True:
+            conn = self._connection(self._leader(deadline, refresh))
+            try:
+                return self._call_once(conn, op, body, deadline, timeout)
+            except _LeaderMoved:
+                refresh = False  # the finder has just read the new leader
+            except errors.NotLeaderError:  # a standby (the leader key moved since it was read)
+                self._discard(conn)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(LEADER_CHECK_S / 4, max(0.0, deadline - time.monotonic())))
+                refresh = True
+
+    def _call_once(self, conn: _Connection, op: str, body: Mapping[str, Any], deadline: float,
+                   timeout: float) -> Any:
+        request_id = next(conn.ids)
         frame = P.pack_request(request_id, op, body)
         if len(frame) > self.max_request_bytes:  # the master would drop it unread: never a silent timeout
             raise errors.RequestTooLargeError(
@@ -160,20 +222,23 @@ class MasterClient:
             conn.socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:  # the send queue is full: the master has been gone for a while
             self._discard(conn)
-            raise errors.MasterUnreachableError(f"master at {self.address} is not accepting requests") from None
+            raise errors.MasterUnreachableError(f"master at {conn.address} is not accepting requests") from None
         socket = conn.socket
+        # Following a leader: a reply slower than this makes the client look for a new leader.
+        slice_ms = int(LEADER_CHECK_S * 1000) if self._finder is not None else 1 << 30
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             try:
                 if remaining_ms <= 0:
                     raise zmq.Again
+                wait_ms = min(remaining_ms, slice_ms)
                 if conn.answered:
                     # A blocking recv with a timeout costs one call; poll + recv would be two.
-                    socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                    socket.setsockopt(zmq.RCVTIMEO, wait_ms)
                     frame = socket.recv()
                 else:  # the first reply: also watch the handshake, so a refused key fails fast
                     try:
-                        got = recv_or_refused(socket, conn.watch, remaining_ms / 1000, "master", self.address,
+                        got = recv_or_refused(socket, conn.watch, wait_ms / 1000, "master", conn.address,
                                               self.cluster_key)
                     except errors.AuthenticationError:
                         self._discard(conn)
@@ -182,12 +247,17 @@ class MasterClient:
                         raise zmq.Again
                     frame, conn.answered = got, True
             except zmq.Again:
+                if wait_ms < remaining_ms:  # a slice ended, not the deadline: has the leader moved?
+                    if self._finder is not None and self._finder.refresh() not in (None, conn.address):
+                        self._discard(conn)
+                        raise _LeaderMoved from None
+                    continue
                 refused = conn.watch.refused(settled=True)
                 self._discard(conn)
                 if refused:
-                    raise refused_error("master", self.address, self.cluster_key) from None
+                    raise refused_error("master", conn.address, self.cluster_key) from None
                 raise errors.MasterUnreachableError(
-                    f"master at {self.address} did not answer {op} within {timeout:.3g} s"
+                    f"master at {conn.address} did not answer {op} within {timeout:.3g} s"
                 ) from None
             reply_id, ok, reply = P.unpack_reply(frame)
             if reply_id != request_id:
@@ -207,6 +277,8 @@ class MasterClient:
         self._local = threading.local()
         # destroy(): a socket still open in some thread is closed rather than waited for forever.
         self._context.destroy(linger=0)
+        if self._finder is not None:
+            self._finder.close()
 
     def _batched(self, items: Sequence[Any], call_one: Callable[[Sequence[Any]], Any],
                  until: Callable[[Sequence[Any], Any], bool] | None = None) -> list[Any]:

@@ -93,7 +93,7 @@ def record_for(key: bytes, tier: Tier, extent: Extent, header: ObjectHeader,
 class Node:
     """Serves this process's tiers to the cluster (see the module docstring)."""
 
-    def __init__(self, config: Config, manager: TierManager, master_address: str) -> None:
+    def __init__(self, config: Config, manager: TierManager, master_address: str | None) -> None:
         self.config = config
         self.manager = manager
         self.node_id = uuid.uuid4().hex
@@ -148,7 +148,7 @@ class Node:
             self.config.master.heartbeat_ms / 1000.0, self.tier_state, self.register, self._on_delete,
         ).start()
         log.info("node %s serving pulls on %s:%d, control %s, master %s", self.node_id[:8],
-                 self.address.peer.host, self.address.peer.port, self.control_address, self.master_address)
+                 self.address.peer.host, self.address.peer.port, self.control_address, self.master.address)
         return self
 
     def close(self) -> None:
@@ -217,7 +217,7 @@ class Node:
                                      persistent_tiers=[t.name for t in persistent],
                                      control=self.control_address)
         log.info("node %s registered with master %s as %s: %d objects indexed (%d durable)", self.node_id[:8],
-                 self.master_address, role, reply.get("indexed", len(records)),
+                 self.master.address, role, reply.get("indexed", len(records)),
                  sum(1 for r in records if r.get("durable")))
 
     def record(self, key: bytes) -> ReplicaRecord | None:

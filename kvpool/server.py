@@ -15,7 +15,7 @@ import threading
 from contextlib import ExitStack
 from typing import Any, Callable
 
-from kvpool.config import Config
+from kvpool.config import Config, master_address
 
 log = logging.getLogger("kvpool.server")
 
@@ -98,7 +98,7 @@ def _start_node(config: Config, stack: ExitStack) -> Any:
                  "start (memory tiers are not kept)", on_disk)
 
     stack.callback(close_manager)
-    node = StorageNode(config, manager, config.master.listen)
+    node = StorageNode(config, manager, master_address(config))
     stack.callback(node.close)
     node.start()
     log.info("pool %r data_dir=%s", config.pool.name, config.pool.resolved_data_dir())

@@ -4,6 +4,10 @@
 index, so any process can check it), print ``READY <node_id>``, then keep
 serving them until SIGTERM. ``reader``: connect, get every key (whole or
 ``--layers a:b``), check content, print one JSON line of results, exit.
+``stream``: get the keys round robin for ``--seconds`` with no location cache
+(every get asks the master), printing one JSON line of every outcome with its
+wall-clock time (for failover tests). ``--etcd URLS`` finds the master leader
+in etcd instead of at ``--master``.
 """
 
 from __future__ import annotations
@@ -33,22 +37,26 @@ def content(i: int) -> np.ndarray:
 
 
 def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int, dram: str = "4MiB",
-                 host: str = "") -> Config:
+                 host: str = "", etcd: str = "", etcd_prefix: str = "/kvpool", location_cache: int = 65536) -> Config:
     return Config.load({
         "pool": {"name": name, "data_dir": data_dir},
         "tiers": {"dram": {"capacity": dram, "mlock": False}, "cxl": {"capacity": "4MiB", "path": f"{data_dir}/cxl",
                                                                     # every actor's arena lives beside ours
                                                                     "shared_dirs": os.path.dirname(data_dir)},
                   "nvme": {"capacity": "16MiB", "segment_size": "8MiB"}},
-        "master": {"listen": master, "heartbeat_ms": heartbeat_ms, "request_timeout_s": 3.0},
-        "node": {"pull_timeout_s": 3.0, "host": host},
+        "master": {"listen": master, "heartbeat_ms": heartbeat_ms, "request_timeout_s": 3.0,
+                   "etcd": etcd, "etcd_prefix": etcd_prefix},
+        "node": {"pull_timeout_s": 3.0, "host": host, "location_cache": location_cache},
     })
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=("writer", "reader"))
-    parser.add_argument("--master", required=True)
+    parser.add_argument("role", choices=("writer", "reader", "stream"))
+    parser.add_argument("--master", default="tcp://127.0.0.1:7700")
+    parser.add_argument("--etcd", default="", help="find the master leader in etcd at these URLs")
+    parser.add_argument("--etcd-prefix", default="/kvpool")
+    parser.add_argument("--seconds", type=float, default=10.0, help="stream: how long to read")
     parser.add_argument("--name", required=True)
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--keys", type=int, default=4)
@@ -61,8 +69,9 @@ def main() -> int:
     parser.add_argument("--host", default="", help="node.host (default: auto, from the route to the master)")
     parser.add_argument("--dram", default="4MiB", help="0: puts land in the cxl arena (same-host readers read in place)")
     args = parser.parse_args()
-    config = small_config(args.master, args.name, args.data_dir, args.heartbeat_ms, args.dram, args.host)
-    pool = kvpool.connect(args.master, config=config, transport=args.transport)
+    config = small_config(args.master, args.name, args.data_dir, args.heartbeat_ms, args.dram, args.host,
+                          args.etcd, args.etcd_prefix, 0 if args.role == "stream" else 65536)
+    pool = kvpool.connect(None if args.etcd else args.master, config=config, transport=args.transport)
     try:
         keys = range(args.first, args.first + args.keys)
         if args.role == "writer":
@@ -75,6 +84,9 @@ def main() -> int:
                 pass
             return 0
         layers = range(*map(int, args.layers.split(":"))) if args.layers else None
+        if args.role == "stream":
+            print("READY", flush=True)
+            return stream(pool, list(keys), args.seconds)
         results = {"ok": 0, "miss": 0, "wrong": 0}
         started = time.monotonic()
         for i in keys:
@@ -90,6 +102,25 @@ def main() -> int:
         return 0
     finally:
         pool.close()
+
+
+def stream(pool: kvpool.Pool, keys: list[int], seconds: float) -> int:
+    """Get ``keys`` round robin for ``seconds``: ``{"events": [[time, "ok"|"miss"|"wrong"|error], ...]}``."""
+    events: list[list] = []
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        i = keys[n % len(keys)]
+        n += 1
+        try:
+            got = pool.get(key_of(i))
+            outcome = "miss" if got is None else "ok" if np.array_equal(got, content(i)) else "wrong"
+        except Exception as exc:  # reported, never hidden: the test decides what is acceptable
+            outcome = type(exc).__name__
+        events.append([time.time(), outcome])
+        time.sleep(0.01)
+    print(json.dumps({"events": events}), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -214,3 +214,47 @@ def nobody_python() -> tuple[str, dict[str, str]]:
             return candidate, env
     pytest.skip(f"no Python interpreter that the user nobody can run imports kvpool (tried {sys.executable} "
                 f"and /usr/bin/{minor}: the interpreter or the repo is not readable by other users)")
+
+
+# -- etcd (the HA master's coordination store) ------------------------------------------------
+
+
+class Etcd:
+    """A real single-member etcd on 127.0.0.1 (its own data dir, its own ports)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            pytest.skip("no etcd binary (Debian: apt-get install etcd-server; .ci/run installs it)")
+        self.port, peer = free_tcp_port(), free_tcp_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / "etcd.log"
+        with self.log_path.open("wb") as log:
+            popen = subprocess.Popen(
+                [binary, "--name", "test", "--data-dir", str(tmp_path / "etcd-data"),
+                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.child = ChildProcess(popen, self.log_path)
+        from kvpool.etcd import EtcdClient
+
+        client = EtcdClient(self.url)
+        try:
+            wait_for(lambda: popen.poll() is None and client.get(b"/probe") is None, 20, "etcd to serve")
+        except AssertionError:
+            self.child.kill()
+            raise AssertionError(f"etcd did not start:\n{self.child.output()}") from None
+        finally:
+            client.close()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[Etcd]:
+    """A real etcd for this test, always killed at teardown."""
+    server = Etcd(tmp_path)
+    try:
+        yield server
+    finally:
+        server.child.kill()

@@ -1,0 +1,199 @@
+"""The highly available master: masters elect a leader in a real etcd, clients and nodes follow it.
+
+Every process is real (etcd, masters, a storage node, pool clients, each its own
+process on 127.0.0.1). What is checked: one leader, standbys refuse with a
+typed error naming it, clients follow a leader that stops or is killed (-9)
+within the same call, no wrong bytes and a bounded gap while a leader dies
+under a stream of gets, durable keys readable after failover, and no split
+brain: a leader paused past its lease, or cut off from etcd, stops answering.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from kvpool import errors
+from kvpool.config import Config
+from kvpool.etcd import masters
+from kvpool.master_client import MasterClient
+from tests.conftest import ChildProcess, Etcd, free_tcp_port, wait_for
+from tests.test_cluster import node_config
+
+HEARTBEAT_MS = 200
+
+
+class HA:
+    def __init__(self, tmp_path: Path, spawn: Callable[..., ChildProcess], etcd: Etcd) -> None:
+        self.tmp_path, self.spawn, self.etcd = tmp_path, spawn, etcd
+        self.prefix = f"/kvpool-test-{uuid.uuid4().hex[:8]}"
+        self.masters: dict[str, ChildProcess] = {}
+
+    def settings(self) -> list[str]:
+        return ["--master.etcd", self.etcd.url, "--master.etcd_prefix", self.prefix,
+                "--master.heartbeat_ms", str(HEARTBEAT_MS)]
+
+    def config(self, **master: object) -> Config:
+        return Config.load({"master": {"etcd": self.etcd.url, "etcd_prefix": self.prefix,
+                                       "heartbeat_ms": HEARTBEAT_MS, **master}})
+
+    def start_master(self) -> str:
+        address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.masters[address] = self.spawn(
+            ["-m", "kvpool.daemon", "--role", "master", "--master.listen", address, *self.settings()],
+            log_path=self.tmp_path / f"master-{len(self.masters)}.log",
+            ready=lambda: address in masters(self.etcd.url, self.prefix)[1], timeout_s=30)
+        return address
+
+    def leader(self, other_than: str | None = None, timeout_s: float = 15.0) -> str:
+        def elected() -> str | None:
+            leader = masters(self.etcd.url, self.prefix)[0]
+            return leader if leader is not None and leader != other_than else None
+        return wait_for(elected, timeout_s, "a master leader in etcd", interval_s=0.05)
+
+    def start_node(self, name: str) -> ChildProcess:
+        data_dir = self.tmp_path / name
+        config = self.tmp_path / f"{name}.toml"
+        config.write_text(node_config(name, data_dir, "tcp://127.0.0.1:7700"))
+        log = self.tmp_path / f"{name}.log"
+        return self.spawn(["-m", "kvpool.daemon", "--role", "node", "--config", str(config), *self.settings()],
+                          log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=30)
+
+    def start_actor(self, role: str, name: str, *args: str) -> ChildProcess:
+        log = self.tmp_path / f"{name}.log"
+        return self.spawn(["-m", "tests.cluster_actor", role, "--etcd", self.etcd.url, "--etcd-prefix", self.prefix,
+                           "--name", name, "--data-dir", str(self.tmp_path / name),
+                           "--heartbeat-ms", str(HEARTBEAT_MS), *args],
+                          log_path=log, ready=lambda: "READY" in log.read_text(), timeout_s=40)
+
+
+@pytest.fixture
+def ha(tmp_path: Path, spawn_python: Callable[..., ChildProcess], etcd: Etcd) -> HA:
+    return HA(tmp_path, spawn_python, etcd)
+
+
+def test_one_leader_standbys_refuse_and_clients_follow_a_clean_handover(ha: HA) -> None:
+    addresses = [ha.start_master() for _ in range(3)]
+    leader = ha.leader()
+    assert leader in addresses
+    assert sorted(masters(ha.etcd.url, ha.prefix)[1]) == sorted(addresses)
+    for standby in (a for a in addresses if a != leader):
+        with MasterClient(standby, config=ha.config(), request_timeout_s=2.0) as fixed:
+            with pytest.raises(errors.NotLeaderError, match=leader):
+                fixed.ping()
+    with MasterClient(config=ha.config(), request_timeout_s=5.0) as follower:
+        follower.ping()
+        assert follower.address == leader
+        assert follower.stats()["ha"] == {"etcd": ha.etcd.url, "term": 1, "endpoint": leader}
+        # A clean stop revokes the leader's lease: a standby takes over at once, and the same
+        # client follows it within one call.
+        ha.masters[leader].stop()
+        new_leader = ha.leader(other_than=leader, timeout_s=3.0)
+        follower.ping()
+        assert follower.address == new_leader != leader
+
+
+def test_kill9_of_the_leader_during_gets_costs_a_short_gap_and_no_wrong_bytes(ha: HA) -> None:
+    """Two masters, a storage node, a writer of plain keys and one of durable keys (copies in
+    the storage node's nvme), and a reader asking the master for every get (no location cache).
+    The leader is killed -9 mid-stream: no get returns wrong bytes, gets succeed again within
+    5 s, and the new leader indexes every key again from the nodes' re-registration."""
+    first = ha.start_master()
+    ha.start_master()
+    leader = ha.leader()
+    ha.start_node("storage")
+    ha.start_actor("writer", "plain", "--keys", "6", "--first", "0")
+    ha.start_actor("writer", "durable", "--keys", "6", "--first", "6", "--durable")
+    reader = ha.start_actor("stream", "reader", "--keys", "12", "--seconds", "12")
+    time.sleep(3.0)
+    killed_at = time.time()
+    ha.masters[leader].kill()
+    wait_for(lambda: reader.popen.poll() is not None, 60, "the reader to finish")
+    assert reader.popen.returncode == 0, reader.output()
+    events = json.loads(reader.output().strip().splitlines()[-1])["events"]
+    outcomes = [outcome for _t, outcome in events]
+    assert "wrong" not in outcomes
+    assert set(outcomes) <= {"ok", "miss", "MasterUnreachableError"}, sorted(set(outcomes))
+    before = [o for t, o in events if t < killed_at]
+    assert before and set(before) == {"ok"}
+    # The gap: from the kill until the first get after which every get succeeded.
+    last_failure = max((t for t, o in events if o != "ok"), default=killed_at)
+    after = [t for t, o in events if t > last_failure]
+    assert after, f"no get succeeded after the kill: {outcomes[-20:]}"
+    gap = after[0] - killed_at
+    print(f"failover gap {gap:.2f} s ({len(events)} gets, {outcomes.count('miss')} misses while the index was rebuilt)")
+    assert gap <= 5.0
+    new_leader = ha.leader(other_than=leader)
+    assert new_leader != leader and (new_leader == first or leader == first)
+    with MasterClient(config=ha.config()) as follower:
+        stats = follower.stats()
+        assert stats["ha"]["term"] == 1 and stats["ha"]["endpoint"] == new_leader
+        assert stats["keys"] == 12
+        assert stats["durable_keys"] == 6
+
+
+def test_a_paused_leader_stops_answering_before_another_is_elected(ha: HA) -> None:
+    """No split brain: a leader frozen past its lease (SIGSTOP) has lost it when it resumes,
+    and refuses what it is asked (NotLeaderError) instead of answering from a stale index."""
+    for _ in range(2):
+        ha.start_master()
+    old = ha.leader()
+    with MasterClient(old, config=ha.config(), request_timeout_s=2.0) as fixed:
+        fixed.ping()
+        ha.masters[old].popen.send_signal(signal.SIGSTOP)
+        try:
+            new = ha.leader(other_than=old, timeout_s=10.0)
+        finally:
+            ha.masters[old].popen.send_signal(signal.SIGCONT)
+        with pytest.raises(errors.NotLeaderError):
+            fixed.ping()  # the first thing it is asked after resuming is refused
+        assert masters(ha.etcd.url, ha.prefix)[0] == new
+    with MasterClient(config=ha.config()) as follower:
+        follower.ping()
+        assert follower.address == new
+
+
+def test_a_leader_cut_off_from_etcd_stops_serving_within_its_lease(ha: HA) -> None:
+    address = ha.start_master()
+    assert ha.leader() == address
+    with MasterClient(address, config=ha.config(), request_timeout_s=2.0) as fixed:
+        fixed.ping()
+        ha.etcd.child.popen.send_signal(signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            def refused() -> bool:
+                try:
+                    fixed.ping()
+                except errors.NotLeaderError:
+                    return True
+                return False
+
+            wait_for(refused, 10, "the leader to stop serving")
+            # It had to stop before etcd could have given its lease to anyone (TTL 2 s).
+            assert time.monotonic() - stopped <= 2.0 + 2.0  # + one ping's deadline of slack
+        finally:
+            ha.etcd.child.popen.send_signal(signal.SIGCONT)
+    with MasterClient(config=ha.config(), request_timeout_s=10.0) as follower:
+        wait_for(lambda: follower.ping(), 20, "a leader again once etcd is back")
+        assert follower.address == address
+
+
+def test_no_leader_and_bad_etcd_settings_are_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(errors.ConfigError, match="master.etcd"):
+        Config.load({"master": {"etcd": "localhost"}})
+    with pytest.raises(errors.ConfigError, match="master.etcd"):
+        Config.load({"master": {"etcd": "https://10.0.0.1:2379"}})
+    dead = f"http://127.0.0.1:{free_tcp_port()}"
+    with MasterClient(config=Config.load({"master": {"etcd": dead}}), request_timeout_s=0.5) as client:
+        with pytest.raises(errors.MasterUnreachableError, match="no master leader in etcd"):
+            client.ping()
+    from kvpool.master import MasterServer
+
+    with pytest.raises(errors.ConfigError, match="wildcard"):
+        MasterServer(Config.load({"master": {"etcd": dead, "listen": f"tcp://0.0.0.0:{free_tcp_port()}"}}).master)
