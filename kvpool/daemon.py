@@ -21,6 +21,8 @@ from kvpool.config import Config, add_setting_flags, apply_setting_flags, format
 
 log = logging.getLogger("kvpool.server")
 
+DEMO_ETCD = "http://127.0.0.1:2379"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -31,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="master: metadata only; node: tiers + pull server; all: both (default)")
     parser.add_argument("--config", metavar="FILE", help="TOML file (see conf/default.toml)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--with-etcd", action="store_true",
+                        help="demo of the HA master: start a single-member etcd at master.etcd (default "
+                             f"{DEMO_ETCD}; data in the pool's data_dir) unless one answers there, and elect "
+                             "the master leader in it (needs the etcd binary; Debian: etcd-server)")
     add_setting_flags(parser)
     return parser
 
@@ -81,7 +87,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return run(config, args.role, stop)
+    etcd = None
+    if args.with_etcd:
+        from kvpool.errors import ConfigError
+        from kvpool.etcd import start_demo_etcd
+
+        if not config.master.etcd:
+            config.set("master.etcd", DEMO_ETCD, origin="--with-etcd")
+        try:
+            etcd = start_demo_etcd(config.master.etcd.split(",")[0], f"{config.pool.resolved_data_dir()}/etcd")
+        except ConfigError as exc:
+            print(f"kvpool-server: {exc}", file=sys.stderr)
+            return 2
+    try:
+        return run(config, args.role, stop)
+    finally:
+        if etcd is not None:
+            etcd.terminate()
+            etcd.wait(10)
 
 
 if __name__ == "__main__":

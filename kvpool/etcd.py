@@ -338,3 +338,48 @@ def check_address_for_etcd(listen: str, what: Sequence[str] = ("*", "0.0.0.0", "
         raise errors.ConfigError(
             f"master.listen = {listen!r}: with master.etcd the listen address is what clients connect to; "
             f"give this host's address, not a wildcard")
+
+
+def start_demo_etcd(url: str, data_dir: str, timeout_s: float = 20.0) -> Any:
+    """For ``kvpool-server --with-etcd``: a single-member etcd serving ``url`` (data in
+    ``data_dir``), or None when one already answers there. Returns the started process
+    (the caller stops it). ConfigError when the etcd binary is missing or it does not start."""
+    import shutil
+    import subprocess
+
+    client = EtcdClient(url, timeout_s=1.0)
+    try:
+        try:
+            client.get(b"/kvpool-probe")
+            log.info("--with-etcd: etcd already answers at %s; using it", url)
+            return None
+        except errors.CoordinatorError:
+            pass
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise errors.ConfigError("--with-etcd: no etcd binary on PATH (Debian/Ubuntu: apt-get install etcd-server)")
+        host, port = parse_endpoints(url)[0]
+        peer = f"http://{host}:{port + 1}"
+        import os
+
+        os.makedirs(data_dir, mode=0o700, exist_ok=True)
+        process = subprocess.Popen(
+            [binary, "--name", "kvpool-demo", "--data-dir", data_dir,
+             "--listen-client-urls", f"http://{host}:{port}", "--advertise-client-urls", f"http://{host}:{port}",
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvpool-demo={peer}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(f"{data_dir}/etcd.log", "ab"))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.get(b"/kvpool-probe")
+                log.info("--with-etcd: started etcd (pid %d) at %s, data in %s", process.pid, url, data_dir)
+                return process
+            except errors.CoordinatorError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    process.kill()
+                    raise errors.ConfigError(
+                        f"--with-etcd: etcd did not start at {url} (see {data_dir}/etcd.log)") from None
+                time.sleep(0.1)
+    finally:
+        client.close()

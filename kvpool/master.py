@@ -1318,6 +1318,8 @@ class Rereplicator:
 class MasterServer:
     """The ROUTER socket and the single thread that serves :class:`MasterState`."""
 
+    election: Election | None = None  # with master.etcd: this master serves only while it leads
+
     def __init__(self, config: MasterSection, *, max_key_bytes: int = 256,
                  cluster_key: ClusterKey | None = None) -> None:
         # Only holders of the cluster key (default: the default key file) get an answer.
@@ -1340,7 +1342,6 @@ class MasterServer:
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # With master.etcd this master serves only while it leads (see kvpool.etcd); a
         # standby answers every request with NotLeaderError naming the leader.
-        self.election: Election | None = None
         self._term = 0
         if config.etcd:
             try:
@@ -1437,7 +1438,7 @@ class MasterServer:
         return [*envelope, reply]
 
     def close(self) -> None:
-        if getattr(self, "election", None) is not None:
+        if self.election is not None:
             self.election.stop()  # the lease is revoked: a standby takes over at once
         self.rereplicator.close()
         self._socket.close(linger=0)
