@@ -57,7 +57,9 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
     stats = master.stats()
-    print(f"master {master.address}: up {stats['uptime_s']:.0f} s, {stats['keys']} keys, "
+    ha = stats.get("ha")
+    role = f" (leader, term {ha['term']}, etcd {ha['etcd']})" if isinstance(ha, dict) else ""
+    print(f"master {master.address}{role}: up {stats['uptime_s']:.0f} s, {stats['keys']} keys, "
           f"{stats['replicas']} replicas, {stats['leases']} leases, {stats['reservations']} reservations")
     rows, tier_rows = [], []
     for node_id, node in sorted(stats["nodes"].items()):
@@ -245,8 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except errors.AuthenticationError as exc:
             print(f"kvpool: {exc}", file=sys.stderr)
             return 3
+        except errors.NotLeaderError as exc:
+            print(f"kvpool: {exc} (--etcd URLS follows the leader)", file=sys.stderr)
+            return 2
         except errors.MasterUnreachableError as exc:
-            print(f"kvpool: master {address} unreachable: {exc}", file=sys.stderr)
+            print(f"kvpool: master {address or master.address} unreachable: {exc}", file=sys.stderr)
             return 2
         except errors.KVPoolError as exc:
             print(f"kvpool: {exc}", file=sys.stderr)

@@ -398,6 +398,7 @@ class MasterState:
         self._id_prefix = secrets.randbits(30) << 32
         self._id_count = 0
         self._swrr: dict[str, int] = {}
+        self._spec_layers: dict[tuple[Any, ...], int] = {}  # wire specs validated before -> layers
         # Durability: key -> replicas wanted (from committed durable copies and
         # re-registered records); keys whose copies may be short, each with the
         # time before which it is not looked at again (retry backoff); the
@@ -491,10 +492,14 @@ class MasterState:
         tier, nbytes, spec = raw.get("tier"), raw.get("nbytes"), raw.get("spec")
         if type(tier) is not str or type(nbytes) is not int or nbytes < 0 or len(tier) > MAX_TIER_NAME_BYTES:
             raise P.MalformedRequest(f"replica record needs tier (str) and nbytes (int >= 0): {raw!r:.200}")
-        try:
-            layers = ObjectSpec.from_wire(spec).layers
-        except (TypeError, ValueError, errors.KVPoolError) as exc:
-            raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
+        layers = self._spec_layers.get(tuple(spec)) if type(spec) is list and len(spec) <= 8 else None
+        if layers is None:  # a spec not seen yet (re-registering a million keys is a handful of specs)
+            try:
+                layers = ObjectSpec.from_wire(spec).layers
+                if type(spec) is list and len(self._spec_layers) < 4096:
+                    self._spec_layers[tuple(spec)] = layers
+            except (TypeError, ValueError, errors.KVPoolError) as exc:
+                raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
         checksums = raw.get("checksums")
         if checksums is not None:
             # Element types are not checked one by one: a node that sends junk
@@ -508,11 +513,11 @@ class MasterState:
             if len(header) > MAX_RECORD_HEADER_BYTES:
                 raise errors.RequestTooLargeError(
                     f"record header is {len(header)} bytes; the most is {MAX_RECORD_HEADER_BYTES}")
-        location = raw.get("location", {})
+        location = raw.get("location") or {}
         if not isinstance(location, dict):
             raise P.MalformedRequest("location must be a map")
-        if len(location) > MAX_LOCATION_ENTRIES or any(
-                isinstance(v, (str, bytes, list, dict)) and len(v) > MAX_CONTROL_BYTES for v in location.values()):
+        if location and (len(location) > MAX_LOCATION_ENTRIES or any(
+                isinstance(v, (str, bytes, list, dict)) and len(v) > MAX_CONTROL_BYTES for v in location.values())):
             raise errors.RequestTooLargeError(
                 f"record location: at most {MAX_LOCATION_ENTRIES} entries of at most {MAX_CONTROL_BYTES} each")
         durable = raw.get("durable")

@@ -11,7 +11,10 @@ brain: a leader paused past its lease, or cut off from etcd, stops answering.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -42,6 +45,11 @@ class HA:
     def config(self, **master: object) -> Config:
         return Config.load({"master": {"etcd": self.etcd.url, "etcd_prefix": self.prefix,
                                        "heartbeat_ms": HEARTBEAT_MS, **master}})
+
+    def write_config(self) -> Path:
+        path = self.tmp_path / "ha.toml"
+        path.write_text(f'[master]\netcd = "{self.etcd.url}"\netcd_prefix = "{self.prefix}"\n')
+        return path
 
     def start_master(self) -> str:
         address = f"tcp://127.0.0.1:{free_tcp_port()}"
@@ -87,6 +95,13 @@ def test_one_leader_standbys_refuse_and_clients_follow_a_clean_handover(ha: HA) 
         with MasterClient(standby, config=ha.config(), request_timeout_s=2.0) as fixed:
             with pytest.raises(errors.NotLeaderError, match=leader):
                 fixed.ping()
+    standby = next(a for a in addresses if a != leader)
+    cli = [sys.executable, "-m", "kvpool.cli", "stats"]
+    shown = subprocess.run([*cli, "--etcd", ha.etcd.url, "--config", str(ha.write_config())],
+                           capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0 and f"master {leader} (leader, term 1" in shown.stdout, shown
+    refused = subprocess.run([*cli, "--master", standby], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and f"standby; the leader is {leader}" in refused.stderr, refused
     with MasterClient(config=ha.config(), request_timeout_s=5.0) as follower:
         follower.ping()
         assert follower.address == leader
@@ -101,7 +116,8 @@ def test_one_leader_standbys_refuse_and_clients_follow_a_clean_handover(ha: HA) 
 
 def test_kill9_of_the_leader_during_gets_costs_a_short_gap_and_no_wrong_bytes(ha: HA) -> None:
     """Two masters, a storage node, a writer of plain keys and one of durable keys (copies in
-    the storage node's nvme), and a reader asking the master for every get (no location cache).
+    the storage node's nvme; that writer then leaves, so the storage node holds the only copy),
+    and a reader asking the master for every get (no location cache).
     The leader is killed -9 mid-stream: no get returns wrong bytes, gets succeed again within
     5 s, and the new leader indexes every key again from the nodes' re-registration."""
     first = ha.start_master()
@@ -109,7 +125,8 @@ def test_kill9_of_the_leader_during_gets_costs_a_short_gap_and_no_wrong_bytes(ha
     leader = ha.leader()
     ha.start_node("storage")
     ha.start_actor("writer", "plain", "--keys", "6", "--first", "0")
-    ha.start_actor("writer", "durable", "--keys", "6", "--first", "6", "--durable")
+    durable = ha.start_actor("writer", "durable", "--keys", "6", "--first", "6", "--durable")
+    assert durable.stop() == 0  # a clean leave: its own copies leave the index, the durable ones stay
     reader = ha.start_actor("stream", "reader", "--keys", "12", "--seconds", "12")
     time.sleep(3.0)
     killed_at = time.time()
@@ -197,3 +214,23 @@ def test_no_leader_and_bad_etcd_settings_are_typed_errors(tmp_path: Path) -> Non
 
     with pytest.raises(errors.ConfigError, match="wildcard"):
         MasterServer(Config.load({"master": {"etcd": dead, "listen": f"tcp://0.0.0.0:{free_tcp_port()}"}}).master)
+
+
+def test_kvpool_server_with_etcd_runs_its_own_etcd_for_a_demo(tmp_path: Path,
+                                                              spawn_python: Callable[..., ChildProcess]) -> None:
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd binary (Debian: apt-get install etcd-server)")
+    url = f"http://127.0.0.1:{free_tcp_port()}"
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    master = spawn_python(["-m", "kvpool.daemon", "--role", "master", "--with-etcd", "--master.etcd", url,
+                           "--master.listen", address, "--pool.data_dir", str(tmp_path / "data")],
+                          log_path=tmp_path / "demo.log", ready=lambda: masters(url, "/kvpool")[0] == address,
+                          timeout_s=40)
+    etcd_data = tmp_path / "data" / "etcd"
+    assert (etcd_data / "member").is_dir()
+    with MasterClient(config=Config.load({"master": {"etcd": url}})) as follower:
+        follower.ping()
+        assert follower.address == address
+    assert master.stop() == 0
+    with pytest.raises(errors.CoordinatorError):  # the etcd it started stopped with it
+        masters(url, "/kvpool")
