@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kvpool  # noqa: E402
-from kvpool.config import format_size, parse_size  # noqa: E402
+import kvpool
+from kvpool.config import format_size, parse_size
 
 SHAPE = (2, 2, 32, 2, 32)  # 16 KiB of float16 per object (--object changes the tokens)
 

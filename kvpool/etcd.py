@@ -363,12 +363,13 @@ def start_demo_etcd(url: str, data_dir: str, timeout_s: float = 20.0) -> Any:
         import os
 
         os.makedirs(data_dir, mode=0o700, exist_ok=True)
-        process = subprocess.Popen(
-            [binary, "--name", "kvpool-demo", "--data-dir", data_dir,
-             "--listen-client-urls", f"http://{host}:{port}", "--advertise-client-urls", f"http://{host}:{port}",
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"kvpool-demo={peer}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(f"{data_dir}/etcd.log", "ab"))
+        with open(f"{data_dir}/etcd.log", "ab") as etcd_log:  # the child keeps its own descriptor
+            process = subprocess.Popen(
+                [binary, "--name", "kvpool-demo", "--data-dir", data_dir,
+                 "--listen-client-urls", f"http://{host}:{port}", "--advertise-client-urls", f"http://{host}:{port}",
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"kvpool-demo={peer}"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=etcd_log)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -93,7 +93,7 @@ import zmq
 from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
-from kvpool.etcd import EtcdClient, Election, check_address_for_etcd
+from kvpool.etcd import Election, EtcdClient, check_address_for_etcd
 from kvpool.master_client import control_call
 from kvpool.objformat import ObjectSpec
 from kvpool.security import ClusterKey, stop_authenticator
