@@ -217,6 +217,45 @@ def test_reopen_finds_every_committed_object_bit_exact(disk_dir: Path) -> None:
         tier.close()
 
 
+def test_reopen_reads_nearby_prefixes_together_and_still_checks_each(disk_dir: Path) -> None:
+    """Opening reads the record prefixes of neighbouring objects in one window; every prefix
+    in the window is still compared with its index record: one damaged in the middle of a
+    window is found (the index is rebuilt from the segments) and costs only that object."""
+    tier = NvmeTier(disk_dir, 8 * MiB, segment_size=4 * MiB)
+    objects = {}
+    try:
+        for i in range(120):  # small objects: ~12 KiB apart, hundreds of prefixes per window
+            objects[b"small-%03d" % i] = put(tier, b"small-%03d" % i, i, layers=2, tokens=8)
+        objects[b"big"] = put(tier, b"big", 999, layers=4, tokens=2000)  # a gap of ~2 MiB to the next
+        objects[b"after-big"] = put(tier, b"after-big", 1000, layers=2, tokens=8)
+    finally:
+        tier.close()
+    reopened = NvmeTier(disk_dir, 8 * MiB, segment_size=4 * MiB)
+    try:
+        recovered = {key: (extent, header) for key, extent, header in reopened.recover()}
+        assert set(recovered) == set(objects) and not reopened.stats()["index_rebuilt"]
+        for key, (extent, header) in recovered.items():
+            np.testing.assert_array_equal(read_all(reopened, extent, header), objects[key][1])
+    finally:
+        reopened.close()
+    damaged_extent = objects[b"small-060"][0]
+    segment = disk_dir / sorted(p.name for p in disk_dir.iterdir() if p.name.startswith("seg"))[damaged_extent.segment]
+    with open(segment, "r+b") as fh:  # one byte of that record's prefix block (its magic)
+        fh.seek(damaged_extent.offset - ALIGN)
+        first = fh.read(1)
+        fh.seek(damaged_extent.offset - ALIGN)
+        fh.write(bytes([first[0] ^ 0xFF]))
+    rebuilt = NvmeTier(disk_dir, 8 * MiB, segment_size=4 * MiB)
+    try:
+        recovered = {key: (extent, header) for key, extent, header in rebuilt.recover()}
+        assert "disagree" in rebuilt.stats()["index_rebuilt"]
+        assert set(recovered) == set(objects) - {b"small-060"}
+        for key, (extent, header) in recovered.items():
+            np.testing.assert_array_equal(read_all(rebuilt, extent, header), objects[key][1])
+    finally:
+        rebuilt.close()
+
+
 def test_space_is_rebuilt_from_the_index_and_reused_after_reopen(disk_dir: Path) -> None:
     tier = NvmeTier(disk_dir, 2 * MiB, segment_size=1 * MiB)
     try:
