@@ -109,13 +109,34 @@ def cmd_ls(master: MasterClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def layer_arg(text: str) -> int | slice:
+    """``--layers``: ``5`` -> layer 5; ``2:6``, ``2:``, ``:6`` -> a half-open slice."""
+    def number(part: str) -> int | None:
+        if part.strip() == "":
+            return None
+        if not part.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: layers are N, A:B, A: or :B with whole numbers >= 0")
+        return int(part)
+
+    if ":" not in text:
+        layer = number(text)
+        if layer is None:
+            raise argparse.ArgumentTypeError("empty layer spec")
+        return layer
+    start, _, stop = text.partition(":")
+    first, last = number(start), number(stop)
+    if first is not None and last is not None and last <= first:
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty range (B must be greater than A)")
+    return slice(first, last)
+
+
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     from kvpool.pool import Pool
     from kvpool.remote import ReplicaReader, replicas_at, shared_dirs_of
     from kvpool.transfer import local_host_id
 
     key = _key(args.key, args.text)
-    layers = range(*map(int, args.layers.split(":"))) if args.layers else None
+    layers = args.layers
     config = Config.load(args.config)
     located = master.locate(key, lease=True)
     # What the master says is checked before use: only arenas in the shared-memory dirs are mapped.
@@ -194,25 +215,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cluster key (default: security.key_file of --config, else ~/.config/kvpool/cluster.key)")
     parser = argparse.ArgumentParser(prog="kvpool", description="Inspect and operate a running kvpool cluster.",
                                      parents=[common])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="stats | ls | get | rm | gc | keygen (each has --help)")
     sub.add_parser("stats", help="nodes, tiers, usage, hits, bytes served", parents=[common])
     ls = sub.add_parser("ls", help="list keys and their replicas", parents=[common])
-    ls.add_argument("--prefix", default="")
-    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--prefix", default="", help="only keys starting with this (hex, or text with --text)")
+    ls.add_argument("--limit", type=int, default=100, help="list at most this many keys (default 100)")
     ls.add_argument("--text", action="store_true", help="prefix is UTF-8 text, not hex")
     get = sub.add_parser("get", help="read an object (or --layers a:b) into a .npy file", parents=[common])
-    get.add_argument("key")
-    get.add_argument("--layers", help="a:b, half-open")
-    get.add_argument("--out", default="kv.npy")
-    get.add_argument("--transport", default="auto", choices=("auto", "tcp"))
+    get.add_argument("key", help="the key (prefix hash) in hex, or text with --text")
+    get.add_argument("--layers", type=layer_arg, metavar="SPEC",
+                     help="layers to read: N (one layer), A:B (half-open), A: (to the last), :B (from the first)")
+    get.add_argument("--out", default="kv.npy", help="numpy file to write (default kv.npy)")
+    get.add_argument("--transport", default="auto", choices=("auto", "tcp"),
+                     help="auto: shared memory for same-host holders, else TCP (default); tcp: always UCX TCP")
     get.add_argument("--text", action="store_true", help="the key is UTF-8 text, not hex")
     rm = sub.add_parser("rm", help="delete keys everywhere", parents=[common])
-    rm.add_argument("keys", nargs="+")
+    rm.add_argument("keys", nargs="+", help="keys in hex, or text with --text")
     rm.add_argument("--text", action="store_true", help="keys are UTF-8 text, not hex")
     gc = sub.add_parser("gc", help="remove shared-memory arenas of killed kvpool processes on this host")
     gc.add_argument("--dir", action="append", default=[], help="directory to sweep (default /dev/shm; repeatable)")
     keygen = sub.add_parser("keygen", help="write a new cluster key to FILE (mode 0600)")
-    keygen.add_argument("file", metavar="FILE")
+    keygen.add_argument("file", metavar="FILE", help="where to write the key (copy it to every host of the pool)")
     keygen.add_argument("--force", action="store_true", help="overwrite an existing FILE")
     return parser
 

@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--role", choices=("all", "master", "node"), default="all",
                         help="master: metadata only; node: tiers + pull server; all: both (default)")
     parser.add_argument("--config", metavar="FILE", help="TOML file (see conf/default.toml)")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="least severe log records printed (default INFO)")
     parser.add_argument("--with-etcd", action="store_true",
                         help="demo of the HA master: start a single-member etcd at master.etcd (default "
                              f"{DEMO_ETCD}; data in the pool's data_dir) unless one answers there, and elect "

@@ -41,7 +41,14 @@ def serve(config: Config, role: str, stop: threading.Event) -> int:
         if role in ("master", "all"):
             if not _start_master(config, stack):
                 return 1
-        node = _start_node(config, stack) if role in ("node", "all") else None
+        try:
+            node = _start_node(config, stack) if role in ("node", "all") else None
+        except errors.ConfigError as exc:  # a setting this host cannot honour: one line naming it
+            log.error("%s", exc)
+            return 2
+        except errors.KVPoolError as exc:
+            log.error("node failed to start: %s: %s", type(exc).__name__, exc)
+            return 1
         if config.metrics.port:
             _start_metrics(config, role, node, master_client, stack)
         log.info("ready")

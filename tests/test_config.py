@@ -83,3 +83,38 @@ def test_node_host_is_loopback_for_a_local_master_and_the_route_to_a_remote_one(
         assert "node.host" in str(exc)
     else:
         assert not routed.startswith("127.")
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("master.heartbeat_ms", "1s", 1000), ("master.heartbeat_ms", "250ms", 250), ("master.heartbeat_ms", "1.5s", 1500),
+    ("master.heartbeat_ms", 200, 200), ("master.heartbeat_ms", "200", 200),
+    ("master.lease_s", "500ms", 0.5), ("master.lease_s", "2m", 120.0), ("node.pull_timeout_s", 3, 3.0),
+])
+def test_durations_take_units(key: str, value: object, expected: float) -> None:
+    config = Config()
+    config.set(key, value)
+    section, name = key.split(".")
+    assert getattr(getattr(config, section), name) == expected
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("master.heartbeat_ms", "1 sec", "duration such as"),
+    ("master.heartbeat_ms", "1.0005s", "whole number of milliseconds"),
+    ("master.leader_ttl_s", "500ms", "whole number of seconds"),
+    ("master.dead_after_missed", "three", "expected an integer"),
+])
+def test_bad_durations_and_numbers_say_what_is_expected(key: str, value: str, message: str) -> None:
+    with pytest.raises(errors.ConfigError, match=message) as caught:
+        Config().set(key, value)
+    assert key in str(caught.value)
+
+
+def test_every_setting_in_default_toml_has_a_comment() -> None:
+    section = None
+    bare = []
+    for line in (ROOT / "conf" / "default.toml").read_text().splitlines():
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif "=" in line and not line.lstrip().startswith("#") and "#" not in line.split("=", 1)[1]:
+            bare.append(f"{section}.{line.split('=')[0].strip()}")
+    assert bare == []

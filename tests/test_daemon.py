@@ -8,6 +8,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -184,3 +185,49 @@ def test_clients_with_default_settings_run_side_by_side_with_a_daemon(tmp_path: 
         name, nvme, seen = out.split()
         assert name == f"client-{client.pid}" and nvme == "0"  # its own pool, never the daemon's
         assert float(seen) == 3 - i  # and it reads the other client's put
+
+
+def test_a_tier_larger_than_the_host_can_map_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    # 512 TiB is beyond any x86-64 address space: refused whatever the overcommit policy.
+    result = subprocess.run([sys.executable, "-m", "kvpool.daemon", "--role", "node", "--tiers.dram.capacity",
+                             "512TiB", "--pool.name", "too-big", "--pool.data_dir", str(tmp_path),
+                             "--master.listen", f"tcp://127.0.0.1:{free_tcp_port()}"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert result.returncode == 2, result.stderr
+    assert "tiers.dram.capacity = 512.0 TiB: cannot map that much memory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_every_cli_option_has_help() -> None:
+    from kvpool import cli
+    from kvpool.daemon import build_parser
+
+    missing = []
+
+    def walk(parser: Any, name: str) -> None:
+        for action in parser._actions:
+            if not action.help and action.dest != "help":
+                missing.append(f"{name} {action.option_strings or action.dest}")
+            if isinstance(getattr(action, "choices", None), dict):
+                for command, subparser in action.choices.items():
+                    walk(subparser, f"{name} {command}")
+
+    walk(build_parser(), "kvpool-server")
+    walk(cli.build_parser(), "kvpool")
+    assert missing == []
+
+
+@pytest.mark.parametrize(("text", "parsed"), [("5", 5), ("2:6", slice(2, 6)), ("2:", slice(2, None)),
+                                              (":3", slice(None, 3))])
+def test_cli_layer_specs(text: str, parsed: object) -> None:
+    from kvpool.cli import layer_arg
+
+    assert layer_arg(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["a:b", "6:2", "1:2:3", "-1", ""])
+def test_bad_cli_layer_specs_are_refused_before_anything_is_asked(text: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvpool.cli", "get", "00", f"--layers={text}",
+                             "--master", f"tcp://127.0.0.1:{free_tcp_port()}", "--timeout", "0.3"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert result.returncode == 2 and "--layers" in result.stderr and "Traceback" not in result.stderr

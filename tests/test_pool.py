@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+import re
 import threading
 
 import numpy as np
@@ -67,8 +68,16 @@ def test_bad_input_is_refused_and_loses_nothing(pool: kvpool.Pool) -> None:
         pool.put(b"", kv(4))
     with pytest.raises(errors.InvalidKeyError):
         pool.put(12345, kv(4))  # type: ignore[arg-type]
-    with pytest.raises(errors.ObjectTooLargeError):
+    with pytest.raises(errors.ObjectTooLargeError) as too_large:
         pool.put(b"keep", np.zeros((64, 2, 256, 8, 128), np.float16))  # 64 MiB > every tier
+    # The message gives each tier's real limit (its capacity less the per-object overhead), and
+    # an object of exactly that size does fit.
+    limits = dict(re.findall(r"(\w+) up to (\d+) bytes", str(too_large.value)))
+    manager = pool._manager
+    assert set(limits) == {t.name for t, put in zip(manager.tiers, manager.put_enabled) if put}
+    for tier in pool._manager.tiers:
+        if tier.name in limits:
+            assert tier.fits_ever(int(limits[tier.name])) and not tier.fits_ever(int(limits[tier.name]) + 1)
     np.testing.assert_array_equal(pool.get(b"keep"), kv(4))
 
 

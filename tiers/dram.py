@@ -13,11 +13,14 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import os
 import resource
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpool import errors
+from kvpool.config import format_size
 from tiers.base import ArenaTier, close_mapping
 
 if TYPE_CHECKING:
@@ -58,6 +61,23 @@ def mlock_region(address: int, nbytes: int) -> tuple[int, str]:
             return allowed, note
         allowed = allowed // 2 // PAGE * PAGE  # the limit is shared with earlier locks: back off
     return 0, f"mlock refused (errno {ctypes.get_errno()})"
+
+
+_memlock_warned = False
+
+
+def _warn_memlock_once(note: str, locked: int, wanted: int) -> None:
+    """One warning per process (every pool of a process hits the same limit), with the fix."""
+    global _memlock_warned
+    if _memlock_warned:
+        log.debug("dram tier: %s (%d of %d bytes locked)", note, locked, wanted)
+        return
+    _memlock_warned = True
+    log.warning(
+        "dram tier: %s: %s of %s locked, the rest may be swapped out. To lock it all, raise the "
+        "memlock limit: `ulimit -l unlimited` before starting (root), LimitMEMLOCK=infinity in a systemd "
+        "unit, `--ulimit memlock=-1` for docker, or a `memlock` line in /etc/security/limits.conf; "
+        "or set tiers.dram.mlock = false to silence this", note, format_size(locked), format_size(wanted))
 
 
 def munlock_region(address: int, nbytes: int) -> None:
@@ -104,7 +124,13 @@ class DramTier(ArenaTier):
             self.backing = "cupy-pinned"
             self.locked_bytes, self.lock_note = self.capacity_bytes, "CUDA pinned memory"
             return
-        self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:  # ENOMEM: more than the kernel lets this process map
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            raise errors.ConfigError(
+                f"tiers.dram.capacity = {format_size(self.capacity_bytes)}: cannot map that much memory "
+                f"({exc.strerror}); this host has {format_size(total)} of RAM") from None
         # Huge pages before the first touch: with THP in "madvise" mode (the
         # common default) copies out of a 4 KiB-page arena measured ~25% slower.
         self.huge_pages = _advise_huge_pages(self._mmap)
@@ -115,8 +141,7 @@ class DramTier(ArenaTier):
         if mlock:
             self.locked_bytes, self.lock_note = mlock_region(self._arena.ctypes.data, self.capacity_bytes)
             if self.locked_bytes < self.capacity_bytes:
-                log.warning("dram tier: %s (%d of %d bytes locked)", self.lock_note,
-                            self.locked_bytes, self.capacity_bytes)
+                _warn_memlock_once(self.lock_note, self.locked_bytes, self.capacity_bytes)
 
     @classmethod
     def from_config(cls, section: DramSection, config: Config) -> DramTier:

@@ -51,6 +51,18 @@ log = logging.getLogger(__name__)
 MISS_REASONS = ("absent", "checksum")
 
 
+def _largest_fit(tier: Tier) -> int:
+    """The largest object (total bytes, header included) ``tier`` could ever hold."""
+    low, high = 0, tier.capacity_bytes
+    while low < high:
+        mid = (low + high + 1) // 2
+        if tier.fits_ever(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 @dataclass
 class _Entry:
     key: bytes
@@ -184,10 +196,11 @@ class TierManager:
             raise errors.InvalidKVError(f"payload is {len(payload)} bytes, spec needs {spec.payload_nbytes}")
         candidates = self._candidates(persistent)
         if not any(self.tiers[i].fits_ever(nbytes) for i in candidates):
-            largest = max(self.tiers[i].capacity_bytes for i in candidates)
+            limits = ", ".join(f"{self.tiers[i].name} up to {_largest_fit(self.tiers[i])} bytes" for i in candidates)
             raise errors.ObjectTooLargeError(
-                f"object of {nbytes} bytes is larger than every tier that takes puts (largest {largest})"
-            )
+                f"object of {nbytes} bytes ({nbytes / (1 << 20):.1f} MiB with its header) does not fit any tier "
+                f"that takes puts: {limits} (each tier's capacity less its per-object overhead; raise "
+                f"tiers.<name>.capacity, or tiers.nvme.segment_size for nvme)")
         for attempt in range(_DISK_FULL_RETRIES):
             index, extent = self._place_outside_lock(nbytes, candidates)
             tier = self.tiers[index]
