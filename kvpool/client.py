@@ -237,7 +237,7 @@ class ClusterPool(Pool):
                     records.append(record)
         finally:
             if records:
-                self._master.publish(self._node.node_id, records)
+                self._node.publish(records)
 
     def _replicate(self, key: bytes, targets: Sequence[Any]) -> None:
         """Have every target pull the object from here into its nvme tier; each commits its

@@ -116,6 +116,7 @@ class Node:
         self._unpinner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-unpin")
         self._stopping = threading.Event()
         self._publisher = threading.Thread(target=self._publish_loop, name="kvpool-node-publish", daemon=True)
+        self._register_lock = threading.Lock()  # one register at a time (heartbeat reply, put, start)
         self._control_thread = threading.Thread(target=self._control_loop, name="kvpool-node-control",
                                                 daemon=True)
         self._zmq = zmq.Context.instance()
@@ -195,6 +196,22 @@ class Node:
         durable again after a restart of either.
         """
         assert self.address is not None
+        with self._register_lock:
+            self._register()
+
+    def publish(self, records: list[ReplicaRecord]) -> None:
+        """Announce objects this node just stored (one round trip). When the master does not
+        know this node (it restarted, or a new HA leader took over, and this node's
+        re-registration is still to come), register everything now instead: the register
+        carries these records too, so they are visible when this returns either way."""
+        try:
+            self.master.publish(self.node_id, records)
+        except errors.UnknownNodeError:
+            log.info("node %s: the master does not know this node (restarted or failed over): registering",
+                     self.node_id[:8])
+            self.register()
+
+    def _register(self) -> None:
         role = getattr(self, "role", "client")
         persistent = [t for t in self.manager.tiers if t.persistent and t.capacity_bytes > 0]
         durable: dict[bytes, int] = {}

@@ -52,7 +52,7 @@ def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int, dram:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=("writer", "reader", "stream"))
+    parser.add_argument("role", choices=("writer", "reader", "stream", "putstream"))
     parser.add_argument("--master", default="tcp://127.0.0.1:7700")
     parser.add_argument("--etcd", default="", help="find the master leader in etcd at these URLs")
     parser.add_argument("--etcd-prefix", default="/kvpool")
@@ -83,6 +83,9 @@ def main() -> int:
             while not stop.wait(0.5):
                 pass
             return 0
+        if args.role == "putstream":
+            print("READY", flush=True)
+            return put_stream(pool, list(keys), args.seconds)
         layers = range(*map(int, args.layers.split(":"))) if args.layers else None
         if args.role == "stream":
             print("READY", flush=True)
@@ -102,6 +105,27 @@ def main() -> int:
         return 0
     finally:
         pool.close()
+
+
+def put_stream(pool: kvpool.Pool, keys: list[int], seconds: float) -> int:
+    """Put ``keys`` one after another, spread over ``seconds``; print ``{"ok": [i...], "failed":
+    {i: error}}``, then keep serving them until SIGTERM (non-durable keys live here)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    ok: list[int] = []
+    failed: dict[int, str] = {}
+    pause = seconds / max(1, len(keys))
+    for i in keys:
+        try:
+            pool.put(key_of(i), content(i))
+            ok.append(i)
+        except Exception as exc:  # reported: the test decides what is acceptable
+            failed[i] = type(exc).__name__
+        time.sleep(pause)
+    print(json.dumps({"ok": ok, "failed": failed}), flush=True)
+    while not stop.wait(0.5):
+        pass
+    return 0
 
 
 def stream(pool: kvpool.Pool, keys: list[int], seconds: float) -> int:

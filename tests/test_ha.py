@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 
 from kvpool import errors
@@ -231,6 +232,48 @@ def test_kvpool_server_with_etcd_runs_its_own_etcd_for_a_demo(tmp_path: Path,
     with MasterClient(config=Config.load({"master": {"etcd": url}})) as follower:
         follower.ping()
         assert follower.address == address
-    assert master.stop() == 0
-    with pytest.raises(errors.CoordinatorError):  # the etcd it started stopped with it
-        masters(url, "/kvpool")
+    assert master.stop(grace_s=20) == 0, master.output()
+
+    def etcd_gone() -> bool:  # the etcd it started stopped with it
+        try:
+            masters(url, "/kvpool")
+        except errors.CoordinatorError:
+            return True
+        return False
+
+    wait_for(etcd_gone, 10, "the demo etcd to stop with kvpool-server")
+
+
+def test_puts_during_a_failover_are_visible_afterwards_or_fail_typed(ha: HA) -> None:
+    """A writer puts a key every 100 ms while the leader is killed -9: every put that returned is
+    readable from another process once the new leader has the index (none lost by the
+    failover), the others failed with a typed error, and no get returns wrong bytes."""
+    ha.start_master()
+    ha.start_master()
+    leader = ha.leader()
+    # 60 keys of 256 KiB fit the writer's tiers (24 MiB): none is evicted, so none may be missing.
+    writer = ha.start_actor("putstream", "writer", "--keys", "60", "--seconds", "6")
+    time.sleep(1.5)
+    ha.masters[leader].kill()
+    wait_for(lambda: any(line.startswith("{") for line in writer.output().splitlines()), 60,
+             "the writer to finish its puts")
+    report = json.loads(next(line for line in writer.output().splitlines() if line.startswith("{")))
+    failed = {int(i): error for i, error in report["failed"].items()}
+    assert set(failed.values()) <= {"MasterUnreachableError", "NotLeaderError"}, failed
+    assert len(report["ok"]) >= 30, report  # most puts went through, before and after the failover
+    with MasterClient(config=ha.config()) as follower:
+        def missing() -> list[int]:
+            return [i for i, there in zip(report["ok"], follower.exists_many([b"cluster-key-%04d" % i
+                                                                                for i in report["ok"]]))
+                    if not there]
+        try:
+            wait_for(lambda: not missing(), 20, "every acknowledged put to be indexed by the new leader")
+        except AssertionError:
+            raise AssertionError(f"not indexed: {missing()}; failed: {failed}\n{writer.output()[-3000:]}") from None
+    from tests.cluster_actor import content, key_of
+    import kvpool
+
+    with kvpool.connect(config=ha.config()) as pool:
+        for i in report["ok"]:
+            got = pool.get(key_of(i))
+            assert got is not None and np.array_equal(got, content(i)), i
