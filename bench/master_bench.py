@@ -225,8 +225,10 @@ def main() -> None:
                           _rate(echo_address, "echo", hashes[0], args.clients, threads, args.duration)))
 
         rows = [
-            (f"batched lookup of {args.hashes}: p50 (us)", np.percentile(batch, 50), np.percentile(batch_echo, 50), False),
-            (f"batched lookup of {args.hashes}: p99 (us)", np.percentile(batch, 99), np.percentile(batch_echo, 99), False),
+            (f"batched lookup of {args.hashes}: p50 (us)", np.percentile(batch, 50), np.percentile(batch_echo, 50),
+             False),
+            (f"batched lookup of {args.hashes}: p99 (us)", np.percentile(batch, 99), np.percentile(batch_echo, 99),
+             False),
             ("batched lookup: hashes/s (p50)", args.hashes / np.percentile(batch, 50) * 1e6,
              args.hashes / np.percentile(batch_echo, 50) * 1e6, True),
         ]

@@ -24,8 +24,8 @@ import shutil
 import signal
 import statistics
 import sys
-import threading
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any

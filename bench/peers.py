@@ -56,9 +56,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,13 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``kvpool`` 
 from bench.common import Progress, Timing, add_common_args, format_table, parse_size, plot_series, size_label
 from bench.peer_backends import SYSTEMS, peer_class
 from bench.peer_backends.base import (
-    ActorProcess, CpuPlan, Peer, PeerError, Plan, ValueSource, rss_bytes,
+    ActorProcess,
+    CpuPlan,
+    Peer,
+    PeerError,
+    Plan,
+    ValueSource,
+    rss_bytes,
 )
 
 MiB = 1 << 20

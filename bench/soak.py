@@ -43,8 +43,9 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -531,7 +532,8 @@ def run_soak(args: argparse.Namespace) -> int:
             name = f"soak-{n}"
             command = worker_command(
                 sys.executable, address, name, work / name, seconds=seconds, keys=args.keys, seed=args.seed + n,
-                seed_share=(n, args.processes), versions=args.versions, shapes=args.shapes, cxl=args.cxl, nvme=args.nvme,
+                seed_share=(n, args.processes), versions=args.versions, shapes=args.shapes, cxl=args.cxl,
+                nvme=args.nvme,
                 heartbeat_ms=args.heartbeat_ms, go_file=str(go), go_timeout_s=120 + 10 * args.processes,
                 mix=args.mix, think_ms=args.think_ms or None)
             worker = ServerProcess(name, command, work / f"{name}.log", None)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,8 @@ def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
         transfer = detail.get("transfer", {})
         counters = detail.get("counters", {})
         moves = "/".join(str(counters.get(c, 0)) for c in ("demotions", "promotions", "evictions"))
-        rows.append([node_id[:12], node.get("state") or ("alive" if node["alive"] else "dead"), f"{address.peer.host}:{address.peer.port}",
+        state = node.get("state") or ("alive" if node["alive"] else "dead")
+        rows.append([node_id[:12], state, f"{address.peer.host}:{address.peer.port}",
                      node["objects"], counters.get("miss_absent", "-"), moves,
                      format_size(transfer.get("bytes_sent", 0)), transfer.get("requests_served", "-"),
                      f"{node['last_seen_s']:.1f} s"])

@@ -22,7 +22,8 @@ import os
 import queue
 import threading
 from collections import Counter
-from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

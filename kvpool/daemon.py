@@ -15,7 +15,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvpool.config import Config, add_setting_flags, apply_setting_flags, format_size
 

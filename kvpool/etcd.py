@@ -28,7 +28,8 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvpool import errors
 

@@ -76,7 +76,7 @@ def prefix_hashes(
     info = np.iinfo(np_dtype)
     if tokens.size and (tokens.min() < info.min or tokens.max() > info.max):
         raise ValueError(f"token ids do not fit {token_dtype}")
-    data = memoryview(np.ascontiguousarray(tokens, dtype=np_dtype)).cast("B")
+    data = np.ascontiguousarray(tokens, dtype=np_dtype).data.cast("B")
     chunk_nbytes = chunk_tokens * np_dtype.itemsize
 
     prev = namespace_seed(namespace, chunk_tokens=chunk_tokens, token_dtype=token_dtype)

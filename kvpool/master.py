@@ -83,10 +83,11 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import zmq
 
@@ -489,7 +490,8 @@ class MasterState:
         if not isinstance(raw, dict):
             raise P.MalformedRequest(f"replica record must be a map, got {type(raw).__name__}")
         key = self._key(raw.get("key")) if with_key else b""
-        tier, nbytes, spec = raw.get("tier"), raw.get("nbytes"), raw.get("spec")
+        tier, nbytes = raw.get("tier"), raw.get("nbytes")
+        spec: Any = raw.get("spec")
         if type(tier) is not str or type(nbytes) is not int or nbytes < 0 or len(tier) > MAX_TIER_NAME_BYTES:
             raise P.MalformedRequest(f"replica record needs tier (str) and nbytes (int >= 0): {raw!r:.200}")
         layers = self._spec_layers.get(tuple(spec)) if type(spec) is list and len(spec) <= 8 else None
@@ -1155,7 +1157,7 @@ class MasterState:
         if limit < 0:
             raise P.MalformedRequest("field 'limit' must be >= 0")
         limit = min(limit, self.config.max_batch)  # a reply stays as bounded as a request
-        out = []
+        out: list[dict[str, Any]] = []
         for key, replicas in self.index.items():
             if not key.startswith(prefix):
                 continue
@@ -1475,7 +1477,7 @@ def run_master(
     """
     section, max_key_bytes = _sections(config)
     stop = stop_event if stop_event is not None else threading.Event()
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     if stop_event is None and threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: stop.set())

@@ -21,7 +21,8 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import zmq
 
@@ -49,10 +50,10 @@ def as_key(key: Any) -> bytes:
 
 
 def _keys(keys: Iterable[KeyLike]) -> list[bytes]:
-    keys = keys if isinstance(keys, list) else list(keys)
-    if set(map(type, keys)) <= {bytes}:  # the common case, checked in C
-        return keys
-    return [k if type(k) is bytes else as_key(k) for k in keys]
+    listed = keys if isinstance(keys, list) else list(keys)
+    if set(map(type, listed)) <= {bytes}:  # the common case, checked in C
+        return listed  # type: ignore[return-value]
+    return [k if type(k) is bytes else as_key(k) for k in listed]
 
 
 class _Connection:

@@ -16,8 +16,9 @@ import bisect
 import json
 import logging
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -101,7 +102,7 @@ class StatsCollector(Collector):
     @staticmethod
     def _pool_metrics(stats: dict[str, Any]) -> Iterator[Any]:
         tiers = stats["tiers"].values() if isinstance(stats["tiers"], dict) else stats["tiers"]
-        families = {
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "capacity": GaugeMetricFamily("kvpool_tier_capacity_bytes", "Tier capacity", labels=["tier"]),
             "used": GaugeMetricFamily("kvpool_tier_used_bytes", "Bytes allocated in the tier", labels=["tier"]),
             "objects": GaugeMetricFamily("kvpool_tier_objects", "Objects held by the tier", labels=["tier"]),
@@ -214,5 +215,5 @@ class _Merged(Collector):
     def __init__(self, registry: CollectorRegistry) -> None:
         self._source = registry
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterable[Any]:
         return self._source.collect()

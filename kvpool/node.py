@@ -37,8 +37,15 @@ from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader
 from kvpool.protocol import ReplicaRecord, replica_record
 from kvpool.security import ClusterKey
-from kvpool.transfer import (PeerAddress, ProviderWouldBlock, PullClient, PullServer, ServeSource,
-                             in_inline_provider, local_host_id)
+from kvpool.transfer import (
+    PeerAddress,
+    ProviderWouldBlock,
+    PullClient,
+    PullServer,
+    ServeSource,
+    in_inline_provider,
+    local_host_id,
+)
 from tiers.base import Extent, Tier
 from tiers.manager import LockBusy, TierManager
 
@@ -119,7 +126,7 @@ class Node:
         self._register_lock = threading.Lock()  # one register at a time (heartbeat reply, put, start)
         self._control_thread = threading.Thread(target=self._control_loop, name="kvpool-node-control",
                                                 daemon=True)
-        self._zmq = zmq.Context.instance()
+        self._zmq: zmq.Context = zmq.Context.instance()
         self._control = self._zmq.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
         # A larger message is dropped unread (its peer disconnected), never buffered.
@@ -218,7 +225,7 @@ class Node:
         for tier in persistent:
             path = getattr(tier, "path", None)
             try:
-                with open(f"{path}/durable.log", "r", encoding="ascii") as fh:
+                with open(f"{path}/durable.log", encoding="ascii") as fh:
                     for line in fh:
                         key_hex, _, replicas = line.partition(" ")
                         try:
@@ -229,6 +236,7 @@ class Node:
                 continue
         records = [record_for(key, tier, extent, header, durable.get(key) if tier.persistent else None)
                    for key, tier, extent, header in self.manager.snapshot()]
+        assert self.address is not None  # started
         reply = self.master.register(self.node_id, self.address.encode(), self.host_id,
                                      self.tier_state(), records, role=role,
                                      persistent_tiers=[t.name for t in persistent],
@@ -427,15 +435,16 @@ class Node:
                                  token=token)
         header.verify(whole, payload)
         if persistent:
-            self.manager.put(key, spec, memoryview(payload), persistent=True)
+            self.manager.put(key, spec, payload.data, persistent=True)
         else:
-            self.manager.put(key, spec, memoryview(payload))
+            self.manager.put(key, spec, payload.data)
         found = self.manager.describe(key)
         if found is None:
             raise errors.CapacityError("replica evicted before it could be committed")
-        if persistent and found[0].persistent:
+        path = getattr(found[0], "path", None)  # a persistent tier's directory
+        if persistent and found[0].persistent and path is not None:
             # Only the control thread appends; a torn last line is skipped when read.
-            fd = os.open(f"{getattr(found[0], 'path')}/durable.log",
+            fd = os.open(f"{path}/durable.log",
                          os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with open(fd, "a", encoding="ascii") as fh:
                 fh.write(f"{key.hex()} {replicas}\n")

@@ -41,8 +41,9 @@ import functools
 import itertools
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -105,13 +106,13 @@ def dtype_info(name: str) -> DTypeInfo:
         ) from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def storage_dtype(name: str) -> np.dtype:
     """The plain numpy type an object's bytes are stored as (uint16 for bfloat16, ...)."""
     return np.dtype(dtype_info(name).storage)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype arrays of ``name`` are returned as.
 
@@ -458,7 +459,7 @@ def spec_of(kv: Any, dtype: str | None = None) -> tuple[ObjectSpec, np.ndarray]:
 
 def byte_view(arr: np.ndarray) -> memoryview:
     """Flat, writable-if-possible byte view of a C-contiguous array."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def encode(kv: Any, key: bytes, dtype: str | None = None) -> bytes:

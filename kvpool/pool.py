@@ -14,7 +14,8 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

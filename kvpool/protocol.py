@@ -77,8 +77,9 @@ it is listed as ``left`` (not dead) until ``master.forget_nodes_after_s``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, TypedDict
+from typing import Any, TypedDict
 
 import msgpack
 

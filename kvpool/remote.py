@@ -29,7 +29,8 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,7 @@ def clean_location(raw: Any) -> dict[str, Any] | None:
     path, offset, instance = raw.get("path"), raw.get("offset"), raw.get("instance")
     if not isinstance(path, str) or not 0 < len(path) <= 4096 or "\0" in path:
         return None
-    if not _is_int(offset) or not 0 <= offset < 1 << 62:
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < 1 << 62:
         return None
     if instance is not None and not (isinstance(instance, (str, bytes)) and len(instance) <= 256):
         return None
@@ -134,7 +135,7 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
             return None
     # "_node": the decoded address, which also marks the record as checked (nothing from the wire
     # can be a NodeAddress), so later steps of the same get neither re-check nor re-parse it.
-    return {**raw, "node_id": node_id, "address": address, "host_id": host_id,  # type: ignore[typeddict-item]
+    return {**raw, "node_id": node_id, "address": address, "host_id": host_id,  # type: ignore[return-value]
             "tier": tier, "header": header, "token": token, "location": location or {}, "_node": node}
 
 

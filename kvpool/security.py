@@ -39,8 +39,9 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kvpool import errors
 
@@ -275,7 +276,7 @@ def _ensure_authenticator(context: zmq.Context[Any], client_public_z85: bytes) -
         provider = getattr(auth, "kvpool_provider", None)
         if provider is None:
             provider = _AllowOneKey(client_public_z85)
-            auth.kvpool_provider = provider
+            setattr(auth, "kvpool_provider", provider)  # noqa: B010 (an attribute of ours on pyzmq's object)
             auth.configure_curve_callback(domain=_ZAP_DOMAIN, credentials_provider=provider)
         else:
             provider.allowed.add(client_public_z85)

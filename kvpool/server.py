@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, Callable
+from typing import Any
 
 from kvpool.config import Config, master_address
 

@@ -95,6 +95,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import heapq
 import itertools
 import logging
@@ -106,8 +107,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import xxhash
 
@@ -214,7 +216,7 @@ def interface_for_host(host: str) -> str | None:
     if host in ("", "*", "0.0.0.0", "::"):
         return None
     try:
-        wanted = {ipaddress.ip_address(info[4][0].split("%")[0])
+        wanted = {ipaddress.ip_address(str(info[4][0]).split("%")[0])
                   for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except (OSError, ValueError):
         return None
@@ -238,9 +240,9 @@ def interface_for_host(host: str) -> str | None:
         if address in found:
             return found[address]
         if address.is_loopback:  # 127.0.0.2 and friends live on the loopback interface too
-            name = next((n for a, n in found.items() if a.is_loopback and a.version == address.version), None)
-            if name is not None:
-                return name
+            loopback = next((n for a, n in found.items() if a.is_loopback and a.version == address.version), None)
+            if loopback is not None:
+                return loopback
     return None
 
 
@@ -864,17 +866,24 @@ class PullServer:
         if self._engine is None:
             raise errors.PoolClosedError(f"{self._name} is not started")
 
+    @property
+    def _live_engine(self) -> _ProgressThread:
+        """The progress engine, for code that runs on it (so it exists)."""
+        engine = self._engine
+        assert engine is not None, "PullServer used before start() or after close()"
+        return engine
+
     # -- connections (progress thread) ---------------------------------------------------
 
     def _on_connection(self, conn_request: int) -> None:
         ep = self._listener.create_endpoint_from_conn_request(conn_request, True)
         # Called from inside UCX when the client goes away; sweep afterwards,
         # never close an endpoint from within its own error callback.
-        ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_connections,))
+        ep.set_close_callback(self._live_engine.post, cb_args=(self._sweep_dead_connections,))
         hello = bytearray(_HELLO.size)
         self._pending_hello.add(ep)
         array = Array(hello)
-        self._engine.watch(ep.stream_recv(array), lambda err: self._on_hello(ep, hello, err), array)
+        self._live_engine.watch(ep.stream_recv(array), lambda err: self._on_hello(ep, hello, err), array)
 
     def _on_hello(self, ep: Any, hello: bytearray, error: BaseException | None) -> None:
         self._pending_hello.discard(ep)
@@ -904,10 +913,10 @@ class PullServer:
     def _post_request_receive(self) -> None:
         buf = bytearray(_REQUEST_BUFFER_NBYTES)
         array = Array(buf)
-        req = self._engine.worker.tag_recv(array, ucx_api.UCXXTag(REQUEST_TAG))
+        req = self._live_engine.worker.tag_recv(array, ucx_api.UCXXTag(REQUEST_TAG))
         slot = (req, buf)
         self._recv_slots.append(slot)
-        self._engine.watch(req, lambda err: self._on_request_frame(slot, err), array)
+        self._live_engine.watch(req, lambda err: self._on_request_frame(slot, err), array)
 
     def _on_request_frame(self, slot: tuple[Any, bytearray], error: BaseException | None) -> None:
         self._recv_slots.remove(slot)
@@ -950,9 +959,9 @@ class PullServer:
             self._drop_client(stale)
         try:
             address = ucx_api.UCXAddress.create_from_buffer(request.reply_address)
-            ep = self._engine.worker.create_endpoint_from_worker_address(address, request.reply_error_handling)
+            ep = self._live_engine.worker.create_endpoint_from_worker_address(address, request.reply_error_handling)
             if request.reply_error_handling:
-                ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_connections,))
+                ep.set_close_callback(self._live_engine.post, cb_args=(self._sweep_dead_connections,))
         except Exception as exc:
             self.errors += 1
             log.warning("%s: cannot reach client by worker address: %s", self._name, exc)
@@ -972,7 +981,7 @@ class PullServer:
     def _dispatch(self, request: _Request, ep: Any) -> None:
         job = _ServeJob(request, ep)
         self._jobs.add(job)
-        job.timer = self._engine.call_later(self.send_timeout_s, lambda: self._on_send_timeout(job))
+        job.timer = self._live_engine.call_later(self.send_timeout_s, lambda: self._on_send_timeout(job))
         self._awaiting_provider.add(job)
         assert self._executor is not None
         if self.inline_provider:
@@ -1069,7 +1078,11 @@ class PullServer:
         except Exception as exc:
             self._on_send_failed(job, exc)
             return False
-        self._engine.watch(req, lambda err: err is None or self._on_send_failed(job, err), array)
+        def sent(err: BaseException | None) -> None:
+            if err is not None:
+                self._on_send_failed(job, err)
+
+        self._live_engine.watch(req, sent, array)
         return True
 
     def _send_buffers(self, job: _ServeJob) -> None:
@@ -1107,7 +1120,7 @@ class PullServer:
                 self._give_staging(job, staging)
             self._on_send_failed(job, exc)
             return False
-        self._engine.watch(req, lambda err: self._on_chunk_sent(job, nbytes, staging, err), array)
+        self._live_engine.watch(req, lambda err: self._on_chunk_sent(job, nbytes, staging, err), array)
         return True
 
     def _on_chunk_sent(
@@ -1201,6 +1214,7 @@ class PullServer:
         if error is not None or job.abort_text:
             self._give_staging(job, buf)
             if not job.abort_text:
+                assert error is not None  # one of the two holds
                 job.abort_text = f"reading the object failed: {_describe(error)}"
             self._maybe_abort(job)
             return
@@ -1612,9 +1626,12 @@ class PullClient:
             self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(exc)}"), drop_peer=True)
             return
         self._engine.watch(status_req, lambda err: self._on_status(pull, err), status_array)
-        self._engine.watch(send_req, lambda err: err is None or self._fail(
-            pull, errors.TransferError(f"{peer.label}: request send failed: {_describe(err)}"),
-            drop_peer=True), frame_array)
+        def sent(err: BaseException | None) -> None:
+            if err is not None:
+                self._fail(pull, errors.TransferError(f"{peer.label}: request send failed: {_describe(err)}"),
+                           drop_peer=True)
+
+        self._engine.watch(send_req, sent, frame_array)
 
     def _peer_for(self, address: PeerAddress) -> _Peer:
         use_worker_address = (
@@ -1658,8 +1675,11 @@ class PullClient:
             hello = bytearray(_HELLO.size)
             _HELLO.pack_into(hello, 0, _HELLO_MAGIC, PROTOCOL_VERSION, peer.conn_id)
             hello_array = Array(hello)
-            self._engine.watch(ep.stream_send(hello_array), lambda err: err is None or self._drop_peer(
-                peer, f"hello failed: {_describe(err)}"), hello_array)
+            def hello_sent(err: BaseException | None, peer: _Peer = peer) -> None:
+                if err is not None:
+                    self._drop_peer(peer, f"hello failed: {_describe(err)}")
+
+            self._engine.watch(ep.stream_send(hello_array), hello_sent, hello_array)
         self._peers[key] = peer
         return peer
 
@@ -1707,7 +1727,7 @@ class PullClient:
                 array = Array(pull.out[lo:min(lo + chunk, nbytes)])
                 req = peer.ep.tag_recv(array, _reply_tag(pull.request_id, i + 1))
                 pull.receives.append(req)
-                self._engine.watch(req, lambda err, req=req: self._on_chunk(pull, req, err), array)
+                self._engine.watch(req, functools.partial(self._on_chunk, pull, req), array)
             # The status buffer is free again: it takes the abort frame, if any.
             array = Array(pull.status_buf)
             pull.abort_receive = peer.ep.tag_recv(array, _reply_tag(pull.request_id, _ABORT_INDEX))

@@ -15,7 +15,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def attempt(op: str, fn: Callable[[], Any]) -> None:
@@ -34,8 +35,7 @@ def main(spec: dict[str, Any]) -> None:
     import kvpool
     from kvpool import protocol as P
     from kvpool.config import Config
-    from kvpool.master_client import MasterClient
-    from kvpool.master_client import control_call
+    from kvpool.master_client import MasterClient, control_call
     from kvpool.objformat import ObjectSpec
     from kvpool.security import ClusterKey
 

@@ -67,7 +67,8 @@ def main() -> int:
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--heartbeat-ms", type=int, default=200)
     parser.add_argument("--host", default="", help="node.host (default: auto, from the route to the master)")
-    parser.add_argument("--dram", default="4MiB", help="0: puts land in the cxl arena (same-host readers read in place)")
+    parser.add_argument("--dram", default="4MiB",
+                        help="0: puts land in the cxl arena (same-host readers read in place)")
     args = parser.parse_args()
     config = small_config(args.master, args.name, args.data_dir, args.heartbeat_ms, args.dram, args.host,
                           args.etcd, args.etcd_prefix, 0 if args.role == "stream" else 65536)

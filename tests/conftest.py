@@ -19,9 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -117,7 +118,8 @@ def start_python(
         wait_for(ready_or_dead, timeout_s, f"readiness of {' '.join(args)}")
     except BaseException as exc:
         child.kill()
-        raise AssertionError(f"{' '.join(args)} did not become ready: {exc}\n--- output ---\n{child.output()}") from None
+        raise AssertionError(
+            f"{' '.join(args)} did not become ready: {exc}\n--- output ---\n{child.output()}") from None
     return child
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 
 import kvpool
-from kvpool.objformat import ObjectSpec
 from kvpool.master_client import MasterClient, control_call
 from kvpool.node import NodeAddress
+from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
 

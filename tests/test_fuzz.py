@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import struct
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 import pytest

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -270,8 +270,8 @@ def test_puts_during_a_failover_are_visible_afterwards_or_fail_typed(ha: HA) -> 
             wait_for(lambda: not missing(), 20, "every acknowledged put to be indexed by the new leader")
         except AssertionError:
             raise AssertionError(f"not indexed: {missing()}; failed: {failed}\n{writer.output()[-3000:]}") from None
-    from tests.cluster_actor import content, key_of
     import kvpool
+    from tests.cluster_actor import content, key_of
 
     with kvpool.connect(config=ha.config()) as pool:
         for i in report["ok"]:

@@ -19,7 +19,8 @@ def test_hashes_are_16_bytes_one_per_full_chunk() -> None:
 
 
 def test_deterministic_across_processes_regardless_of_hash_seed() -> None:
-    script = "from kvpool import prefix_hashes; print(','.join(h.hex() for h in prefix_hashes(list(range(1000, 1266)), 64, namespace='m')))"
+    script = ("from kvpool import prefix_hashes; "
+              "print(','.join(h.hex() for h in prefix_hashes(list(range(1000, 1266)), 64, namespace='m')))")
     outs = {
         subprocess.run([sys.executable, "-c", script], env={"PYTHONHASHSEED": seed}, capture_output=True,
                        text=True, check=True).stdout.strip()

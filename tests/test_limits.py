@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -285,7 +286,8 @@ def _hammer_and_check(cluster: Any, master: Any, client: MasterClient, rss_befor
     raw.send(b"\x01" * (65 << 20))
     assert not raw.poll(500)
     raw.close()
-    for frame in (b"\xc1garbage", msgpack.packb(["stats", {}]), msgpack.packb([P.CONTROL_PROTOCOL_VERSION, 5, "replicate", {}])):
+    for frame in (b"\xc1garbage", msgpack.packb(["stats", {}]),
+                  msgpack.packb([P.CONTROL_PROTOCOL_VERSION, 5, "replicate", {}])):
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         ClusterKey.default().secure_client(raw)  # past authentication: the limits are what is tested

@@ -14,8 +14,8 @@ import pytest
 
 from tests.cluster_actor import content
 from tests.conftest import wait_for
-from tests.test_cluster import node_config
 from tests.netns import Host, Lab, lab_or_skip
+from tests.test_cluster import node_config
 
 LAYER_NBYTES = content(0)[0].nbytes
 KEYS = 4
@@ -27,9 +27,11 @@ from kvpool.node import NodeAddress
 with MasterClient(sys.argv[1], request_timeout_s=5) as client:
     stats = client.stats()
     alive = {nid: n for nid, n in stats["nodes"].items() if n["alive"]}
-    sent = {nid: control_call(NodeAddress.decode(n["address"]).control, "stats", {}, timeout_s=5)["transfer"]["bytes_sent"]
+    sent = {nid: control_call(NodeAddress.decode(n["address"]).control, "stats", {},
+                              timeout_s=5)["transfer"]["bytes_sent"]
             for nid, n in alive.items()}
-    print(json.dumps({"alive": sorted(alive), "sent": sent, "keys": client.lookup([b"cluster-key-%04d" % i for i in range({keys})])}))
+    keys = client.lookup([b"cluster-key-%04d" % i for i in range({keys})])
+    print(json.dumps({"alive": sorted(alive), "sent": sent, "keys": keys}))
 """.replace("{keys}", str(KEYS))
 
 

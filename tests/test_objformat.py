@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.objformat import (FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, decode, encode, numpy_dtype,
-                              spec_of)
+from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, decode, encode, numpy_dtype, spec_of
 
 SHAPE = (6, 2, 16, 4, 8)
 

@@ -26,8 +26,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -539,7 +540,8 @@ def test_inline_provider_runs_on_the_progress_thread() -> None:
     def provider(key: bytes, layers: LayerRange) -> ServeSource:
         callers.append(threading.current_thread().name)
         step = 70000 * 4
-        return ServeSource(nbytes=layers.count * step, buffers=[memoryview(payload)[layers.start * step:layers.stop * step]])
+        return ServeSource(nbytes=layers.count * step,
+                           buffers=[memoryview(payload)[layers.start * step:layers.stop * step]])
 
     with PullServer(provider, inline_provider=True, name="inline-test").start() as server, PullClient() as pull_client:
         out = np.zeros(2 * 70000 * 4, np.uint8)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import bisect
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from kvpool import errors
 from kvpool.objformat import LayerRange, ObjectHeader

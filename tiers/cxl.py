@@ -57,10 +57,10 @@ import errno
 import fcntl
 import grp
 import logging
-import stat
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -75,8 +75,14 @@ import xxhash
 from kvpool import errors
 from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, decode, header_nbytes_at
 from tiers.base import ArenaTier, Extent, close_mapping
-from tiers.shm_index import (IndexEntry, SharedIndexReader, SharedIndexWriter, index_path, share_with_group,
-                              slot_count_for)
+from tiers.shm_index import (
+    IndexEntry,
+    SharedIndexReader,
+    SharedIndexWriter,
+    index_path,
+    share_with_group,
+    slot_count_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +441,7 @@ class CxlTier(ArenaTier):
             self.index.close(unlink=unlink)
             self.index = None
         self._arena = None
-        self._file = None
+        self._file = None  # type: ignore[assignment]  # closed: no use follows
         close_mapping(self._mmap)
         self._mmap = None
         if self._fd < 0:

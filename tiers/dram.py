@@ -99,7 +99,7 @@ def _advise_huge_pages(region: mmap.mmap) -> bool:
 
 def _cuda_available() -> bool:
     try:
-        import cupy  # type: ignore[import-not-found]
+        import cupy
 
         return bool(cupy.cuda.runtime.getDeviceCount() > 0)
     except Exception:  # no CuPy, no driver, no device: all mean "no GPU"

@@ -38,7 +38,7 @@ EMULATED_DEVICE = "emulated (no CUDA device)"
 def _cuda_unavailable_reason() -> str | None:
     """None when CuPy sees a CUDA device, else why not."""
     try:
-        import cupy  # type: ignore[import-not-found]
+        import cupy
     except ImportError:
         return "CuPy is not installed"
     try:

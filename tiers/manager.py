@@ -38,8 +38,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from kvpool import errors
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, layer_checksums

@@ -95,9 +95,10 @@ import resource
 import shutil
 import struct
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lmdb
 import msgpack
@@ -812,7 +813,7 @@ class NvmeTier(Tier):
                 continue
             same = (prefix is not None and prefix.key == key and prefix.generation == header.generation
                     and prefix.nbytes == extent.nbytes and prefix.header_sum == stored_header_checksum(header.pack()))
-            if same and prefix.state == _TOMBSTONE:
+            if same and prefix is not None and prefix.state == _TOMBSTONE:
                 stale.append(key)
                 continue
             if not same:
@@ -962,7 +963,7 @@ class NvmeTier(Tier):
                 superseded.append((key, extent, header))
             else:
                 winners[key] = (extent, header)
-        for key, (extent, _) in sorted(winners.items(), key=lambda item: (item[1][0].segment, item[1][0].offset)):
+        for _key, (extent, _) in sorted(winners.items(), key=lambda item: (item[1][0].segment, item[1][0].offset)):
             self._reserve_recovered(extent)
         records = {key: msgpack.packb([e.segment, e.offset, e.nbytes, h.pack()]) for key, (e, h) in winners.items()}
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 IsPinned = Callable[[bytes], bool]
 

@@ -28,9 +28,10 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, ClassVar, Sequence
+from typing import IO, Any, ClassVar
 
 import numpy as np
 
@@ -39,6 +40,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import Child  # noqa: E402
+
 KV_HEADS, HEAD_DIM, ITEM_BYTES = 8, 128, 2  # float16 KV of a Llama-3-8B-like model
 TOKEN_LAYER_BYTES = 2 * KV_HEADS * HEAD_DIM * ITEM_BYTES  # K and V of one token in one layer: 4 KiB
 SOURCE_SPAN_BYTES = 128 << 20  # distinct random bytes behind the values (values past it shift by 4 KiB)

@@ -22,12 +22,19 @@ Modes (the reader's transport and the writer's tier):
 from __future__ import annotations
 
 import sys
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
 from bench.peer_backends.base import (
-    ActorSpec, Peer, PeerClient, ServerProcess, ValueSource, free_port, kv_shape,
+    ActorSpec,
+    Peer,
+    PeerClient,
+    ServerProcess,
+    ValueSource,
+    free_port,
+    kv_shape,
 )
 
 
@@ -137,7 +144,8 @@ class KvpoolClient(PeerClient):
     def info(self) -> dict[str, Any]:
         stats = self.pool.stats()
         remote = stats.get("remote", {})
-        return {k: remote.get(k, 0) for k in ("pulls", "reads_in_place", "hits_same_host", "hits_remote", "bytes_pulled")}
+        names = ("pulls", "reads_in_place", "hits_same_host", "hits_remote", "bytes_pulled")
+        return {k: remote.get(k, 0) for k in names}
 
     def close(self) -> None:
         self.pool.close()

@@ -22,13 +22,22 @@ import asyncio
 import hashlib
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from bench.peer_backends.base import (
-    ActorSpec, Peer, PeerClient, PeerError, ServerProcess, ValueSource, free_port, kv_shape, port_open,
+    ActorSpec,
+    Peer,
+    PeerClient,
+    PeerError,
+    ServerProcess,
+    ValueSource,
+    free_port,
+    kv_shape,
+    port_open,
 )
 
 
@@ -72,10 +81,10 @@ class LMCacheClient(PeerClient):
         os.environ.setdefault("LMCACHE_MAX_LOCAL_CPU_SIZE", str(max(0.25, 8 * size / 1e9)))
         import torch
         from lmcache.integration.vllm.utils import lmcache_get_or_create_config
+        from lmcache.utils import CacheEngineKey
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
-        from lmcache.utils import CacheEngineKey
 
         shape = kv_shape(size)
         self._torch, self._key_class = torch, CacheEngineKey

@@ -22,13 +22,21 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from bench.peer_backends.base import (
-    ActorSpec, Peer, PeerClient, PeerError, ServerProcess, ValueSource, free_port, port_open,
+    ActorSpec,
+    Peer,
+    PeerClient,
+    PeerError,
+    ServerProcess,
+    ValueSource,
+    free_port,
+    port_open,
 )
 
 MiB = 1 << 20

@@ -23,8 +23,8 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import lmdb
 import msgpack
@@ -36,7 +36,7 @@ from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, byte_view, layer_checksums, spec_of
 from tests.tiers.tier_suite import TierTests, make_object, store
 from tiers.base import Extent
-from tiers.nvme import ALIGN, INDEX_DIR, NvmeTier, _filesystem_type, _MEMORY_FILESYSTEMS
+from tiers.nvme import _MEMORY_FILESYSTEMS, ALIGN, INDEX_DIR, NvmeTier, _filesystem_type
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KiB, MiB = 1 << 10, 1 << 20
