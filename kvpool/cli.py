@@ -62,6 +62,15 @@ def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
     role = f" (leader, term {ha['term']}, etcd {ha['etcd']})" if isinstance(ha, dict) else ""
     print(f"master {master.address}{role}: up {stats['uptime_s']:.0f} s, {stats['keys']} keys, "
           f"{stats['replicas']} replicas, {stats['leases']} leases, {stats['reservations']} reservations")
+    if isinstance(ha, dict):
+        from kvpool.etcd import masters
+
+        try:
+            _leader, announced = masters(str(ha["etcd"]), str(ha.get("prefix", "/kvpool")))
+            standbys = [m for m in announced if m != ha.get("endpoint")]
+            print(f"standby masters: {', '.join(standbys) if standbys else 'none'}")
+        except errors.KVPoolError as exc:
+            print(f"standby masters: unknown ({exc})")
     rows, tier_rows = [], []
     for node_id, node in sorted(stats["nodes"].items()):
         address = NodeAddress.decode(node["address"])

@@ -411,7 +411,7 @@ class MasterState:
         self._last_turn: float | None = None  # see note_turn
         #: mints the pull token every located replica carries (MasterServer sets it; None: no tokens)
         self.cluster_key: ClusterKey | None = None
-        #: with master.etcd: {"etcd", "term", "endpoint"} of this leader's term (shown in stats)
+        #: with master.etcd: {"etcd", "prefix", "term", "endpoint"} of this leader's term (shown in stats)
         self.ha: dict[str, Any] | None = None
         self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             P.PING: self.op_ping, P.REGISTER: self.op_register, P.LEAVE: self.op_leave,
@@ -1378,7 +1378,8 @@ class MasterServer:
             self._term = election.term
             self.rereplicator.close()
             self.state, self.rereplicator = self._fresh_state()
-            self.state.ha = {"etcd": election.client.urls, "term": self._term, "endpoint": self.endpoint}
+            self.state.ha = {"etcd": election.client.urls, "prefix": election.prefix, "term": self._term,
+                             "endpoint": self.endpoint}
             log.info("serving as master leader, term %d: nodes re-register what they hold", self._term)
         return election.leading()
 

@@ -101,12 +101,14 @@ def test_one_leader_standbys_refuse_and_clients_follow_a_clean_handover(ha: HA) 
     shown = subprocess.run([*cli, "--etcd", ha.etcd.url, "--config", str(ha.write_config())],
                            capture_output=True, text=True, timeout=30)
     assert shown.returncode == 0 and f"master {leader} (leader, term 1" in shown.stdout, shown
+    listed = next(line for line in shown.stdout.splitlines() if line.startswith("standby masters: "))
+    assert sorted(listed.removeprefix("standby masters: ").split(", ")) == sorted(a for a in addresses if a != leader)
     refused = subprocess.run([*cli, "--master", standby], capture_output=True, text=True, timeout=30)
     assert refused.returncode == 2 and f"standby; the leader is {leader}" in refused.stderr, refused
     with MasterClient(config=ha.config(), request_timeout_s=5.0) as follower:
         follower.ping()
         assert follower.address == leader
-        assert follower.stats()["ha"] == {"etcd": ha.etcd.url, "term": 1, "endpoint": leader}
+        assert follower.stats()["ha"] == {"etcd": ha.etcd.url, "prefix": ha.prefix, "term": 1, "endpoint": leader}
         # A clean stop revokes the leader's lease: a standby takes over at once, and the same
         # client follows it within one call.
         ha.masters[leader].stop()
