@@ -92,7 +92,7 @@ def record_for(key: bytes, tier: Tier, extent: Extent, header: ObjectHeader,
                durable: int | None = None) -> ReplicaRecord:
     """The master's replica record for an object this node holds (``durable``: a durable
     copy, with the replicas its put asked for)."""
-    location = tier.location(extent) if hasattr(tier, "location") else {}
+    location = tier.location(extent)
     return replica_record(tier.name, header.spec, header.spec.total_nbytes, key=key,
                           header=header.pack(), location=location, durable=durable)
 
@@ -143,7 +143,7 @@ class Node:
 
     def start(self) -> Node:
         self.server.start()
-        arena = next((t.arena_info() for t in self.manager.tiers if hasattr(t, "arena_info")), None)
+        arena = next((info for t in self.manager.tiers if (info := t.arena_info()) is not None), None)
         self.address = NodeAddress(self.server.peer_address, self.control_address, arena)
         self.manager.listener = self
         self.manager.may_drop_many = self._may_drop_many

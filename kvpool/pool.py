@@ -54,7 +54,7 @@ def build_tier_manager(config: Config) -> TierManager:
             if section.capacity <= 0:
                 continue
             try:
-                tiers.append(tier_class(name).from_config(section, config))  # type: ignore[attr-defined]
+                tiers.append(tier_class(name).from_config(section, config))
             except errors.PoolLockedError as exc:
                 raise errors.PoolLockedError(
                     f"{exc}. Pool {config.pool.name!r} is open in another process (a kvpool-server or another "

@@ -245,6 +245,22 @@ class Tier(ABC):
         """Objects found again at open (persistent tiers only); their space is reserved."""
         return iter(())
 
+    # -- construction and sharing ---------------------------------------------------
+
+    @classmethod
+    def from_config(cls, section: Any, config: Any) -> Tier:
+        """The tier its ``[tiers.<name>]`` section describes (``config``: the whole Config)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from settings")
+
+    def location(self, extent: Extent) -> dict[str, Any]:
+        """Where a process on this host can read the object at ``extent`` in place, for the
+        master's replica record; ``{}``: nowhere but through this process."""
+        return {}
+
+    def arena_info(self) -> dict[str, Any] | None:
+        """The shared arena same-host readers may map and index (None: this tier has none)."""
+        return None
+
     # -- lifecycle ----------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
