@@ -22,7 +22,7 @@ import xxhash
 from kvpool import errors
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, byte_view
-from tests.tiers.tier_suite import TierTests, make_object, store
+from kvpool.testing import TierTests, make_object, store
 from tiers.cxl import DATA_OFFSET, CxlArenaReader, CxlTier, default_arena_path
 
 REPO = Path(__file__).resolve().parents[2]

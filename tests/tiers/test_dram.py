@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from tests.tiers.tier_suite import TierTests
+from kvpool.testing import TierTests
 from tiers.dram import DramTier
 
 

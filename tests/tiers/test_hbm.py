@@ -11,7 +11,7 @@ import pytest
 from kvpool import errors
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, byte_view
-from tests.tiers.tier_suite import TierTests, make_object, store
+from kvpool.testing import TierTests, make_object, store
 from tiers.hbm import EMULATED_DEVICE, HbmTier, _cuda_unavailable_reason
 
 NO_CUDA_REASON = _cuda_unavailable_reason()

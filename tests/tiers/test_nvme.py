@@ -34,7 +34,7 @@ import pytest
 from kvpool import errors
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, byte_view, layer_checksums, spec_of
-from tests.tiers.tier_suite import TierTests, make_object, store
+from kvpool.testing import TierTests, make_object, store
 from tiers.base import Extent
 from tiers.nvme import _MEMORY_FILESYSTEMS, ALIGN, INDEX_DIR, NvmeTier, _filesystem_type
 
