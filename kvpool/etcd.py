@@ -121,6 +121,9 @@ class EtcdClient:
         kvs = self._post("/v3/kv/range", {"key": _b64(key)}).get("kvs") or []
         return base64.b64decode(kvs[0].get("value", "")) if kvs else None
 
+    def delete(self, key: bytes) -> None:
+        self._post("/v3/kv/deleterange", {"key": _b64(key)})
+
     def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
         self._post("/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(lease)})
 
@@ -264,7 +267,11 @@ class Election:
             self._deposed("etcd says its lease expired")
             return
         self._renewed(sent, ttl)
-        # The lease is alive, so the leader key attached to it is still this process's.
+        # The key is attached to the lease, so it lives as long as the lease does, unless someone
+        # deletes it by hand; then another master may create it: step down at once.
+        if self.client.get(leader_key(self.prefix)) != self.address.encode():
+            self._deposed("the leader key in etcd no longer names this master")
+            return
         self._valid_until = self._lease_valid_until
 
     def _deposed(self, why: str) -> None:

@@ -279,3 +279,37 @@ def test_puts_during_a_failover_are_visible_afterwards_or_fail_typed(ha: HA) -> 
         for i in report["ok"]:
             got = pool.get(key_of(i))
             assert got is not None and np.array_equal(got, content(i)), i
+
+
+def test_a_leader_whose_key_is_deleted_by_hand_steps_down(ha: HA) -> None:
+    """An operator deleting the leader key lets a standby win it; the old leader notices at its
+    next renewal (a quarter of the TTL) and stops answering, so two never serve for long."""
+    from kvpool.etcd import EtcdClient, leader_key
+
+    addresses = [ha.start_master() for _ in range(2)]
+    old = ha.leader()
+    client = EtcdClient(ha.etcd.url)
+    try:
+        client.delete(leader_key(ha.prefix))
+    finally:
+        client.close()
+
+    def refused(address: str) -> bool:
+        with MasterClient(address, config=ha.config(), request_timeout_s=2.0) as fixed:
+            try:
+                fixed.ping()
+            except errors.NotLeaderError:
+                return True
+            return False
+
+    def stepped_down() -> str | None:  # the old leader's term ended: a new term somewhere
+        leader = ha.leader()
+        with MasterClient(leader, config=ha.config(), request_timeout_s=2.0) as fixed:
+            term = fixed.stats()["ha"]["term"]
+        return leader if leader != old or term == 2 else None
+
+    new = wait_for(stepped_down, 10, "the old leader to step down and a leader to be elected")
+    other = next(a for a in addresses if a != new)
+    wait_for(lambda: refused(other), 5, "the master not named in etcd to stop answering")
+    assert not refused(new)
+    print(f"old leader {old}, leader after the deletion {new}")
