@@ -115,18 +115,27 @@ def _start_node(config: Config, stack: ExitStack) -> Any:
 
 
 def _start_metrics(config: Config, role: str, node: Any, master_client: Any, stack: ExitStack) -> None:
+    from kvpool import errors
     from kvpool.metrics import MetricsServer, StatsCollector
 
     ready: Callable[[], bool]
+    detail: dict[str, Any] = {}
     if node is not None:
         ready = lambda: bool(node.heartbeater and node.heartbeater.reachable)  # noqa: E731
+        detail["node_id"] = node.node_id
     else:
-        ready = lambda: bool(master_client.ping(timeout_s=1.0))  # noqa: E731
+        def ready() -> bool:
+            try:
+                master_client.ping(timeout_s=1.0)
+                detail["master"] = "leader" if config.master.etcd else "single"
+            except errors.NotLeaderError:  # a standby answers too, and is ready to take over
+                detail["master"] = "standby"
+            return True
     collector = StatsCollector(
         pool_stats=node.stats if node is not None else None,
         master_stats=master_client.stats if role in ("master", "all") else None,
     )
     server = MetricsServer(config.metrics.port, role=role, ready=ready, registries=[collector],
-                           health_detail=lambda: {"node_id": node.node_id} if node is not None else {})
+                           health_detail=lambda: dict(detail))
     stack.callback(server.close)
     server.start()

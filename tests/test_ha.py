@@ -52,10 +52,10 @@ class HA:
         path.write_text(f'[master]\netcd = "{self.etcd.url}"\netcd_prefix = "{self.prefix}"\n')
         return path
 
-    def start_master(self) -> str:
+    def start_master(self, *flags: str) -> str:
         address = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.masters[address] = self.spawn(
-            ["-m", "kvpool.daemon", "--role", "master", "--master.listen", address, *self.settings()],
+            ["-m", "kvpool.daemon", "--role", "master", "--master.listen", address, *self.settings(), *flags],
             log_path=self.tmp_path / f"master-{len(self.masters)}.log",
             ready=lambda: address in masters(self.etcd.url, self.prefix)[1], timeout_s=30)
         return address
@@ -313,3 +313,25 @@ def test_a_leader_whose_key_is_deleted_by_hand_steps_down(ha: HA) -> None:
     wait_for(lambda: refused(other), 5, "the master not named in etcd to stop answering")
     assert not refused(new)
     print(f"old leader {old}, leader after the deletion {new}")
+
+
+def test_health_of_leader_and_standby(ha: HA) -> None:
+    """/health says which masters lead and which stand by; both are ready (a standby answers
+    and takes over), so monitoring does not page for a healthy standby."""
+    import urllib.request
+
+    ports = {}
+    for _ in range(2):
+        port = free_tcp_port()
+        ports[ha.start_master("--metrics.port", str(port))] = port
+    leader = ha.leader()
+
+    def health(address: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[address]}/health", timeout=5) as reply:
+            assert reply.status == 200
+            return json.loads(reply.read())
+
+    for address in ports:
+        wanted = "leader" if address == leader else "standby"
+        got = wait_for(lambda address=address: (h := health(address)).get("master") and h, 10, "health")
+        assert got["ready"] is True and got["master"] == wanted, (address, got)
