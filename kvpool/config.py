@@ -368,8 +368,17 @@ def parse_duration(value: str, unit_s: float) -> float:
     """A duration string (``"200ms"``, ``"1.5s"``, ``"2m"``) in units of ``unit_s`` seconds."""
     m = _DURATION_RE.match(value)
     if m is None:
-        raise ValueError(f"expected a number or a duration such as 200ms, 1.5s, 2m; got {value!r}")
+        raise ValueError(f"expected {'milliseconds' if unit_s < 1 else 'seconds'} or a duration such as "
+                         f"250ms, 1.5s, 2m; got {value!r}")
     return float(m.group(1)) * _DURATION_UNITS[m.group(2)] / unit_s
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _coerce(f: dataclasses.Field[Any], current: Any, value: Any) -> Any:
@@ -377,19 +386,13 @@ def _coerce(f: dataclasses.Field[Any], current: Any, value: Any) -> Any:
         return parse_size(value)
     # Durations: settings named *_ms and *_s also take "1s", "250ms", "2m".
     unit_s = 0.001 if f.name.endswith("_ms") else 1.0 if f.name.endswith("_s") else None
-    if unit_s is not None and isinstance(value, str) and _DURATION_RE.match(value):
+    if unit_s is not None and isinstance(value, str) and not _is_number(value):
         amount = parse_duration(value, unit_s)
         if isinstance(current, int) and not isinstance(current, bool):
             if amount != int(amount):
                 raise ValueError(f"{value!r} is not a whole number of {'milliseconds' if unit_s < 1 else 'seconds'}")
             amount = int(amount)
         value = amount
-    elif unit_s is not None and isinstance(value, str):
-        try:
-            float(value)
-        except ValueError:
-            raise ValueError(f"expected {'milliseconds' if unit_s < 1 else 'seconds'} or a duration such as "
-                             f"250ms, 1.5s, 2m; got {value!r}") from None
     if isinstance(current, bool):
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
@@ -397,8 +400,6 @@ def _coerce(f: dataclasses.Field[Any], current: Any, value: Any) -> Any:
             raise ValueError(f"expected true/false, got {value!r}")
         result: Any = value
     elif isinstance(current, int):
-        if isinstance(value, float) and value == int(value):
-            value = int(value)
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"expected an integer, got {value!r}")
         try:

@@ -25,7 +25,10 @@ import base64
 import http.client
 import json
 import logging
+import os
 import re
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -348,13 +351,19 @@ def check_address_for_etcd(listen: str, what: Sequence[str] = ("*", "0.0.0.0", "
             f"give this host's address, not a wildcard")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (Linux)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_demo_etcd(url: str, data_dir: str, timeout_s: float = 20.0) -> Any:
     """For ``kvpool-server --with-etcd``: a single-member etcd serving ``url`` (data in
     ``data_dir``), or None when one already answers there. Returns the started process
-    (the caller stops it). ConfigError when the etcd binary is missing or it does not start."""
-    import shutil
-    import subprocess
-
+    (the caller stops it; if the caller is killed, the kernel stops it too). ConfigError
+    when the etcd binary is missing or it does not start."""
     client = EtcdClient(url, timeout_s=1.0)
     try:
         try:
@@ -368,8 +377,6 @@ def start_demo_etcd(url: str, data_dir: str, timeout_s: float = 20.0) -> Any:
             raise errors.ConfigError("--with-etcd: no etcd binary on PATH (Debian/Ubuntu: apt-get install etcd-server)")
         host, port = parse_endpoints(url)[0]
         peer = f"http://{host}:{port + 1}"
-        import os
-
         os.makedirs(data_dir, mode=0o700, exist_ok=True)
         with open(f"{data_dir}/etcd.log", "ab") as etcd_log:  # the child keeps its own descriptor
             process = subprocess.Popen(
@@ -377,7 +384,8 @@ def start_demo_etcd(url: str, data_dir: str, timeout_s: float = 20.0) -> Any:
                  "--listen-client-urls", f"http://{host}:{port}", "--advertise-client-urls", f"http://{host}:{port}",
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", f"kvpool-demo={peer}"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=etcd_log)
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=etcd_log,
+                preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

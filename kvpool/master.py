@@ -494,14 +494,15 @@ class MasterState:
         spec: Any = raw.get("spec")
         if type(tier) is not str or type(nbytes) is not int or nbytes < 0 or len(tier) > MAX_TIER_NAME_BYTES:
             raise P.MalformedRequest(f"replica record needs tier (str) and nbytes (int >= 0): {raw!r:.200}")
-        layers = self._spec_layers.get(tuple(spec)) if type(spec) is list and len(spec) <= 8 else None
-        if layers is None:  # a spec not seen yet (re-registering a million keys is a handful of specs)
-            try:
+        try:  # each spec is validated once (re-registering a million keys is a handful of specs)
+            seen = tuple(spec) if type(spec) is list and len(spec) <= 8 else None
+            layers = self._spec_layers.get(seen) if seen is not None else None  # TypeError: unhashable parts
+            if layers is None:
                 layers = ObjectSpec.from_wire(spec).layers
-                if type(spec) is list and len(self._spec_layers) < 4096:
-                    self._spec_layers[tuple(spec)] = layers
-            except (TypeError, ValueError, errors.KVPoolError) as exc:
-                raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
+                if seen is not None and len(self._spec_layers) < 4096:
+                    self._spec_layers[seen] = layers
+        except (TypeError, ValueError, errors.KVPoolError) as exc:
+            raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
         checksums = raw.get("checksums")
         if checksums is not None:
             # Element types are not checked one by one: a node that sends junk

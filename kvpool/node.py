@@ -202,7 +202,6 @@ class Node:
         tier's index, appended by :meth:`_replicate`), so the master knows them as
         durable again after a restart of either.
         """
-        assert self.address is not None
         with self._register_lock:
             self._register()
 

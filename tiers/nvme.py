@@ -963,7 +963,7 @@ class NvmeTier(Tier):
                 superseded.append((key, extent, header))
             else:
                 winners[key] = (extent, header)
-        for _key, (extent, _) in sorted(winners.items(), key=lambda item: (item[1][0].segment, item[1][0].offset)):
+        for extent, _ in sorted(winners.values(), key=lambda found: (found[0].segment, found[0].offset)):
             self._reserve_recovered(extent)
         records = {key: msgpack.packb([e.segment, e.offset, e.nbytes, h.pack()]) for key, (e, h) in winners.items()}
 
