@@ -250,7 +250,8 @@ class ClusterPool(Pool):
         source = self._node.address.encode()
         for target in targets:
             control_call(NodeAddress.decode(target.address).control, "replicate", {
-                "key": key, "header": record["header"], "source": source, "reservation": target.reservation_id,
+                "key": key, "spec": record["spec"], "header_sum": record["header_sum"], "source": source,
+                "reservation": target.reservation_id,
                 "replicas": len(targets), "persistent": True,
                 "token": self._node.cluster_key.mint_token(key, self._node.node_id),
             }, timeout_s=self.config.node.pull_timeout_s + 5.0, cluster_key=self._node.cluster_key)
@@ -320,21 +321,20 @@ class ClusterPool(Pool):
             replicas = self._reader.ordered(replicas_at(located, 0))
             if not replicas:
                 return
-            try:
-                header = ObjectHeader.unpack(replicas[0]["header"])
-                header.check_identity(key)
-            except errors.FormatError as exc:  # the master's record does not describe this key
-                log.warning("located header of %s is unusable: %s", key.hex(), exc)
-                return
-            layer_range = LayerRange.resolve(layers, header.spec.layers)
-            arr, _ = self._out_view(header.spec, layer_range, out)
+            spec: ObjectSpec = replicas[0]["_spec"]  # type: ignore[typeddict-item]
+            replicas = [r for r in replicas if r["_spec"] == spec]  # type: ignore[typeddict-item]
+            layer_range = LayerRange.resolve(layers, spec.layers)
+            arr, _ = self._out_view(spec, layer_range, out)
+
+            first: list[ObjectHeader] = []  # the header layer 0 was verified against
 
             def fetch(i: int) -> None:
                 one = LayerRange(layer_range.start + i, layer_range.start + i + 1)
                 buf = byte_view(arr[i])
                 for replica in replicas:
                     try:
-                        self._reader.read_into(key, replica, header, one, buf)
+                        header = self._reader.read_into(key, replica, one, buf, same_as=first[0] if first else None)
+                        first[:] = first or [header]
                         return
                     except (errors.TransferError, errors.ChecksumError, errors.KVTimeoutError) as exc:
                         log.info("layer %d of %s: replica failed (%s)", one.start, key.hex(), exc)
@@ -384,7 +384,7 @@ class ClusterPool(Pool):
         stats["node"] = self._node.stats()
         remote = self._reader.stats()
         stats["remote"] = {**remote, **self._remote}
-        for reason in ("evicted", "checksum", "timeout", "holder_gone", "unauthorized", "malformed"):
+        for reason in ("evicted", "stale", "checksum", "timeout", "holder_gone", "unauthorized", "malformed"):
             stats["misses"][reason] = remote.get(f"miss_{reason}", 0)
         # every remote read starts with a local miss: count where the key really was absent
         stats["misses"]["absent"] = remote.get("miss_absent", 0)

@@ -1,7 +1,7 @@
 """The metadata master: node registry, key index, reservations, leases, placement.
 
 Owns, in memory, which node holds which key in which tier (with the object's
-spec, checksums and an opaque location), the node registry and its liveness,
+spec, its header's checksum and an opaque location), the node registry and its liveness,
 two-phase put reservations, read leases, delete/evict coordination and
 placement of durable puts. It serves these over one ZeroMQ ROUTER socket with
 the protocol of :mod:`kvpool.protocol`, from one thread, and never sees KV
@@ -117,7 +117,6 @@ MAX_ID_BYTES = 256
 MAX_CONTROL_BYTES = 1024
 MAX_TIER_NAME_BYTES = 64
 MAX_TIERS = 64
-MAX_RECORD_HEADER_BYTES = 64 << 10
 MAX_LOCATION_ENTRIES = 32
 # A request that kept the serving thread longer than this pauses liveness for that long
 # (see MasterState.note_busy): nodes are not declared dead because the master was busy.
@@ -232,7 +231,8 @@ class RereplicationTask:
     """One copy the master asks ``target`` to make by pulling from ``source``."""
 
     key: bytes
-    header: bytes
+    spec: Any          # ObjectSpec.to_wire() of the source replica
+    header_sum: int    # its header's checksum: the copier checks the header the source sends
     nbytes: int
     replicas: int
     source_id: str
@@ -267,12 +267,15 @@ def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], de
 class Replica:
     """One replica record as the master keeps it. A million keys are a million of these, so a
     record is a slotted object with its spec, tier and node id shared, not a dict; it reads like
-    the wire record (``record["nbytes"]``, ``"header" in record``, ``{**record}``)."""
+    the wire record (``record["nbytes"]``, ``"header_sum" in record``, ``{**record}``). Of the
+    object's header only its 8-byte checksum is kept (the holder sends the header with each
+    pull and the reader checks it against this): a 32-layer header is 384 bytes, which at a
+    million keys was half the master's memory."""
 
-    __slots__ = ("tier", "spec", "nbytes", "checksums", "header", "location", "durable", "node_id")
+    __slots__ = ("tier", "spec", "nbytes", "header_sum", "location", "durable", "node_id")
     _SPECS: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # equal specs share one tuple (bounded)
 
-    def __init__(self, tier: str, spec: Any, nbytes: int, checksums: list[int] | None, header: bytes | None,
+    def __init__(self, tier: str, spec: Any, nbytes: int, header_sum: int | None,
                  location: dict[str, Any] | None, durable: int | None) -> None:
         spec = tuple(spec) if isinstance(spec, (list, tuple)) else spec
         if isinstance(spec, tuple):
@@ -283,8 +286,7 @@ class Replica:
         self.tier = sys.intern(tier)
         self.spec = spec
         self.nbytes = nbytes
-        self.checksums = checksums
-        self.header = header
+        self.header_sum = header_sum
         self.location = location or None
         self.durable = durable
         self.node_id: str | None = None
@@ -399,7 +401,7 @@ class MasterState:
         self._id_prefix = secrets.randbits(30) << 32
         self._id_count = 0
         self._swrr: dict[str, int] = {}
-        self._spec_layers: dict[tuple[Any, ...], int] = {}  # wire specs validated before -> layers
+        self._specs_checked: set[tuple[Any, ...]] = set()  # wire specs validated before
         # Durability: key -> replicas wanted (from committed durable copies and
         # re-registered records); keys whose copies may be short, each with the
         # time before which it is not looked at again (retry backoff); the
@@ -496,26 +498,16 @@ class MasterState:
             raise P.MalformedRequest(f"replica record needs tier (str) and nbytes (int >= 0): {raw!r:.200}")
         try:  # each spec is validated once (re-registering a million keys is a handful of specs)
             seen = tuple(spec) if type(spec) is list and len(spec) <= 8 else None
-            layers = self._spec_layers.get(seen) if seen is not None else None  # TypeError: unhashable parts
-            if layers is None:
-                layers = ObjectSpec.from_wire(spec).layers
-                if seen is not None and len(self._spec_layers) < 4096:
-                    self._spec_layers[seen] = layers
+            if seen is None or seen not in self._specs_checked:  # TypeError: unhashable parts
+                ObjectSpec.from_wire(spec)
+                if seen is not None and len(self._specs_checked) < 4096:
+                    self._specs_checked.add(seen)
         except (TypeError, ValueError, errors.KVPoolError) as exc:
             raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
-        checksums = raw.get("checksums")
-        if checksums is not None:
-            # Element types are not checked one by one: a node that sends junk
-            # checksums only fails its own readers' verification.
-            if not isinstance(checksums, list) or len(checksums) != layers:
-                raise P.MalformedRequest(f"checksums must be a list of {layers} ints")
-        header = raw.get("header")
-        if header is not None:
-            if not isinstance(header, bytes):
-                raise P.MalformedRequest("header must be bytes")
-            if len(header) > MAX_RECORD_HEADER_BYTES:
-                raise errors.RequestTooLargeError(
-                    f"record header is {len(header)} bytes; the most is {MAX_RECORD_HEADER_BYTES}")
+        # A node that lies about its header checksum only fails its own readers' checks.
+        header_sum = raw.get("header_sum")
+        if header_sum is not None and (type(header_sum) is not int or not 0 <= header_sum < 1 << 64):
+            raise P.MalformedRequest(f"header_sum must be a u64 (the header's checksum), got {header_sum!r:.40}")
         location = raw.get("location") or {}
         if not isinstance(location, dict):
             raise P.MalformedRequest("location must be a map")
@@ -526,7 +518,7 @@ class MasterState:
         durable = raw.get("durable")
         if durable is not None and (type(durable) is not int or durable < 1):
             raise P.MalformedRequest(f"durable must be an int >= 1 (replicas wanted), got {durable!r:.40}")
-        return key, Replica(tier, spec, nbytes, checksums, header, location, durable)
+        return key, Replica(tier, spec, nbytes, header_sum, location, durable)
 
     def _alive_node(self, node_id: Any) -> NodeInfo:
         node = self.nodes.get(node_id) if isinstance(node_id, str) else None
@@ -739,9 +731,9 @@ class MasterState:
                 if not in_flight:
                     del self.rereplicating[key]
                 continue
-            sources = [nid for nid in holders if "header" in replicas[nid]] or \
-                [nid for nid in replicas if "header" in replicas[nid]]
-            if not sources:  # records without a header cannot be verified by a copier
+            sources = [nid for nid in holders if "header_sum" in replicas[nid]] or \
+                [nid for nid in replicas if "header_sum" in replicas[nid]]
+            if not sources:  # records without a header checksum cannot be verified by a copier
                 del check[key]
                 if not in_flight:
                     del self.rereplicating[key]
@@ -766,7 +758,7 @@ class MasterState:
                 rid = self._reserve(key, nbytes, target, now, durable=wanted)
                 in_flight.add(target.node_id)
                 tasks.append(RereplicationTask(
-                    key, record["header"], nbytes, wanted, source_id, source_address,
+                    key, record.spec, record["header_sum"], nbytes, wanted, source_id, source_address,
                     target.node_id, target.label, target.control, rid,
                 ))
             if len(targets) < need:  # the rest next round (rate limit) or once a target turns up
@@ -1300,7 +1292,8 @@ class Rereplicator:
             error: str | None = None
             try:
                 control_call(task.target_control, "replicate", {
-                    "key": task.key, "header": task.header, "source": task.source_address,
+                    "key": task.key, "spec": list(task.spec), "header_sum": task.header_sum,
+                    "source": task.source_address,
                     "reservation": task.reservation, "replicas": task.replicas, "persistent": True,
                     "token": self.cluster_key.mint_token(task.key, task.source_id),
                 }, self.timeout_s, self._context, self.cluster_key, check=partial(self._check_task, task))

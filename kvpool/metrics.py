@@ -28,7 +28,7 @@ log = logging.getLogger("kvpool.metrics")
 
 _LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                       5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
-MISS_REASONS = ("absent", "evicted", "checksum", "holder_gone", "timeout")
+MISS_REASONS = ("absent", "evicted", "stale", "checksum", "holder_gone", "timeout")
 
 
 class LatencyHistogram:

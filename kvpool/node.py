@@ -34,7 +34,7 @@ from kvpool import errors
 from kvpool import protocol as P
 from kvpool.config import Config, node_host
 from kvpool.master_client import Heartbeater, MasterClient
-from kvpool.objformat import LayerRange, ObjectHeader
+from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.protocol import ReplicaRecord, replica_record
 from kvpool.security import ClusterKey
 from kvpool.transfer import (
@@ -52,7 +52,6 @@ from tiers.manager import LockBusy, TierManager
 log = logging.getLogger("kvpool.node")
 
 _PUBLISH_BATCH = 512
-_MAX_CONTROL_HEADER_BYTES = 64 << 10  # a replicate request's packed object header
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ def record_for(key: bytes, tier: Tier, extent: Extent, header: ObjectHeader,
     copy, with the replicas its put asked for)."""
     location = tier.location(extent)
     return replica_record(tier.name, header.spec, header.spec.total_nbytes, key=key,
-                          header=header.pack(), location=location, durable=durable)
+                          header_sum=header.checksum(), location=location, durable=durable)
 
 
 class Node:
@@ -324,14 +323,14 @@ class Node:
 
             view = obj.view_layers(layer_range)
             if view is not None:
-                return ServeSource(rng.nbytes, buffers=[view], release=release)
+                return ServeSource(rng.nbytes, buffers=[view], release=release, header=obj.header.packed)
             tier, extent = obj.tier, obj.extent
 
             def read_into(offset: int, out: memoryview) -> int:
                 tier.read_into(extent, rng.offset + offset, out)
                 return len(out)
 
-            return ServeSource(rng.nbytes, read_into=read_into, release=release)
+            return ServeSource(rng.nbytes, read_into=read_into, release=release, header=obj.header.packed)
         except BaseException:
             self.manager.unpin(obj)
             raise
@@ -405,14 +404,18 @@ class Node:
         as durable after a restart. Replies only once the master has the commit.
         """
         key = body.get("key")
-        raw_header, raw_source = body.get("header"), body.get("source")
+        raw_spec, header_sum, raw_source = body.get("spec"), body.get("header_sum"), body.get("source")
         reservation, persistent = body.get("reservation"), body.get("persistent", False)
         replicas = body.get("replicas") or 1
         token = body.get("token", b"")  # minted for the source node by the master or the writer
         if type(key) is not bytes or not 0 < len(key) <= self.config.pool.max_key_bytes:
             raise errors.ProtocolError(f"replicate: key must be 1..{self.config.pool.max_key_bytes} bytes")
-        if type(raw_header) is not bytes or len(raw_header) > _MAX_CONTROL_HEADER_BYTES:
-            raise errors.ProtocolError(f"replicate: header must be bytes (at most {_MAX_CONTROL_HEADER_BYTES})")
+        if type(header_sum) is not int or not 0 <= header_sum < 1 << 64:
+            raise errors.ProtocolError("replicate: header_sum must be a u64 (the source header's checksum)")
+        try:
+            spec = ObjectSpec.from_wire(raw_spec)  # type: ignore[arg-type]
+        except (TypeError, ValueError, errors.KVPoolError) as exc:
+            raise errors.ProtocolError(f"replicate: bad spec {raw_spec!r:.100}: {exc}") from None
         if type(raw_source) is not str or len(raw_source) > self.config.master.max_address_bytes:
             raise errors.ProtocolError("replicate: source must be a node address (str, bounded)")
         if type(reservation) is not int or type(replicas) is not int or replicas < 1 \
@@ -420,9 +423,7 @@ class Node:
             raise errors.ProtocolError("replicate: reservation (int), replicas (int >= 1), persistent (bool)")
         if type(token) is not bytes or len(token) > 64:
             raise errors.ProtocolError("replicate: token must be bytes (at most 64)")
-        header = ObjectHeader.unpack(raw_header)
         source = NodeAddress.decode(raw_source).peer
-        spec = header.spec
         # Never allocate what a peer's header claims before checking it could be stored here.
         room = max((t.capacity_bytes for t in self.manager.tiers if t.persistent or not persistent), default=0)
         if spec.payload_nbytes > room:
@@ -430,8 +431,10 @@ class Node:
                 f"replicate: object of {spec.payload_nbytes} bytes is larger than every tier here ({room})")
         payload = np.empty(spec.payload_nbytes, dtype=np.uint8)
         whole = LayerRange(0, spec.layers)
+        raw_header = bytearray(spec.header_nbytes)
         self._puller().pull_into(source, key, whole, payload, timeout_s=self.config.node.pull_timeout_s,
-                                 token=token)
+                                 token=token, header_out=raw_header)
+        header = ObjectHeader.unpack_expected(raw_header, key, header_sum, spec)
         header.verify(whole, payload)
         if persistent:
             self.manager.put(key, spec, payload.data, persistent=True)

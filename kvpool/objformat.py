@@ -303,9 +303,16 @@ class ObjectHeader:
         struct.pack_into("<Q", buf, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf[:end])))
         return bytes(buf)
 
+    @functools.cached_property
+    def packed(self) -> bytes:
+        """:meth:`pack`, computed once (a holder sends it with every pull it serves)."""
+        return self.pack()
+
     def checksum(self) -> int:
-        """The header's own xxh3-64 (it covers the dims and every layer checksum)."""
-        return stored_header_checksum(self.pack())
+        """The header's own xxh3-64 (it covers the dims, the identity and every layer checksum):
+        what the master keeps of a replica's header, and what a reader checks the holder's
+        header against."""
+        return stored_header_checksum(self.packed)
 
     @classmethod
     def unpack(cls, data: Any) -> ObjectHeader:
@@ -347,6 +354,22 @@ class ObjectHeader:
             raise errors.FormatError("header sizes disagree with its dims")
         sums = np.frombuffer(mv[FIXED_HEADER_NBYTES:end], dtype="<u8")
         return cls(spec, tuple(int(s) for s in sums), bytes(digest), generation)
+
+    @classmethod
+    def unpack_expected(cls, data: Any, key: bytes, header_sum: int, spec: ObjectSpec) -> ObjectHeader:
+        """The header a holder sent (or an arena holds), checked against what the master indexed:
+        its own checksum equals ``header_sum`` (this very version of the object, not one put
+        again or reused since it was located), it names ``key``, and its spec is ``spec`` (the
+        one the reader sized its buffer by). Raises WrongObjectError for a different object or
+        version, the errors of :meth:`unpack` for a damaged one."""
+        header = cls.unpack(data)
+        if stored_header_checksum(data) != header_sum:
+            raise errors.WrongObjectError(
+                "the holder's header is not the one indexed (the object was replaced since it was located)")
+        header.check_identity(key)
+        if header.spec != spec:
+            raise errors.WrongObjectError(f"the holder's object is {header.spec}, the index says {spec}")
+        return header
 
     def verify(self, layer_range: LayerRange, data: Any) -> None:
         """Check that ``data`` holds exactly the layers of ``layer_range``, intact.

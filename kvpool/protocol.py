@@ -66,10 +66,11 @@ remember the key as durable with ``replicas`` copies wanted. A record may carry
 ``"durable": replicas`` (a storage node re-registering its durable copies, e.g.
 after a master restart). When a holder of a durable key dies or leaves, the
 master re-creates the missing copies in the background by sending the node
-control op ``replicate`` ``{"key", "header", "source", "reservation",
+control op ``replicate`` ``{"key", "spec", "header_sum", "source", "reservation",
 "replicas", "persistent": true}`` to a new storage node, which pulls the object
-from ``source`` (a surviving holder's address), stores it in its persistent
-tier and commits the reservation before it replies.
+from ``source`` (a surviving holder's address) with its header, checks the header
+against ``header_sum`` and the bytes against the header, stores it in its
+persistent tier and commits the reservation before it replies.
 
 ``leave`` is a clean departure: the node's replicas leave the index at once and
 it is listed as ``left`` (not dead) until ``master.forget_nodes_after_s``.
@@ -77,16 +78,16 @@ it is listed as ``left`` (not dead) until ``master.forget_nodes_after_s``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import msgpack
 
 from kvpool import errors
-from kvpool.objformat import ObjectSpec
+from kvpool.objformat import ObjectSpec, stored_header_checksum
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # v2: records carry header_sum, not the header
 
 # The default of master.max_request_bytes (the master, and a node's control socket,
 # drop anything larger unread); the configured value is what applies.
@@ -138,8 +139,7 @@ class ReplicaRecord(TypedDict, total=False):
     tier: str
     spec: list[Any]          # ObjectSpec.to_wire()
     nbytes: int              # whole object, header included
-    checksums: list[int]     # per-layer xxh3-64, or
-    header: bytes            # the packed ObjectHeader
+    header_sum: int          # the replica's ObjectHeader.checksum(): readers check the holder's header
     location: dict[str, Any]  # opaque to the master (e.g. cxl path + offset)
     durable: int             # a durable copy: replicas wanted for this key (storage nodes only)
 
@@ -157,19 +157,21 @@ def replica_record(
     nbytes: int,
     *,
     key: bytes | None = None,
-    checksums: Sequence[int] | None = None,
     header: bytes | None = None,
+    header_sum: int | None = None,
     location: Mapping[str, Any] | None = None,
     durable: int | None = None,
 ) -> ReplicaRecord:
-    """Build the record a node sends for one replica it holds."""
+    """Build the record a node sends for one replica it holds. Of its header only the checksum
+    travels (``header`` packed, or ``header_sum`` given): the holder sends the header itself
+    with every pull, and the reader checks it against this checksum."""
     record: ReplicaRecord = {"tier": tier, "spec": spec.to_wire(), "nbytes": int(nbytes)}
     if key is not None:
         record["key"] = key
-    if checksums is not None:
-        record["checksums"] = [int(c) for c in checksums]
     if header is not None:
-        record["header"] = bytes(header)
+        header_sum = stored_header_checksum(header)
+    if header_sum is not None:
+        record["header_sum"] = int(header_sum)
     record["location"] = dict(location or {})
     if durable:
         record["durable"] = int(durable)
@@ -311,7 +313,7 @@ def error_from_reply(body: Any) -> errors.KVPoolError:
 # unversioned ``[op, body]`` -> ``[status, body]``; a node answers it (and anything else
 # malformed) with a ProtocolError reply and keeps serving.
 
-CONTROL_PROTOCOL_VERSION = 2
+CONTROL_PROTOCOL_VERSION = 3  # v3: replicate names spec + header_sum
 CONTROL_REPLICATE = "replicate"
 CONTROL_PING = "ping"
 CONTROL_STATS = "stats"

@@ -3,7 +3,10 @@
 Owns the choice among replicas (same host first, ``cxl`` first, this node's
 own skipped), the two ways to read one (in place from a same-host ``cxl``
 arena, else a UCX pull into the caller's buffer), checksum verification of
-every layer received, and the miss reasons. Used by the cluster client and
+every layer received, and the miss reasons. The master keeps only each
+replica's spec and header checksum; the header comes from the holder (its
+arena, or the pull's reply) and must match that checksum before any layer is
+verified against it. Used by the cluster client and
 by the operators' CLI; it does not talk to the master (callers locate and
 lease replicas first).
 
@@ -51,7 +54,6 @@ DEFAULT_SHARED_DIRS = ("/dev/shm",)
 _TOKEN_MARGIN_S = 1.0  # a cached replica whose token expires sooner is not used (locate again)
 _MAX_ID = 256
 _MAX_ADDRESS = 64 << 10
-_MAX_HEADER = 64 << 10
 _MAX_TOKEN = 64
 
 
@@ -116,13 +118,17 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
     if not isinstance(raw, dict):
         return None
     node_id, address, host_id = raw.get("node_id"), raw.get("address"), raw.get("host_id", "")
-    tier, header, token = raw.get("tier", ""), raw.get("header"), raw.get("token", b"")
+    tier, header_sum, token = raw.get("tier", ""), raw.get("header_sum"), raw.get("token", b"")
     location = raw.get("location")
     if not isinstance(node_id, str) or not 0 < len(node_id) <= _MAX_ID:
         return None
     if not isinstance(host_id, str) or len(host_id) > 1024 or not isinstance(tier, str) or len(tier) > 64:
         return None
-    if not isinstance(header, bytes) or len(header) > _MAX_HEADER:
+    if type(header_sum) is not int or not 0 <= header_sum < 1 << 64:
+        return None
+    try:
+        spec = ObjectSpec.from_wire(raw.get("spec"))  # type: ignore[arg-type]
+    except (TypeError, ValueError, errors.KVPoolError):
         return None
     if not isinstance(token, bytes) or len(token) > _MAX_TOKEN:
         return None
@@ -134,9 +140,17 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
         if location is None:
             return None
     # "_node": the decoded address, which also marks the record as checked (nothing from the wire
-    # can be a NodeAddress), so later steps of the same get neither re-check nor re-parse it.
+    # can be a NodeAddress), so later steps of the same get neither re-check nor re-parse it;
+    # "_spec": the spec the reader sizes its buffer by (the holder's header must agree).
     return {**raw, "node_id": node_id, "address": address, "host_id": host_id,  # type: ignore[return-value]
-            "tier": tier, "header": header, "token": token, "location": location or {}, "_node": node}
+            "tier": tier, "header_sum": header_sum, "token": token, "location": location or {},
+            "_node": node, "_spec": spec}
+
+
+def _check_same(header: ObjectHeader, same_as: ObjectHeader | None, layer_range: LayerRange) -> None:
+    if same_as is not None and header.layer_checksums[layer_range.start:layer_range.stop] != \
+            same_as.layer_checksums[layer_range.start:layer_range.stop]:
+        raise errors.WrongObjectError("this replica holds other bytes than the one read before")
 
 
 def _is_clean(replica: Any) -> bool:
@@ -388,11 +402,10 @@ class ReplicaReader:
                     self.counters["miss_holder_gone"] += 1
                 continue
             try:
-                header = ObjectHeader.unpack(replica["header"])
-                header.check_identity(key)
-                layer_range = LayerRange.resolve(layers, header.spec.layers)
-                arr, buf = out_view(header.spec, layer_range, out)
-                self.read_into(key, replica, header, layer_range, buf)
+                spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
+                layer_range = LayerRange.resolve(layers, spec.layers)
+                arr, buf = out_view(spec, layer_range, out)
+                self.read_into(key, replica, layer_range, buf)
                 self.counters["hits_remote"] += 1
                 self.counters["bytes_pulled"] += len(buf)
                 return arr
@@ -400,6 +413,8 @@ class ReplicaReader:
                 raise
             except errors.RemoteMissError:
                 reason = "evicted"
+            except errors.WrongObjectError:  # the holder has another version now (put again)
+                reason = "stale"
             except errors.ChecksumError:
                 reason = "checksum"
             except errors.KVTimeoutError:
@@ -434,27 +449,48 @@ class ReplicaReader:
         futures = [pool.submit(self.read, k, r, layers, out, out_view) for k, r, out in jobs]
         return [f.result() for f in futures]
 
-    def read_into(self, key: bytes, replica: LocatedReplica, header: ObjectHeader,
-                  layer_range: LayerRange, buf: memoryview) -> None:
-        """Fill ``buf`` with verified layers from one replica, or raise."""
+    def read_into(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
+                  *, same_as: ObjectHeader | None = None) -> ObjectHeader:
+        """Fill ``buf`` with verified layers from one replica and return the header they were
+        verified against, or raise.
+
+        The master keeps only a checksum of each replica's header. The header
+        itself comes from the holder: read from its arena (same host, in place)
+        or sent with the pull's reply. It must be the version indexed (its
+        checksum), name ``key`` and have the located spec, and every layer
+        copied must match it; WrongObjectError when the holder has another
+        object or version there now, ChecksumError for damaged bytes.
+        ``same_as``: the header earlier layers of the same read were verified
+        against; these layers must have the same checksums (a layer-wise read
+        that moves to another replica never mixes two versions' layers).
+        """
         if not _is_clean(replica):
             replica = clean_replica(replica)  # type: ignore[assignment]
             if replica is None:
                 raise errors.TransferError("malformed replica record")
+        spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
+        header_sum = replica["header_sum"]
         location = replica.get("location") or {}
         if replica.get("host_id") == self.host_id and replica.get("tier") == "cxl" and location:
             try:
                 reader = self._cxl_reader(location)
+                header = reader.header_at(location["offset"], key, header_sum, spec)
+                _check_same(header, same_as, layer_range)
                 reader.read_layers_into(location["offset"], header, layer_range, buf, verify=True)
                 self.counters["reads_in_place"] += 1
-                return
+                return header
             except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
                 log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
         peer = replica["_node"].peer  # type: ignore[typeddict-item]
+        raw_header = bytearray(spec.header_nbytes)
         self.puller.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
-                              alive=lambda: self.holder_alive(replica), token=replica.get("token", b""))
+                              alive=lambda: self.holder_alive(replica), token=replica.get("token", b""),
+                              header_out=raw_header)
+        header = ObjectHeader.unpack_expected(raw_header, key, header_sum, spec)
+        _check_same(header, same_as, layer_range)
         header.verify(layer_range, buf)
         self.counters["pulls"] += 1
+        return header
 
     def _cxl_reader(self, location: Mapping[str, Any]) -> Any:
         from tiers.cxl import CxlArenaReader

@@ -23,7 +23,11 @@ Wire protocol (all tag messages; tags are 64-bit and matched worker-wide)
     request  client -> server, tag ``REQUEST_TAG``: fixed header ``_REQUEST``
              + key + (``auto`` transport only) the client's worker address.
     status   server -> client, tag ``request_id << 20``: ``_STATUS`` + text.
-             OK carries the payload size and the chunk size the server uses.
+             OK carries the payload size and the chunk size the server uses,
+             and, when the request asked for it (``header_out``), the served
+             object's packed header in place of the text: the reader checks it
+             against the header checksum the master indexed, then every layer
+             against it, so the master never has to hold whole headers.
     data     server -> client, tag ``request_id << 20 | i`` for chunk
              ``i = 1..n``: chunk ``i`` is bytes ``[(i-1)*chunk, i*chunk)`` of
              the payload. The client posts its receives straight into slices
@@ -149,7 +153,7 @@ def in_inline_provider() -> bool:
 
 # -- wire format ---------------------------------------------------------------
 
-PROTOCOL_VERSION = 2  # v2: requests carry a pull token; reply endpoints may ask for error handling
+PROTOCOL_VERSION = 3  # v2: pull tokens, reply error handling; v3: OK may carry the object's header
 # Top bit set: never equal to a reply tag (request ids stay below 2**43).
 REQUEST_TAG = 0xC0DE_4B56_5055_4C4C
 _INDEX_BITS = 20
@@ -169,6 +173,7 @@ _REQUEST = struct.Struct("<4sBBHHQQQIIQQQH")
 _REQUEST_MAGIC = b"KVPR"
 _FLAG_REPLY_TO_ADDRESS = 0x1
 _FLAG_REPLY_ERROR_HANDLING = 0x2  # reply over an endpoint with UCX peer-failure detection (tcp)
+_FLAG_WANT_HEADER = 0x4  # the OK status carries the served object's packed header
 _MAX_KEY_BYTES = 1024
 _MAX_ADDRESS_BYTES = 8192
 _MAX_TOKEN_BYTES = 64
@@ -178,6 +183,7 @@ _REQUEST_BUFFER_NBYTES = _REQUEST.size + _MAX_KEY_BYTES + _MAX_TOKEN_BYTES + _MA
 _STATUS = struct.Struct("<4sBBHQQQ")
 _STATUS_MAGIC = b"KVPS"
 _MAX_STATUS_TEXT = 1024
+MAX_HEADER_NBYTES = 0xFFFF  # the most header bytes an OK status carries (its length is a u16)
 _STATUS_BUFFER_NBYTES = _STATUS.size + _MAX_STATUS_TEXT
 
 _HELLO = struct.Struct("<4sBxxxQ")
@@ -311,12 +317,16 @@ class ServeSource:
 
     ``release`` (optional) runs exactly once, on a worker thread, after the
     last byte was sent or the pull failed: the node unpins the object there.
+
+    ``header``: the served object's packed header, sent with the OK status
+    to clients that ask for it (at most :data:`MAX_HEADER_NBYTES`).
     """
 
     nbytes: int
     buffers: Sequence[memoryview] = ()
     read_into: Callable[[int, memoryview], int | None] | None = None
     release: Callable[[], None] | None = None
+    header: bytes = b""
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:
@@ -622,6 +632,7 @@ class _Request:
     reply_address: bytes
     token: bytes = b""
     reply_error_handling: bool = False
+    want_header: bool = False
 
 
 class _StagingPool:
@@ -1059,7 +1070,14 @@ class PullServer:
             self._send_status(job, STATUS_ERROR, text="payload needs too many messages")
             self._finish(job, ok=False, reason="too many chunks")
             return
-        if not self._send_status(job, STATUS_OK, nbytes=source.nbytes, chunk=job.chunk):
+        header = b""
+        if request.want_header:
+            header = source.header
+            if not 0 < len(header) <= MAX_HEADER_NBYTES:
+                self._send_status(job, STATUS_ERROR, text=f"no header to send ({len(header)} bytes)")
+                self._finish(job, ok=False, reason="provider gave no header")
+                return
+        if not self._send_status(job, STATUS_OK, nbytes=source.nbytes, chunk=job.chunk, body=header):
             return
         if job.chunks_total == 0:
             self._finish(job, ok=True)
@@ -1070,9 +1088,9 @@ class PullServer:
 
     def _send_status(
         self, job: _ServeJob, status: int, *, text: str = "", nbytes: int = 0, chunk: int = 0,
-        index: int = 0,
+        index: int = 0, body: bytes = b"",
     ) -> bool:
-        array = Array(_pack_status(job.request.request_id, status, nbytes, chunk, text))
+        array = Array(_pack_status(job.request.request_id, status, nbytes, chunk, text, body))
         try:
             req = job.ep.tag_send(array, _reply_tag(job.request.request_id, index))
         except Exception as exc:
@@ -1342,24 +1360,25 @@ def _parse_request(buf: bytearray) -> _Request:
         raise errors.ProtocolError("request carries a corrupt reply address")
     return _Request(client_id, conn_id, request_id, bytes(buf[_REQUEST.size:key_end]),
                     LayerRange(start, stop), capacity, max_chunk, address, bytes(buf[key_end:token_end]),
-                    bool(flags & _FLAG_REPLY_ERROR_HANDLING))
+                    bool(flags & _FLAG_REPLY_ERROR_HANDLING), bool(flags & _FLAG_WANT_HEADER))
 
 
-def _parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, str] | None:
-    """(status, payload bytes, chunk bytes, text) of a status frame, or None if malformed."""
+def _parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, bytes] | None:
+    """(status, payload bytes, chunk bytes, body) of a status frame, or None if malformed. The
+    body is the text of a failure, or the header an OK carries."""
     try:
         magic, version, status, text_len, frame_request_id, nbytes, chunk = _STATUS.unpack_from(buf)
     except struct.error:
         return None
     if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id \
-            or text_len > _MAX_STATUS_TEXT:
+            or _STATUS.size + text_len > len(buf) or status != STATUS_OK and text_len > _MAX_STATUS_TEXT:
         return None
-    text = bytes(buf[_STATUS.size:_STATUS.size + text_len]).decode("utf-8", "replace")
-    return status, nbytes, chunk, text
+    return status, nbytes, chunk, bytes(buf[_STATUS.size:_STATUS.size + text_len])
 
 
-def _pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: str) -> bytearray:
-    encoded = text.encode("utf-8", "replace")[:_MAX_STATUS_TEXT]
+def _pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: str,
+                 body: bytes = b"") -> bytearray:
+    encoded = body or text.encode("utf-8", "replace")[:_MAX_STATUS_TEXT]
     frame = bytearray(_STATUS.size + len(encoded))
     _STATUS.pack_into(frame, 0, _STATUS_MAGIC, PROTOCOL_VERSION, status, len(encoded),
                       request_id, nbytes, chunk)
@@ -1395,6 +1414,7 @@ class _Pull:
     request_id: int = 0
     peer: _Peer | None = None
     status_buf: bytearray = field(default_factory=lambda: bytearray(_STATUS_BUFFER_NBYTES))
+    header_out: bytearray | None = None  # receives the header an OK carries (asked for)
     nbytes: int = 0
     chunk: int = 0
     chunks_left: int = 0
@@ -1457,6 +1477,7 @@ class PullClient:
         alive: Callable[[], bool] | None = None,
         alive_check_s: float = 0.05,
         token: bytes = b"",
+        header_out: bytearray | None = None,
     ) -> int:
         """Pull the bytes of ``layer_range`` of ``key`` from ``address`` into ``out``.
 
@@ -1473,6 +1494,12 @@ class PullClient:
         master issued for this key on this holder. A server that refuses it
         answers :class:`errors.AuthenticationError` and sends nothing else.
 
+        ``header_out`` (optional): the holder also sends the packed header of
+        the object it serves, in the same reply; on return ``header_out`` holds
+        exactly those bytes. Its length on entry is the most accepted (0: up to
+        :data:`MAX_HEADER_NBYTES`); a longer header fails the pull. Nothing in
+        it is verified here: the caller checks it (and the bytes against it).
+
         Raises :class:`errors.RemoteMissError` if the peer does not hold the
         key, :class:`errors.LayerRangeError` if the range is outside the
         object, :class:`errors.OutBufferError` if ``out`` is unusable or too
@@ -1481,7 +1508,7 @@ class PullClient:
         within ``timeout_s``. After an exception the content of ``out`` is
         undefined (possibly partly written), never reported as valid.
         """
-        future = self._submit(address, key, layer_range, out, timeout_s, token)
+        future = self._submit(address, key, layer_range, out, timeout_s, token, header_out)
         # The progress thread enforces the deadline; the slack only guards
         # against a wedged thread.
         deadline = time.monotonic() + timeout_s + 5.0
@@ -1514,6 +1541,7 @@ class PullClient:
         *,
         timeout_s: float = 10.0,
         token: bytes = b"",
+        header_out: bytearray | None = None,
     ) -> int:
         """Asyncio twin of :meth:`pull_into` (same arguments, result and errors).
 
@@ -1524,7 +1552,8 @@ class PullClient:
         ``out`` may still be written until then. It stays referenced, never
         freed under UCX.
         """
-        return await asyncio.wrap_future(self._submit(address, key, layer_range, out, timeout_s, token))
+        return await asyncio.wrap_future(self._submit(address, key, layer_range, out, timeout_s, token,
+                                                      header_out))
 
     def close(self) -> None:
         """Fail pulls still in flight, close endpoints and stop the progress thread."""
@@ -1563,6 +1592,7 @@ class PullClient:
         out: Any,
         timeout_s: float,
         token: bytes = b"",
+        header_out: bytearray | None = None,
     ) -> concurrent.futures.Future[int]:
         if self._closing:
             raise errors.PoolClosedError(f"{self._name} is closed")
@@ -1584,6 +1614,12 @@ class PullClient:
             future=concurrent.futures.Future(),
             token=bytes(token),
         )
+        if header_out is not None:
+            if not isinstance(header_out, bytearray):
+                raise TypeError(f"header_out must be a bytearray, got {type(header_out).__name__}")
+            room = len(header_out) if 0 < len(header_out) <= MAX_HEADER_NBYTES else MAX_HEADER_NBYTES
+            pull.header_out = header_out
+            pull.status_buf = bytearray(_STATUS.size + max(room, _MAX_STATUS_TEXT))
         pull.future.kvpool_pull = pull  # type: ignore[attr-defined]  # for _abort
         self._engine.submit(lambda: self._start(pull))
         return pull.future
@@ -1700,7 +1736,7 @@ class PullClient:
         if frame is None:
             self._fail(pull, errors.ProtocolError(f"{peer.label}: malformed status frame"), drop_peer=True)
             return
-        status, nbytes, chunk, text = frame
+        status, nbytes, chunk, body = frame
         layers = pull.layer_range
         what = f"{peer.label}: pull of {pull.key.hex()} layers [{layers.start}, {layers.stop})"
         if status != STATUS_OK:
@@ -1710,8 +1746,13 @@ class PullClient:
                 STATUS_OUT_TOO_SMALL: errors.OutBufferError,
                 STATUS_UNAUTHORIZED: errors.AuthenticationError,
             }.get(status, errors.TransferError)
-            self._fail(pull, exc_type(f"{what}: {text}"))
+            self._fail(pull, exc_type(f"{what}: {body.decode('utf-8', 'replace')}"))
             return
+        if pull.header_out is not None:
+            if not body:
+                self._fail(pull, errors.ProtocolError(f"{what}: OK without the header asked for"), drop_peer=True)
+                return
+            pull.header_out[:] = body  # before the status buffer takes the abort frame
         if nbytes > pull.out.nbytes or (nbytes and chunk < min(_MIN_CHUNK_FLOOR, nbytes)) \
                 or -(-nbytes // max(chunk, 1)) > _MAX_CHUNKS:
             self._fail(pull, errors.ProtocolError(f"{what}: bad sizes {nbytes}/{chunk}"), drop_peer=True)
@@ -1755,7 +1796,7 @@ class PullClient:
             self._fail(pull, errors.TransferError(f"{what}: {_describe(error)}"), drop_peer=True)
             return
         frame = _parse_status(pull.status_buf, pull.request_id)
-        text = frame[3] if frame is not None else "malformed abort frame"
+        text = frame[3].decode("utf-8", "replace") if frame is not None else "malformed abort frame"
         # Every chunk the server sent was delivered before this frame; the
         # receives still posted are for chunks that will never come.
         self._fail(pull, errors.TransferError(f"{what}: holder failed mid-pull: {text}"))
@@ -1893,7 +1934,8 @@ def _pack_request(
     _REQUEST.pack_into(
         frame, 0, _REQUEST_MAGIC, PROTOCOL_VERSION,
         (_FLAG_REPLY_TO_ADDRESS if reply_address else 0)
-        | (_FLAG_REPLY_ERROR_HANDLING if reply_address and reply_error_handling else 0),
+        | (_FLAG_REPLY_ERROR_HANDLING if reply_address and reply_error_handling else 0)
+        | (_FLAG_WANT_HEADER if pull.header_out is not None else 0),
         len(pull.key), len(reply_address), client_id, conn_id, pull.request_id,
         pull.layer_range.start, pull.layer_range.stop, pull.out.nbytes, max_chunk,
         xxhash.xxh3_64_intdigest(reply_address), len(token),

@@ -56,7 +56,7 @@ def main(spec: dict[str, Any]) -> None:
         return  # without a readable key file nothing below can even start
     master = MasterClient(spec["master"], config=config, request_timeout_s=timeout)
     obj = ObjectSpec("float16", layers=2, tokens=4, kv_heads=1, head_dim=8)
-    poison = P.replica_record("dram", obj, obj.total_nbytes, key=key, checksums=[1, 2])
+    poison = P.replica_record("dram", obj, obj.total_nbytes, key=key, header_sum=12)
     node_id = "attacker-node"
     tiers = {"dram": {"capacity": 1 << 20, "free": 1 << 20}}
     attempt("ping", master.ping)
@@ -75,7 +75,7 @@ def main(spec: dict[str, Any]) -> None:
     ck = cluster_key[0]
     attempt("control stats", lambda: control_call(spec["control"], "stats", {}, timeout, cluster_key=ck))
     attempt("control replicate", lambda: control_call(spec["control"], "replicate", {
-        "key": key, "header": b"\0" * 80, "source": "{}", "reservation": 1, "replicas": 1, "persistent": True,
+        "key": key, "spec": obj.to_wire(), "header_sum": 1, "source": "{}", "reservation": 1, "replicas": 1, "persistent": True,
     }, timeout, cluster_key=ck))
 
     def get() -> Any:

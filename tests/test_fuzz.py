@@ -89,7 +89,7 @@ def mutate(frame: bytes, data: st.DataObject) -> bytes:
 
 
 def record(key: bytes | None = None) -> P.ReplicaRecord:
-    return P.replica_record("dram", SPEC, SPEC.total_nbytes, key=key, checksums=[1, 2, 3, 4])
+    return P.replica_record("dram", SPEC, SPEC.total_nbytes, key=key, header_sum=1234)
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +192,7 @@ def node() -> Node:
 
 
 def _valid_replicate() -> bytes:
-    from kvpool.objformat import ObjectHeader
-
-    header = ObjectHeader.build(b"key", SPEC, [1, 2, 3, 4]) if hasattr(ObjectHeader, "build") else None
-    body = {"key": b"key", "header": header.pack() if header is not None else b"\x00" * 64,
+    body = {"key": b"key", "spec": SPEC.to_wire(), "header_sum": 12345,
             "source": '{"ucx":["127.0.0.1",1],"worker":"AAAA","host_id":"h","control":"tcp://x:1"}',
             "reservation": 1, "replicas": 1, "persistent": True}
     return P.pack_control_request(9, P.CONTROL_REPLICATE, body)
@@ -235,7 +232,7 @@ def test_control_mutated_valid_requests(node: Node, data: st.DataObject, which: 
 
 
 @FUZZ
-@given(field=st.sampled_from(["key", "header", "source", "reservation", "replicas", "persistent"]),
+@given(field=st.sampled_from(["key", "spec", "header_sum", "source", "reservation", "replicas", "persistent"]),
        value=msgpack_values)
 def test_control_replicate_with_a_field_replaced(node: Node, field: str, value: Any) -> None:
     body = msgpack.unpackb(VALID_CONTROL[2], raw=False)[3]
@@ -263,10 +260,11 @@ def test_control_reply_errors_map_to_kvpool_types() -> None:
 # -- the pull frame parsers ------------------------------------------------------------------
 
 
-def _valid_request_frame(key: bytes = b"some-key", with_address: bool = False) -> bytearray:
+def _valid_request_frame(key: bytes = b"some-key", with_address: bool = False,
+                         header_out: bytearray | None = None) -> bytearray:
     address = bytes([0x01]) + b"\x05" * 40 if with_address else b""
     pull = SimpleNamespace(key=key, request_id=5, layer_range=LayerRange(0, 4), out=SimpleNamespace(nbytes=1 << 20),
-                           token=b"t" * 48)
+                           token=b"t" * 48, header_out=header_out)
     frame = T._pack_request(1, 2, pull, 1 << 20, address)  # type: ignore[arg-type]
     buf = bytearray(T._REQUEST_BUFFER_NBYTES)  # what the server receives into: a fixed-size buffer
     buf[:len(frame)] = frame[:T._REQUEST_BUFFER_NBYTES]
@@ -293,14 +291,18 @@ def check_status_frame(frame: bytes) -> None:
     with bounded():
         parsed = T._parse_status(buf, 5)
     if parsed is not None:
-        status, nbytes, chunk, text = parsed
-        assert len(text) <= T._MAX_STATUS_TEXT
+        status, nbytes, chunk, body = parsed
+        assert len(body) <= (T.MAX_HEADER_NBYTES if status == T.STATUS_OK else T._MAX_STATUS_TEXT)
 
 
 def test_valid_frames_parse() -> None:
     request = T._parse_request(_valid_request_frame())
-    assert (request.key, request.token) == (b"some-key", b"t" * 48)
-    assert T._parse_status(T._pack_status(5, T.STATUS_OK, 100, 64, "fine"), 5) == (T.STATUS_OK, 100, 64, "fine")
+    assert (request.key, request.token, request.want_header) == (b"some-key", b"t" * 48, False)
+    assert T._parse_request(_valid_request_frame(header_out=bytearray())).want_header
+    assert T._parse_status(T._pack_status(5, T.STATUS_OK, 100, 64, "fine"), 5) == (T.STATUS_OK, 100, 64, b"fine")
+    header = bytes(range(256)) * 8  # an OK carries a (binary) header longer than any failure text
+    assert T._parse_status(T._pack_status(5, T.STATUS_OK, 100, 64, "", header), 5) == (T.STATUS_OK, 100, 64, header)
+    assert T._parse_status(T._pack_status(5, T.STATUS_MISS, 0, 0, "", header), 5) is None
     buf = bytearray(T._STATUS_BUFFER_NBYTES)
     frame = T._pack_status(5, T.STATUS_OK, 100, 64, "x")
     struct.pack_into("<H", frame, 6, 60000)  # text length far beyond the buffer

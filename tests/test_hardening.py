@@ -143,7 +143,7 @@ def reader(tmp_path: Path) -> Any:
 def test_garbage_from_the_master_is_a_miss_never_an_exception(reader: Any, tmp_path: Path) -> None:
     reader, shared = reader
     key = b"garbage-key"
-    header = ObjectHeader.unpack(encode(np.zeros(SHAPE, np.float16), key)).pack()
+    header = ObjectHeader.unpack(encode(np.zeros(SHAPE, np.float16), key))
     os.mkfifo(shared / "fifo")
     outside = tmp_path / "outside"
     outside.write_bytes(b"\0" * 8192)
@@ -152,7 +152,8 @@ def test_garbage_from_the_master_is_a_miss_never_an_exception(reader: Any, tmp_p
     (shared / "short").write_bytes(b"x")
     address = NodeAddress(PeerAddress("127.0.0.1", 0, b"", reader.host_id), "tcp://127.0.0.1:1").encode()
     good = {"node_id": "n1", "address": address, "host_id": reader.host_id, "tier": "cxl",
-            "header": header, "token": b"", "location": {"path": str(shared / "fifo"), "offset": 0}}
+            "spec": header.spec.to_wire(), "header_sum": header.checksum(), "token": b"",
+            "location": {"path": str(shared / "fifo"), "offset": 0}}
 
     def loc(**fields: Any) -> dict[str, Any]:
         return {**good, "location": {**good["location"], **fields}}
@@ -171,10 +172,12 @@ def test_garbage_from_the_master_is_a_miss_never_an_exception(reader: Any, tmp_p
         loc(path=str(shared / "short")), loc(path=str(shared / ".." / "outside")), loc(path="/etc/passwd"),
         loc(offset=-1), loc(offset=2 ** 70), loc(offset=True), loc(offset="0"), loc(path=7), loc(path="a\0b"),
         loc(instance=[1]), {**good, "location": [1, 2]}, {**good, "location": "str"}, {**good, "location": 5},
-        {**good, "header": "str"}, {**good, "header": b"garbage"}, {**good, "header": None},
+        {**good, "header_sum": "str"}, {**good, "header_sum": -1}, {**good, "header_sum": 1 << 64},
+        {**good, "header_sum": None}, {**good, "spec": [1, 2]}, {**good, "spec": ["float16", 0, 1, 1, 1]},
+        {**good, "spec": "x"},
         {**good, "token": "str"}, {**good, "token": b"t" * 1000}, {**good, "node_id": 5},
         {**good, "host_id": None}, {**good, "tier": 3},
-        *[{k: v for k, v in good.items() if k != missing} for missing in ("node_id", "address", "header")],
+        *[{k: v for k, v in good.items() if k != missing} for missing in ("node_id", "address", "header_sum", "spec")],
         *[{**good, "address": a, "location": {}} for a in bad_addresses],
         None, 5, "x", [], {},
     ]

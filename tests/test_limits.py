@@ -31,7 +31,7 @@ TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}
 
 
 def record(key: bytes | None = None) -> P.ReplicaRecord:
-    return P.replica_record("dram", SPEC, SPEC.total_nbytes, key=key, checksums=[1, 2, 3, 4])
+    return P.replica_record("dram", SPEC, SPEC.total_nbytes, key=key, header_sum=1234)
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_oversized_fields_are_refused_and_never_echoed(server: MasterServer) -> 
                                           "tiers": {"t" * 10_000: {"capacity": 1, "free": 1}}})
     assert not ok and reply["type"] == "ProtocolError" and len(reply["message"]) < 500
     register(server)
-    big = {**record(b"k"), "header": b"h" * (1 << 17)}
+    big = {**record(b"k"), "location": {"path": "p" * (1 << 17)}}
     ok, reply = call(server, P.PUBLISH, {"node_id": "n1", "objects": [big]})
     assert not ok and reply["type"] == "RequestTooLargeError"
     ok, reply = call(server, P.LOOKUP, {"keys": [b"k" * 10_000]})  # reads: a long key only misses

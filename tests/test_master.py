@@ -59,7 +59,7 @@ def answers_ping(address: str) -> Callable[[], Any]:
 
 def record(tier: str = "dram", **location: Any) -> P.ReplicaRecord:
     return P.replica_record(
-        tier, SPEC, SPEC.total_nbytes, checksums=[11, 22, 33, 44], location=location
+        tier, SPEC, SPEC.total_nbytes, header_sum=11223344, location=location
     )
 
 
@@ -253,7 +253,7 @@ def test_reserve_then_commit_makes_the_key_visible(make_node, client):
     [[replica]] = located.replicas
     assert replica["node_id"] == node.node_id and replica["address"] == node.address
     assert replica["host_id"] == "host-a" and replica["tier"] == "cxl"
-    assert ObjectSpec.from_wire(replica["spec"]) == SPEC and replica["checksums"] == [11, 22, 33, 44]
+    assert ObjectSpec.from_wire(replica["spec"]) == SPEC and replica["header_sum"] == 11223344
     assert replica["location"] == {"path": "/dev/shm/x", "offset": 4096}
     assert node_stats(client, node)["reserved_bytes"] == 0
     with pytest.raises(errors.ReservationError):
@@ -511,19 +511,19 @@ def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALE
     ("frames", "request_id", "error_type", "says"),
     [
         ([b"\xc1\xc1 not msgpack"], None, "ProtocolError", "not msgpack"),
-        ([msgpack.packb([1, 1, "ping", {}])[:-1]], None, "ProtocolError", "not msgpack"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 1, "ping", {}])[:-1]], None, "ProtocolError", "not msgpack"),
         ([msgpack.packb({"op": "ping"})], None, "ProtocolError", "array"),
         ([msgpack.packb([99, 7, "ping", {}])], 7, "ProtocolError", "version"),
-        ([msgpack.packb([1, 8, "frobnicate", {}])], 8, "ProtocolError", "unknown op"),
-        ([msgpack.packb([1, 9, "lookup", [1, 2]])], 9, "ProtocolError", "must be a map"),
-        ([msgpack.packb([1, 10, "lookup", {"keys": 5}])], 10, "ProtocolError", "keys"),
-        ([msgpack.packb([1, 11, "lookup", {"keys": [5]}])], 11, "InvalidKeyError", "bytes"),
-        ([msgpack.packb([1, 12, "register", {"node_id": "x", "address": "a", "host_id": "h",
+        ([msgpack.packb([P.PROTOCOL_VERSION, 8, "frobnicate", {}])], 8, "ProtocolError", "unknown op"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 9, "lookup", [1, 2]])], 9, "ProtocolError", "must be a map"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 10, "lookup", {"keys": 5}])], 10, "ProtocolError", "keys"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 11, "lookup", {"keys": [5]}])], 11, "InvalidKeyError", "bytes"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 12, "register", {"node_id": "x", "address": "a", "host_id": "h",
                                               "tiers": {"dram": {"capacity": 1, "free": 2}}}])],
          12, "ProtocolError", "free <= capacity"),
-        ([msgpack.packb([1, 13, "commit", {"items": [{"reservation": 1, "replica": {"tier": "dram"}}]}])],
+        ([msgpack.packb([P.PROTOCOL_VERSION, 13, "commit", {"items": [{"reservation": 1, "replica": {"tier": "dram"}}]}])],
          13, "ProtocolError", "nbytes"),
-        ([msgpack.packb([1, 14, "ping", {}]), b"extra frame"], None, "ProtocolError", "one message frame"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 14, "ping", {}]), b"extra frame"], None, "ProtocolError", "one message frame"),
     ],
 )
 def test_bad_requests_get_typed_errors_and_the_master_keeps_serving(master, frames, request_id, error_type, says):
@@ -535,7 +535,7 @@ def test_bad_requests_get_typed_errors_and_the_master_keeps_serving(master, fram
 
 
 def test_req_sockets_and_non_zmq_garbage(master, client):
-    reply = _raw_request(master.address, [msgpack.packb([1, "req-1", "ping", {}])], zmq.REQ)
+    reply = _raw_request(master.address, [msgpack.packb([P.PROTOCOL_VERSION, "req-1", "ping", {}])], zmq.REQ)
     assert reply[:3] == [P.PROTOCOL_VERSION, "req-1", "ok"]
 
     host, port = master.address.removeprefix("tcp://").split(":")
@@ -609,7 +609,7 @@ class FakeStorage:
             if self.fail:
                 reply = P.pack_control_error(request.request_id, "TransferError", "injected")
             else:
-                rec = {**record(), "header": body["header"]}
+                rec = {**record(), "header_sum": body["header_sum"]}
                 self.committer.commit(body["reservation"], rec)
                 self.node.objects[body["key"]] = rec
                 reply = P.pack_control_reply(request.request_id, {"node_id": self.node.node_id})
@@ -663,8 +663,9 @@ def test_master_rereplicates_durable_keys_when_a_holder_dies_or_leaves(master, f
     writer = SimNode(master.address, role=P.ROLE_CLIENT).start()
     try:
         keys = new_keys(3)
+        sums = {key: int.from_bytes(key[-8:].rjust(8, b"\0"), "little") for key in keys}  # one per key
         for key in keys:
-            rec = {**record(), "header": b"header-of-" + key}
+            rec = {**record(), "header_sum": sums[key]}
             writer.publish([key], rec)
             for target in client.place(SPEC.total_nbytes, replicas=2, exclude=[writer.node_id], key=key):
                 client.commit(target.reservation_id, rec)  # as the target node does after its copy
@@ -682,6 +683,8 @@ def test_master_rereplicates_durable_keys_when_a_holder_dies_or_leaves(master, f
         took = time.monotonic() - started
         copies = [r for f in (a, b, c) if f is not victim for r in f.requests]
         assert all(r["persistent"] and r["replicas"] == 2 for r in copies)
+        # a copier is told what to check the source's header against: that key's, and the spec
+        assert all(r["header_sum"] == sums[r["key"]] and r["spec"] == SPEC.to_wire() for r in copies)
         assert {r["source"] for r in copies} <= {a.node.address, b.node.address, c.node.address, writer.address}
         assert took < 5
 
@@ -718,7 +721,7 @@ def test_master_rereplicates_durable_keys_when_a_holder_dies_or_leaves(master, f
 
 def test_reregistered_durable_records_restore_durability(fake_storage, make_node, client):
     key = new_keys(1)[0]
-    node = make_node(objects={key: {**record(), "header": b"h", "durable": 2}})
+    node = make_node(objects={key: {**record(), "header_sum": 7, "durable": 2}})
     assert holders(client, key) == {node.node_id}
     assert client.stats()["under_replicated"] >= 1  # wants 2 copies, has 1 (no other storage node)
     client.delete([key])
@@ -746,7 +749,7 @@ def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():
     common = {"host_id": "h", "tiers": tiers, "role": P.ROLE_STORAGE, "persistent_tiers": ["nvme"]}
     state.handle(P.REGISTER, {**common, "node_id": "source", "address": "tcp://127.0.0.1:1",
                               "control": "tcp://127.0.0.1:1",
-                              "objects": [{**record("nvme"), "key": k, "header": b"h", "durable": 2} for k in keys]})
+                              "objects": [{**record("nvme"), "key": k, "header_sum": 7, "durable": 2} for k in keys]})
     state.handle(P.REGISTER, {**common, "node_id": "target", "address": "tcp://127.0.0.1:2",
                               "control": f"tcp://127.0.0.1:{free_tcp_port()}", "objects": []})
     context = zmq.Context()
@@ -771,7 +774,7 @@ def test_holders_behave_like_a_dict_of_replicas_by_node() -> None:
     from kvpool.master import Holders, Replica
 
     def replica(tier: str) -> Replica:
-        return Replica(tier, SPEC.to_wire(), SPEC.total_nbytes, None, b"h", None, None)
+        return Replica(tier, SPEC.to_wire(), SPEC.total_nbytes, 7, None, None)
 
     held = Holders()
     assert not held and len(held) == 0 and held.get("a") is None and held.pop("a", "none") == "none"

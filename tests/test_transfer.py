@@ -17,6 +17,7 @@ Progress is blocking on both sides (the module's only mode).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import queue
@@ -48,6 +49,16 @@ def object_bytes(key: bytes) -> np.ndarray:
     layer_nbytes = BIG_LAYER_NBYTES if key.startswith(b"big") else LAYER_NBYTES
     seed = int.from_bytes(key.ljust(8, b"\0")[:8], "little") ^ len(key)
     return np.random.default_rng(seed).integers(0, 256, LAYERS * layer_nbytes, dtype=np.uint8)
+
+
+def header_of(key: bytes) -> bytes:
+    """The header the server sends with ``key`` when asked: binary, longer than any failure
+    text; none for ``nohdr:*`` keys, one over the protocol's limit for ``hugehdr``."""
+    if key.startswith(b"nohdr:"):
+        return b""
+    if key == b"hugehdr":
+        return b"h" * 70_000
+    return hashlib.sha256(key).digest() * 40  # 1280 bytes
 
 
 def layer_nbytes_of(key: bytes) -> int:
@@ -127,7 +138,7 @@ def _serve(tmpdir: str) -> None:
         if key.startswith(b"split:"):  # two buffers, a chunk straddles them
             cut = (hi - lo) // 3
             return ServeSource(nbytes=hi - lo, buffers=[view[:cut], view[cut:]], release=release)
-        return ServeSource(nbytes=hi - lo, buffers=[view], release=release)
+        return ServeSource(nbytes=hi - lo, buffers=[view], release=release, header=header_of(key))
 
     server = PullServer(provider, max_message=SERVER_MAX_MESSAGE, send_timeout_s=3.0).start()
     peer = server.peer_address
@@ -250,6 +261,30 @@ def test_whole_object_and_layer_ranges_arrive_exact(server: ServerProcess, clien
     assert after["bytes_sent"] - before["bytes_sent"] == requested
     assert after["requests_served"] - before["requests_served"] == 5
     assert after["released"] - before["released"] == 5
+
+
+def test_the_header_comes_in_the_same_reply_only_when_asked(server: ServerProcess, client: PullClient) -> None:
+    want = expected(b"obj-h", 2, 5)
+    out = np.zeros(want.nbytes, np.uint8)
+    header = bytearray(4096)  # room for at most 4096 header bytes
+    assert client.pull_into(server.peer, b"obj-h", (2, 5), out, header_out=header) == want.nbytes
+    assert bytes(header) == header_of(b"obj-h") and np.array_equal(out, want)
+    header = bytearray()  # no length given: up to the protocol's limit
+    client.pull_into(server.peer, b"obj-h", (0, 1), out[:layer_nbytes_of(b"obj-h")], header_out=header)
+    assert bytes(header) == header_of(b"obj-h")
+    # A header larger than the room given fails the pull; a truncated header never arrives.
+    small = bytearray(b"untouched" * 20)
+    with pytest.raises(errors.TransferError):
+        client.pull_into(server.peer, b"obj-h", (0, 1), out[:layer_nbytes_of(b"obj-h")], header_out=small)
+    assert small == bytearray(b"untouched" * 20)
+    # A holder with no header to send (or one too large to send) answers an error, not bytes.
+    for key, says in [(b"nohdr:a", "no header"), (b"hugehdr", "70000")]:
+        with pytest.raises(errors.TransferError, match=says):
+            client.pull_into(server.peer, key, (0, 1), out[:layer_nbytes_of(key)], header_out=bytearray())
+        # ... and the same key without asking for the header is served as before
+        assert client.pull_into(server.peer, key, (0, 1), out[:layer_nbytes_of(key)]) == layer_nbytes_of(key)
+    # the endpoint survived all of that
+    assert client.pull_into(server.peer, b"obj-h", (2, 5), out, header_out=bytearray()) == want.nbytes
 
 
 def test_out_may_be_larger_and_any_buffer_type(server: ServerProcess, client: PullClient) -> None:

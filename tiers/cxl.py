@@ -73,7 +73,7 @@ import numpy as np
 import xxhash
 
 from kvpool import errors
-from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, decode, header_nbytes_at
+from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, ObjectSpec, decode, header_nbytes_at
 from tiers.base import ArenaTier, Extent, close_mapping
 from tiers.shm_index import (
     IndexEntry,
@@ -625,6 +625,18 @@ class CxlArenaReader:
         arr, buf = out_view(header.spec, layer_range)
         self.read_layers_into(offset, header, layer_range, buf, verify=True)
         return arr, buf
+
+    def header_at(self, offset: int, key: bytes, header_sum: int, spec: ObjectSpec) -> ObjectHeader:
+        """The header of the object at ``offset``, from one private copy of the arena's bytes,
+        if it is the version the master indexed (:meth:`ObjectHeader.unpack_expected`); copy its
+        layers with :meth:`read_layers_into` and this header, so a reuse of the extent after
+        this snapshot fails the copy's checksums."""
+        self._check_open()
+        self._check_size()
+        nbytes = spec.header_nbytes
+        if not 0 <= offset <= self.header.capacity_bytes - nbytes:
+            raise errors.FormatError(f"cxl: header at {offset} outside the arena")
+        return ObjectHeader.unpack_expected(self.arena[offset:offset + nbytes].tobytes(), key, header_sum, spec)
 
     def read_header(self, offset: int) -> ObjectHeader:
         """The (checked) header of the object at data-area ``offset``."""
