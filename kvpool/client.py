@@ -371,7 +371,7 @@ class ClusterPool(Pool):
         self._check_open()
         key = self._key(prefix_hash)
         self._reader.forget(key)
-        deleted = self._master.delete([key])[0]
+        deleted = self._master.delete([key], node_id=self._node.node_id)[0]
         try:
             self._manager.delete(key)
         except errors.KeyNotFoundError:

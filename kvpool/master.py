@@ -1073,6 +1073,7 @@ class MasterState:
 
     def op_delete(self, body: dict[str, Any]) -> Any:
         keys = self._keys(body)
+        caller = _field(body, "node_id", str, "")  # drops its own copies itself, at once
         nodes = self.nodes
         deleted = []
         for key in keys:
@@ -1084,7 +1085,8 @@ class MasterState:
             for node_id in replicas or ():
                 node = nodes[node_id]
                 node.objects.discard(key)
-                node.pending_deletes[key] = 0
+                if node_id != caller:
+                    node.pending_deletes[key] = 0
         self.counters["deletes"] += sum(deleted)
         return {"deleted": deleted}
 

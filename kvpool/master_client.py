@@ -475,10 +475,15 @@ class MasterClient:
         return sum(self._batched(_keys(keys), lambda b: self.call(
             P.REMOVED, {"node_id": node_id, "keys": list(b)})["removed"]))
 
-    def delete(self, keys: Iterable[KeyLike]) -> list[bool]:
-        """Remove keys from the pool (lookups miss at once); False for unknown keys."""
-        return [d for reply in self._batched(_keys(keys), lambda b: self.call(P.DELETE, {"keys": list(b)})["deleted"])
-                for d in reply]
+    def delete(self, keys: Iterable[KeyLike], node_id: str | None = None) -> list[bool]:
+        """Remove keys from the pool (lookups miss at once); False for unknown keys.
+
+        ``node_id``: the caller's own node, which drops its copies itself right away; it is
+        not told to drop them again on a later heartbeat (which would delete a copy it put
+        again meanwhile: delete then put from one process must leave the key there)."""
+        extra = {} if node_id is None else {"node_id": node_id}
+        return [d for reply in self._batched(_keys(keys), lambda b: self.call(P.DELETE, {"keys": list(b), **extra})[
+            "deleted"]) for d in reply]
 
     def place(
         self,

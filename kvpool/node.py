@@ -123,6 +123,10 @@ class Node:
         self._stopping = threading.Event()
         self._publisher = threading.Thread(target=self._publish_loop, name="kvpool-node-publish", daemon=True)
         self._register_lock = threading.Lock()  # one register at a time (heartbeat reply, put, start)
+        # A put's publish and the background publisher's sends reach the master in the order
+        # the tiers changed: without it, a "removed" of a key deleted and put again could be
+        # sent after the new copy's publish, and the master would drop the new copy.
+        self._publish_lock = threading.Lock()
         self._control_thread = threading.Thread(target=self._control_loop, name="kvpool-node-control",
                                                 daemon=True)
         self._zmq: zmq.Context = zmq.Context.instance()
@@ -210,7 +214,8 @@ class Node:
         re-registration is still to come), register everything now instead: the register
         carries these records too, so they are visible when this returns either way."""
         try:
-            self.master.publish(self.node_id, records)
+            with self._publish_lock:
+                self.master.publish(self.node_id, records)
         except errors.UnknownNodeError:
             log.info("node %s: the master does not know this node (restarted or failed over): registering",
                      self.node_id[:8])
@@ -252,7 +257,7 @@ class Node:
         """Puts are published by the pool's two-phase put, not here."""
 
     def moved(self, key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> None:
-        self._events.put(("moved", key, record_for(key, tier, extent, header)))
+        self._events.put(("moved", key, None))  # published as the tiers hold it when sent
 
     def removed(self, key: bytes, reason: str) -> None:
         self._events.put(("removed", key, reason))
@@ -266,14 +271,19 @@ class Node:
                     batch.append(self._events.get_nowait())
                 except queue.Empty:
                     break
-            moved = {k: p for kind, k, p in batch if kind == "moved"}
-            removed = [k for kind, k, _ in batch if kind == "removed"]
             stop = any(kind == "stop" for kind, _, _ in batch)
             try:
-                if removed:
-                    self.master.removed(self.node_id, removed)
-                if moved:
-                    self.master.publish(self.node_id, [r for k, r in moved.items() if k not in removed])
+                with self._publish_lock:
+                    # What the tiers hold now, not what the events said: a key removed (or moved)
+                    # and put again since is published as it is, never removed.
+                    changed = list(dict.fromkeys(k for kind, k, _ in batch if kind != "stop"))
+                    now = {k: self.record(k) for k in changed}
+                    removed = [k for k, record in now.items() if record is None]
+                    if removed:
+                        self.master.removed(self.node_id, removed)
+                    moved = [record for record in now.values() if record is not None]
+                    if moved:
+                        self.master.publish(self.node_id, moved)
             except errors.KVPoolError as exc:
                 # The next register (after a master restart) resends the truth.
                 log.warning("could not publish %d changes to the master: %s", len(batch), exc)

@@ -41,7 +41,8 @@ Bodies (every batch is one message, whatever its size)::
     publish         {"node_id", "objects": [record]}     -> {"indexed": int}
     evict_request   {"node_id", "keys": [key]}           -> {"allowed": [key], "pinned": [key], "reregister": bool}
     removed         {"node_id", "keys": [key]}           -> {"removed": int}
-    delete          {"keys": [key]}                      -> {"deleted": [bool]}
+    delete          {"keys": [key], "node_id"?}          -> {"deleted": [bool]}
+                    (node_id: the caller's node, which drops its own copies itself)
     place           {"nbytes", "replicas", "exclude": [node_id], "key": key | None}
                     (only storage nodes with a persistent tier are eligible; more replicas
                     than eligible nodes -> NotEnoughReplicasError, nothing reserved)

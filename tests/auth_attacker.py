@@ -75,7 +75,8 @@ def main(spec: dict[str, Any]) -> None:
     ck = cluster_key[0]
     attempt("control stats", lambda: control_call(spec["control"], "stats", {}, timeout, cluster_key=ck))
     attempt("control replicate", lambda: control_call(spec["control"], "replicate", {
-        "key": key, "spec": obj.to_wire(), "header_sum": 1, "source": "{}", "reservation": 1, "replicas": 1, "persistent": True,
+        "key": key, "spec": obj.to_wire(), "header_sum": 1, "source": "{}", "reservation": 1, "replicas": 1,
+        "persistent": True,
     }, timeout, cluster_key=ck))
 
     def get() -> Any:

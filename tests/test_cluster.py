@@ -222,6 +222,38 @@ def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them
         reader.close()
 
 
+def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_located(cluster: Cluster) -> None:
+    """The master keeps only a checksum of each replica's header; the holder sends the header
+    with the bytes. A record located before the key was put again names a version the holder
+    no longer has: reading it is a miss ("stale"), never the new or a mixed object."""
+    from kvpool.pool import Pool
+
+    cluster.start_master()
+    writer, reader = cluster.connect("writer"), cluster.connect("reader")
+    try:
+        key, old, new = key_of(50), content(50), content(51)
+        writer.put(key, old)
+        [[located]] = reader._master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
+        assert "header" not in located and isinstance(located["header_sum"], int)  # no header in the index
+        np.testing.assert_array_equal(reader._reader.read(key, [located], None, None, Pool._out_view), old)
+        writer.delete(key)
+        writer.put(key, new)
+        [[current]] = reader._master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
+        assert current["header_sum"] != located["header_sum"]  # a new generation, a new header
+        for layers in (None, range(2, 5)):
+            assert reader._reader.read(key, [located], layers, None, Pool._out_view) is None
+        assert reader._reader.counters["miss_stale"] == 2
+        np.testing.assert_array_equal(reader.get(key), new)
+        np.testing.assert_array_equal(reader.get(key, layers=range(2, 5)), new[2:5])
+        # delete then put from one process leaves the key there: no heartbeat later drops the new copy
+        time.sleep(3 * HEARTBEAT_MS / 1000)
+        np.testing.assert_array_equal(writer.get(key), new)
+        assert reader.lookup([key]) == 1
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_unreachable_master_is_a_typed_error_and_local_puts_reappear_after_its_restart(cluster: Cluster) -> None:
     from kvpool import errors
 

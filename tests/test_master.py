@@ -521,9 +521,11 @@ def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALE
         ([msgpack.packb([P.PROTOCOL_VERSION, 12, "register", {"node_id": "x", "address": "a", "host_id": "h",
                                               "tiers": {"dram": {"capacity": 1, "free": 2}}}])],
          12, "ProtocolError", "free <= capacity"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 13, "commit", {"items": [{"reservation": 1, "replica": {"tier": "dram"}}]}])],
+        ([msgpack.packb([P.PROTOCOL_VERSION, 13, "commit",
+                         {"items": [{"reservation": 1, "replica": {"tier": "dram"}}]}])],
          13, "ProtocolError", "nbytes"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 14, "ping", {}]), b"extra frame"], None, "ProtocolError", "one message frame"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 14, "ping", {}]), b"extra frame"], None, "ProtocolError",
+         "one message frame"),
     ],
 )
 def test_bad_requests_get_typed_errors_and_the_master_keeps_serving(master, frames, request_id, error_type, says):
