@@ -274,6 +274,7 @@ class Replica:
 
     __slots__ = ("tier", "spec", "nbytes", "header_sum", "location", "durable", "node_id")
     _SPECS: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # equal specs share one tuple (bounded)
+    _NBYTES: dict[int, int] = {}  # and equal sizes one int
 
     def __init__(self, tier: str, spec: Any, nbytes: int, header_sum: int | None,
                  location: dict[str, Any] | None, durable: int | None) -> None:
@@ -285,7 +286,10 @@ class Replica:
             spec = shared or spec
         self.tier = sys.intern(tier)
         self.spec = spec
-        self.nbytes = nbytes
+        shared_nbytes = Replica._NBYTES.get(nbytes)  # a handful of object sizes: one int each
+        if shared_nbytes is None and len(Replica._NBYTES) < 4096:
+            shared_nbytes = Replica._NBYTES[nbytes] = nbytes
+        self.nbytes = nbytes if shared_nbytes is None else shared_nbytes
         self.header_sum = header_sum
         self.location = location or None
         self.durable = durable
