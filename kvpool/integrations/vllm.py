@@ -1,0 +1,413 @@
+"""kvpool as vLLM's KV store: a v1 KV connector, layer by layer.
+
+Load it with::
+
+    KVTransferConfig(kv_connector="KvpoolConnector",
+                     kv_connector_module_path="kvpool.integrations.vllm",
+                     kv_role="kv_both",
+                     kv_connector_extra_config={"master": "tcp://127.0.0.1:7700",
+                                                "config": "optional kvpool TOML"})
+
+(``--kv-transfer-config '{"kv_connector": "KvpoolConnector", ...}'`` for
+``vllm serve``). Extra settings: ``master`` (required), ``config`` (a kvpool
+TOML for this engine's own pool: tiers, security), ``durable`` (also keep
+``replicas`` copies on kvpool storage nodes, so the KV outlives this engine;
+default false), ``replicas`` (1), ``load_timeout_s`` (how long the model waits
+for a layer before those blocks are recomputed; 30).
+
+One kvpool object per full vLLM block: the block's bytes of every layer,
+layer-major, under the block's prefix hash (:func:`kvpool.hashing.prefix_hashes`
+of the request's tokens, chunk = block size). The bytes are vLLM's own block
+layout, stored as they are: the namespace of the hashes names the model, the
+cache dtype, the block size, the layout of a block (shape and device kind, the
+CPU's vector ISA on CPU) and the tensor-parallel rank, so only an engine that
+reads blocks the same way ever finds them, and a load is a copy of each layer
+straight into the paged cache's block (``out=`` views of it), no decode.
+
+Scheduler side (EngineCore process): one batched ``lookup`` per new request
+(one master round trip) finds how many leading blocks of the prompt kvpool holds
+beyond vLLM's own prefix-cache hits; at most all but the last prompt token load
+(vLLM must compute one). Partial blocks are never stored or loaded.
+
+Worker side: :meth:`KvpoolConnector.start_load_kv` starts pulling layer 0 of every
+block to load, then layer 1, ... on a background thread, each straight into the
+paged cache; :meth:`~KvpoolConnector.wait_for_layer_load` waits for that one layer
+while later layers are still in flight. :meth:`~KvpoolConnector.save_kv_layer`
+copies each layer's newly full blocks out as the forward pass produces them;
+:meth:`~KvpoolConnector.wait_for_save` puts the finished objects (one master
+round trip for all). A block that cannot be loaded whole (a miss, a checksum
+failure, a dead holder, the deadline) is reported to vLLM, which recomputes it:
+kvpool never hands the model bytes it did not verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvpool import errors
+from kvpool.hashing import prefix_hashes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.vllm")
+
+_DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16),
+           torch.float32: ("float32", np.float32), torch.uint8: ("uint8", np.uint8)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config``, checked once at start-up (ConfigError names the setting)."""
+
+    master: str
+    config: str | None = None
+    durable: bool = False
+    replicas: int = 1
+    load_timeout_s: float = 30.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
+        from kvpool.config import check_master_address
+
+        extra = dict(extra or {})
+        known = {"master", "config", "durable", "replicas", "load_timeout_s"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
+        master = extra.get("master")
+        if not isinstance(master, str) or not master:
+            raise errors.ConfigError(
+                'kv_connector_extra_config needs "master": "tcp://HOST:PORT" (the kvpool master, e.g. the one '
+                "kvpool-server starts)")
+        check_master_address(master)
+        config = extra.get("config")
+        if config is not None and not isinstance(config, str):
+            raise errors.ConfigError('kv_connector_extra_config "config" must be the path of a kvpool TOML file')
+        durable, replicas, timeout = extra.get("durable", False), extra.get("replicas", 1), \
+            extra.get("load_timeout_s", 30.0)
+        if not isinstance(durable, bool):
+            raise errors.ConfigError(f'kv_connector_extra_config "durable" must be true or false, got {durable!r}')
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise errors.ConfigError(f'kv_connector_extra_config "replicas" must be an int >= 1, got {replicas!r}')
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise errors.ConfigError(f'kv_connector_extra_config "load_timeout_s" must be > 0, got {timeout!r}')
+        return cls(master, config, durable, replicas, float(timeout))
+
+    def pool_config(self) -> Any:
+        from kvpool.config import Config
+
+        return Config.load(self.config) if self.config else None
+
+
+def model_fingerprint(model: str, revision: str | None = None) -> str:
+    """Names the weights, not just where they are: for a local directory, the names, sizes and
+    modification times of its files (a model saved again at the same path is another model);
+    for a hub id, its revision."""
+    if os.path.isdir(model):
+        hasher = xxhash.xxh3_64()
+        for entry in sorted(os.scandir(model), key=lambda e: e.name):
+            if entry.is_file():
+                st = entry.stat()
+                hasher.update(f"{entry.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        return f"{os.path.realpath(model)}@{hasher.hexdigest()}"
+    return f"{model}@{revision or 'main'}"
+
+
+def namespace_of(vllm_config: VllmConfig, tp_rank: int = 0) -> str:
+    """What must agree for two engines to read each other's blocks (see the module docstring)."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    device = str(getattr(vllm_config.device_config, "device_type", "")) or "cpu"
+    isa = torch.backends.cpu.get_cpu_capability() if device == "cpu" else ""
+    return "|".join(["vllm-blocks-v1", model_fingerprint(str(model.model), model.revision), str(model.dtype), str(cache.cache_dtype),
+                     f"bs{cache.block_size}", f"{device}{'-' + isa if isa else ''}",
+                     f"tp{tp_rank}/{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}"])
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request to load or save this step: ``keys[i]`` is block ``block_ids[i]``."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KvpoolConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side remembers of a running request."""
+
+    request: Any
+    keys: list[bytes]            # prefix hashes of its full prompt blocks
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0          # blocks below this are in kvpool (loaded, hit, or saved)
+    first: int = 0               # blocks vLLM had computed itself when the request arrived
+    load: Transfer | None = None  # blocks to load at its first step
+    hits: int = 0                 # leading blocks kvpool held at lookup
+
+
+class _LayerLoad:
+    """One step's loads: a thread pulls layer by layer; the model waits per layer."""
+
+    def __init__(self, layers: int) -> None:
+        self.done = [threading.Event() for _ in range(layers)]
+        self.failed_blocks: set[int] = set()
+        self.waited_s = 0.0
+        self.started = time.perf_counter()
+        self.finished_s = 0.0
+
+
+class KvpoolConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector over a kvpool cluster (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "blocks_loaded": 0, "blocks_failed": 0,
+                                        "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0}
+        if role == KVConnectorRole.SCHEDULER:
+            from kvpool.master_client import MasterClient
+
+            self.namespace = namespace_of(vllm_config, 0)
+            self._master = MasterClient(self.settings.master, config=self.settings.pool_config())
+            self._tracked: dict[str, _Tracked] = {}
+        else:
+            import kvpool
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.namespace = namespace_of(vllm_config, get_tensor_model_parallel_rank())
+            self._pool = kvpool.connect(self.settings.master, config=self.settings.pool_config())
+            self._layers: list[torch.Tensor] = []
+            self._layer_index: dict[str, int] = {}
+            self._load: _LayerLoad | None = None
+            self._load_thread: threading.Thread | None = None
+            self._staged: dict[bytes, np.ndarray] = {}
+            self._failed_blocks: set[int] = set()
+        log.info("kvpool connector (%s) on master %s, namespace %s", role.name.lower(), self.settings.master,
+                 self.namespace)
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.prompt_token_ids or [])
+        keys = prefix_hashes(tokens, self.block_size, namespace=self.namespace)
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request, keys))
+        loadable = (len(tokens) - 1) // self.block_size  # vLLM computes at least the last token
+        first = num_computed_tokens // self.block_size
+        tracked.saved_upto = tracked.first = first
+        if loadable <= first:
+            return 0, False
+        try:
+            hits = self._master.lookup(keys[:loadable])
+        except errors.KVPoolError as exc:  # no master: compute everything, as without a connector
+            log.warning("kvpool lookup failed (%s): computing request %s", exc, request.request_id)
+            return 0, False
+        self.stats["lookups"] += 1
+        tracked.hits = hits
+        if hits <= first:
+            return 0, False
+        self.stats["blocks_hit"] += hits - first
+        log.debug("request %s: kvpool holds blocks %d..%d of %d", request.request_id, first, hits, len(keys))
+        return (hits - first) * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        first = tracked.first
+        count = num_external_tokens // self.block_size
+        tracked.load = Transfer(request.request_id, tracked.keys[first:first + count],
+                                block_ids[first:first + count])
+        tracked.saved_upto = first + count
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvpoolConnectorMetadata()
+        steps: list[tuple[str, int, list[int] | None, bool]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            steps.append((new.req_id, new.num_computed_tokens, list(new.block_ids[0]), True))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            steps.append((req_id, cached.num_computed_tokens[i], None if new_ids is None else list(new_ids[0]),
+                          req_id in cached.resumed_req_ids))
+        for req_id, computed, block_ids, replace in steps:
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            if block_ids is not None:
+                tracked.block_ids = block_ids if replace else tracked.block_ids + block_ids
+            if tracked.load is not None:
+                meta.loads.append(tracked.load)
+                tracked.load = None
+            # Blocks of the prompt that this step fills are saved as the layers produce them.
+            after = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
+                        len(tracked.keys) * self.block_size)
+            full = min(after // self.block_size, len(tracked.block_ids))
+            if full > tracked.saved_upto:
+                meta.saves.append(Transfer(req_id, tracked.keys[tracked.saved_upto:full],
+                                           tracked.block_ids[tracked.saved_upto:full]))
+                tracked.saved_upto = full
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        return False, None  # saves complete within the step that computed the blocks
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layers = list(kv_caches.values())
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        first = self._layers[0]
+        if first.dtype not in _DTYPES:
+            raise errors.ConfigError(f"kvpool connector: KV cache dtype {first.dtype} is not supported")
+        block = first[0]
+        if not block.is_contiguous() or any(t.shape != first.shape or t.dtype != first.dtype for t in self._layers):
+            raise errors.ConfigError(
+                f"kvpool connector: needs every layer's cache as [num_blocks, ...] with contiguous blocks of one "
+                f"shape, got {tuple(first.shape)} ({'' if block.is_contiguous() else 'non-'}contiguous blocks)")
+        self._dtype_name, self._np_dtype = _DTYPES[first.dtype]
+        elements = block.numel()
+        kv_heads = self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config)
+        if elements % (2 * self.block_size * kv_heads):
+            kv_heads = 1
+        self._shape = (1, 2, self.block_size, kv_heads, elements // (2 * self.block_size * kv_heads))
+        log.info("kvpool connector: %d layers, blocks of %s %s stored as %s", len(self._layers),
+                 tuple(block.shape), first.dtype, self._shape)
+
+    def _block_view(self, layer: int, block_id: int) -> np.ndarray:
+        """The paged cache's block as a writable kvpool layer (``out=`` target), no copy."""
+        block = self._layers[layer][block_id]
+        if block.dtype == torch.bfloat16:
+            block = block.view(torch.int16)
+        return block.numpy().view(self._np_dtype).reshape(self._shape)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpoolConnectorMetadata)
+        keys = [k for t in meta.loads for k in t.keys]
+        block_ids = [b for t in meta.loads for b in t.block_ids]
+        if not keys:
+            return
+        load = self._load = _LayerLoad(len(self._layers))
+
+        def pull() -> None:
+            failed = set()
+            try:
+                for layer in range(len(self._layers)):
+                    outs = [self._block_view(layer, b) for b in block_ids]
+                    try:
+                        got = self._pool.get_many(keys, layers=range(layer, layer + 1), outs=outs)
+                    except errors.KVPoolError as exc:
+                        log.warning("kvpool: loading layer %d failed: %s", layer, exc)
+                        got = [None] * len(keys)
+                    failed.update(b for b, arr in zip(block_ids, got) if arr is None)
+                    load.done[layer].set()
+            finally:
+                load.failed_blocks = failed
+                load.finished_s = time.perf_counter() - load.started
+                for event in load.done:
+                    event.set()
+
+        self._load_thread = threading.Thread(target=pull, name="kvpool-load", daemon=True)
+        self._load_thread.start()
+        self.stats["blocks_loaded"] += len(keys)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        load = self._load
+        layer = self._layer_index.get(layer_name)
+        if load is None or layer is None:
+            return
+        started = time.perf_counter()
+        if not load.done[layer].wait(self.settings.load_timeout_s):
+            log.warning("kvpool: layer %d did not load within %.1f s: its blocks are recomputed", layer,
+                        self.settings.load_timeout_s)
+        load.waited_s += time.perf_counter() - started
+        if layer == len(self._layers) - 1:
+            self._finish_load()
+
+    def _finish_load(self) -> None:
+        load, self._load = self._load, None
+        if load is None:
+            return
+        if self._load_thread is not None:
+            self._load_thread.join(self.settings.load_timeout_s)
+        if load.failed_blocks:
+            self._failed_blocks |= load.failed_blocks
+            self.stats["blocks_failed"] += len(load.failed_blocks)
+            log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(load.failed_blocks))
+        self.stats["load_wait_s"] += load.waited_s
+        self.stats["load_total_s"] += load.finished_s
+        log.debug("kvpool load: %.2f ms in flight, the model waited %.2f ms", load.finished_s * 1e3,
+                  load.waited_s * 1e3)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpoolConnectorMetadata)
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not meta.saves:
+            return
+        layers = len(self._layers)
+        for transfer in meta.saves:
+            for key, block_id in zip(transfer.keys, transfer.block_ids):
+                staged = self._staged.get(key)
+                if staged is None:
+                    staged = self._staged[key] = np.empty((layers, *self._shape[1:]), self._np_dtype)
+                staged[layer] = self._block_view(layer, block_id)[0]
+
+    def wait_for_save(self) -> None:
+        if self._load is not None:  # a step whose model never waited for the last layer
+            self._finish_load()
+        staged, self._staged = self._staged, {}
+        if not staged:
+            return
+        try:
+            if self.settings.durable:
+                for key, arr in staged.items():
+                    self._pool.put(key, arr, dtype=self._dtype_name, durable=True, replicas=self.settings.replicas)
+            else:
+                self._pool.put_many(staged.items(), dtype=self._dtype_name)
+            self.stats["blocks_saved"] += len(staged)
+        except errors.KVPoolError as exc:  # a save that fails is a future miss, never an engine error
+            log.warning("kvpool: saving %d blocks failed: %s", len(staged), exc)
+
+    def shutdown(self) -> None:
+        if self._role == KVConnectorRole.SCHEDULER:
+            self._master.close()
+        else:
+            if self._load_thread is not None:
+                self._load_thread.join(self.settings.load_timeout_s)
+            self._pool.close()
