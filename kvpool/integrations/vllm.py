@@ -155,8 +155,8 @@ def namespace_of(vllm_config: VllmConfig, tp_rank: int = 0) -> str:
     parallel = vllm_config.parallel_config
     device = str(getattr(vllm_config.device_config, "device_type", "")) or "cpu"
     isa = torch.backends.cpu.get_cpu_capability() if device == "cpu" else ""
-    return "|".join(["vllm-blocks-v1", model_fingerprint(str(model.model), model.revision), str(model.dtype), str(cache.cache_dtype),
-                     f"bs{cache.block_size}", f"{device}{'-' + isa if isa else ''}",
+    return "|".join(["vllm-blocks-v1", model_fingerprint(str(model.model), model.revision), str(model.dtype),
+                     str(cache.cache_dtype), f"bs{cache.block_size}", f"{device}{'-' + isa if isa else ''}",
                      f"tp{tp_rank}/{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}"])
 
 
@@ -216,11 +216,14 @@ class KvpoolConnector(KVConnectorBase_V1):
             # vLLM's own default).
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
             self.namespace = namespace_of(vllm_config, 0)
-            self._master = MasterClient(self.settings.master, config=self.settings.pool_config())
+            from kvpool.config import Config
+
+            self._master = MasterClient(self.settings.master, config=Config.load(self.settings.pool_config()))
             self._tracked: dict[str, _Tracked] = {}
         else:
-            import kvpool
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            import kvpool
 
             self.namespace = namespace_of(vllm_config, get_tensor_model_parallel_rank())
             self._pool = kvpool.connect(self.settings.master, config=self.settings.pool_config())
@@ -340,7 +343,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         load = self._load = _LayerLoad(len(self._layers))
 
         def pull() -> None:
-            failed = set()
+            failed: set[int] = set()
             try:
                 for layer in range(len(self._layers)):
                     outs = [self._block_view(layer, b) for b in block_ids]
