@@ -125,3 +125,122 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     log = (tmp_path / "second.log").read_text()
     assert "kvpool: 1 blocks failed to load" in log
     assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in log
+
+
+# -- the connector's parts, without an engine ------------------------------------------------
+
+
+def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) -> None:
+    from kvpool import errors
+    from kvpool.integrations.vllm import Settings
+
+    good = Settings.from_extra({"master": "tcp://127.0.0.1:7700"})
+    assert (good.durable, good.replicas, good.on_load_failure, good.pool_config()) == (False, 1, "recompute", {})
+    for extra, says in [({}, '"master"'), ({"master": ""}, '"master"'), ({"master": "localhost:7700"}, "tcp://"),
+                        ({"master": "tcp://h:1", "replicas": 0}, "replicas"),
+                        ({"master": "tcp://h:1", "durable": "yes"}, "durable"),
+                        ({"master": "tcp://h:1", "load_timeout_s": -1}, "load_timeout_s"),
+                        ({"master": "tcp://h:1", "on_load_failure": "ignore"}, "on_load_failure"),
+                        ({"master": "tcp://h:1", "mastr": "x"}, "unknown setting")]:
+        with pytest.raises(errors.ConfigError, match=says):
+            Settings.from_extra(extra)
+    with pytest.raises(errors.ConfigError, match="cannot read"):
+        Settings.from_extra({"master": "tcp://h:1", "config": str(tmp_path / "missing.toml")}).pool_config()
+    toml = tmp_path / "engine.toml"
+    toml.write_text('[tiers.dram]\ncapacity = "8MiB"\n')
+    assert Settings.from_extra({"master": "tcp://h:1", "config": str(toml)}).pool_config() == {
+        "tiers": {"dram": {"capacity": "8MiB"}}}
+
+
+def test_the_namespace_names_the_weights_not_just_their_path(tmp_path: Path) -> None:
+    from kvpool.integrations.vllm import model_fingerprint
+
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 100)
+    before = model_fingerprint(str(tmp_path))
+    assert model_fingerprint(str(tmp_path)) == before
+    (tmp_path / "model.safetensors").write_bytes(b"b" * 101)  # saved again at the same path
+    assert model_fingerprint(str(tmp_path)) != before
+    assert model_fingerprint("org/model", "abc") != model_fingerprint("org/model", "def")
+
+
+def _scheduler(master_address: str):
+    """The scheduler half of a KvpoolConnector without an engine: its state, a real master."""
+    from kvpool.integrations.vllm import KvpoolConnector
+    from kvpool.master_client import MasterClient
+
+    connector = object.__new__(KvpoolConnector)
+    connector.block_size = BLOCK
+    connector.namespace = "test-namespace"
+    connector.stats = {"lookups": 0, "blocks_hit": 0}
+    connector._master = MasterClient(master_address, request_timeout_s=5.0)
+    connector._tracked = {}
+    return connector
+
+
+def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_path: Path, spawn_python) -> None:
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import kvpool
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata
+    from kvpool.master_client import MasterClient
+
+    def answers(address: str) -> bool:
+        with MasterClient(address, request_timeout_s=0.5) as probe:
+            return bool(probe.ping())
+
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    spawn_python(["-m", "kvpool.daemon", "--role", "master", "--master.listen", master],
+                 ready=lambda: answers(master), timeout_s=30)
+    tokens = list(range(1, 4 * BLOCK + 1))  # exactly 4 full blocks
+    keys = prefix_hashes(tokens, BLOCK, namespace="test-namespace")
+    holder = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "holder")},
+                                            "tiers": {"dram": {"capacity": "8MiB", "mlock": False},
+                                                      "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                            "master": {"listen": master}})
+    connector = _scheduler(master)
+    try:
+        for key in keys[:3]:  # the pool holds blocks 0..2
+            holder.put(key, np.zeros((2, 2, BLOCK, 1, 8), np.float16))
+        request = SimpleNamespace(request_id="r1", prompt_token_ids=tokens, num_computed_tokens=0)
+        # Nothing computed locally: blocks 0..2 load (the 4th is not held, and the last prompt
+        # token is always computed by vLLM anyway).
+        assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+        connector.update_state_after_alloc(request, blocks, 3 * BLOCK)
+        step = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="r1", num_computed_tokens=3 * BLOCK,
+                                                block_ids=([10, 11, 12, 13],))],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                  resumed_req_ids=set()),
+            num_scheduled_tokens={"r1": BLOCK})
+        meta = connector.build_connector_meta(step)
+        assert isinstance(meta, KvpoolConnectorMetadata)
+        [load] = meta.loads
+        assert (load.keys, load.block_ids) == (keys[:3], [10, 11, 12])
+        [save] = meta.saves  # the step computes block 3: saved as the layers produce it
+        assert (save.keys, save.block_ids) == (keys[3:4], [13])
+        # The next step (decode) saves nothing more: generated tokens are not prompt blocks.
+        step.scheduled_new_reqs = []
+        step.scheduled_cached_reqs = SimpleNamespace(req_ids=["r1"], new_block_ids=[None],
+                                                     num_computed_tokens=[4 * BLOCK], resumed_req_ids=set())
+        step.num_scheduled_tokens = {"r1": 1}
+        meta = connector.build_connector_meta(step)
+        assert meta.loads == [] and meta.saves == []
+
+        # vLLM's own prefix cache had the first block: only blocks 1..2 come from kvpool.
+        request2 = SimpleNamespace(request_id="r2", prompt_token_ids=tokens[:3 * BLOCK + 5], num_computed_tokens=0)
+        assert connector.get_num_new_matched_tokens(request2, BLOCK) == (2 * BLOCK, False)
+        # All but the last token at most: a prompt of exactly 3 held blocks loads 2 of them.
+        request3 = SimpleNamespace(request_id="r3", prompt_token_ids=tokens[:3 * BLOCK], num_computed_tokens=0)
+        assert connector.get_num_new_matched_tokens(request3, 0) == (2 * BLOCK, False)
+        # Another namespace (model, dtype, layout) never matches.
+        connector.namespace = "another-model"
+        connector._tracked.clear()
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        connector.request_finished(request, [])
+        assert "r1" not in connector._tracked
+    finally:
+        connector._master.close()
+        holder.close()
