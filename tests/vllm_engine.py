@@ -28,13 +28,14 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 BLOCK_SIZE = 128  # vLLM's CPU attention block size
 
 
-def make_model(path: str, layers: int = 4) -> None:
+def make_model(path: str, layers: int = 4, hidden: int = 256, kv_heads: int = 2) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    config = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=kv_heads, head_dim=64,
+                         max_position_embeddings=4096)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> None:
 
     kwargs: dict = {}
     if args.connector == "kvpool":
-        extra = {"master": args.master, "durable": args.durable}
+        extra = {"master": args.master, "durable": args.durable, "transport": args.transport}
         if args.config:
             extra["config"] = args.config
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -94,6 +95,8 @@ def main() -> None:
     make = sub.add_parser("make-model", help="build and save the tiny Llama")
     make.add_argument("path")
     make.add_argument("--layers", type=int, default=4)
+    make.add_argument("--hidden", type=int, default=256, help="hidden size (64 per attention head)")
+    make.add_argument("--kv-heads", type=int, default=2)
     go = sub.add_parser("run", help="generate for every prompt")
     go.add_argument("model")
     go.add_argument("prompts", help="JSON list of token-id lists")
@@ -102,13 +105,14 @@ def main() -> None:
     go.add_argument("--master", default="tcp://127.0.0.1:7700", help="kvpool master")
     go.add_argument("--config", default="", help="kvpool TOML for the engine's own pool")
     go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")
+    go.add_argument("--transport", choices=["auto", "tcp"], default="auto", help="kvpool: how pulls travel")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
     go.add_argument("--max-tokens", type=int, default=8)
     go.add_argument("--max-model-len", type=int, default=4096)
     go.add_argument("--batch", action="store_true", help="all prompts in one generate call")
     args = parser.parse_args()
     if args.command == "make-model":
-        make_model(args.path, args.layers)
+        make_model(args.path, args.layers, args.hidden, args.kv_heads)
     else:
         run(args)
 

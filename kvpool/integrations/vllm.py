@@ -15,7 +15,8 @@ TOML for this engine's own pool: tiers, security), ``durable`` (also keep
 default false), ``replicas`` (1), ``load_timeout_s`` (how long the model waits
 for a layer before those blocks are recomputed; 30), ``on_load_failure``
 (``"recompute"``, the default: a block kvpool cannot deliver intact is computed
-instead; ``"fail"``: vLLM fails the request, its own default).
+instead; ``"fail"``: vLLM fails the request, its own default), ``transport``
+(``"auto"``: same-host holders over shared memory, others over TCP; ``"tcp"``).
 
 One kvpool object per full vLLM block: the block's bytes of every layer,
 layer-major, under the block's prefix hash (:func:`kvpool.hashing.prefix_hashes`
@@ -88,13 +89,14 @@ class Settings:
     replicas: int = 1
     load_timeout_s: float = 30.0
     on_load_failure: str = "recompute"
+    transport: str = "auto"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
         from kvpool.config import check_master_address
 
         extra = dict(extra or {})
-        known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure"}
+        known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -119,7 +121,11 @@ class Settings:
         if on_failure not in ("recompute", "fail"):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "on_load_failure" must be "recompute" or "fail", got {on_failure!r}')
-        return cls(master, config, durable, replicas, float(timeout), on_failure)
+        transport = extra.get("transport", "auto")
+        if transport not in ("auto", "tcp"):
+            raise errors.ConfigError(
+                f'kv_connector_extra_config "transport" must be "auto" or "tcp", got {transport!r}')
+        return cls(master, config, durable, replicas, float(timeout), on_failure, transport)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
@@ -194,6 +200,7 @@ class _LayerLoad:
     def __init__(self, layers: int) -> None:
         self.done = [threading.Event() for _ in range(layers)]
         self.failed_blocks: set[int] = set()
+        self.blocks = 0
         self.waited_s = 0.0
         self.started = time.perf_counter()
         self.finished_s = 0.0
@@ -226,7 +233,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             import kvpool
 
             self.namespace = namespace_of(vllm_config, get_tensor_model_parallel_rank())
-            self._pool = kvpool.connect(self.settings.master, config=self.settings.pool_config())
+            self._pool = kvpool.connect(self.settings.master, config=self.settings.pool_config(),
+                                        transport=self.settings.transport)
             self._layers: list[torch.Tensor] = []
             self._layer_index: dict[str, int] = {}
             self._load: _LayerLoad | None = None
@@ -341,6 +349,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         if not keys:
             return
         load = self._load = _LayerLoad(len(self._layers))
+        load.blocks = len(keys)
 
         def pull() -> None:
             failed: set[int] = set()
@@ -389,8 +398,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(load.failed_blocks))
         self.stats["load_wait_s"] += load.waited_s
         self.stats["load_total_s"] += load.finished_s
-        log.debug("kvpool load: %.2f ms in flight, the model waited %.2f ms", load.finished_s * 1e3,
-                  load.waited_s * 1e3)
+        log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them", load.blocks,
+                 len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
