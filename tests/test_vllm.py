@@ -166,13 +166,19 @@ def test_the_namespace_names_the_weights_not_just_their_path(tmp_path: Path) -> 
 
 def _scheduler(master_address: str):
     """The scheduler half of a KvpoolConnector without an engine: its state, a real master."""
-    from kvpool.integrations.vllm import KvpoolConnector
+    from collections import Counter
+
+    from kvpool.integrations.planner import Planner
+    from kvpool.integrations.vllm import KvpoolConnector, Settings
     from kvpool.master_client import MasterClient
 
     connector = object.__new__(KvpoolConnector)
+    connector.settings = Settings.from_extra({"master": master_address})
     connector.block_size = BLOCK
     connector.namespace = "test-namespace"
-    connector.stats = {"lookups": 0, "blocks_hit": 0}
+    connector.stats = Counter()
+    connector.planner = Planner()
+    connector._block_bytes = connector._layers_count = 0
     connector._master = MasterClient(master_address, request_timeout_s=5.0)
     connector._tracked = {}
     return connector
@@ -215,9 +221,9 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
                                                 block_ids=([10, 11, 12, 13],))],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
                                                   resumed_req_ids=set()),
-            num_scheduled_tokens={"r1": BLOCK})
+            num_scheduled_tokens={"r1": BLOCK}, total_num_scheduled_tokens=BLOCK)
         meta = connector.build_connector_meta(step)
-        assert isinstance(meta, KvpoolConnectorMetadata)
+        assert isinstance(meta, KvpoolConnectorMetadata) and meta.num_tokens == BLOCK
         [load] = meta.loads
         assert (load.keys, load.block_ids) == (keys[:3], [10, 11, 12])
         [save] = meta.saves  # the step computes block 3: saved as the layers produce it
@@ -226,7 +232,7 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         step.scheduled_new_reqs = []
         step.scheduled_cached_reqs = SimpleNamespace(req_ids=["r1"], new_block_ids=[None],
                                                      num_computed_tokens=[4 * BLOCK], resumed_req_ids=set())
-        step.num_scheduled_tokens = {"r1": 1}
+        step.num_scheduled_tokens, step.total_num_scheduled_tokens = {"r1": 1}, 1
         meta = connector.build_connector_meta(step)
         assert meta.loads == [] and meta.saves == []
 
@@ -236,6 +242,20 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         # All but the last token at most: a prompt of exactly 3 held blocks loads 2 of them.
         request3 = SimpleNamespace(request_id="r3", prompt_token_ids=tokens[:3 * BLOCK], num_computed_tokens=0)
         assert connector.get_num_new_matched_tokens(request3, 0) == (2 * BLOCK, False)
+        # The workers' measurements reach the planner: a link this slow (1 s per request) against
+        # an engine this fast makes recomputing the held blocks cheaper, so none load.
+        from kvpool.integrations.vllm import KvpoolStats, Settings
+
+        connector._tracked.clear()
+        connector.update_connector_output(SimpleNamespace(kv_connector_stats=KvpoolStats(data={
+            "pulls": [[1 << 20, 1.0], [2 << 20, 1.0 + 1e-3]], "prefill": [[4096, 0.01]],
+            "block_bytes": 2 * BLOCK * 8 * 2, "layers": 2})))
+        assert connector.planner.alpha_s > 0.9 and connector.planner.prefill_tokens_per_s == 409600
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert connector.stats["plan_recomputed_blocks"] == 3
+        connector.settings = Settings.from_extra({"master": master, "plan": False})  # always load
+        connector._tracked.clear()
+        assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
         # Another namespace (model, dtype, layout) never matches.
         connector.namespace = "another-model"
         connector._tracked.clear()

@@ -61,9 +61,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import errors
 from kvpool.hashing import prefix_hashes
+from kvpool.integrations.planner import Planner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,13 +92,14 @@ class Settings:
     load_timeout_s: float = 30.0
     on_load_failure: str = "recompute"
     transport: str = "auto"
+    plan: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
         from kvpool.config import check_master_address
 
         extra = dict(extra or {})
-        known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport"}
+        known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport", "plan"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -125,7 +128,10 @@ class Settings:
         if transport not in ("auto", "tcp"):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "transport" must be "auto" or "tcp", got {transport!r}')
-        return cls(master, config, durable, replicas, float(timeout), on_failure, transport)
+        plan = extra.get("plan", True)
+        if not isinstance(plan, bool):
+            raise errors.ConfigError(f'kv_connector_extra_config "plan" must be true or false, got {plan!r}')
+        return cls(master, config, durable, replicas, float(timeout), on_failure, transport, plan)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
@@ -179,6 +185,39 @@ class Transfer:
 class KvpoolConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    num_tokens: int = 0  # tokens the step computes (the worker measures the prefill rate)
+
+
+class KvpoolStats(KVConnectorStats):
+    """What a worker measured since its last report, for the scheduler's planner and vLLM's
+    stats log: ``pulls`` [[bytes, seconds]] of each load request, ``prefill`` [[tokens,
+    seconds]] of each step that computed at least a block, ``block_bytes`` (one block, one
+    layer), ``layers``, and counters."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in (other.data or {}).items():
+            if isinstance(value, list):
+                self.data.setdefault(name, []).extend(value)
+            elif name in ("block_bytes", "layers"):
+                self.data[name] = value
+            else:
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        pulls, prefill = self.data.get("pulls", []), self.data.get("prefill", [])
+        return {"pulls": len(pulls), "MB pulled": round(sum(b for b, _ in pulls) / 1e6, 3),
+                "pull s": round(sum(t for _, t in pulls), 4),
+                "prefill tokens/s": round(sum(n for n, _ in prefill) / max(sum(t for _, t in prefill), 1e-9), 1),
+                **{k: v for k, v in self.data.items()
+                   if not isinstance(v, list) and k not in ("block_bytes", "layers")}}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in ("pulls", "prefill", "blocks_loaded", "blocks_saved",
+                                                    "blocks_failed"))
 
 
 @dataclass
@@ -214,7 +253,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "blocks_loaded": 0, "blocks_failed": 0,
-                                        "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0}
+                                        "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0,
+                                        "plan_loaded_blocks": 0, "plan_recomputed_blocks": 0}
         if role == KVConnectorRole.SCHEDULER:
             from kvpool.master_client import MasterClient
 
@@ -227,6 +267,9 @@ class KvpoolConnector(KVConnectorBase_V1):
 
             self._master = MasterClient(self.settings.master, config=Config.load(self.settings.pool_config()))
             self._tracked: dict[str, _Tracked] = {}
+            self.planner = Planner()
+            self._block_bytes = 0  # one block of one layer, as the workers report it
+            self._layers_count = 0
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -240,6 +283,11 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._load: _LayerLoad | None = None
             self._load_thread: threading.Thread | None = None
             self._staged: dict[bytes, np.ndarray] = {}
+            self._report: dict[str, Any] = {}  # measured since the last get_kv_connector_stats
+            self._step_started = 0.0
+            self._last_waited = 0.0  # of this step's load, once finished
+            self._reported: dict[str, float] = {}
+            self._block_nbytes = 0
             self._failed_blocks: set[int] = set()
         log.info("kvpool connector (%s) on master %s, namespace %s", role.name.lower(), self.settings.master,
                  self.namespace)
@@ -264,9 +312,41 @@ class KvpoolConnector(KVConnectorBase_V1):
         tracked.hits = hits
         if hits <= first:
             return 0, False
-        self.stats["blocks_hit"] += hits - first
+        held = hits - first
+        self.stats["blocks_hit"] += held
+        if self.settings.plan and self._block_bytes:
+            block_bytes = self._block_bytes * self._layers_count
+            transfer = self.planner.transfer_s(held, block_bytes, self._layers_count)
+            recompute = self.planner.recompute_s(held, self.block_size)
+            if not self.planner.blocks_to_load(held, block_bytes, self.block_size, self._layers_count):
+                self.stats["plan_recomputed_blocks"] += held
+                log.info("kvpool plan: request %s recomputes %d held blocks: %.2f ms beats loading them in "
+                         "%.2f ms (alpha %.3f ms, beta %.2f GB/s, prefill %.0f tokens/s)", request.request_id,
+                         held, (recompute or 0) * 1e3, transfer * 1e3, self.planner.alpha_s * 1e3,
+                         self.planner.beta_bytes_per_s / 1e9, self.planner.prefill_tokens_per_s)
+                return 0, False
+            self.stats["plan_loaded_blocks"] += held
+            log.debug("kvpool plan: request %s loads %d blocks in ~%.2f ms (recompute: %s ms)", request.request_id,
+                      held, transfer * 1e3, "?" if recompute is None else f"{recompute * 1e3:.2f}")
         log.debug("request %s: kvpool holds blocks %d..%d of %d", request.request_id, first, hits, len(keys))
-        return (hits - first) * self.block_size, False
+        return held * self.block_size, False
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' measurements (:class:`KvpoolStats`) refine the planner."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None)
+        if not isinstance(data, dict):
+            return
+        for nbytes, seconds in data.get("pulls", []):
+            self.planner.observe_pull(nbytes, seconds)
+        for tokens, seconds in data.get("prefill", []):
+            self.planner.observe_prefill(tokens, seconds)
+        self._block_bytes = int(data.get("block_bytes") or self._block_bytes)
+        self._layers_count = int(data.get("layers") or self._layers_count)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvpoolStats(data=dict(data or {}))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._tracked.get(request.request_id)
@@ -280,7 +360,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         tracked.saved_upto = first + count
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvpoolConnectorMetadata()
+        meta = KvpoolConnectorMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
         steps: list[tuple[str, int, list[int] | None, bool]] = []
         for new in scheduler_output.scheduled_new_reqs:
             steps.append((new.req_id, new.num_computed_tokens, list(new.block_ids[0]), True))
@@ -326,6 +406,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 f"kvpool connector: needs every layer's cache as [num_blocks, ...] with contiguous blocks of one "
                 f"shape, got {tuple(first.shape)} ({'' if block.is_contiguous() else 'non-'}contiguous blocks)")
         self._dtype_name, self._np_dtype = _DTYPES[first.dtype]
+        self._block_nbytes = block.numel() * block.element_size()
         elements = block.numel()
         kv_heads = self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config)
         if elements % (2 * self.block_size * kv_heads):
@@ -344,6 +425,7 @@ class KvpoolConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
+        self._step_started = time.perf_counter()
         keys = [k for t in meta.loads for k in t.keys]
         block_ids = [b for t in meta.loads for b in t.block_ids]
         if not keys:
@@ -356,11 +438,15 @@ class KvpoolConnector(KVConnectorBase_V1):
             try:
                 for layer in range(len(self._layers)):
                     outs = [self._block_view(layer, b) for b in block_ids]
+                    started = time.perf_counter()
                     try:
                         got = self._pool.get_many(keys, layers=range(layer, layer + 1), outs=outs)
                     except errors.KVPoolError as exc:
                         log.warning("kvpool: loading layer %d failed: %s", layer, exc)
                         got = [None] * len(keys)
+                    if all(arr is not None for arr in got):  # a request's cost, for the planner
+                        self._report.setdefault("pulls", []).append(
+                            [len(keys) * self._block_nbytes, time.perf_counter() - started])
                     failed.update(b for b, arr in zip(block_ids, got) if arr is None)
                     load.done[layer].set()
             finally:
@@ -396,10 +482,24 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._failed_blocks |= load.failed_blocks
             self.stats["blocks_failed"] += len(load.failed_blocks)
             log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(load.failed_blocks))
+        self._last_waited = load.waited_s
         self.stats["load_wait_s"] += load.waited_s
         self.stats["load_total_s"] += load.finished_s
         log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them", load.blocks,
                  len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._role == KVConnectorRole.SCHEDULER:
+            return None
+        report, self._report = self._report, {}
+        for name in ("blocks_loaded", "blocks_saved", "blocks_failed"):
+            counted = int(self.stats[name] - self._reported.get(name, 0))
+            if counted:
+                report[name] = counted
+                self._reported[name] = self.stats[name]
+        if not report:
+            return None
+        return KvpoolStats(data={**report, "block_bytes": self._block_nbytes, "layers": len(self._layers)})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -420,8 +520,14 @@ class KvpoolConnector(KVConnectorBase_V1):
                 staged[layer] = self._block_view(layer, block_id)[0]
 
     def wait_for_save(self) -> None:
+        waited = self._load.waited_s if self._load is not None else self._last_waited
         if self._load is not None:  # a step whose model never waited for the last layer
             self._finish_load()
+        meta = self._connector_metadata
+        if isinstance(meta, KvpoolConnectorMetadata) and meta.num_tokens >= self.block_size and self._step_started:
+            seconds = time.perf_counter() - self._step_started - waited  # computing, not waiting for loads
+            self._report.setdefault("prefill", []).append([meta.num_tokens, seconds])
+        self._step_started, self._last_waited = 0.0, 0.0
         staged, self._staged = self._staged, {}
         if not staged:
             return
