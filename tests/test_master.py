@@ -595,16 +595,21 @@ class FakeStorage:
         self.requests: list[dict[str, Any]] = []
         self.fail = False
         self.stopping = threading.Event()
+        # Everything _serve uses exists before it runs: the master may ask this node for a copy
+        # as soon as make_node registers it.
+        self.committer = MasterClient(master, request_timeout_s=2.0)
+        self.registered = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
         self.node = make_node(control=f"tcp://127.0.0.1:{port}", **kwargs)
-        self.committer = MasterClient(master, request_timeout_s=2.0)
+        self.registered.set()
 
     def _serve(self) -> None:
         while not self.stopping.is_set():
             if not self.socket.poll(50):
                 continue
             ident, payload = self.socket.recv_multipart()
+            self.registered.wait(10)  # a request may come while make_node is still returning
             request = P.unpack_control_request(payload)  # [version, request_id, op, body]
             body = request.body
             self.requests.append(body)
