@@ -118,7 +118,8 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     # the second prefix's first block, over UCX TCP as from another host (the shared-memory path
     # is bench/vllm_bench.py's); the corrupt block fails its checksum, so vLLM recomputes from
     # there. Every output is the plain engine's, token for token.
-    second = engine(tmp_path, "second", *common, *kv, "--transport", "tcp")
+    # (--no-plan: this tiny model recomputes faster than it loads, and the planner would say so.)
+    second = engine(tmp_path, "second", *common, *kv, "--transport", "tcp", "--no-plan")
     assert [o["tokens"] for o in second["outputs"]] == tokens
     # vLLM counts the tokens it was promised as cached (3 blocks each; a new engine has nothing
     # of its own), and reports the recompute of the corrupt block and the one after it.

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> None:
 
     kwargs: dict = {}
     if args.connector == "kvpool":
-        extra = {"master": args.master, "durable": args.durable, "transport": args.transport}
+        extra = {"master": args.master, "durable": args.durable, "transport": args.transport, "plan": not args.no_plan}
         if args.config:
             extra["config"] = args.config
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -106,6 +106,7 @@ def main() -> None:
     go.add_argument("--config", default="", help="kvpool TOML for the engine's own pool")
     go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")
     go.add_argument("--transport", choices=["auto", "tcp"], default="auto", help="kvpool: how pulls travel")
+    go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
     go.add_argument("--max-tokens", type=int, default=8)
     go.add_argument("--max-model-len", type=int, default=4096)
