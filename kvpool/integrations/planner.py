@@ -31,21 +31,22 @@ class Planner:
 
     def observe_pull(self, nbytes: float, seconds: float) -> None:
         """One request of a load: its bytes and how long it took."""
-        if nbytes <= 0 or seconds <= 0:
-            return
-        self._pulls.append((float(nbytes), float(seconds)))
-        while len(self._pulls) > self.window:
-            self._pulls.popleft()
-        self._fit_link()
+        if self._keep(self._pulls, nbytes, seconds):
+            self._fit_link()
 
     def observe_prefill(self, tokens: float, seconds: float) -> None:
         """One forward step that computed ``tokens`` tokens (time spent waiting for loads excluded)."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        self._steps.append((float(tokens), float(seconds)))
-        while len(self._steps) > self.window:
-            self._steps.popleft()
-        self.prefill_tokens_per_s = sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
+        if self._keep(self._steps, tokens, seconds):
+            self.prefill_tokens_per_s = sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
+
+    def _keep(self, samples: deque[tuple[float, float]], amount: float, seconds: float) -> bool:
+        """Add a sample (the oldest beyond ``window`` go); False for a meaningless one."""
+        if amount <= 0 or seconds <= 0:
+            return False
+        samples.append((float(amount), float(seconds)))
+        while len(samples) > self.window:
+            samples.popleft()
+        return True
 
     def _fit_link(self) -> None:
         """Least squares of seconds = alpha + bytes / beta over the samples kept; the fit is used
