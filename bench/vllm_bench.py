@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
+                        help="the storage node's nvme reads: O_DIRECT (auto/on) or through the page cache (off)")
     parser.add_argument("--plot", default="", help="write a bar chart of TTFT p50 here")
     args = parser.parse_args()
 
@@ -89,7 +91,8 @@ def main() -> None:
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvpool.daemon", "--pool.name", "vllm-bench", "--pool.data_dir", str(work / "storage"),
          "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "1GiB",
-         "--tiers.nvme.segment_size", "256MiB", "--master.listen", master, "--metrics.port", str(metrics)],
+         "--tiers.nvme.segment_size", "256MiB", "--tiers.nvme.direct_io", args.direct_io, "--master.listen", master,
+         "--metrics.port", str(metrics)],
         cwd=REPO_ROOT, stdout=(work / "daemon.log").open("wb"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -120,7 +123,8 @@ def main() -> None:
         store = work / "example-store"
         kv = ["--connector", "kvpool", "--master", master, "--config", str(config)]
         print(f"{args.docs} documents of {args.prefix} tokens + 16-token tails; model: {args.layers} layers, hidden "
-              f"{args.hidden}, {args.kv_heads} KV heads of 64, bfloat16; block 128", flush=True)
+              f"{args.hidden}, {args.kv_heads} KV heads of 64, bfloat16; block 128; storage node nvme direct_io "
+              f"{args.direct_io}", flush=True)
         engine(work, "warm-example", model, warm, "--connector", "example", "--store", str(store))
         engine(work, "warm-kvpool", model, warm, *kv, "--durable")
         runs = [("no connector (recompute)", []), ("vLLM ExampleConnector (disk)", ["--connector", "example",

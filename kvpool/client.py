@@ -290,6 +290,15 @@ class ClusterPool(Pool):
         for i, key in enumerate(keys):
             if results[i] is None:
                 results[i] = self._reader.read_same_host(key, layers, outs[i], self._out_view)
+        # Where keys were found last time, without the master: pulled concurrently; a replica no
+        # longer there (or a token about to expire) is located again below.
+        remembered = [(i, self._reader.remembered(keys[i])) for i, r in enumerate(results) if r is None]
+        remembered = [(i, replicas) for i, replicas in remembered if replicas]
+        if remembered:
+            pulled = self._reader.read_many([keys[i] for i, _ in remembered], [r for _, r in remembered], layers,
+                                            self._out_view, [outs[i] for i, _ in remembered], count_misses=False)
+            for (i, _), arr in zip(remembered, pulled):
+                results[i] = arr
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             located = self._master.locate_many([keys[i] for i in missing], lease=True)

@@ -300,7 +300,7 @@ class ReplicaReader:
         return sorted(others, key=lambda r: (r.get("host_id") != self.host_id, r.get("tier") != "cxl"))
 
     def read(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any, out: Any,
-             out_view: OutView) -> np.ndarray | None:
+             out_view: OutView, count_misses: bool = True) -> np.ndarray | None:
         """The layers from the first replica that delivers them intact, or None (counted by reason).
 
         Raises LayerRangeError / OutBufferError for the caller's mistakes (the
@@ -308,15 +308,19 @@ class ReplicaReader:
         Replicas that served are remembered for :meth:`read_cached`.
         """
         if not replicas:
-            self.counters["miss_absent"] += 1
+            self.counters["miss_absent"] += count_misses
             return None
         replicas = self.clean(replicas)
         if not replicas:
-            self.counters["miss_malformed"] += 1
+            self.counters["miss_malformed"] += count_misses
             return None
         failed: set[str] = set()
-        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=True,
+        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=count_misses,
                                  failed=failed)  # ordered() keeps the checked records as they are
+        if not count_misses:  # a remembered location: counted as such, forgotten when it failed
+            self.counters["location_cache_hits" if arr is not None else "location_cache_stale"] += 1
+            if arr is None:
+                self.forget(key)
         if arr is not None and self.location_cache_size:
             keep = [r for r in replicas if r.get("node_id") not in failed]
             with self._lock:
@@ -325,6 +329,21 @@ class ReplicaReader:
                 while len(self._locations) > self.location_cache_size:
                     self._locations.popitem(last=False)
         return arr
+
+    def remembered(self, key: bytes) -> list[LocatedReplica] | None:
+        """The replicas ``key`` was read from last time whose tokens are still good for a while
+        (None: not remembered, or locate again)."""
+        with self._lock:
+            replicas = self._locations.get(key)
+        if replicas is None:
+            return None
+        soon = time.time() + _TOKEN_MARGIN_S
+        current = [r for r in replicas if ClusterKey.token_expiry_s(r.get("token", b"")) > soon]
+        if not current:
+            self.counters["location_cache_expired"] += 1
+            self.forget(key)
+            return None
+        return current
 
     def read_cached(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> np.ndarray | None:
         """Read from where ``key`` was found last time, without asking the master; None if
@@ -437,16 +456,16 @@ class ReplicaReader:
         return None
 
     def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Any,
-                  out_view: OutView, outs: Sequence[Any]) -> list[np.ndarray | None]:
+                  out_view: OutView, outs: Sequence[Any], count_misses: bool = True) -> list[np.ndarray | None]:
         """``read`` for many keys with their pulls in flight together (results in order)."""
         jobs = list(zip(keys, replicas, outs))
         if len(jobs) <= 1:
-            return [self.read(k, r, layers, out, out_view) for k, r, out in jobs]
+            return [self.read(k, r, layers, out, out_view, count_misses) for k, r, out in jobs]
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(_PARALLEL_PULLS, thread_name_prefix="kvpool-pull")
             pool = self._pool
-        futures = [pool.submit(self.read, k, r, layers, out, out_view) for k, r, out in jobs]
+        futures = [pool.submit(self.read, k, r, layers, out, out_view, count_misses) for k, r, out in jobs]
         return [f.result() for f in futures]
 
     def read_into(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,

@@ -119,9 +119,15 @@ def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
         reader.delete(key_of(1))  # deleted everywhere: the remembered location is forgotten too
         assert reader.get(key_of(1)) is None
         outs = [np.empty((2,) + content(0).shape[1:], np.float16) for _ in range(2)]
+        asked = cluster.client.stats()["counters"]["key_hits"]
+        hits = reader.stats()["remote"]["location_cache_hits"]
         into = reader.get_many([key_of(0), key_of(2)], layers=range(3, 5), outs=outs)
         assert into[0] is outs[0] and into[1] is outs[1]
         np.testing.assert_array_equal(outs[0], content(0)[3:5])
+        np.testing.assert_array_equal(outs[1], content(2)[3:5])
+        # both were read before: pulled from where they were, the master not asked
+        assert reader.stats()["remote"]["location_cache_hits"] == hits + 2
+        assert cluster.client.stats()["counters"]["key_hits"] == asked
     finally:
         reader.close()
 
