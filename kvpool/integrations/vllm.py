@@ -423,10 +423,15 @@ class KvpoolConnector(KVConnectorBase_V1):
             block = block.view(torch.int16)
         return block.numpy().view(self._np_dtype).reshape(self._shape)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Each step starts here, before its forward pass (vLLM starts loads only after the
+        forward when the step has none to wait for): the step's compute time runs from here."""
+        super().bind_connector_metadata(connector_metadata)
+        self._step_started = time.perf_counter()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
-        self._step_started = time.perf_counter()
         keys = [k for t in meta.loads for k in t.keys]
         block_ids = [b for t in meta.loads for b in t.block_ids]
         if not keys:
