@@ -179,7 +179,7 @@ def _scheduler(master_address: str):
     connector.namespace = "test-namespace"
     connector.stats = Counter()
     connector.planner = Planner()
-    connector._block_bytes = connector._layers_count = 0
+    connector._block_bytes = connector._layers_count = connector._rounds = 0
     connector._master = MasterClient(master_address, request_timeout_s=5.0)
     connector._tracked = {}
     return connector
@@ -266,3 +266,95 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
     finally:
         connector._master.close()
         holder.close()
+
+
+@pytest.mark.parametrize("layers_per_pull", [1, 3, "auto"])
+def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_filled(
+        tmp_path: Path, spawn_python, layers_per_pull) -> None:
+    """The worker half against a real master and a real holder, with paged caches shaped as
+    vLLM-CPU's ([blocks, kv_heads, block, 2 * head_dim] per layer): one layer per pull lands
+    straight in the cache; several go through one buffer and a copy."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import kvpool
+    from kvpool.integrations.vllm import KvpoolConnector, KvpoolConnectorMetadata, Settings, Transfer
+    from kvpool.master_client import MasterClient
+
+    def answers(address: str) -> bool:
+        with MasterClient(address, request_timeout_s=0.5) as probe:
+            return bool(probe.ping())
+
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    spawn_python(["-m", "kvpool.daemon", "--role", "master", "--master.listen", master],
+                 ready=lambda: answers(master), timeout_s=30)
+    layers, blocks, heads, head_dim = 5, 8, 2, 16
+    settings = Settings.from_extra({"master": master, "layers_per_pull": layers_per_pull})
+
+    def pool(name: str):
+        return kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / name)},
+                                              "tiers": {"dram": {"capacity": "16MiB", "mlock": False},
+                                                        "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                              "master": {"listen": master}})
+
+    def worker(name: str) -> KvpoolConnector:
+        connector = object.__new__(KvpoolConnector)
+        connector.settings, connector.block_size = settings, BLOCK
+        connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: heads),
+                                                 parallel_config=None)
+        connector._role = None
+        connector._connector_metadata = None
+        connector.stats = {"blocks_loaded": 0, "blocks_failed": 0, "blocks_saved": 0, "load_wait_s": 0.0,
+                           "load_total_s": 0.0}
+        connector._pool, connector._load, connector._load_thread = pool(name), None, None
+        connector._staged, connector._failed_blocks, connector._report, connector._reported = {}, set(), {}, {}
+        connector._step_started = connector._last_waited = 0.0
+        caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
+                  for i in range(layers)}
+        connector.register_kv_caches(caches)
+        return connector
+
+    writer, reader = worker("writer"), worker("reader")
+    try:
+        # The writer's step fills blocks 2 and 5 with per-layer content; it saves them as the
+        # layers are produced and puts them at the end of the step.
+        rng = torch.Generator().manual_seed(0)
+        for layer in writer._layers:
+            layer.copy_(torch.randn(layer.shape, generator=rng).to(torch.bfloat16))
+        keys = [b"block-a", b"block-b"]
+        writer.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("r", keys, [2, 5])],
+                                                               num_tokens=2 * BLOCK))
+        for i, layer in enumerate(writer._layers):
+            writer.save_kv_layer(f"layer.{i}", layer, None)
+        writer.wait_for_save()
+        assert writer.stats["blocks_saved"] == 2 and reader._pool.lookup(keys) == 2
+
+        # The reader loads them into its blocks 7 and 0, waiting layer by layer.
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [7, 0])],
+                                                               num_tokens=1))
+        reader.start_load_kv(None)
+        for i in range(layers):
+            reader.wait_for_layer_load(f"layer.{i}")
+            assert torch.equal(reader._layers[i][7], writer._layers[i][2])
+            assert torch.equal(reader._layers[i][0], writer._layers[i][5])
+        reader.wait_for_save()
+        assert all(not reader._layers[i][1:7].any() for i in range(layers))  # nothing else written
+        assert reader.get_block_ids_with_load_errors() == set()
+        report = reader.get_kv_connector_stats().data
+        group = reader._layers_per_pull
+        assert group == (1 if layers_per_pull == 1 else 3 if layers_per_pull == 3 else layers)  # auto: 16 KiB blocks
+        assert len(report["pulls"]) == -(-layers // group) and report["rounds"] == -(-layers // group)
+
+        # A block the pool lost is reported for recompute; the other still loads.
+        reader._pool.delete(keys[1])
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [3, 4])], num_tokens=1))
+        reader.start_load_kv(None)
+        for i in range(layers):
+            reader.wait_for_layer_load(f"layer.{i}")
+        reader.wait_for_save()
+        assert reader.get_block_ids_with_load_errors() == {4}
+        assert torch.equal(reader._layers[0][3], writer._layers[0][2])
+    finally:
+        writer._pool.close()
+        reader._pool.close()

@@ -16,7 +16,9 @@ default false), ``replicas`` (1), ``load_timeout_s`` (how long the model waits
 for a layer before those blocks are recomputed; 30), ``on_load_failure``
 (``"recompute"``, the default: a block kvpool cannot deliver intact is computed
 instead; ``"fail"``: vLLM fails the request, its own default), ``transport``
-(``"auto"``: same-host holders over shared memory, others over TCP; ``"tcp"``).
+(``"auto"``: same-host holders over shared memory, others over TCP; ``"tcp"``),
+``plan`` (load only where loading beats recomputing; true), ``layers_per_pull``
+(``"auto"`` or a count, below).
 
 One kvpool object per full vLLM block: the block's bytes of every layer,
 layer-major, under the block's prefix hash (:func:`kvpool.hashing.prefix_hashes`
@@ -32,10 +34,12 @@ Scheduler side (EngineCore process): one batched ``lookup`` per new request
 beyond vLLM's own prefix-cache hits; at most all but the last prompt token load
 (vLLM must compute one). Partial blocks are never stored or loaded.
 
-Worker side: :meth:`KvpoolConnector.start_load_kv` starts pulling layer 0 of every
-block to load, then layer 1, ... on a background thread, each straight into the
-paged cache; :meth:`~KvpoolConnector.wait_for_layer_load` waits for that one layer
-while later layers are still in flight. :meth:`~KvpoolConnector.save_kv_layer`
+Worker side: :meth:`KvpoolConnector.start_load_kv` starts pulling the first layers of
+every block to load, then the next ones, ... on a background thread;
+:meth:`~KvpoolConnector.wait_for_layer_load` waits for that one layer while later layers
+are still in flight. ``layers_per_pull`` layers go in one request: 1 lands straight in
+the paged cache's blocks; more go through one buffer and a copy per layer, and cost fewer
+requests (``"auto"``, the default, makes each request move at least 1 MiB per block). :meth:`~KvpoolConnector.save_kv_layer`
 copies each layer's newly full blocks out as the forward pass produces them;
 :meth:`~KvpoolConnector.wait_for_save` puts the finished objects (one master
 round trip for all). A block that cannot be loaded whole (a miss, a checksum
@@ -77,6 +81,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
+_PULL_TARGET_BYTES = 1 << 20
 _DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16),
            torch.float32: ("float32", np.float32), torch.uint8: ("uint8", np.uint8)}
 
@@ -93,13 +98,15 @@ class Settings:
     on_load_failure: str = "recompute"
     transport: str = "auto"
     plan: bool = True
+    layers_per_pull: int = 0  # 0: auto
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
         from kvpool.config import check_master_address
 
         extra = dict(extra or {})
-        known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport", "plan"}
+        known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport", "plan",
+                 "layers_per_pull"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -131,7 +138,12 @@ class Settings:
         plan = extra.get("plan", True)
         if not isinstance(plan, bool):
             raise errors.ConfigError(f'kv_connector_extra_config "plan" must be true or false, got {plan!r}')
-        return cls(master, config, durable, replicas, float(timeout), on_failure, transport, plan)
+        per_pull = extra.get("layers_per_pull", "auto")
+        if per_pull != "auto" and (isinstance(per_pull, bool) or not isinstance(per_pull, int) or per_pull < 1):
+            raise errors.ConfigError(
+                f'kv_connector_extra_config "layers_per_pull" must be "auto" or an int >= 1, got {per_pull!r}')
+        return cls(master, config, durable, replicas, float(timeout), on_failure, transport, plan,
+                   0 if per_pull == "auto" else per_pull)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
@@ -201,7 +213,7 @@ class KvpoolStats(KVConnectorStats):
         for name, value in (other.data or {}).items():
             if isinstance(value, list):
                 self.data.setdefault(name, []).extend(value)
-            elif name in ("block_bytes", "layers"):
+            elif name in ("block_bytes", "layers", "rounds"):
                 self.data[name] = value
             else:
                 self.data[name] = self.data.get(name, 0) + value
@@ -213,7 +225,7 @@ class KvpoolStats(KVConnectorStats):
                 "pull s": round(sum(t for _, t in pulls), 4),
                 "prefill tokens/s": round(sum(n for n, _ in prefill) / max(sum(t for _, t in prefill), 1e-9), 1),
                 **{k: v for k, v in self.data.items()
-                   if not isinstance(v, list) and k not in ("block_bytes", "layers")}}
+                   if not isinstance(v, list) and k not in ("block_bytes", "layers", "rounds")}}
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in ("pulls", "prefill", "blocks_loaded", "blocks_saved",
@@ -270,6 +282,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             self.planner = Planner()
             self._block_bytes = 0  # one block of one layer, as the workers report it
             self._layers_count = 0
+            self._rounds = 0  # requests per load (layer groups), as the workers report it
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -316,9 +329,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         self.stats["blocks_hit"] += held
         if self.settings.plan and self._block_bytes:
             block_bytes = self._block_bytes * self._layers_count
-            transfer = self.planner.transfer_s(held, block_bytes, self._layers_count)
+            rounds = self._rounds or self._layers_count
+            transfer = self.planner.transfer_s(held, block_bytes, rounds)
             recompute = self.planner.recompute_s(held, self.block_size)
-            if not self.planner.blocks_to_load(held, block_bytes, self.block_size, self._layers_count):
+            if not self.planner.blocks_to_load(held, block_bytes, self.block_size, rounds):
                 self.stats["plan_recomputed_blocks"] += held
                 log.info("kvpool plan: request %s recomputes %d held blocks: %.2f ms beats loading them in "
                          "%.2f ms (alpha %.3f ms, beta %.2f GB/s, prefill %.0f tokens/s)", request.request_id,
@@ -344,6 +358,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             self.planner.observe_prefill(tokens, seconds)
         self._block_bytes = int(data.get("block_bytes") or self._block_bytes)
         self._layers_count = int(data.get("layers") or self._layers_count)
+        self._rounds = int(data.get("rounds") or self._rounds or self._layers_count)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -408,6 +423,11 @@ class KvpoolConnector(KVConnectorBase_V1):
                 f"shape, got {tuple(first.shape)} ({'' if block.is_contiguous() else 'non-'}contiguous blocks)")
         self._dtype_name, self._np_dtype = _DTYPES[first.dtype]
         self._block_nbytes = block.numel() * block.element_size()
+        # Layers per pull: one layer each gives the finest overlap, but every request costs a
+        # fixed amount (a round trip, a thread hand-off); "auto" makes each pull move >= 1 MiB
+        # per block, so small blocks are fetched a few layers at a time.
+        auto = -(-_PULL_TARGET_BYTES // self._block_nbytes)
+        self._layers_per_pull = max(1, min(self.settings.layers_per_pull or auto, len(self._layers)))
         elements = block.numel()
         kv_heads = self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config)
         if elements % (2 * self.block_size * kv_heads):
@@ -439,22 +459,34 @@ class KvpoolConnector(KVConnectorBase_V1):
         load = self._load = _LayerLoad(len(self._layers))
         load.blocks = len(keys)
 
+        group = self._layers_per_pull
+
         def pull() -> None:
             failed: set[int] = set()
             try:
-                for layer in range(len(self._layers)):
-                    outs = [self._block_view(layer, b) for b in block_ids]
+                for first in range(0, len(self._layers), group):
+                    layers = range(first, min(first + group, len(self._layers)))
+                    if group == 1:  # straight into the paged cache's blocks
+                        outs = [self._block_view(first, b) for b in block_ids]
+                    else:  # several layers per pull: into one buffer, then one copy per layer
+                        staging = np.empty((len(keys), len(layers), *self._shape[1:]), self._np_dtype)
+                        outs = list(staging)
                     started = time.perf_counter()
                     try:
-                        got = self._pool.get_many(keys, layers=range(layer, layer + 1), outs=outs)
+                        got = self._pool.get_many(keys, layers=layers, outs=outs)
                     except errors.KVPoolError as exc:
-                        log.warning("kvpool: loading layer %d failed: %s", layer, exc)
+                        log.warning("kvpool: loading layers %d..%d failed: %s", first, layers[-1], exc)
                         got = [None] * len(keys)
                     if all(arr is not None for arr in got):  # a request's cost, for the planner
                         self._report.setdefault("pulls", []).append(
-                            [len(keys) * self._block_nbytes, time.perf_counter() - started])
+                            [len(keys) * len(layers) * self._block_nbytes, time.perf_counter() - started])
                     failed.update(b for b, arr in zip(block_ids, got) if arr is None)
-                    load.done[layer].set()
+                    for layer in layers:
+                        if group > 1:
+                            for i, b in enumerate(block_ids):
+                                if got[i] is not None:
+                                    self._block_view(layer, b)[0] = staging[i, layer - first]
+                        load.done[layer].set()
             finally:
                 load.failed_blocks = failed
                 load.finished_s = time.perf_counter() - load.started
@@ -491,8 +523,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._last_waited = load.waited_s
         self.stats["load_wait_s"] += load.waited_s
         self.stats["load_total_s"] += load.finished_s
-        log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them", load.blocks,
-                 len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3)
+        log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d layers "
+                 "per pull)", load.blocks, len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3,
+                 self._layers_per_pull)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:
@@ -505,7 +538,8 @@ class KvpoolConnector(KVConnectorBase_V1):
                 self._reported[name] = self.stats[name]
         if not report:
             return None
-        return KvpoolStats(data={**report, "block_bytes": self._block_nbytes, "layers": len(self._layers)})
+        return KvpoolStats(data={**report, "block_bytes": self._block_nbytes, "layers": len(self._layers),
+                                 "rounds": -(-len(self._layers) // self._layers_per_pull)})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
