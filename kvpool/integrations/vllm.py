@@ -39,8 +39,8 @@ every block to load, then the next ones, ... on a background thread;
 :meth:`~KvpoolConnector.wait_for_layer_load` waits for that one layer while later layers
 are still in flight. ``layers_per_pull`` layers go in one request: 1 lands straight in
 the paged cache's blocks; more go through one buffer and a copy per layer, and cost fewer
-requests (``"auto"``, the default, makes each request move at least 1 MiB per block). :meth:`~KvpoolConnector.save_kv_layer`
-copies each layer's newly full blocks out as the forward pass produces them;
+requests (``"auto"``, the default, makes each request move at least 1 MiB per block).
+:meth:`~KvpoolConnector.save_kv_layer` copies each layer's newly full blocks out as the forward pass produces them;
 :meth:`~KvpoolConnector.wait_for_save` puts the finished objects (one master
 round trip for all). A block that cannot be loaded whole (a miss, a checksum
 failure, a dead holder, the deadline) is reported to vLLM, which recomputes it:
