@@ -268,12 +268,14 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         holder.close()
 
 
-@pytest.mark.parametrize("layers_per_pull", [1, 3, "auto"])
+@pytest.mark.parametrize(("layers_per_pull", "in_place"), [(1, True), (3, True), ("auto", True), (1, False)])
 def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_filled(
-        tmp_path: Path, spawn_python, layers_per_pull) -> None:
+        tmp_path: Path, spawn_python, layers_per_pull, in_place: bool) -> None:
     """The worker half against a real master and a real holder, with paged caches shaped as
     vLLM-CPU's ([blocks, kv_heads, block, 2 * head_dim] per layer): one layer per pull lands
-    straight in the cache; several go through one buffer and a copy."""
+    straight in the cache; several go through one buffer and a copy. ``in_place=False`` takes
+    the path of a cache the host cannot address (a GPU's: host buffers, one copy each way) on
+    host tensors, as no GPU is here."""
     from types import SimpleNamespace
 
     import torch
@@ -313,6 +315,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
                   for i in range(layers)}
         connector.register_kv_caches(caches)
+        connector._on_host = in_place
         return connector
 
     writer, reader = worker("writer"), worker("reader")

@@ -423,6 +423,9 @@ class KvpoolConnector(KVConnectorBase_V1):
                 f"shape, got {tuple(first.shape)} ({'' if block.is_contiguous() else 'non-'}contiguous blocks)")
         self._dtype_name, self._np_dtype = _DTYPES[first.dtype]
         self._block_nbytes = block.numel() * block.element_size()
+        # A CPU engine's cache is read and written in place; a GPU engine's goes through host
+        # buffers (one copy each way; not yet run on a GPU).
+        self._on_host = first.device.type == "cpu"
         # Layers per pull: one layer each gives the finest overlap, but every request costs a
         # fixed amount (a round trip, a thread hand-off); "auto" makes each pull move >= 1 MiB
         # per block, so small blocks are fetched a few layers at a time.
@@ -437,11 +440,30 @@ class KvpoolConnector(KVConnectorBase_V1):
                  tuple(block.shape), first.dtype, self._shape)
 
     def _block_view(self, layer: int, block_id: int) -> np.ndarray:
-        """The paged cache's block as a writable kvpool layer (``out=`` target), no copy."""
+        """The paged cache's block as a writable kvpool layer (``out=`` target), no copy: host
+        caches only (see :attr:`_on_host`)."""
         block = self._layers[layer][block_id]
         if block.dtype == torch.bfloat16:
             block = block.view(torch.int16)
         return block.numpy().view(self._np_dtype).reshape(self._shape)
+
+    def _read_block(self, layer: int, block_id: int) -> np.ndarray:
+        """The block's bytes on the host: a view of a host cache, a copy of a device one."""
+        if self._on_host:
+            return self._block_view(layer, block_id)[0]
+        block = self._layers[layer][block_id]
+        if block.dtype == torch.bfloat16:
+            block = block.view(torch.int16)
+        return block.cpu().numpy().view(self._np_dtype).reshape(self._shape[1:])
+
+    def _write_block(self, layer: int, block_id: int, data: np.ndarray) -> None:
+        """Copy one layer of a block (host bytes) into the paged cache, wherever it lives."""
+        if self._on_host:
+            self._block_view(layer, block_id)[0] = data
+            return
+        target = self._layers[layer][block_id]
+        source = torch.from_numpy(np.ascontiguousarray(data).view(np.int16 if data.itemsize == 2 else data.dtype))
+        target.view(source.dtype).copy_(source.reshape(target.shape))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Each step starts here, before its forward pass (vLLM starts loads only after the
@@ -466,7 +488,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             try:
                 for first in range(0, len(self._layers), group):
                     layers = range(first, min(first + group, len(self._layers)))
-                    if group == 1:  # straight into the paged cache's blocks
+                    if group == 1 and self._on_host:  # straight into the paged cache's blocks
                         outs = [self._block_view(first, b) for b in block_ids]
                     else:  # several layers per pull: into one buffer, then one copy per layer
                         staging = np.empty((len(keys), len(layers), *self._shape[1:]), self._np_dtype)
@@ -482,10 +504,10 @@ class KvpoolConnector(KVConnectorBase_V1):
                             [len(keys) * len(layers) * self._block_nbytes, time.perf_counter() - started])
                     failed.update(b for b, arr in zip(block_ids, got) if arr is None)
                     for layer in layers:
-                        if group > 1:
+                        if group > 1 or not self._on_host:
                             for i, b in enumerate(block_ids):
                                 if got[i] is not None:
-                                    self._block_view(layer, b)[0] = staging[i, layer - first]
+                                    self._write_block(layer, b, staging[i, layer - first])
                         load.done[layer].set()
             finally:
                 load.failed_blocks = failed
@@ -557,7 +579,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 staged = self._staged.get(key)
                 if staged is None:
                     staged = self._staged[key] = np.empty((layers, *self._shape[1:]), self._np_dtype)
-                staged[layer] = self._block_view(layer, block_id)[0]
+                staged[layer] = self._read_block(layer, block_id)
 
     def wait_for_save(self) -> None:
         waited = self._load.waited_s if self._load is not None else self._last_waited
