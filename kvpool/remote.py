@@ -337,29 +337,22 @@ class ReplicaReader:
             replicas = self._locations.get(key)
         if replicas is None:
             return None
+        # A replica whose token is about to expire would be refused: ask the master again.
         soon = time.time() + _TOKEN_MARGIN_S
         current = [r for r in replicas if ClusterKey.token_expiry_s(r.get("token", b"")) > soon]
         if not current:
+            with self._lock:
+                if self._locations.get(key) is replicas:  # not one a concurrent read stored since
+                    del self._locations[key]
             self.counters["location_cache_expired"] += 1
-            self.forget(key)
             return None
         return current
 
     def read_cached(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> np.ndarray | None:
         """Read from where ``key`` was found last time, without asking the master; None if
         it is not remembered or no longer there (the entry is then forgotten)."""
-        with self._lock:
-            replicas = self._locations.get(key)
-        if replicas is None:
-            return None
-        # A replica whose token is about to expire would be refused: ask the master again.
-        soon = time.time() + _TOKEN_MARGIN_S
-        current = [r for r in replicas if ClusterKey.token_expiry_s(r.get("token", b"")) > soon]
-        if not current:
-            with self._lock:
-                if self._locations.get(key) is replicas:
-                    del self._locations[key]
-            self.counters["location_cache_expired"] += 1
+        current = self.remembered(key)
+        if current is None:
             return None
         failed: set[str] = set()
         arr = self._first_intact(key, self.ordered(current), layers, out, out_view, count_misses=False,
@@ -372,8 +365,9 @@ class ReplicaReader:
             self.counters["location_cache_hits"] += 1
             if failed:  # a holder that failed once is not asked first again: it costs a deadline
                 with self._lock:
-                    if self._locations.get(key) is replicas:
-                        self._locations[key] = [r for r in current if r.get("node_id") not in failed]
+                    entry = self._locations.get(key)
+                    if entry is not None:
+                        self._locations[key] = [r for r in entry if r.get("node_id") not in failed]
         return arr
 
     def forget(self, key: bytes) -> None:

@@ -165,6 +165,20 @@ def test_the_namespace_names_the_weights_not_just_their_path(tmp_path: Path) -> 
     assert model_fingerprint("org/model", "abc") != model_fingerprint("org/model", "def")
 
 
+def start_master(spawn_python) -> str:
+    """A real master process on a free port; its address."""
+    from kvpool.master_client import MasterClient
+
+    def answers(address: str) -> bool:
+        with MasterClient(address, request_timeout_s=0.5) as probe:
+            return bool(probe.ping())
+
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    spawn_python(["-m", "kvpool.daemon", "--role", "master", "--master.listen", master],
+                 ready=lambda: answers(master), timeout_s=30)
+    return master
+
+
 def _scheduler(master_address: str):
     """The scheduler half of a KvpoolConnector without an engine: its state, a real master."""
     from collections import Counter
@@ -192,15 +206,8 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
 
     import kvpool
     from kvpool.integrations.vllm import KvpoolConnectorMetadata
-    from kvpool.master_client import MasterClient
 
-    def answers(address: str) -> bool:
-        with MasterClient(address, request_timeout_s=0.5) as probe:
-            return bool(probe.ping())
-
-    master = f"tcp://127.0.0.1:{free_tcp_port()}"
-    spawn_python(["-m", "kvpool.daemon", "--role", "master", "--master.listen", master],
-                 ready=lambda: answers(master), timeout_s=30)
+    master = start_master(spawn_python)
     tokens = list(range(1, 4 * BLOCK + 1))  # exactly 4 full blocks
     keys = prefix_hashes(tokens, BLOCK, namespace="test-namespace")
     holder = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "holder")},
@@ -282,15 +289,8 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
 
     import kvpool
     from kvpool.integrations.vllm import KvpoolConnector, KvpoolConnectorMetadata, Settings, Transfer
-    from kvpool.master_client import MasterClient
 
-    def answers(address: str) -> bool:
-        with MasterClient(address, request_timeout_s=0.5) as probe:
-            return bool(probe.ping())
-
-    master = f"tcp://127.0.0.1:{free_tcp_port()}"
-    spawn_python(["-m", "kvpool.daemon", "--role", "master", "--master.listen", master],
-                 ready=lambda: answers(master), timeout_s=30)
+    master = start_master(spawn_python)
     layers, blocks, heads, head_dim = 5, 8, 2, 16
     settings = Settings.from_extra({"master": master, "layers_per_pull": layers_per_pull})
 
