@@ -352,23 +352,7 @@ class ReplicaReader:
         """Read from where ``key`` was found last time, without asking the master; None if
         it is not remembered or no longer there (the entry is then forgotten)."""
         current = self.remembered(key)
-        if current is None:
-            return None
-        failed: set[str] = set()
-        arr = self._first_intact(key, self.ordered(current), layers, out, out_view, count_misses=False,
-                                 failed=failed)
-        if arr is None:
-            with self._lock:
-                self._locations.pop(key, None)
-            self.counters["location_cache_stale"] += 1
-        else:
-            self.counters["location_cache_hits"] += 1
-            if failed:  # a holder that failed once is not asked first again: it costs a deadline
-                with self._lock:
-                    entry = self._locations.get(key)
-                    if entry is not None:
-                        self._locations[key] = [r for r in entry if r.get("node_id") not in failed]
-        return arr
+        return None if current is None else self.read(key, current, layers, out, out_view, count_misses=False)
 
     def forget(self, key: bytes) -> None:
         with self._lock:

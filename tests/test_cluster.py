@@ -252,7 +252,8 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
         np.testing.assert_array_equal(reader.get(key), new)
         np.testing.assert_array_equal(reader.get(key, layers=range(2, 5)), new[2:5])
         # delete then put from one process leaves the key there: no heartbeat later drops the new copy
-        time.sleep(3 * HEARTBEAT_MS / 1000)
+        beats = cluster.client.stats()["counters"]["heartbeats"]
+        wait_for(lambda: cluster.client.stats()["counters"]["heartbeats"] >= beats + 6, 5, "three beats of each")
         np.testing.assert_array_equal(writer.get(key), new)
         assert reader.lookup([key]) == 1
     finally:

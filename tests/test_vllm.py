@@ -310,7 +310,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         connector.stats = {"blocks_loaded": 0, "blocks_failed": 0, "blocks_saved": 0, "load_wait_s": 0.0,
                            "load_total_s": 0.0}
         connector._pool, connector._load, connector._load_thread = pool(name), None, None
-        connector._staged, connector._failed_blocks, connector._report, connector._reported = {}, set(), {}, {}
+        connector._staged, connector._failed_blocks, connector._report = {}, set(), {}
         connector._step_started = connector._last_waited = 0.0
         caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
                   for i in range(layers)}
@@ -358,6 +358,18 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         reader.wait_for_save()
         assert reader.get_block_ids_with_load_errors() == {4}
         assert torch.equal(reader._layers[0][3], writer._layers[0][2])
+        assert reader.get_kv_connector_stats().data["blocks_failed"] == 1
+
+        # The model does not wait past load_timeout_s for a layer: every block of that load is then
+        # reported for recompute, even those whose bytes arrive later.
+        reader.settings = Settings.from_extra({"master": master, "layers_per_pull": layers_per_pull,
+                                               "load_timeout_s": 1e-6})
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys[:1], [6])], num_tokens=1))
+        reader.start_load_kv(None)
+        for i in range(layers):
+            reader.wait_for_layer_load(f"layer.{i}")
+        reader.wait_for_save()
+        assert reader.get_block_ids_with_load_errors() == {6}
     finally:
         writer._pool.close()
         reader._pool.close()

@@ -236,22 +236,21 @@ class KvpoolStats(KVConnectorStats):
 class _Tracked:
     """What the scheduler side remembers of a running request."""
 
-    request: Any
     keys: list[bytes]            # prefix hashes of its full prompt blocks
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0          # blocks below this are in kvpool (loaded, hit, or saved)
     first: int = 0               # blocks vLLM had computed itself when the request arrived
     load: Transfer | None = None  # blocks to load at its first step
-    hits: int = 0                 # leading blocks kvpool held at lookup
 
 
 class _LayerLoad:
     """One step's loads: a thread pulls layer by layer; the model waits per layer."""
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, block_ids: list[int]) -> None:
         self.done = [threading.Event() for _ in range(layers)]
+        self.block_ids = block_ids
         self.failed_blocks: set[int] = set()
-        self.blocks = 0
+        self.timed_out = False  # the model went on without a layer: every block is recomputed
         self.waited_s = 0.0
         self.started = time.perf_counter()
         self.finished_s = 0.0
@@ -268,6 +267,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                                         "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0,
                                         "plan_loaded_blocks": 0, "plan_recomputed_blocks": 0}
         if role == KVConnectorRole.SCHEDULER:
+            from kvpool.config import Config
             from kvpool.master_client import MasterClient
 
             # A block kvpool cannot deliver intact is recomputed, not the request failed: vLLM's
@@ -275,8 +275,6 @@ class KvpoolConnector(KVConnectorBase_V1):
             # vLLM's own default).
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
             self.namespace = namespace_of(vllm_config, 0)
-            from kvpool.config import Config
-
             self._master = MasterClient(self.settings.master, config=Config.load(self.settings.pool_config()))
             self._tracked: dict[str, _Tracked] = {}
             self.planner = Planner()
@@ -299,7 +297,6 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._report: dict[str, Any] = {}  # measured since the last get_kv_connector_stats
             self._step_started = 0.0
             self._last_waited = 0.0  # of this step's load, once finished
-            self._reported: dict[str, float] = {}
             self._block_nbytes = 0
             self._failed_blocks: set[int] = set()
         log.info("kvpool connector (%s) on master %s, namespace %s", role.name.lower(), self.settings.master,
@@ -310,7 +307,7 @@ class KvpoolConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = list(request.prompt_token_ids or [])
         keys = prefix_hashes(tokens, self.block_size, namespace=self.namespace)
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request, keys))
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(keys))
         loadable = (len(tokens) - 1) // self.block_size  # vLLM computes at least the last token
         first = num_computed_tokens // self.block_size
         tracked.saved_upto = tracked.first = first
@@ -322,7 +319,6 @@ class KvpoolConnector(KVConnectorBase_V1):
             log.warning("kvpool lookup failed (%s): computing request %s", exc, request.request_id)
             return 0, False
         self.stats["lookups"] += 1
-        tracked.hits = hits
         if hits <= first:
             return 0, False
         held = hits - first
@@ -478,8 +474,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         block_ids = [b for t in meta.loads for b in t.block_ids]
         if not keys:
             return
-        load = self._load = _LayerLoad(len(self._layers))
-        load.blocks = len(keys)
+        load = self._load = _LayerLoad(len(self._layers), block_ids)
 
         group = self._layers_per_pull
 
@@ -517,7 +512,7 @@ class KvpoolConnector(KVConnectorBase_V1):
 
         self._load_thread = threading.Thread(target=pull, name="kvpool-load", daemon=True)
         self._load_thread.start()
-        self.stats["blocks_loaded"] += len(keys)
+        self._count("blocks_loaded", len(keys))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         load = self._load
@@ -528,6 +523,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         if not load.done[layer].wait(self.settings.load_timeout_s):
             log.warning("kvpool: layer %d did not load within %.1f s: its blocks are recomputed", layer,
                         self.settings.load_timeout_s)
+            load.timed_out = True
         load.waited_s += time.perf_counter() - started
         if layer == len(self._layers) - 1:
             self._finish_load()
@@ -538,30 +534,31 @@ class KvpoolConnector(KVConnectorBase_V1):
             return
         if self._load_thread is not None:
             self._load_thread.join(self.settings.load_timeout_s)
-        if load.failed_blocks:
-            self._failed_blocks |= load.failed_blocks
-            self.stats["blocks_failed"] += len(load.failed_blocks)
-            log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(load.failed_blocks))
+        failed = set(load.block_ids) if load.timed_out else load.failed_blocks
+        if failed:
+            self._failed_blocks |= failed
+            self._count("blocks_failed", len(failed))
+            log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(failed))
         self._last_waited = load.waited_s
         self.stats["load_wait_s"] += load.waited_s
         self.stats["load_total_s"] += load.finished_s
         log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d layers "
-                 "per pull)", load.blocks, len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3,
+                 "per pull)", len(load.block_ids), len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3,
                  self._layers_per_pull)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:
             return None
         report, self._report = self._report, {}
-        for name in ("blocks_loaded", "blocks_saved", "blocks_failed"):
-            counted = int(self.stats[name] - self._reported.get(name, 0))
-            if counted:
-                report[name] = counted
-                self._reported[name] = self.stats[name]
         if not report:
             return None
         return KvpoolStats(data={**report, "block_bytes": self._block_nbytes, "layers": len(self._layers),
                                  "rounds": -(-len(self._layers) // self._layers_per_pull)})
+
+    def _count(self, name: str, n: int) -> None:
+        """A worker counter: in this process's stats and in the next report to the scheduler."""
+        self.stats[name] += n
+        self._report[name] = self._report.get(name, 0) + n
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -599,7 +596,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                     self._pool.put(key, arr, dtype=self._dtype_name, durable=True, replicas=self.settings.replicas)
             else:
                 self._pool.put_many(staged.items(), dtype=self._dtype_name)
-            self.stats["blocks_saved"] += len(staged)
+            self._count("blocks_saved", len(staged))
         except errors.KVPoolError as exc:  # a save that fails is a future miss, never an engine error
             log.warning("kvpool: saving %d blocks failed: %s", len(staged), exc)
 
