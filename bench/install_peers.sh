@@ -48,7 +48,7 @@ fi
 
 for peer in "${PEERS[@]}"; do
     case "$peer" in
-        redis) "$PY" -m pip install -q redis ;;
+        redis) "$PY" -m pip install -q "redis[hiredis]" ;;
         mooncake) "$PY" -m pip install -q mooncake-transfer-engine-non-cuda ;;
         lmcache)
             # Its own venv, never the project's: lmcache pulls cupy-cuda13x,

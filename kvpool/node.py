@@ -327,20 +327,22 @@ class Node:
             layer_range = LayerRange.resolve(layer_range, obj.spec.layers)
             rng = obj.spec.layer_bytes(layer_range)
 
-            def release() -> None:
+            def release() -> None:  # never waits: a busy lock hands the unpin to a thread
                 if not self.manager.unpin(obj, bytes_read=rng.nbytes, blocking=False):
                     self._unpinner.submit(self.manager.unpin, obj, bytes_read=rng.nbytes)
 
             view = obj.view_layers(layer_range)
             if view is not None:
-                return ServeSource(rng.nbytes, buffers=[view], release=release, header=obj.header.packed)
+                return ServeSource(rng.nbytes, buffers=[view], release=release, header=obj.header.packed,
+                                   release_nonblocking=True)
             tier, extent = obj.tier, obj.extent
 
             def read_into(offset: int, out: memoryview) -> int:
                 tier.read_into(extent, rng.offset + offset, out)
                 return len(out)
 
-            return ServeSource(rng.nbytes, read_into=read_into, release=release, header=obj.header.packed)
+            return ServeSource(rng.nbytes, read_into=read_into, release=release, header=obj.header.packed,
+                               release_nonblocking=True)
         except BaseException:
             self.manager.unpin(obj)
             raise

@@ -315,11 +315,13 @@ class ObjectHeader:
         return stored_header_checksum(self.packed)
 
     @classmethod
-    def unpack(cls, data: Any) -> ObjectHeader:
+    def unpack(cls, data: Any, expected: ObjectSpec | None = None) -> ObjectHeader:
         """Parse and verify a header from the first bytes of ``data``.
 
         Raises BadMagicError, UnsupportedVersionError, TruncatedObjectError,
         ChecksumError (header checksum) or FormatError (impossible dims).
+        ``expected``: a spec the header very likely has (a reader's located one); when its dims
+        are the header's, the header shares that spec object instead of building one.
         """
         mv = memoryview(data).cast("B")
         if len(mv) < FIXED_HEADER_NBYTES:
@@ -346,14 +348,18 @@ class ObjectHeader:
             raise errors.FormatError(f"unknown dtype code {code}")
         if kv != 2:
             raise errors.FormatError(f"kv dimension is {kv}, expected 2")
-        try:
-            spec = ObjectSpec(info.name, layers, tokens, kv_heads, head_dim)
-        except errors.ShapeError as exc:
-            raise errors.FormatError(f"impossible dims in header: {exc}") from None
+        if expected is not None and (expected.dtype, expected.layers, expected.tokens, expected.kv_heads,
+                                     expected.head_dim) == (info.name, layers, tokens, kv_heads, head_dim):
+            spec = expected
+        else:
+            try:
+                spec = ObjectSpec(info.name, layers, tokens, kv_heads, head_dim)
+            except errors.ShapeError as exc:
+                raise errors.FormatError(f"impossible dims in header: {exc}") from None
         if spec.header_nbytes != header_nbytes or spec.layer_nbytes != layer_nbytes:
             raise errors.FormatError("header sizes disagree with its dims")
         sums = np.frombuffer(mv[FIXED_HEADER_NBYTES:end], dtype="<u8")
-        return cls(spec, tuple(int(s) for s in sums), bytes(digest), generation)
+        return cls(spec, tuple(sums.tolist()), bytes(digest), generation)
 
     @classmethod
     def unpack_expected(cls, data: Any, key: bytes, header_sum: int, spec: ObjectSpec) -> ObjectHeader:
@@ -362,7 +368,7 @@ class ObjectHeader:
         again or reused since it was located), it names ``key``, and its spec is ``spec`` (the
         one the reader sized its buffer by). Raises WrongObjectError for a different object or
         version, the errors of :meth:`unpack` for a damaged one."""
-        header = cls.unpack(data)
+        header = cls.unpack(data, spec)
         if stored_header_checksum(data) != header_sum:
             raise errors.WrongObjectError(
                 "the holder's header is not the one indexed (the object was replaced since it was located)")

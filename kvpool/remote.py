@@ -88,10 +88,47 @@ def clean_location(raw: Any) -> dict[str, Any] | None:
     return {**raw, "path": path, "offset": offset}
 
 
+# Addresses and specs repeat for every key a node holds: each distinct one is decoded and checked
+# once (bounded; a full memo is simply cleared). Entries are immutable.
+_MEMO_LIMIT = 4096
+_addresses: dict[str, NodeAddress | None] = {}
+_specs: dict[tuple[Any, ...], ObjectSpec | None] = {}
+
+
 def clean_node_address(text: Any) -> NodeAddress | None:
     """A node address string from the master, decoded and checked, or None."""
     if not isinstance(text, str) or len(text) > _MAX_ADDRESS:
         return None
+    try:
+        return _addresses[text]
+    except KeyError:
+        pass
+    if len(_addresses) >= _MEMO_LIMIT:
+        _addresses.clear()
+    node = _addresses[text] = _decode_node_address(text)
+    return node
+
+
+def _clean_spec(raw: Any) -> ObjectSpec | None:
+    if not isinstance(raw, (list, tuple)) or len(raw) != 5 \
+            or not all(type(v) in (int, str) for v in raw):
+        return None
+    wire = tuple(raw)
+    try:
+        return _specs[wire]
+    except KeyError:
+        pass
+    try:
+        spec: ObjectSpec | None = ObjectSpec.from_wire(wire)
+    except (TypeError, ValueError, errors.KVPoolError):
+        spec = None
+    if len(_specs) >= _MEMO_LIMIT:
+        _specs.clear()
+    _specs[wire] = spec
+    return spec
+
+
+def _decode_node_address(text: str) -> NodeAddress | None:
     try:
         data = json.loads(text)
         host, port = data["ucx"]
@@ -126,9 +163,8 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
         return None
     if type(header_sum) is not int or not 0 <= header_sum < 1 << 64:
         return None
-    try:
-        spec = ObjectSpec.from_wire(raw.get("spec"))  # type: ignore[arg-type]
-    except (TypeError, ValueError, errors.KVPoolError):
+    spec = _clean_spec(raw.get("spec"))
+    if spec is None:
         return None
     if not isinstance(token, bytes) or len(token) > _MAX_TOKEN:
         return None

@@ -315,8 +315,10 @@ class ServeSource:
       worker thread with a reusable page-aligned staging buffer. It may
       return the number of bytes read; a short read fails the pull.
 
-    ``release`` (optional) runs exactly once, on a worker thread, after the
-    last byte was sent or the pull failed: the node unpins the object there.
+    ``release`` (optional) runs exactly once, after the last byte was sent or
+    the pull failed: the node unpins the object there. It runs on a worker
+    thread, or on the progress thread itself when ``release_nonblocking`` says
+    it never waits (no lock it could block on, no I/O): one hand-off less.
 
     ``header``: the served object's packed header, sent with the OK status
     to clients that ask for it (at most :data:`MAX_HEADER_NBYTES`).
@@ -327,6 +329,7 @@ class ServeSource:
     read_into: Callable[[int, memoryview], int | None] | None = None
     release: Callable[[], None] | None = None
     header: bytes = b""
+    release_nonblocking: bool = False
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:
@@ -375,6 +378,12 @@ class _ProgressThread:
         self.name = name
         self.worker: Any = None
         self.context: Any = None
+        # Whoever holds this lock drives the worker: the thread below, or a caller waiting for
+        # its own pull (:meth:`drive`), so a pull's reply is handled on the thread that waits for
+        # it instead of being handed over. ``_driver`` is the holder's thread id.
+        self._lock = threading.Lock()
+        self._driver: int | None = None
+        self._drive_epoll: select.epoll | None = None
         self._options = _effective_ucx_options(ucx_options)
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._watched: list[tuple[Any, Callable[[BaseException | None], None], Any]] = []
@@ -403,7 +412,9 @@ class _ProgressThread:
         return self._closed
 
     def on_thread(self) -> bool:
-        return threading.get_ident() == self._thread.ident
+        """Whether the calling thread drives the worker now (the progress thread, or a caller
+        inside :meth:`drive`): UCX calls and engine state are for it alone."""
+        return self._driver == threading.get_ident()
 
     def submit(self, fn: Callable[[], None]) -> None:
         if self._closed or self._stop_requested:
@@ -455,6 +466,62 @@ class _ProgressThread:
         self._closed = True
         os.close(self._wake_fd)
 
+    def drive(self, start: Callable[[], None], done: Callable[[], bool], deadline: float,
+              tick: Callable[[], None] | None = None, tick_s: float = _POLL_FALLBACK_S) -> bool:
+        """Run ``start`` and progress the worker on the calling thread until ``done()``.
+
+        Returns False, having run nothing, when another thread drives the worker now (the caller
+        then submits and waits as usual). While driving, the caller does everything the
+        progress thread would (other threads' commands, every completion, timers) and sleeps in
+        ``epoll_wait`` like it, never spinning; ``tick`` runs at least every ``tick_s``. Stops at
+        ``deadline`` (monotonic) even if not done: the caller's own timers decide what that means.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._stop_requested or self.worker is None or self._drive_epoll is None:
+                raise errors.PoolClosedError(f"{self.name} is closed")
+            self._driver = threading.get_ident()
+            worker, epoll = self.worker, self._drive_epoll
+            start()
+            next_tick = time.monotonic() + tick_s
+            while True:
+                busy = self._run_commands()
+                worker.progress()
+                busy = self._reap() or busy
+                busy = self._run_due_timers() or busy
+                if done():
+                    return True
+                now = time.monotonic()
+                if tick is not None and now >= next_tick:
+                    tick()
+                    next_tick = now + tick_s
+                    continue
+                if now >= deadline:
+                    return True
+                if busy or self._commands or not worker.arm():
+                    continue
+                wait = min(self._poll_timeout(), deadline - now, max(0.0, next_tick - now))
+                if epoll.poll(max(wait, 0.0)):
+                    try:
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
+        finally:
+            self._driver = None
+            # Leave the worker armed for the progress thread, or wake it for what is pending.
+            kick = bool(self._commands)
+            try:
+                kick = kick or (self.worker is not None and not self.worker.arm())
+            except Exception:
+                kick = True
+            self._lock.release()
+            if kick and not self._closed:
+                try:
+                    os.eventfd_write(self._wake_fd, 1)
+                except OSError:
+                    pass
+
     # -- thread only -------------------------------------------------------------
 
     def watch(self, request: Any, on_done: Callable[[BaseException | None], None], buffer: Any) -> None:
@@ -489,11 +556,17 @@ class _ProgressThread:
             epoll = select.epoll()
             epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
             epoll.register(self._wake_fd, select.EPOLLIN)
+            self._drive_epoll = select.epoll()
+            self._drive_epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
+            self._drive_epoll.register(self._wake_fd, select.EPOLLIN)
         except Exception as exc:  # reported to the constructor
             self._start_error = exc
             self.worker = self.context = None
             if epoll is not None:
                 epoll.close()
+            if self._drive_epoll is not None:
+                self._drive_epoll.close()
+                self._drive_epoll = None
             self._started.set()
             return
         self._started.set()
@@ -504,23 +577,30 @@ class _ProgressThread:
 
     def _loop(self, epoll: select.epoll) -> None:
         worker = self.worker
+        me = threading.get_ident()
         while not self._stop_requested:
-            busy = self._run_commands()
-            worker.progress()
-            busy = self._reap() or busy
-            busy = self._run_due_timers() or busy
-            if busy or self._commands:
-                continue
-            # arm() fails while UCX still has events to process: progress again.
-            if not worker.arm():
-                continue
-            epoll.poll(self._poll_timeout())
+            with self._lock:  # waits while a caller drives (it does this thread's work meanwhile)
+                self._driver = me
+                try:
+                    busy = self._run_commands()
+                    worker.progress()
+                    busy = self._reap() or busy
+                    busy = self._run_due_timers() or busy
+                    # arm() fails while UCX still has events to process: progress again.
+                    if busy or self._commands or not worker.arm():
+                        continue
+                    timeout = self._poll_timeout()
+                finally:
+                    self._driver = None
+            epoll.poll(timeout)
             try:
                 os.eventfd_read(self._wake_fd)
             except BlockingIOError:
                 pass
 
     def _teardown(self, epoll: select.epoll) -> None:
+        self._lock.acquire()  # no caller drives from here on (drive() sees the stop request)
+        self._driver = threading.get_ident()
         try:
             self._run_commands()
             if self._finalizer is not None:
@@ -534,11 +614,16 @@ class _ProgressThread:
                 self._reap()
         finally:
             epoll.close()
+            if self._drive_epoll is not None:
+                self._drive_epoll.close()
+                self._drive_epoll = None
             self._watched.clear()
             self._timers.clear()
             self._commands.clear()
             self.worker = None
             self.context = None
+            self._driver = None
+            self._lock.release()
 
     def _run_commands(self) -> bool:
         ran = False
@@ -1020,6 +1105,9 @@ class PullServer:
             return
         except BaseException as exc:
             outcome = exc
+        if inline:  # already on the progress thread: reply now, no hand-off
+            self._on_source(job, outcome)
+            return
         try:
             engine = self._engine
             if engine is None:
@@ -1299,7 +1387,7 @@ class PullServer:
         if source is None or source.release is None:
             return
         executor, engine = self._executor, self._engine
-        if executor is None or engine is None:
+        if executor is None or engine is None or source.release_nonblocking:
             _safe_release(source.release)
             return
         self._releasing += 1
@@ -1418,6 +1506,7 @@ class _Pull:
     nbytes: int = 0
     chunk: int = 0
     chunks_left: int = 0
+    chunks_done: int = 0  # chunks received (the first may arrive before the status is handled)
     receives: list[Any] = field(default_factory=list)  # chunk receives not yet completed
     abort_receive: Any = None
     done: bool = False
@@ -1450,6 +1539,7 @@ class PullClient:
             raise ValueError(f"max_message must be at least 4096 bytes, got {max_message}")
         self.transport = transport
         self.max_message = max_message
+        self._max_chunk = max(MIN_CHUNK, max_message)  # the largest chunk a server may send us
         self._name = name
         self._client_id = secrets.randbits(64)
         self._host_id = local_host_id()
@@ -1508,10 +1598,25 @@ class PullClient:
         within ``timeout_s``. After an exception the content of ``out`` is
         undefined (possibly partly written), never reported as valid.
         """
-        future = self._submit(address, key, layer_range, out, timeout_s, token, header_out)
-        # The progress thread enforces the deadline; the slack only guards
-        # against a wedged thread.
+        pull = self._new_pull(address, key, layer_range, out, timeout_s, token, header_out)
+        future = pull.future
+        # The pull's own timer enforces the deadline; the slack only guards against a
+        # wedged progress thread.
         deadline = time.monotonic() + timeout_s + 5.0
+        # Usually no other thread drives the worker: this one sends the request and handles
+        # the reply itself (no hand-off either way).
+        def check_alive() -> None:
+            if alive is not None and not alive():
+                self._fail(pull, errors.TransferError(f"pull of {bytes(key).hex()}: the holder is gone"),
+                           drop_peer=True)
+
+        if self._engine.drive(lambda: self._start(pull), future.done, deadline,
+                              check_alive if alive is not None else None, alive_check_s):
+            if not future.done():
+                self._abort(future)
+                raise errors.KVTimeoutError(f"pull of {bytes(key).hex()}: not complete after {timeout_s}s")
+            return future.result(0)
+        self._engine.submit(lambda: self._start(pull))
         try:
             if alive is not None:
                 while True:
@@ -1552,8 +1657,9 @@ class PullClient:
         ``out`` may still be written until then. It stays referenced, never
         freed under UCX.
         """
-        return await asyncio.wrap_future(self._submit(address, key, layer_range, out, timeout_s, token,
-                                                      header_out))
+        pull = self._new_pull(address, key, layer_range, out, timeout_s, token, header_out)
+        self._engine.submit(lambda: self._start(pull))
+        return await asyncio.wrap_future(pull.future)
 
     def close(self) -> None:
         """Fail pulls still in flight, close endpoints and stop the progress thread."""
@@ -1584,7 +1690,7 @@ class PullClient:
 
     # -- submission (caller's thread) -----------------------------------------------------------
 
-    def _submit(
+    def _new_pull(
         self,
         address: PeerAddress | tuple[str, int],
         key: bytes,
@@ -1593,7 +1699,7 @@ class PullClient:
         timeout_s: float,
         token: bytes = b"",
         header_out: bytearray | None = None,
-    ) -> concurrent.futures.Future[int]:
+    ) -> _Pull:
         if self._closing:
             raise errors.PoolClosedError(f"{self._name} is closed")
         if self._engine.on_thread():
@@ -1621,8 +1727,7 @@ class PullClient:
             pull.header_out = header_out
             pull.status_buf = bytearray(_STATUS.size + max(room, _MAX_STATUS_TEXT))
         pull.future.kvpool_pull = pull  # type: ignore[attr-defined]  # for _abort
-        self._engine.submit(lambda: self._start(pull))
-        return pull.future
+        return pull
 
     def _abort(self, future: concurrent.futures.Future[int]) -> None:
         pull = getattr(future, "kvpool_pull", None)
@@ -1655,13 +1760,22 @@ class PullClient:
         frame = _pack_request(self._client_id, peer.conn_id, pull, self.max_message, reply_address,
                               peer.error_handling)
         status_array, frame_array = Array(pull.status_buf), Array(frame)
+        # The first chunk's receive is posted before the request goes out, straight into
+        # `out` (the server's chunk is at most our max_message; a shorter message fits): the
+        # bytes of a pull of one chunk land while the status is still being handled, and one
+        # request + one reply is the whole pull. A pull that fails cancels it.
+        # (A server's chunk is at most max(MIN_CHUNK, our max_message).)
+        first_array = Array(pull.out[:min(pull.out.nbytes, self._max_chunk)])
         try:
             status_req = peer.ep.tag_recv(status_array, _reply_tag(pull.request_id, 0))
+            first_req = peer.ep.tag_recv(first_array, _reply_tag(pull.request_id, 1))
+            pull.receives.append(first_req)
             send_req = peer.ep.tag_send(frame_array, ucx_api.UCXXTag(REQUEST_TAG))
         except Exception as exc:
             self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(exc)}"), drop_peer=True)
             return
         self._engine.watch(status_req, lambda err: self._on_status(pull, err), status_array)
+        self._engine.watch(first_req, functools.partial(self._on_chunk, pull, first_req), first_array)
         def sent(err: BaseException | None) -> None:
             if err is not None:
                 self._fail(pull, errors.TransferError(f"{peer.label}: request send failed: {_describe(err)}"),
@@ -1757,13 +1871,23 @@ class PullClient:
                 or -(-nbytes // max(chunk, 1)) > _MAX_CHUNKS:
             self._fail(pull, errors.ProtocolError(f"{what}: bad sizes {nbytes}/{chunk}"), drop_peer=True)
             return
+        if nbytes and chunk > self._max_chunk:
+            self._fail(pull, errors.ProtocolError(f"{what}: chunk {chunk} above {self._max_chunk}"),
+                       drop_peer=True)
+            return
         pull.nbytes, pull.chunk = nbytes, chunk
-        pull.chunks_left = -(-nbytes // chunk) if nbytes else 0
+        total = -(-nbytes // chunk) if nbytes else 0
+        # The first chunk's receive went out with the request and may have completed already.
+        first_done = pull.chunks_done
+        pull.chunks_left = total - first_done
+        if total == 0:
+            self._succeed(pull)  # cancels the first chunk's receive
+            return
         if pull.chunks_left == 0:
             self._succeed(pull)
             return
         try:
-            for i in range(pull.chunks_left):
+            for i in range(1, total):
                 lo = i * chunk
                 array = Array(pull.out[lo:min(lo + chunk, nbytes)])
                 req = peer.ep.tag_recv(array, _reply_tag(pull.request_id, i + 1))
@@ -1784,6 +1908,9 @@ class PullClient:
             self._fail(pull, errors.TransferError(f"{pull.peer.label}: {_describe(error)}"), drop_peer=True)
             return
         pull.receives.remove(request)
+        pull.chunks_done += 1
+        if not pull.chunk:  # the status has not been handled yet: it counts this chunk
+            return
         pull.chunks_left -= 1
         if pull.chunks_left == 0:
             self._succeed(pull)
