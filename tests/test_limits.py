@@ -128,10 +128,8 @@ def test_client_splits_large_batches_transparently(server: MasterServer) -> None
         assert client.removed("n1", keys) == 0
         # A request over max_request_bytes is never sent: a typed error at once, no timeout.
         client.max_request_bytes = 1 << 20
-        started = time.monotonic()
-        with pytest.raises(errors.RequestTooLargeError):
+        with pytest.raises(errors.RequestTooLargeError, match="master accepts at most"):  # refused here
             client.call(P.LOOKUP, {"keys": [b"x" * 200] * 10_000})
-        assert time.monotonic() - started < 1
         client.close()
     finally:
         stop.set()

@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,16 +271,91 @@ def test_revoke_releases_the_reservation(make_node, client):
     assert client.exists_many(keys) == [False, False, True]
 
 
-def test_uncommitted_reservation_is_reclaimed_after_timeout(make_node, client):
-    node = make_node()
+# -- master semantics on a synthetic clock ------------------------------------------------------
+# MasterState in-process, its clock a number the test moves: expiry and death are checked at the
+# exact instants they are due, with no sleeping. (The served master runs sweep() every tick; the
+# tests against the real master process check that wiring, e.g. a dead node leaving the index.)
+
+
+class SyntheticMaster:
+    def __init__(self, **settings: Any) -> None:
+        from kvpool.config import MasterSection
+        from kvpool.master import MasterState
+
+        self.now = 1000.0
+        self.section = MasterSection(**{"heartbeat_ms": 1000, "dead_after_missed": 3,
+                                        "reservation_timeout_s": 2.0, "lease_s": 1.5, **settings})
+        self.state = MasterState(self.section, clock=lambda: self.now)
+
+    def call(self, op: str, **body: Any) -> Any:
+        return self.state.handle(op, body)
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock and run the timers, as the master's loop does every tick."""
+        self.now += seconds
+        self.state.sweep(self.now)
+
+    def register(self, node_id: str, objects: Sequence[bytes] = ()) -> None:
+        self.call(P.REGISTER, node_id=node_id, address="tcp://127.0.0.1:1", host_id=f"host-{node_id}",
+                  tiers={"dram": {"capacity": 1 << 30, "free": 1 << 30}},
+                  objects=[{**record(), "key": k} for k in objects])
+
+    def heartbeat(self, node_id: str) -> Any:
+        return self.call(P.HEARTBEAT, node_id=node_id)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.call(P.EXISTS, keys=list(keys))["exists"]
+
+
+def test_uncommitted_reservation_is_reclaimed_exactly_after_its_timeout():
+    m = SyntheticMaster()
+    m.register("a")
     [key] = new_keys(1)
-    start = time.monotonic()
-    rid = client.reserve(key, 5 * MiB, node.node_id)
-    wait_for(lambda: node_stats(client, node)["reserved_bytes"] == 0, 3 * RESERVATION_S, "reclaim")
-    assert time.monotonic() - start >= RESERVATION_S * 0.9
-    with pytest.raises(errors.ReservationError):
-        client.commit(rid, record())
-    assert not client.exists(key)
+    [rid] = m.call(P.RESERVE, items=[{"key": key, "nbytes": 5 * MiB, "node_id": "a"}])["reservations"]
+    assert m.state.nodes["a"].reserved_bytes == 5 * MiB
+    m.advance(1.99)
+    assert m.state.nodes["a"].reserved_bytes == 5 * MiB  # not a moment early
+    m.advance(0.02)
+    assert m.state.nodes["a"].reserved_bytes == 0 and m.state.counters["reservations_expired"] == 1
+    assert m.call(P.COMMIT, items=[{"reservation": rid, "replica": record()}])["committed"] == [False]
+    assert m.exists([key]) == [False]
+
+
+def test_lease_pins_until_released_or_lease_s_passes():
+    m = SyntheticMaster()
+    keys = new_keys(2)
+    m.register("a", keys)
+    lease = m.call(P.LOCATE, keys=keys[:1], lease=True)["lease"]
+    other = m.call(P.LOCATE, keys=keys[1:], lease=True)["lease"]
+    decision = m.call(P.EVICT_REQUEST, node_id="a", keys=keys)
+    assert decision["pinned"] == keys and decision["allowed"] == []
+    m.call(P.RELEASE, leases=[other])  # released: evictable at once
+    assert m.call(P.EVICT_REQUEST, node_id="a", keys=keys[1:])["allowed"] == keys[1:]
+    m.advance(1.49)
+    assert m.call(P.EVICT_REQUEST, node_id="a", keys=keys[:1])["pinned"] == keys[:1]
+    m.advance(0.02)  # lease_s has passed: the lease ends on its own
+    assert m.call(P.EVICT_REQUEST, node_id="a", keys=keys[:1])["allowed"] == keys[:1]
+    assert m.state.counters["leases_expired"] == 1
+    assert m.call(P.RELEASE, leases=[lease])["released"] == 0  # already gone: harmless
+
+
+def test_a_node_is_dead_after_its_missed_heartbeats_and_its_keys_leave_at_once():
+    m = SyntheticMaster(heartbeat_ms=100)  # 3 missed: dead after 0.3 s of silence
+    keys = new_keys(3)
+    m.register("a", keys)
+    m.register("b", keys[:1])
+    for _ in range(10):  # a keeps beating, b falls silent
+        m.advance(0.1)
+        m.heartbeat("a")
+    assert not m.state.nodes["b"].alive and m.state.nodes["a"].alive
+    assert m.exists(keys) == [True, True, True]
+    [replicas] = m.call(P.LOCATE, keys=keys[:1], lease=False)["replicas"]
+    assert [r["node_id"] for r in replicas] == ["a"]  # b's replica left with it
+    m.advance(0.29)
+    assert m.state.nodes["a"].alive  # 0.29 s of silence: not yet
+    m.advance(0.02)
+    assert not m.state.nodes["a"].alive and m.exists(keys) == [False, False, False]
+    assert m.heartbeat("a")["reregister"]  # a returning node is asked for what it holds
 
 
 def test_reput_replaces_on_the_same_node_and_adds_on_another(make_node, client):
@@ -371,17 +446,6 @@ def test_lease_blocks_eviction_until_release(make_node, client):
     client.release([located.lease_id])
     assert node.client.evict_request(node.node_id, keys[:2]).allowed == keys[:2]
     assert not any(client.exists_many(keys))
-
-
-def test_lease_expires_after_lease_s(make_node, client):
-    node = make_node()
-    [key] = new_keys(1)
-    node.publish([key])
-    start = time.monotonic()
-    client.locate(key)
-    assert node.client.evict_request(node.node_id, [key]).pinned == [key]
-    wait_for(lambda: node.client.evict_request(node.node_id, [key]).allowed, 3 * LEASE_S, "lease expiry")
-    assert time.monotonic() - start >= LEASE_S * 0.9
 
 
 def test_delete_hides_at_once_and_reaches_holders_after_their_leases(make_node, client):
@@ -558,9 +622,9 @@ def test_req_sockets_and_non_zmq_garbage(master, client):
 def test_unreachable_master_raises_within_the_deadline():
     with MasterClient(f"tcp://127.0.0.1:{free_tcp_port()}", request_timeout_s=0.3) as c:
         start = time.monotonic()
-        with pytest.raises(errors.MasterUnreachableError):
+        with pytest.raises(errors.MasterUnreachableError, match="did not answer lookup within 0.3 s"):
             c.lookup(new_keys(1))
-        assert 0.25 <= time.monotonic() - start < 2.0
+        assert time.monotonic() - start >= 0.25  # it waited for its deadline, no less
         with pytest.raises(errors.MasterUnreachableError):
             c.ping()  # and again on a fresh socket
 
@@ -737,10 +801,8 @@ def test_reregistered_durable_records_restore_durability(fake_storage, make_node
 @pytest.mark.parametrize("address", ["localhost:7700", "127.0.0.1:7700", "tcp://127.0.0.1", "tcp://h:0",
                                      "tcp://h:70000", "udp://127.0.0.1:7700", ""])
 def test_malformed_master_address_is_a_config_error_at_once(address):
-    started = time.monotonic()
-    with pytest.raises(errors.ConfigError, match="tcp://HOST:PORT"):
+    with pytest.raises(errors.ConfigError, match="tcp://HOST:PORT"):  # checked before any socket
         MasterClient(address or "ipc://", request_timeout_s=0.5)
-    assert time.monotonic() - started < 1.0
 
 
 def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():

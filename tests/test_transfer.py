@@ -382,10 +382,11 @@ def test_unreachable_peer_fails_fast() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # free, and nothing listens once closed
     with PullClient() as pull_client:
-        start = time.monotonic()
-        with pytest.raises(errors.TransferError):
-            pull_client.pull_into(("127.0.0.1", port), b"k", (0, 1), bytearray(16), timeout_s=5)
-        assert time.monotonic() - start < 2.0
+        # Connection refused is a TransferError at once; waiting out the (long) deadline would
+        # be a KVTimeoutError instead.
+        with pytest.raises(errors.TransferError) as failure:
+            pull_client.pull_into(("127.0.0.1", port), b"k", (0, 1), bytearray(16), timeout_s=60)
+        assert not isinstance(failure.value, errors.KVTimeoutError)
 
 
 def test_malformed_worker_addresses_never_reach_ucx(server: ServerProcess) -> None:
@@ -496,25 +497,21 @@ def test_holder_killed_mid_pull_fails_within_deadline(
         assert not thread.is_alive()
         assert "n" not in outcome, "a pull from a dead holder reported success"
         assert isinstance(outcome["error"], (errors.TransferError, errors.KVTimeoutError))
-        assert outcome["elapsed"] < deadline_s + 1.0
         if transport == "tcp":
-            # UCX sees the TCP connection reset: no need to wait for the deadline.
+            # UCX sees the TCP connection reset: a transport error, not the deadline's.
             assert isinstance(outcome["error"], errors.TransferError), outcome["error"]
-            assert outcome["elapsed"] < deadline_s
-        # The dead peer's endpoint was dropped: a new pull fails fast, never hangs.
-        start = time.monotonic()
+        # The dead peer's endpoint was dropped: a new pull fails (by its deadline at the
+        # latest), never hangs.
         with pytest.raises((errors.TransferError, errors.KVTimeoutError)):
             pull_client.pull_into(fresh_server.peer, b"obj-a", (0, 2), out, timeout_s=2.0)
-        assert time.monotonic() - start < 3.0
 
 
 def test_read_failure_mid_pull_is_reported_at_once(server: ServerProcess, client: PullClient) -> None:
     out = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)  # 3 chunks of 256 KiB; the 2nd read fails
     before = server.quiet_stats()
-    start = time.monotonic()
+    # The abort frame's text (the deadline would be a KVTimeoutError saying so).
     with pytest.raises(errors.TransferError, match="mid-pull.*Input/output error"):
-        client.pull_into(server.peer, b"file:bad", (0, LAYERS), out, timeout_s=10)
-    assert time.monotonic() - start < 2.0  # an abort frame, not the deadline
+        client.pull_into(server.peer, b"file:bad", (0, LAYERS), out, timeout_s=60)
     peers = client.stats()["peers"]
     want = expected(b"obj-a", 0, 1)
     assert client.pull_into(server.peer, b"obj-a", (0, 1), out[:want.nbytes], timeout_s=10) == want.nbytes
@@ -529,10 +526,9 @@ def test_read_failure_mid_pull_is_reported_at_once(server: ServerProcess, client
 def test_client_deadline_frees_the_server_side(server: ServerProcess, client: PullClient, slow_key: bytes) -> None:
     before = server.quiet_stats()
     out = np.zeros(2 * LAYER_NBYTES, np.uint8)
-    start = time.monotonic()
-    with pytest.raises(errors.KVTimeoutError):
+    # The pull's own deadline, not the 5 s guard against a wedged progress thread.
+    with pytest.raises(errors.KVTimeoutError, match="not complete after 0.3s"):
         client.pull_into(server.peer, slow_key, (0, 2), out, timeout_s=0.3)
-    assert time.monotonic() - start < 1.0
     # The server answers into a connection the client dropped (tcp) or into
     # tags nobody waits for (auto): either way it must end the pull and
     # release the source, not hold it pinned (for file:slow only after the
