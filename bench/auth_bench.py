@@ -78,7 +78,7 @@ def measure(mode: str, security: dict[str, Any], args: argparse.Namespace, tmp: 
     from kvpool.master_client import MasterClient
     from kvpool.pool import Pool
     from kvpool.remote import ReplicaReader
-    from kvpool.transfer import local_host_id
+    from kvpool.transport import local_host_id
 
     master = f"tcp://127.0.0.1:{_free_port()}"
     argv = [sys.executable, "-m", "kvpool.master", "--listen", master, "--log-level", "WARNING"]

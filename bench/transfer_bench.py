@@ -1,4 +1,4 @@
-"""Pull throughput over UCX (kvpool.transfer) beside the raw limits, in two processes.
+"""Pull throughput over UCX (kvpool.transport) beside the raw limits, in two processes.
 
 What it measures, each at the same message sizes in the same run:
 
@@ -56,7 +56,7 @@ import numpy as np
 
 from kvpool.config import format_size, parse_size
 from kvpool.objformat import LayerRange
-from kvpool.transfer import PeerAddress, PullClient, PullServer, ServeSource
+from kvpool.transport import PeerAddress, PullClient, PullServer, ServeSource
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 _REQUEST = struct.Struct("<QQ")  # raw socket request: offset, nbytes

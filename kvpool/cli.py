@@ -144,7 +144,7 @@ def layer_arg(text: str) -> int | slice:
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     from kvpool.pool import Pool
     from kvpool.remote import ReplicaReader, replicas_at, shared_dirs_of
-    from kvpool.transfer import local_host_id
+    from kvpool.transport import local_host_id
 
     key = _key(args.key, args.text)
     layers = args.layers

@@ -2,7 +2,7 @@
 
 Owns the glue between one process's :class:`tiers.manager.TierManager` and the
 cluster: it serves pulls of ``(key, layer range)`` straight out of tier memory
-(:class:`kvpool.transfer.PullServer`), keeps the master's index in step with
+(:class:`kvpool.transport.PullServer`), keeps the master's index in step with
 what the tiers hold (moves and removals are published in batches from a
 background thread; puts are published by the pool with a two-phase
 reserve/commit), heartbeats on its own thread, re-registers everything after a
@@ -37,7 +37,7 @@ from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.protocol import ReplicaRecord, replica_record
 from kvpool.security import ClusterKey
-from kvpool.transfer import (
+from kvpool.transport import (
     PeerAddress,
     ProviderWouldBlock,
     PullClient,

@@ -3,7 +3,7 @@
 Owns the byte layout of an object (header + layer-major payload), the dtype
 table, layer/byte range value types, per-layer checksums, and turning user
 arrays into contiguous layer-major views. It does not own where bytes live
-(``tiers``) or how they move (``kvpool.transfer``).
+(``tiers``) or how they move (``kvpool.transport``).
 
 Layout of one object ("blob")::
 

@@ -42,7 +42,7 @@ from kvpool.node import NodeAddress
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.protocol import LocatedReplica
 from kvpool.security import ClusterKey
-from kvpool.transfer import PeerAddress, PullClient, plausible_worker_address
+from kvpool.transport import PeerAddress, PullClient, plausible_worker_address
 
 log = logging.getLogger("kvpool.remote")
 

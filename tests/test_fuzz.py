@@ -4,7 +4,7 @@
   nodes, keys, reservations and leases),
 * a node's control socket (``Node.serve_control``, in process, on a node whose tiers,
   puller and master client are stand-ins),
-* the pull frame parsers of :mod:`kvpool.transfer` (request and status frames).
+* the pull frame parsers of :mod:`kvpool.transport.frames` (request and status frames).
 
 Random bytes, random msgpack values and mutations of valid frames must never crash,
 never hang (each example runs under a 2 s alarm), and always give a valid reply or a
@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 
 from kvpool import errors
 from kvpool import protocol as P
-from kvpool import transfer as T
 from kvpool.config import Config, MasterSection
 from kvpool.master import MasterServer, MasterState
 from kvpool.node import Node
 from kvpool.objformat import LayerRange, ObjectSpec
+from kvpool.transport import frames as T
 
 SPEC = ObjectSpec("float16", layers=4, tokens=16, kv_heads=2, head_dim=8)
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}

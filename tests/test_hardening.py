@@ -22,7 +22,7 @@ from kvpool.objformat import ObjectHeader, encode
 from kvpool.pool import Pool
 from kvpool.remote import ReplicaReader, alive_nodes_of
 from kvpool.security import ClusterKey
-from kvpool.transfer import PeerAddress, local_host_id
+from kvpool.transport import PeerAddress, local_host_id
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
 
 SHAPE = (2, 2, 4, 2, 8)

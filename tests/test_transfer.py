@@ -36,7 +36,7 @@ import pytest
 
 from kvpool import errors
 from kvpool.objformat import LayerRange
-from kvpool.transfer import PeerAddress, PullClient, PullServer, ServeSource
+from kvpool.transport import PeerAddress, PullClient, PullServer, ServeSource
 
 LAYERS = 8
 LAYER_NBYTES = 96 * 1024 + 40  # odd size: chunk boundaries fall inside layers

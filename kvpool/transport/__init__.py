@@ -1,0 +1,128 @@
+"""Pulling KV bytes between nodes over UCX (``ucxx``): the transport package.
+
+Modules: :mod:`.frames` (the wire format), :mod:`.engine` (one UCX context and
+worker, its progress thread and caller-driven progress), :mod:`.server`
+(:class:`PullServer`, :class:`ServeSource`) and :mod:`.client` (:class:`PullClient`).
+
+Owns the wire protocol and the UCX plumbing for one operation: a client names
+``(key, layer range)`` and a :class:`PullServer` answers with exactly those
+bytes, which land straight in the client's preallocated ``out`` buffer.
+It does not own where bytes live or how keys are located: the node wires a
+*provider* callback into the server (tiers -> :class:`ServeSource`), and the
+pool asks the master which node to pull from.
+
+Threads and progress
+    Every :class:`PullServer` and :class:`PullClient` owns one UCX context and
+    one worker, driven by one dedicated thread (``_ProgressThread``). Only that
+    thread makes UCX calls; other threads submit closures to it and wait on
+    :class:`concurrent.futures.Future` objects (``pull_into``) or their asyncio
+    wrappers (``apull_into``). The thread progresses the worker in *blocking*
+    mode: when nothing is left to do it arms the worker and sleeps in
+    ``epoll_wait`` on the worker's event fd plus an eventfd used for wake-ups,
+    never spinning. On a 2-core machine running more processes than cores, two
+    busy-polling UCX processes take turns on one vCPU and a round trip costs
+    milliseconds; blocking progress costs one wake-up per event instead.
+
+Wire protocol (all tag messages; tags are 64-bit and matched worker-wide)
+    request  client -> server, tag ``REQUEST_TAG``: fixed header ``_REQUEST``
+             + key + (``auto`` transport only) the client's worker address.
+    status   server -> client, tag ``request_id << 20``: ``_STATUS`` + text.
+             OK carries the payload size and the chunk size the server uses,
+             and, when the request asked for it (``header_out``), the served
+             object's packed header in place of the text: the reader checks it
+             against the header checksum the master indexed, then every layer
+             against it, so the master never has to hold whole headers.
+    data     server -> client, tag ``request_id << 20 | i`` for chunk
+             ``i = 1..n``: chunk ``i`` is bytes ``[(i-1)*chunk, i*chunk)`` of
+             the payload. The client posts its receives straight into slices
+             of ``out`` once the status arrives; UCX holds a rendezvous message
+             until its receive is posted, so large chunks are never staged.
+    abort    server -> client, tag ``request_id << 20 | 0xFFFFF``: a status
+             frame sent instead of the remaining chunks when reading the
+             object fails after OK went out (nvme path), once every chunk
+             already posted has been delivered; the client cancels its
+             receives for the chunks that will never come.
+    hello    client -> server over the UCX *stream* API, once per listener
+             connection: 16 bytes naming the connection (``conn_id``, which
+             every request repeats), because a worker-wide tag receive cannot
+             tell which endpoint a request came from.
+
+Transports
+    ``"tcp"``: the client connects to the server's UCX listener
+        (``host``, ``port``) with endpoint error handling on, so UCX detects a
+        peer that dies (TCP reset, keepalive) and fails the pull at once.
+    ``"auto"``: for a peer on the same host (same ``host_id``) the client
+        connects to the server's *worker address* and the server replies to the
+        client's worker address, both with error handling **off**, which lets
+        UCX choose shared memory (posix/sysv/cma). UCX cannot detect a dead
+        peer on such endpoints, so only the pull deadline (``timeout_s``)
+        catches a holder that dies mid-pull; the server likewise drops a
+        client that stops receiving after ``send_timeout_s``. Nor can closing
+        such an endpoint stop a sender that is alive but stalled between
+        UCX's rendezvous handshake and its copy into ``out`` (cross-memory
+        writes come from the sender's side), so after a deadline on this path
+        ``out`` is not guaranteed untouched. Peers on other hosts, or without
+        a worker address, use the listener as with ``"tcp"``.
+
+Failure rules
+    A miss is answered with a MISS status (:class:`errors.RemoteMissError` at
+    the client), a provider exception with an ERROR status carrying its text,
+    a read that fails mid-pull with an abort frame; none of them hangs the
+    client or costs the connection. Any transport error or deadline on an endpoint
+    drops that endpoint from the client's cache and fails every pull still
+    using it: UCX cancels their receives as the endpoint closes, so no late
+    bytes land in an ``out`` buffer after its pull raised (on TCP; see the
+    ``"auto"`` caveat above). A cancelled ``apull_into`` is not a failure of
+    the endpoint: that pull finishes in the background instead. Callers still
+    verify per-layer checksums.
+
+UCX environment
+    Importing ``ucxx`` sets ``UCX_MEMTYPE_CACHE=n``, ``UCX_RNDV_THRESH=8192``
+    and ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` unless already set. This module adds
+    ``UCX_WARN_UNUSED_ENV_VARS=n`` (ucxx's own variable otherwise triggers a
+    warning) and passes :data:`DEFAULT_UCX_OPTIONS` to its contexts unless the
+    matching ``UCX_*`` variable is set, so the environment always wins. Every
+    process of a pool must run with the same UCX options: with
+    ``RNDV_SCHEME`` differing between client and server, listener connections
+    were seen to fail ("no remote ep address for lane").
+    Both ends pass ``NET_DEVICES`` = the interface holding their ``host``
+    (:func:`ucx_interface_options`, e.g. ``lo`` for 127.0.0.1), so UCX's own
+    TCP listener binds that address only. The ucxx 0.52 sockaddr listener
+    cannot bind an address (it takes the wildcard): ``PullServer(listener=False)``
+    has none, and clients reach it by worker address (``"tcp"``: with UCX
+    peer-failure detection, the server replying with it too). Requests carry
+    a pull token (at most 64 bytes) that ``authorize(key, token)`` checks
+    before the provider runs; a refusal is STATUS_UNAUTHORIZED
+    (:class:`errors.AuthenticationError`), never data. UCX trusts what peers send it (a malformed worker
+    address aborts the process; both ends check addresses first, see
+    :func:`plausible_worker_address`): keep UCX ports on a trusted network.
+"""
+
+from kvpool.transport.client import PullClient
+from kvpool.transport.engine import (
+    DEFAULT_UCX_OPTIONS,
+    TRANSPORTS,
+    interface_for_host,
+    local_host_id,
+    ucx_interface_options,
+)
+from kvpool.transport.frames import MAX_HEADER_NBYTES, PeerAddress, plausible_worker_address
+from kvpool.transport.server import PullServer
+from kvpool.transport.source import Provider, ProviderWouldBlock, ServeSource, in_inline_provider
+
+__all__ = [
+    "DEFAULT_UCX_OPTIONS",
+    "MAX_HEADER_NBYTES",
+    "PeerAddress",
+    "Provider",
+    "ProviderWouldBlock",
+    "PullClient",
+    "PullServer",
+    "ServeSource",
+    "TRANSPORTS",
+    "in_inline_provider",
+    "interface_for_host",
+    "local_host_id",
+    "plausible_worker_address",
+    "ucx_interface_options",
+]

@@ -1,0 +1,640 @@
+"""The pulling side: :class:`PullClient` names ``(key, layer range)`` and the bytes land in
+the caller's ``out`` buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool import errors
+from kvpool.objformat import LayerRange
+from kvpool.transport.engine import (
+    TRANSPORTS,
+    Array,
+    MiB,
+    _close_endpoint,
+    _describe,
+    _ProgressThread,
+    _reply_tag,
+    _Timer,
+    local_host_id,
+    ucx_api,
+    ucx_interface_options,
+)
+from kvpool.transport.frames import (
+    _ABORT_INDEX,
+    _HELLO,
+    _HELLO_MAGIC,
+    _MAX_CHUNKS,
+    _MAX_KEY_BYTES,
+    _MAX_REQUEST_ID,
+    _MAX_STATUS_TEXT,
+    _MAX_TOKEN_BYTES,
+    _MIN_CHUNK_FLOOR,
+    _STATUS,
+    _STATUS_BUFFER_NBYTES,
+    MAX_HEADER_NBYTES,
+    MIN_CHUNK,
+    PROTOCOL_VERSION,
+    REQUEST_TAG,
+    STATUS_BAD_RANGE,
+    STATUS_MISS,
+    STATUS_OK,
+    STATUS_OUT_TOO_SMALL,
+    STATUS_UNAUTHORIZED,
+    PeerAddress,
+    _pack_request,
+    _parse_status,
+    plausible_worker_address,
+)
+
+log = logging.getLogger("kvpool.transport")
+
+# -- client ------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Peer:
+    """A cached endpoint to one server and the pulls using it."""
+
+    key: tuple[Any, ...]
+    ep: Any
+    error_handling: bool
+    label: str
+    conn_id: int = field(default_factory=lambda: secrets.randbits(64))
+    pulls: set[_Pull] = field(default_factory=set)
+    #: reached through its worker address (no listener): the server replies to ours
+    by_worker_address: bool = False
+
+
+@dataclass(eq=False)
+class _Pull:
+    address: PeerAddress
+    key: bytes
+    layer_range: LayerRange
+    out: memoryview
+    timeout_s: float
+    future: concurrent.futures.Future[int]
+    request_id: int = 0
+    peer: _Peer | None = None
+    status_buf: bytearray = field(default_factory=lambda: bytearray(_STATUS_BUFFER_NBYTES))
+    header_out: bytearray | None = None  # receives the header an OK carries (asked for)
+    nbytes: int = 0
+    chunk: int = 0
+    chunks_left: int = 0
+    chunks_done: int = 0  # chunks received (the first may arrive before the status is handled)
+    receives: list[Any] = field(default_factory=list)  # chunk receives not yet completed
+    abort_receive: Any = None
+    done: bool = False
+    timer: _Timer | None = None
+    token: bytes = b""
+
+
+class PullClient:
+    """Pulls ``(key, layer range)`` from :class:`PullServer` peers into caller buffers.
+
+    Thread-safe: any number of threads may call :meth:`pull_into`, and
+    :meth:`apull_into` works from any asyncio loop; all UCX work happens on the
+    client's own progress thread. Endpoints are cached per peer and dropped on
+    any error or deadline. ``transport`` is ``"tcp"`` or ``"auto"`` (see the
+    module docstring for the trade-off).
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: str = "tcp",
+        max_message: int = 16 * MiB,
+        ucx_options: Mapping[str, str] | None = None,
+        name: str = "kvpool-pull-client",
+        host: str | None = "127.0.0.1",
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if max_message < 4096:
+            raise ValueError(f"max_message must be at least 4096 bytes, got {max_message}")
+        self.transport = transport
+        self.max_message = max_message
+        self._max_chunk = max(MIN_CHUNK, max_message)  # the largest chunk a server may send us
+        self._name = name
+        self._client_id = secrets.randbits(64)
+        self._host_id = local_host_id()
+        self._request_ids = itertools.count(1)
+        self._peers: dict[tuple[Any, ...], _Peer] = {}
+        # ``host``: this process's address (node.host); UCX's transports stay on its interface.
+        self._engine = _ProgressThread(name, {**ucx_interface_options(host), **(ucx_options or {})})
+        self._worker_address: bytes = self._engine.call(lambda: self._engine.worker.address.tobytes())
+        self._closing = False
+        self.pulls = 0
+        self.failures = 0
+        self.timeouts = 0
+        self.bytes_received = 0
+
+    # -- public API ------------------------------------------------------------------------
+
+    def pull_into(
+        self,
+        address: PeerAddress | tuple[str, int],
+        key: bytes,
+        layer_range: LayerRange | tuple[int, int] | range,
+        out: Any,
+        *,
+        timeout_s: float = 10.0,
+        alive: Callable[[], bool] | None = None,
+        alive_check_s: float = 0.05,
+        token: bytes = b"",
+        header_out: bytearray | None = None,
+    ) -> int:
+        """Pull the bytes of ``layer_range`` of ``key`` from ``address`` into ``out``.
+
+        ``out`` is any writable C-contiguous buffer (numpy array, bytearray,
+        memoryview, mmap) at least as large as the payload; bytes land in it
+        directly. Returns the number of bytes received (the payload size).
+
+        ``alive`` (optional) is asked every ``alive_check_s`` while the pull
+        waits: when it says the holder is gone the pull is abandoned at once
+        with TransferError instead of waiting out the deadline (the shared-memory
+        transport cannot see a dead peer by itself).
+
+        ``token`` (at most 64 bytes) travels with the request: the pull token the
+        master issued for this key on this holder. A server that refuses it
+        answers :class:`errors.AuthenticationError` and sends nothing else.
+
+        ``header_out`` (optional): the holder also sends the packed header of
+        the object it serves, in the same reply; on return ``header_out`` holds
+        exactly those bytes. Its length on entry is the most accepted (0: up to
+        :data:`MAX_HEADER_NBYTES`); a longer header fails the pull. Nothing in
+        it is verified here: the caller checks it (and the bytes against it).
+
+        Raises :class:`errors.RemoteMissError` if the peer does not hold the
+        key, :class:`errors.LayerRangeError` if the range is outside the
+        object, :class:`errors.OutBufferError` if ``out`` is unusable or too
+        small, :class:`errors.TransferError` on any other remote or transport
+        failure, and :class:`errors.KVTimeoutError` if the pull is not complete
+        within ``timeout_s``. After an exception the content of ``out`` is
+        undefined (possibly partly written), never reported as valid.
+        """
+        pull = self._new_pull(address, key, layer_range, out, timeout_s, token, header_out)
+        future = pull.future
+        # The pull's own timer enforces the deadline; the slack only guards against a
+        # wedged progress thread.
+        deadline = time.monotonic() + timeout_s + 5.0
+        # Usually no other thread drives the worker: this one sends the request and handles
+        # the reply itself (no hand-off either way).
+        def check_alive() -> None:
+            if alive is not None and not alive():
+                self._fail(pull, errors.TransferError(f"pull of {bytes(key).hex()}: the holder is gone"),
+                           drop_peer=True)
+
+        if self._engine.drive(lambda: self._start(pull), future.done, deadline,
+                              check_alive if alive is not None else None, alive_check_s):
+            if not future.done():
+                self._abort(future)
+                raise errors.KVTimeoutError(
+                    f"pull of {bytes(key).hex()}: no result {timeout_s}s + 5s after it started (UCX stalled)")
+            return future.result(0)
+        self._engine.submit(lambda: self._start(pull))
+        try:
+            if alive is not None:
+                while True:
+                    try:
+                        return future.result(min(alive_check_s, max(deadline - time.monotonic(), 0.0)))
+                    except concurrent.futures.TimeoutError:
+                        if future.done() or time.monotonic() >= deadline:
+                            raise
+                        if not alive():
+                            self._abort(future)
+                            raise errors.TransferError(
+                                f"pull of {bytes(key).hex()}: the holder is gone") from None
+            return future.result(timeout_s + 5.0)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # KVTimeoutError is a TimeoutError too: the deadline's own
+                raise
+            self._abort(future)
+            raise errors.KVTimeoutError(
+                f"pull of {bytes(key).hex()}: progress thread unresponsive after {timeout_s}s") from None
+
+    async def apull_into(
+        self,
+        address: PeerAddress | tuple[str, int],
+        key: bytes,
+        layer_range: LayerRange | tuple[int, int] | range,
+        out: Any,
+        *,
+        timeout_s: float = 10.0,
+        token: bytes = b"",
+        header_out: bytearray | None = None,
+    ) -> int:
+        """Asyncio twin of :meth:`pull_into` (same arguments, result and errors).
+
+        Several may be in flight at once (e.g. layer ``i+1`` while the caller
+        uses layer ``i``). Cancelling the awaiting task does not disturb other
+        pulls sharing the endpoint: the pull runs on in the background (its
+        result discarded) until it completes or reaches its deadline, so
+        ``out`` may still be written until then. It stays referenced, never
+        freed under UCX.
+        """
+        pull = self._new_pull(address, key, layer_range, out, timeout_s, token, header_out)
+        self._engine.submit(lambda: self._start(pull))
+        return await asyncio.wrap_future(pull.future)
+
+    def close(self) -> None:
+        """Fail pulls still in flight, close endpoints and stop the progress thread."""
+        if self._engine.closed or self._closing:
+            return
+        self._closing = True
+        self._engine.stop(self._close_on_thread)
+
+    def __enter__(self) -> PullClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def worker_address(self) -> bytes:
+        return self._worker_address
+
+    def stats(self) -> dict[str, int]:
+        """Counters: pulls completed and failed, timeouts among them, bytes received."""
+        return {
+            "peers": len(self._peers),
+            "pulls": self.pulls,
+            "failures": self.failures,
+            "timeouts": self.timeouts,
+            "bytes_received": self.bytes_received,
+        }
+
+    # -- submission (caller's thread) -----------------------------------------------------------
+
+    def _new_pull(
+        self,
+        address: PeerAddress | tuple[str, int],
+        key: bytes,
+        layer_range: LayerRange | tuple[int, int] | range,
+        out: Any,
+        timeout_s: float,
+        token: bytes = b"",
+        header_out: bytearray | None = None,
+    ) -> _Pull:
+        if self._closing:
+            raise errors.PoolClosedError(f"{self._name} is closed")
+        if self._engine.on_thread():
+            raise RuntimeError("pull_into cannot be called from the client's own progress thread")
+        peer = _as_peer_address(address)
+        if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= _MAX_KEY_BYTES:
+            raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not isinstance(token, (bytes, bytearray, memoryview)) or len(token) > _MAX_TOKEN_BYTES:
+            raise errors.AuthenticationError(f"pull token must be at most {_MAX_TOKEN_BYTES} bytes")
+        pull = _Pull(
+            address=peer,
+            key=bytes(key),
+            layer_range=_as_layer_range(layer_range),
+            out=_as_out_view(out),
+            timeout_s=float(timeout_s),
+            future=concurrent.futures.Future(),
+            token=bytes(token),
+        )
+        if header_out is not None:
+            if not isinstance(header_out, bytearray):
+                raise TypeError(f"header_out must be a bytearray, got {type(header_out).__name__}")
+            room = len(header_out) if 0 < len(header_out) <= MAX_HEADER_NBYTES else MAX_HEADER_NBYTES
+            pull.header_out = header_out
+            pull.status_buf = bytearray(_STATUS.size + max(room, _MAX_STATUS_TEXT))
+        pull.future.kvpool_pull = pull  # type: ignore[attr-defined]  # for _abort
+        return pull
+
+    def _abort(self, future: concurrent.futures.Future[int]) -> None:
+        pull = getattr(future, "kvpool_pull", None)
+        if pull is None:
+            return
+        try:
+            self._engine.submit(
+                lambda: self._fail(pull, errors.TransferError("pull cancelled"), drop_peer=True)
+            )
+        except errors.PoolClosedError:
+            pass
+
+    # -- progress thread ------------------------------------------------------------------------
+
+    def _start(self, pull: _Pull) -> None:
+        pull.timer = self._engine.call_later(pull.timeout_s, lambda: self._on_deadline(pull))
+        if pull.future.cancelled():
+            self._fail(pull, errors.TransferError("pull cancelled"))
+            return
+        try:
+            peer = self._peer_for(pull.address)
+        except Exception as exc:
+            where = f"{pull.address.host}:{pull.address.port}"
+            self._fail(pull, errors.TransferError(f"cannot connect to {where}: {_describe(exc)}"))
+            return
+        pull.peer = peer
+        peer.pulls.add(pull)
+        pull.request_id = next(self._request_ids) & _MAX_REQUEST_ID
+        reply_address = self._worker_address if peer.by_worker_address else b""
+        frame = _pack_request(self._client_id, peer.conn_id, pull, self.max_message, reply_address,
+                              peer.error_handling)
+        status_array, frame_array = Array(pull.status_buf), Array(frame)
+        # The first chunk's receive is posted before the request goes out, straight into
+        # `out` (the server's chunk is at most our max_message; a shorter message fits): the
+        # bytes of a pull of one chunk land while the status is still being handled, and one
+        # request + one reply is the whole pull. A pull that fails cancels it.
+        # (A server's chunk is at most max(MIN_CHUNK, our max_message).)
+        first_array = Array(pull.out[:min(pull.out.nbytes, self._max_chunk)])
+        try:
+            status_req = peer.ep.tag_recv(status_array, _reply_tag(pull.request_id, 0))
+            first_req = peer.ep.tag_recv(first_array, _reply_tag(pull.request_id, 1))
+            pull.receives.append(first_req)
+            send_req = peer.ep.tag_send(frame_array, ucx_api.UCXXTag(REQUEST_TAG))
+        except Exception as exc:
+            self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(exc)}"), drop_peer=True)
+            return
+        self._engine.watch(status_req, lambda err: self._on_status(pull, err), status_array)
+        self._engine.watch(first_req, functools.partial(self._on_chunk, pull, first_req), first_array)
+        def sent(err: BaseException | None) -> None:
+            if err is not None:
+                self._fail(pull, errors.TransferError(f"{peer.label}: request send failed: {_describe(err)}"),
+                           drop_peer=True)
+
+        self._engine.watch(send_req, sent, frame_array)
+
+    def _peer_for(self, address: PeerAddress) -> _Peer:
+        use_worker_address = (
+            self.transport == "auto" and bool(address.worker_address) and address.host_id == self._host_id
+        )
+        if use_worker_address and not plausible_worker_address(address.worker_address):
+            log.warning("%s: %s:%d advertises a malformed worker address; using its listener",
+                        self._name, address.host, address.port)
+            use_worker_address = False
+        # A server without a sockaddr listener (port 0) is reached through its worker address
+        # with UCX's peer-failure detection on: TCP over the interfaces its UCX context uses.
+        checked_worker_address = (not use_worker_address and not address.port
+                                  and plausible_worker_address(address.worker_address))
+        key: tuple[Any, ...] = (
+            ("wa", address.worker_address) if use_worker_address
+            else ("wa-eh", address.worker_address) if checked_worker_address
+            else ("tcp", address.host, address.port))
+        peer = self._peers.get(key)
+        if peer is not None and peer.error_handling and not peer.ep.alive:
+            self._drop_peer(peer, "endpoint failed while idle")
+            peer = None
+        if peer is not None:
+            return peer
+        worker = self._engine.worker
+        if use_worker_address:
+            ucx_address = ucx_api.UCXAddress.create_from_buffer(address.worker_address)
+            ep = worker.create_endpoint_from_worker_address(ucx_address, False)
+            peer = _Peer(key, ep, False, f"{address.host}:{address.port} (worker address)",
+                         by_worker_address=True)
+        elif checked_worker_address:
+            ucx_address = ucx_api.UCXAddress.create_from_buffer(address.worker_address)
+            ep = worker.create_endpoint_from_worker_address(ucx_address, True)
+            ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_peers,))
+            peer = _Peer(key, ep, True, f"{address.host} (worker address, tcp)", by_worker_address=True)
+        elif not address.port:
+            raise errors.TransferError(f"{address.host}: neither a listener port nor a usable worker address")
+        else:
+            ep = ucx_api.UCXEndpoint.create(worker, address.host, address.port, True)
+            ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_peers,))
+            peer = _Peer(key, ep, True, f"{address.host}:{address.port}")
+            hello = bytearray(_HELLO.size)
+            _HELLO.pack_into(hello, 0, _HELLO_MAGIC, PROTOCOL_VERSION, peer.conn_id)
+            hello_array = Array(hello)
+            def hello_sent(err: BaseException | None, peer: _Peer = peer) -> None:
+                if err is not None:
+                    self._drop_peer(peer, f"hello failed: {_describe(err)}")
+
+            self._engine.watch(ep.stream_send(hello_array), hello_sent, hello_array)
+        self._peers[key] = peer
+        return peer
+
+    def _sweep_dead_peers(self) -> None:
+        for peer in list(self._peers.values()):
+            if peer.error_handling and not peer.ep.alive:
+                self._drop_peer(peer, "connection lost")
+
+    def _on_status(self, pull: _Pull, error: BaseException | None) -> None:
+        if pull.done:
+            return
+        peer = pull.peer
+        assert peer is not None
+        if error is not None:
+            self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(error)}"), drop_peer=True)
+            return
+        frame = _parse_status(pull.status_buf, pull.request_id)
+        if frame is None:
+            self._fail(pull, errors.ProtocolError(f"{peer.label}: malformed status frame"), drop_peer=True)
+            return
+        status, nbytes, chunk, body = frame
+        layers = pull.layer_range
+        what = f"{peer.label}: pull of {pull.key.hex()} layers [{layers.start}, {layers.stop})"
+        if status != STATUS_OK:
+            exc_type = {
+                STATUS_MISS: errors.RemoteMissError,
+                STATUS_BAD_RANGE: errors.LayerRangeError,
+                STATUS_OUT_TOO_SMALL: errors.OutBufferError,
+                STATUS_UNAUTHORIZED: errors.AuthenticationError,
+            }.get(status, errors.TransferError)
+            self._fail(pull, exc_type(f"{what}: {body.decode('utf-8', 'replace')}"))
+            return
+        if pull.header_out is not None:
+            if not body:
+                self._fail(pull, errors.ProtocolError(f"{what}: OK without the header asked for"), drop_peer=True)
+                return
+            pull.header_out[:] = body  # before the status buffer takes the abort frame
+        if nbytes > pull.out.nbytes or (nbytes and chunk < min(_MIN_CHUNK_FLOOR, nbytes)) \
+                or -(-nbytes // max(chunk, 1)) > _MAX_CHUNKS:
+            self._fail(pull, errors.ProtocolError(f"{what}: bad sizes {nbytes}/{chunk}"), drop_peer=True)
+            return
+        if nbytes and chunk > self._max_chunk:
+            self._fail(pull, errors.ProtocolError(f"{what}: chunk {chunk} above {self._max_chunk}"),
+                       drop_peer=True)
+            return
+        pull.nbytes, pull.chunk = nbytes, chunk
+        total = -(-nbytes // chunk) if nbytes else 0
+        # The first chunk's receive went out with the request and may have completed already.
+        first_done = pull.chunks_done
+        pull.chunks_left = total - first_done
+        if total == 0:
+            self._succeed(pull)  # cancels the first chunk's receive
+            return
+        if pull.chunks_left == 0:
+            self._succeed(pull)
+            return
+        try:
+            for i in range(1, total):
+                lo = i * chunk
+                array = Array(pull.out[lo:min(lo + chunk, nbytes)])
+                req = peer.ep.tag_recv(array, _reply_tag(pull.request_id, i + 1))
+                pull.receives.append(req)
+                self._engine.watch(req, functools.partial(self._on_chunk, pull, req), array)
+            # The status buffer is free again: it takes the abort frame, if any.
+            array = Array(pull.status_buf)
+            pull.abort_receive = peer.ep.tag_recv(array, _reply_tag(pull.request_id, _ABORT_INDEX))
+            self._engine.watch(pull.abort_receive, lambda err: self._on_abort(pull, what, err), array)
+        except Exception as exc:
+            self._fail(pull, errors.TransferError(f"{what}: {_describe(exc)}"), drop_peer=True)
+
+    def _on_chunk(self, pull: _Pull, request: Any, error: BaseException | None) -> None:
+        if pull.done:
+            return
+        if error is not None:
+            assert pull.peer is not None
+            self._fail(pull, errors.TransferError(f"{pull.peer.label}: {_describe(error)}"), drop_peer=True)
+            return
+        pull.receives.remove(request)
+        pull.chunks_done += 1
+        if not pull.chunk:  # the status has not been handled yet: it counts this chunk
+            return
+        pull.chunks_left -= 1
+        if pull.chunks_left == 0:
+            self._succeed(pull)
+
+    def _on_abort(self, pull: _Pull, what: str, error: BaseException | None) -> None:
+        pull.abort_receive = None
+        if pull.done:
+            return
+        if error is not None:
+            self._fail(pull, errors.TransferError(f"{what}: {_describe(error)}"), drop_peer=True)
+            return
+        frame = _parse_status(pull.status_buf, pull.request_id)
+        text = frame[3].decode("utf-8", "replace") if frame is not None else "malformed abort frame"
+        # Every chunk the server sent was delivered before this frame; the
+        # receives still posted are for chunks that will never come.
+        self._fail(pull, errors.TransferError(f"{what}: holder failed mid-pull: {text}"))
+
+    def _cancel_receives(self, pull: _Pull) -> None:
+        """Cancel a finished pull's receives that can no longer match.
+
+        ucxx has no per-request cancel call: a request whose Python object is
+        collected is cancelled, so dropping our references is the cancel.
+        """
+        for request in pull.receives:
+            self._engine.unwatch(request)
+        pull.receives.clear()
+        if pull.abort_receive is not None:
+            self._engine.unwatch(pull.abort_receive)
+            pull.abort_receive = None
+
+    def _on_deadline(self, pull: _Pull) -> None:
+        if not pull.done:
+            where = pull.peer.label if pull.peer is not None else f"{pull.address.host}:{pull.address.port}"
+            if not pull.nbytes and not pull.chunks_left:
+                stage = "no reply yet"
+            else:
+                stage = f"{pull.chunks_left} of {-(-pull.nbytes // max(pull.chunk, 1))} messages missing"
+            self._fail(pull, errors.KVTimeoutError(
+                f"{where}: pull of {pull.key.hex()} not complete after {pull.timeout_s}s ({stage})"),
+                drop_peer=True)
+
+    def _succeed(self, pull: _Pull) -> None:
+        pull.done = True
+        self._cancel_receives(pull)  # the abort receive
+        self.pulls += 1
+        self.bytes_received += pull.nbytes
+        self._detach(pull)
+        if not pull.future.done():
+            pull.future.set_result(pull.nbytes)
+
+    def _fail(self, pull: _Pull, exc: BaseException, *, drop_peer: bool = False) -> None:
+        if pull.done:
+            return
+        peer = pull.peer
+        if drop_peer and peer is not None:
+            self._drop_peer(peer, f"{type(exc).__name__} on {pull.key.hex()}", first=(pull, exc))
+            return
+        self._finish_failed([(pull, exc)])
+
+    def _finish_failed(self, failed: list[tuple[_Pull, BaseException]]) -> None:
+        for pull, exc in failed:
+            pull.done = True
+            self._cancel_receives(pull)
+            self._detach(pull)
+            self.failures += 1
+            self.timeouts += isinstance(exc, errors.KVTimeoutError)
+            if not pull.future.done():
+                pull.future.set_exception(exc)
+
+    def _detach(self, pull: _Pull) -> None:
+        if pull.timer is not None:
+            pull.timer.cancel()
+        if pull.peer is not None:
+            pull.peer.pulls.discard(pull)
+            pull.peer = None
+
+    def _drop_peer(
+        self, peer: _Peer, reason: str, first: tuple[_Pull, BaseException] | None = None
+    ) -> None:
+        """Forget ``peer``, close its endpoint, then fail every pull that used it."""
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
+        failed = [first] if first is not None else []
+        failed += [
+            (other, errors.TransferError(f"{peer.label}: connection dropped ({reason})"))
+            for other in peer.pulls if first is None or other is not first[0]
+        ]
+        for pull, _ in failed:
+            pull.done = True  # their receives' cancellations below are not failures of their own
+        # Closing cancels the pulls' receives before their callers hear of the
+        # failure, so no late bytes land in an `out` buffer afterwards.
+        _close_endpoint(peer.ep)
+        self._finish_failed(failed)
+
+    def _close_on_thread(self) -> None:
+        for peer in list(self._peers.values()):
+            for pull in list(peer.pulls):
+                self._fail(pull, errors.PoolClosedError(f"{self._name} closed"))
+            self._drop_peer(peer, "client closing")
+
+
+def _as_peer_address(address: PeerAddress | tuple[str, int]) -> PeerAddress:
+    if isinstance(address, PeerAddress):
+        return address
+    try:
+        host, port = address
+        return PeerAddress(str(host), int(port))
+    except (TypeError, ValueError):
+        raise ValueError(f"address must be a PeerAddress or (host, port), got {address!r}") from None
+
+
+def _as_layer_range(layers: LayerRange | tuple[int, int] | range) -> LayerRange:
+    if isinstance(layers, LayerRange):
+        start, stop = layers.start, layers.stop
+    elif isinstance(layers, range) and layers.step == 1:
+        start, stop = layers.start, layers.stop
+    elif isinstance(layers, tuple) and len(layers) == 2:
+        start, stop = int(layers[0]), int(layers[1])
+    else:
+        raise errors.LayerRangeError(f"cannot read {layers!r} as a layer range")
+    if not 0 <= start < stop < 2**32:
+        raise errors.LayerRangeError(f"layer range [{start}, {stop}) is empty or negative")
+    return LayerRange(start, stop)
+
+
+def _as_out_view(out: Any) -> memoryview:
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise errors.OutBufferError(
+            f"out must support the buffer protocol, got {type(out).__name__}") from None
+    if view.readonly:
+        raise errors.OutBufferError("out buffer is read-only")
+    if not view.c_contiguous:
+        raise errors.OutBufferError("out buffer must be C-contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes == 0:
+        raise errors.OutBufferError("out buffer is empty")
+    return view
+
+

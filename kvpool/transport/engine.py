@@ -1,0 +1,459 @@
+"""One UCX context and worker per engine, driven by its progress thread or by a waiting caller.
+
+The UCX environment defaults and the interface / host helpers live here too.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvpool import errors
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import ucxx._lib.libucxx as ucx_api  # noqa: E402  (after the env var above)
+from ucxx._lib.arr import Array as Array  # noqa: E402  (re-exported to the server and client)
+
+from kvpool.transport.frames import _INDEX_BITS
+
+log = logging.getLogger("kvpool.transport")
+
+MiB = 1 << 20
+
+#: UCX options passed to every context this module creates, unless the matching
+#: ``UCX_<NAME>`` environment variable is set. put_zcopy lets the sender write
+#: rendezvous data into the receiver's buffer; on TCP it was measured markedly
+#: faster than the default get-based scheme (see bench/transfer_bench.py).
+DEFAULT_UCX_OPTIONS: dict[str, str] = {"RNDV_SCHEME": "put_zcopy"}
+
+TRANSPORTS = ("tcp", "auto")
+
+_POLL_FALLBACK_S = 0.5  # wake at least this often even if UCX raised no event
+
+
+def interface_for_host(host: str) -> str | None:
+    """The network interface that holds address ``host`` (``127.0.0.1`` -> ``lo``), or None
+    for a wildcard address, or one no local interface holds."""
+    import fcntl
+    import ipaddress
+
+    if host in ("", "*", "0.0.0.0", "::"):
+        return None
+    try:
+        wanted = {ipaddress.ip_address(str(info[4][0]).split("%")[0])
+                  for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, ValueError):
+        return None
+    found: dict[Any, str] = {}
+    try:
+        with open("/proc/net/if_inet6") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) >= 6:
+                    found[ipaddress.IPv6Address(int(fields[0], 16))] = fields[5]
+    except (OSError, ValueError):
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            found[ipaddress.IPv4Address(raw[20:24])] = name
+    for address in wanted:
+        if address in found:
+            return found[address]
+        if address.is_loopback:  # 127.0.0.2 and friends live on the loopback interface too
+            loopback = next((n for a, n in found.items() if a.is_loopback and a.version == address.version), None)
+            if loopback is not None:
+                return loopback
+    return None
+
+
+def ucx_interface_options(host: str | None) -> dict[str, str]:
+    """UCX options that keep a context's network transports on the interface of ``host``:
+    ``NET_DEVICES`` names it, so UCX's own TCP listener binds that interface's address only
+    (UCX otherwise listens on every interface). Empty for None or a wildcard ``host``."""
+    if host is None:
+        return {}
+    name = interface_for_host(host)
+    if name is None:
+        if host not in ("", "*", "0.0.0.0", "::"):
+            log.warning("no local interface holds %r: UCX transports are not restricted to one", host)
+        return {}
+    return {"NET_DEVICES": name}
+
+
+def local_host_id() -> str:
+    """Identifies this machine (hostname + kernel boot id) for the same-host fast path."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot_id = fh.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+
+# -- the progress thread -------------------------------------------------------------
+
+
+class _Timer:
+    __slots__ = ("callback", "cancelled")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _ProgressThread:
+    """One UCX context and worker, created, used and destroyed by one thread.
+
+    Other threads only call :meth:`submit` / :meth:`call`. Everything else
+    (``watch``, ``call_later``, the ``worker`` attribute) is for code already
+    running on the thread.
+    """
+
+    def __init__(self, name: str, ucx_options: Mapping[str, str] | None) -> None:
+        self.name = name
+        self.worker: Any = None
+        self.context: Any = None
+        # Whoever holds this lock drives the worker: the thread below, or a caller waiting for
+        # its own pull (:meth:`drive`), so a pull's reply is handled on the thread that waits for
+        # it instead of being handed over. ``_driver`` is the holder's thread id.
+        self._lock = threading.Lock()
+        self._driver: int | None = None
+        self._drive_epoll: select.epoll | None = None
+        self._options = _effective_ucx_options(ucx_options)
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._watched: list[tuple[Any, Callable[[BaseException | None], None], Any]] = []
+        self._timers: list[tuple[float, int, _Timer]] = []
+        self._timer_seq = itertools.count()
+        self._stop_requested = False
+        self._closed = False
+        self._finalizer: Callable[[], None] | None = None
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            os.close(self._wake_fd)
+            raise errors.TransferError(f"{name}: cannot start UCX: {self._start_error}") from (
+                self._start_error
+            )
+
+    # -- any thread --------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def on_thread(self) -> bool:
+        """Whether the calling thread drives the worker now (the progress thread, or a caller
+        inside :meth:`drive`): UCX calls and engine state are for it alone."""
+        return self._driver == threading.get_ident()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self._closed or self._stop_requested:
+            raise errors.PoolClosedError(f"{self.name} is closed")
+        self._commands.append(fn)
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:  # closed between the check and the write: the loop is gone
+            raise errors.PoolClosedError(f"{self.name} is closed") from None
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """:meth:`submit`, silently dropped once the thread is stopping (for UCX callbacks)."""
+        try:
+            self.submit(fn)
+        except errors.PoolClosedError:
+            pass
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        """Run ``fn`` on the thread and return its result (or raise its exception)."""
+        if self.on_thread():
+            return fn()
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the waiting thread
+                fut.set_exception(exc)
+
+        self.submit(run)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise errors.KVTimeoutError(f"{self.name} did not answer within {timeout_s}s") from None
+
+    def stop(self, finalizer: Callable[[], None], timeout_s: float = 30.0) -> None:
+        """Run ``finalizer`` on the thread, tear UCX down, and join the thread."""
+        if self._closed:
+            return
+        if self.on_thread():
+            raise RuntimeError("cannot stop the progress thread from itself")
+        self._finalizer = finalizer
+        self._stop_requested = True
+        os.eventfd_write(self._wake_fd, 1)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("%s: progress thread did not stop within %ss", self.name, timeout_s)
+            return
+        self._closed = True
+        os.close(self._wake_fd)
+
+    def drive(self, start: Callable[[], None], done: Callable[[], bool], deadline: float,
+              tick: Callable[[], None] | None = None, tick_s: float = _POLL_FALLBACK_S) -> bool:
+        """Run ``start`` and progress the worker on the calling thread until ``done()``.
+
+        Returns False, having run nothing, when another thread drives the worker now (the caller
+        then submits and waits as usual). While driving, the caller does everything the
+        progress thread would (other threads' commands, every completion, timers) and sleeps in
+        ``epoll_wait`` like it, never spinning; ``tick`` runs at least every ``tick_s``. Stops at
+        ``deadline`` (monotonic) even if not done: the caller's own timers decide what that means.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._stop_requested or self.worker is None or self._drive_epoll is None:
+                raise errors.PoolClosedError(f"{self.name} is closed")
+            self._driver = threading.get_ident()
+            worker, epoll = self.worker, self._drive_epoll
+            start()
+            next_tick = time.monotonic() + tick_s
+            while True:
+                busy = self._run_commands()
+                worker.progress()
+                busy = self._reap() or busy
+                busy = self._run_due_timers() or busy
+                if done():
+                    return True
+                now = time.monotonic()
+                if tick is not None and now >= next_tick:
+                    tick()
+                    next_tick = now + tick_s
+                    continue
+                if now >= deadline:
+                    return True
+                if busy or self._commands or not worker.arm():
+                    continue
+                wait = min(self._poll_timeout(), deadline - now, max(0.0, next_tick - now))
+                if epoll.poll(max(wait, 0.0)):
+                    try:
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
+        finally:
+            self._driver = None
+            # Leave the worker armed for the progress thread, or wake it for what is pending.
+            kick = bool(self._commands)
+            try:
+                kick = kick or (self.worker is not None and not self.worker.arm())
+            except Exception:
+                kick = True
+            self._lock.release()
+            if kick and not self._closed:
+                try:
+                    os.eventfd_write(self._wake_fd, 1)
+                except OSError:
+                    pass
+
+    # -- thread only -------------------------------------------------------------
+
+    def watch(self, request: Any, on_done: Callable[[BaseException | None], None], buffer: Any) -> None:
+        """Call ``on_done(error_or_None)`` once ``request`` completes.
+
+        Holds the request and its ``buffer`` (the ``Array``) until then: ucxx
+        cancels a request whose Python object is collected, and a request does
+        not keep its buffer alive.
+        """
+        self._watched.append((request, on_done, buffer))
+
+    def unwatch(self, request: Any) -> None:
+        """Forget ``request`` (its callback never runs); see PullClient._cancel_receives."""
+        self._watched = [item for item in self._watched if item[0] is not request]
+
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(callback)
+        heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), timer))
+        return timer
+
+    # -- the loop ------------------------------------------------------------------
+
+    def _main(self) -> None:
+        epoll = None
+        try:
+            self.context = ucx_api.UCXContext(
+                dict(self._options),
+                feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP),
+            )
+            self.worker = ucx_api.UCXWorker(self.context)
+            self.worker.init_blocking_progress_mode()
+            epoll = select.epoll()
+            epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
+            epoll.register(self._wake_fd, select.EPOLLIN)
+            self._drive_epoll = select.epoll()
+            self._drive_epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
+            self._drive_epoll.register(self._wake_fd, select.EPOLLIN)
+        except Exception as exc:  # reported to the constructor
+            self._start_error = exc
+            self.worker = self.context = None
+            if epoll is not None:
+                epoll.close()
+            if self._drive_epoll is not None:
+                self._drive_epoll.close()
+                self._drive_epoll = None
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop(epoll)
+        finally:
+            self._teardown(epoll)
+
+    def _loop(self, epoll: select.epoll) -> None:
+        worker = self.worker
+        me = threading.get_ident()
+        while not self._stop_requested:
+            with self._lock:  # waits while a caller drives (it does this thread's work meanwhile)
+                self._driver = me
+                try:
+                    busy = self._run_commands()
+                    worker.progress()
+                    busy = self._reap() or busy
+                    busy = self._run_due_timers() or busy
+                    # arm() fails while UCX still has events to process: progress again.
+                    if busy or self._commands or not worker.arm():
+                        continue
+                    timeout = self._poll_timeout()
+                finally:
+                    self._driver = None
+            epoll.poll(timeout)
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+
+    def _teardown(self, epoll: select.epoll) -> None:
+        self._lock.acquire()  # no caller drives from here on (drive() sees the stop request)
+        self._driver = threading.get_ident()
+        try:
+            self._run_commands()
+            if self._finalizer is not None:
+                try:
+                    self._finalizer()
+                except Exception:
+                    log.exception("%s: error while closing", self.name)
+            # Deliver the cancellations the finalizer caused.
+            for _ in range(3):
+                self.worker.progress()
+                self._reap()
+        finally:
+            epoll.close()
+            if self._drive_epoll is not None:
+                self._drive_epoll.close()
+                self._drive_epoll = None
+            self._watched.clear()
+            self._timers.clear()
+            self._commands.clear()
+            self.worker = None
+            self.context = None
+            self._driver = None
+            self._lock.release()
+
+    def _run_commands(self) -> bool:
+        ran = False
+        while self._commands:
+            fn = self._commands.popleft()
+            ran = True
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: command failed", self.name)
+        return ran
+
+    def _reap(self) -> bool:
+        if not self._watched:
+            return False
+        done = [item for item in self._watched if item[0].completed]
+        if not done:
+            return False
+        finished = {id(item[0]) for item in done}
+        self._watched = [item for item in self._watched if id(item[0]) not in finished]
+        for request, on_done, _buffer in done:
+            try:
+                request.check_error()
+                error: BaseException | None = None
+            except Exception as exc:
+                error = exc
+            try:
+                on_done(error)
+            except Exception:
+                log.exception("%s: completion callback failed", self.name)
+        return True
+
+    def _run_due_timers(self) -> bool:
+        now = time.monotonic()
+        ran = False
+        while self._timers and self._timers[0][0] <= now:
+            _, _, timer = heapq.heappop(self._timers)
+            if timer.cancelled:
+                continue
+            ran = True
+            try:
+                timer.callback()
+            except Exception:
+                log.exception("%s: timer callback failed", self.name)
+        return ran
+
+    def _poll_timeout(self) -> float:
+        while self._timers and self._timers[0][2].cancelled:
+            heapq.heappop(self._timers)
+        if not self._timers:
+            return _POLL_FALLBACK_S
+        return max(0.0, min(_POLL_FALLBACK_S, self._timers[0][0] - time.monotonic()))
+
+
+def _effective_ucx_options(extra: Mapping[str, str] | None) -> dict[str, str]:
+    options = {**DEFAULT_UCX_OPTIONS, **(extra or {})}
+    # The environment wins, so UCX_* variables keep their usual meaning.
+    return {k: str(v) for k, v in options.items() if f"UCX_{k}" not in os.environ}
+
+
+def _close_endpoint(ep: Any) -> None:
+    # close_blocking cancels the endpoint's in-flight requests, then closes it
+    # (forcibly when error handling is on). The non-blocking close() returns a
+    # request that may be null, which ucxx cannot safely free.
+    try:
+        ep.close_blocking()
+    except Exception as exc:
+        log.debug("closing endpoint: %s", exc)
+
+
+def _reply_tag(request_id: int, index: int) -> Any:
+    return ucx_api.UCXXTag((request_id << _INDEX_BITS) | index)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+

@@ -1,0 +1,192 @@
+"""The pull protocol's wire format: tags, request / status / hello frames, peer addresses.
+
+Pure data: packing and parsing, no UCX calls (see the package docstring for the protocol).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from kvpool import errors
+from kvpool.objformat import LayerRange
+
+# -- wire format ---------------------------------------------------------------
+
+PROTOCOL_VERSION = 3  # v2: pull tokens, reply error handling; v3: OK may carry the object's header
+# Top bit set: never equal to a reply tag (request ids stay below 2**43).
+REQUEST_TAG = 0xC0DE_4B56_5055_4C4C
+_INDEX_BITS = 20
+_MAX_REQUEST_ID = (1 << (63 - _INDEX_BITS)) - 1
+_ABORT_INDEX = (1 << _INDEX_BITS) - 1  # reply tag of a mid-stream abort
+_MAX_CHUNKS = _ABORT_INDEX - 1
+# A client asking for smaller chunks gets chunks of at least this (at most the server's
+# max_message): a pull is never a million tiny messages. A client refuses a status frame
+# whose chunk is below _MIN_CHUNK_FLOOR (the smallest max_message a server may have).
+MIN_CHUNK = 64 << 10
+_MIN_CHUNK_FLOOR = 4096
+
+# magic, version, flags, key_len, addr_len, client_id, conn_id, request_id,
+# layer start, layer stop, capacity (bytes), max chunk (bytes), xxh3-64 of the address,
+# token_len; then key, token, reply address
+_REQUEST = struct.Struct("<4sBBHHQQQIIQQQH")
+_REQUEST_MAGIC = b"KVPR"
+_FLAG_REPLY_TO_ADDRESS = 0x1
+_FLAG_REPLY_ERROR_HANDLING = 0x2  # reply over an endpoint with UCX peer-failure detection (tcp)
+_FLAG_WANT_HEADER = 0x4  # the OK status carries the served object's packed header
+_MAX_KEY_BYTES = 1024
+_MAX_ADDRESS_BYTES = 8192
+_MAX_TOKEN_BYTES = 64
+_REQUEST_BUFFER_NBYTES = _REQUEST.size + _MAX_KEY_BYTES + _MAX_TOKEN_BYTES + _MAX_ADDRESS_BYTES
+
+# magic, version, status, message length, request id, payload bytes, chunk bytes
+_STATUS = struct.Struct("<4sBBHQQQ")
+_STATUS_MAGIC = b"KVPS"
+_MAX_STATUS_TEXT = 1024
+MAX_HEADER_NBYTES = 0xFFFF  # the most header bytes an OK status carries (its length is a u16)
+_STATUS_BUFFER_NBYTES = _STATUS.size + _MAX_STATUS_TEXT
+
+_HELLO = struct.Struct("<4sBxxxQ")
+_HELLO_MAGIC = b"KVPH"
+
+STATUS_OK = 0
+STATUS_MISS = 1
+STATUS_ERROR = 2
+STATUS_BAD_RANGE = 3
+STATUS_OUT_TOO_SMALL = 4
+STATUS_BAD_REQUEST = 5
+STATUS_UNAUTHORIZED = 6  # the request's token was refused: nothing else is sent
+
+_RECEIVES_POSTED = 4  # request receives kept posted on a server's worker
+
+
+def plausible_worker_address(address: bytes) -> bool:
+    """Cheap sanity check of a packed UCX worker address.
+
+    UCX trusts the addresses it is given and aborts the process on some
+    malformed ones, so addresses from the network or the master are checked
+    first: a sane length and a header version UCX knows (v1 = 0, v2 = 1 in the
+    low 4 bits of the first byte). Not a defence against a hostile peer: a UCX
+    port belongs on a trusted network.
+    """
+    return 16 <= len(address) <= _MAX_ADDRESS_BYTES and (address[0] & 0x0F) in (0, 1)
+
+
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where a node serves pulls: listener ``host``/``port``, plus its worker address.
+
+    ``worker_address`` and ``host_id`` enable the same-host shared-memory path
+    of ``transport="auto"``; both may be empty. ``to_wire``/``from_wire`` give a
+    msgpack-friendly form for publishing through the master.
+    """
+
+    host: str
+    port: int
+    worker_address: bytes = b""
+    host_id: str = ""
+
+    def to_wire(self) -> list[Any]:
+        return [self.host, self.port, self.worker_address, self.host_id]
+
+    @classmethod
+    def from_wire(cls, fields: Sequence[Any]) -> PeerAddress:
+        host, port, worker_address, host_id = fields
+        return cls(str(host), int(port), bytes(worker_address), str(host_id))
+
+
+
+@dataclass(eq=False)
+class _Request:
+    client_id: int
+    conn_id: int
+    request_id: int
+    key: bytes
+    layer_range: LayerRange
+    capacity: int
+    max_chunk: int
+    reply_address: bytes
+    token: bytes = b""
+    reply_error_handling: bool = False
+    want_header: bool = False
+
+
+def _parse_request(buf: bytearray) -> _Request:
+    try:
+        (magic, version, flags, key_len, addr_len, client_id, conn_id, request_id, start, stop,
+         capacity, max_chunk, address_sum, token_len) = _REQUEST.unpack_from(buf, 0)
+    except struct.error as exc:
+        raise errors.ProtocolError(f"request too short: {exc}") from None
+    if magic != _REQUEST_MAGIC:
+        raise errors.ProtocolError(f"bad request magic {bytes(magic)!r}")
+    if version != PROTOCOL_VERSION:
+        raise errors.ProtocolError(
+            f"request protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+    if not 0 < key_len <= _MAX_KEY_BYTES or addr_len > _MAX_ADDRESS_BYTES or token_len > _MAX_TOKEN_BYTES:
+        raise errors.ProtocolError("request key empty, or key, token or address too long")
+    if not start < stop or request_id > _MAX_REQUEST_ID or max_chunk <= 0:
+        raise errors.ProtocolError("request fields out of range")
+    key_end = _REQUEST.size + key_len
+    token_end = key_end + token_len
+    address = bytes(buf[token_end:token_end + addr_len]) if flags & _FLAG_REPLY_TO_ADDRESS else b""
+    # UCX aborts the process on a malformed worker address: check before use.
+    if address and (xxhash.xxh3_64_intdigest(address) != address_sum
+                    or not plausible_worker_address(address)):
+        raise errors.ProtocolError("request carries a corrupt reply address")
+    return _Request(client_id, conn_id, request_id, bytes(buf[_REQUEST.size:key_end]),
+                    LayerRange(start, stop), capacity, max_chunk, address, bytes(buf[key_end:token_end]),
+                    bool(flags & _FLAG_REPLY_ERROR_HANDLING), bool(flags & _FLAG_WANT_HEADER))
+
+
+def _parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, bytes] | None:
+    """(status, payload bytes, chunk bytes, body) of a status frame, or None if malformed. The
+    body is the text of a failure, or the header an OK carries."""
+    try:
+        magic, version, status, text_len, frame_request_id, nbytes, chunk = _STATUS.unpack_from(buf)
+    except struct.error:
+        return None
+    if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id \
+            or _STATUS.size + text_len > len(buf) or status != STATUS_OK and text_len > _MAX_STATUS_TEXT:
+        return None
+    return status, nbytes, chunk, bytes(buf[_STATUS.size:_STATUS.size + text_len])
+
+
+def _pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: str,
+                 body: bytes = b"") -> bytearray:
+    encoded = body or text.encode("utf-8", "replace")[:_MAX_STATUS_TEXT]
+    frame = bytearray(_STATUS.size + len(encoded))
+    _STATUS.pack_into(frame, 0, _STATUS_MAGIC, PROTOCOL_VERSION, status, len(encoded),
+                      request_id, nbytes, chunk)
+    frame[_STATUS.size:] = encoded
+    return frame
+
+
+
+def _pack_request(
+    client_id: int, conn_id: int, pull: Any, max_chunk: int, reply_address: bytes,
+    reply_error_handling: bool = False,
+) -> bytearray:
+    token = pull.token
+    frame = bytearray(_REQUEST.size + len(pull.key) + len(token) + len(reply_address))
+    _REQUEST.pack_into(
+        frame, 0, _REQUEST_MAGIC, PROTOCOL_VERSION,
+        (_FLAG_REPLY_TO_ADDRESS if reply_address else 0)
+        | (_FLAG_REPLY_ERROR_HANDLING if reply_address and reply_error_handling else 0)
+        | (_FLAG_WANT_HEADER if pull.header_out is not None else 0),
+        len(pull.key), len(reply_address), client_id, conn_id, pull.request_id,
+        pull.layer_range.start, pull.layer_range.stop, pull.out.nbytes, max_chunk,
+        xxhash.xxh3_64_intdigest(reply_address), len(token),
+    )
+    key_end = _REQUEST.size + len(pull.key)
+    frame[_REQUEST.size:key_end] = pull.key
+    frame[key_end:key_end + len(token)] = token
+    frame[key_end + len(token):] = reply_address
+    return frame
+
+
