@@ -74,14 +74,14 @@ def writer_main(spec: dict[str, Any]) -> None:
 
 
 def measure(mode: str, security: dict[str, Any], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from kvpool.cluster.master_client import MasterClient
+    from kvpool.cluster.reader import ReplicaReader
     from kvpool.config import Config
-    from kvpool.master_client import MasterClient
     from kvpool.pool import Pool
-    from kvpool.remote import ReplicaReader
     from kvpool.transport import local_host_id
 
     master = f"tcp://127.0.0.1:{_free_port()}"
-    argv = [sys.executable, "-m", "kvpool.master", "--listen", master, "--log-level", "WARNING"]
+    argv = [sys.executable, "-m", "kvpool.cluster.master", "--listen", master, "--log-level", "WARNING"]
     for name, value in security.items():
         argv += [f"--security.{name}", str(value).lower() if isinstance(value, bool) else str(value)]
     procs: list[subprocess.Popen[str]] = []
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="kvpool-auth-bench-") as name:
         tmp = Path(name)
-        from kvpool.security import keygen
+        from kvpool.cluster.security import keygen
 
         key_file = keygen(tmp / "cluster.key")
         results = {

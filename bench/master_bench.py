@@ -35,11 +35,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvpool import protocol as P  # noqa: E402
+from kvpool.cluster import protocol as P  # noqa: E402
+from kvpool.cluster.master_client import MasterClient  # noqa: E402
+from kvpool.cluster.security import ClusterKey  # noqa: E402
 from kvpool.hashing import prefix_hashes  # noqa: E402
-from kvpool.master_client import MasterClient  # noqa: E402
 from kvpool.objformat import ObjectSpec  # noqa: E402
-from kvpool.security import ClusterKey  # noqa: E402
 
 
 def _free_port() -> int:
@@ -195,7 +195,7 @@ def main() -> None:
             address = f"tcp://127.0.0.1:{_free_port()}"
             # A long heartbeat: the benchmark's one fake node does not beat.
             started.append(subprocess.Popen(
-                [sys.executable, "-m", "kvpool.master", "--listen", address, "--log-level", "WARNING",
+                [sys.executable, "-m", "kvpool.cluster.master", "--listen", address, "--log-level", "WARNING",
                  "--master.heartbeat_ms", "3600000"],
                 cwd=REPO_ROOT,
             ))

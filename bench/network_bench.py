@@ -124,7 +124,7 @@ def run_rate(rate: str, args: argparse.Namespace, tmp: Path) -> list[dict[str, A
         h1, h2 = lab.hosts
         master = f"tcp://{h1.address}:7700"
         log = tmp / f"master-{rate}.log"
-        lab.spawn(h1, ["-m", "kvpool.daemon", "--role", "master", "--master.listen", master], log,
+        lab.spawn(h1, ["-m", "kvpool.cli.server", "--role", "master", "--master.listen", master], log,
                   ready=lambda: "listening on" in log.read_text())
         common = ["--master", master, "--sizes", args.sizes, "--layers", str(args.layers), "--iters", str(args.iters)]
         log = tmp / f"writer-{rate}.log"

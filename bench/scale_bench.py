@@ -1,7 +1,7 @@
 """The master at scale: memory and lookup rate by keys indexed, many nodes heartbeating,
 and re-registration after a master restart (what a failover costs).
 
-It starts a real master process (``kvpool.daemon --role master``, auth on) on 127.0.0.1
+It starts a real master process (``kvpool.cli.server --role master``, auth on) on 127.0.0.1
 and drives it with the real client (``MasterClient``) from this process:
 
 * keys: ``--nodes-with-keys`` simulated nodes publish records like a node's own (a
@@ -35,8 +35,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import format_table, percentile  # noqa: E402
-from kvpool import protocol as P  # noqa: E402
-from kvpool.master_client import Heartbeater, MasterClient  # noqa: E402
+from kvpool.cluster import protocol as P  # noqa: E402
+from kvpool.cluster.master_client import Heartbeater, MasterClient  # noqa: E402
 from kvpool.objformat import ObjectHeader, ObjectSpec  # noqa: E402
 
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}
@@ -61,7 +61,7 @@ class Master:
     def start(self) -> float:
         """Start it; returns seconds until it answers."""
         started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvpool.daemon", "--role", "master",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli.server", "--role", "master",
                                       "--master.listen", self.address], cwd=REPO_ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with MasterClient(self.address, request_timeout_s=0.5) as probe:

@@ -514,9 +514,9 @@ def run_soak(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     failures: list[str] = []
     try:
-        from kvpool.master_client import MasterClient
+        from kvpool.cluster.master_client import MasterClient
 
-        master = ServerProcess("master", [sys.executable, "-m", "kvpool.daemon", "--role", "master",
+        master = ServerProcess("master", [sys.executable, "-m", "kvpool.cli.server", "--role", "master",
                                           "--master.listen", address, "--master.heartbeat_ms", str(args.heartbeat_ms),
                                           "--master.dead_after_missed", "6", "--log-level", "WARNING"],
                                work / "master.log", None)

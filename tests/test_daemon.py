@@ -42,7 +42,7 @@ class Daemon:
         self.starts += 1
         log = self.tmp_path / f"daemon-{self.starts}.log"
         return self.spawn(
-            ["-m", "kvpool.daemon", "--pool.name", "daemon-test", "--pool.data_dir", str(self.tmp_path / "data"),
+            ["-m", "kvpool.cli.server", "--pool.name", "daemon-test", "--pool.data_dir", str(self.tmp_path / "data"),
              "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "32MiB",
              "--tiers.nvme.segment_size", "16MiB", "--master.listen", self.master, "--master.heartbeat_ms", "200",
              "--metrics.port", str(self.metrics_port)],
@@ -113,7 +113,7 @@ def test_sigterm_flushes_and_a_restart_finds_durable_objects_again(tmp_path: Pat
 
 
 def test_bad_flag_value_is_a_clear_error() -> None:
-    result = subprocess.run([sys.executable, "-m", "kvpool.daemon", "--tiers.dram.capacity", "lots"],
+    result = subprocess.run([sys.executable, "-m", "kvpool.cli.server", "--tiers.dram.capacity", "lots"],
                             capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert result.returncode == 2
     assert "tiers.dram.capacity" in result.stderr and "Traceback" not in result.stderr
@@ -137,7 +137,7 @@ def test_cli_options_work_before_or_after_the_command() -> None:
 
 
 def test_every_setting_has_a_flag() -> None:
-    result = subprocess.run([sys.executable, "-m", "kvpool.daemon", "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "kvpool.cli.server", "--help"], capture_output=True, text=True,
                             timeout=60, cwd=REPO_ROOT)
     from kvpool.config import iter_settings
 
@@ -172,7 +172,7 @@ pool.close()
 def test_clients_with_default_settings_run_side_by_side_with_a_daemon(tmp_path: Path, spawn_python) -> None:
     master = f"tcp://127.0.0.1:{free_tcp_port()}"
     log = tmp_path / "daemon.log"
-    spawn_python(["-m", "kvpool.daemon", "--master.listen", master, "--pool.name", f"daemon-{tmp_path.name}",
+    spawn_python(["-m", "kvpool.cli.server", "--master.listen", master, "--pool.name", f"daemon-{tmp_path.name}",
                   "--pool.data_dir", str(tmp_path / "d"), "--tiers.dram.mlock", "false",
                   "--tiers.cxl.capacity", "16MiB", "--tiers.nvme.capacity", "16MiB"],
                  log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60)
@@ -189,7 +189,7 @@ def test_clients_with_default_settings_run_side_by_side_with_a_daemon(tmp_path: 
 
 def test_a_tier_larger_than_the_host_can_map_is_one_line_naming_the_setting(tmp_path: Path) -> None:
     # 512 TiB is beyond any x86-64 address space: refused whatever the overcommit policy.
-    result = subprocess.run([sys.executable, "-m", "kvpool.daemon", "--role", "node", "--tiers.dram.capacity",
+    result = subprocess.run([sys.executable, "-m", "kvpool.cli.server", "--role", "node", "--tiers.dram.capacity",
                              "512TiB", "--pool.name", "too-big", "--pool.data_dir", str(tmp_path),
                              "--master.listen", f"tcp://127.0.0.1:{free_tcp_port()}"],
                             capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
@@ -199,8 +199,8 @@ def test_a_tier_larger_than_the_host_can_map_is_one_line_naming_the_setting(tmp_
 
 
 def test_every_cli_option_has_help() -> None:
-    from kvpool import cli
-    from kvpool.daemon import build_parser
+    from kvpool.cli import tool
+    from kvpool.cli.server import build_parser
 
     missing = []
 
@@ -213,14 +213,14 @@ def test_every_cli_option_has_help() -> None:
                     walk(subparser, f"{name} {command}")
 
     walk(build_parser(), "kvpool-server")
-    walk(cli.build_parser(), "kvpool")
+    walk(tool.build_parser(), "kvpool")
     assert missing == []
 
 
 @pytest.mark.parametrize(("text", "parsed"), [("5", 5), ("2:6", slice(2, 6)), ("2:", slice(2, None)),
                                               (":3", slice(None, 3))])
 def test_cli_layer_specs(text: str, parsed: object) -> None:
-    from kvpool.cli import layer_arg
+    from kvpool.cli.tool import layer_arg
 
     assert layer_arg(text) == parsed
 

@@ -12,7 +12,7 @@ import pytest
 
 import kvpool
 from kvpool import errors
-from kvpool.master_client import MasterClient
+from kvpool.cluster.master_client import MasterClient
 from tests.cluster_actor import content, key_of
 from tests.conftest import REPO_ROOT, wait_for
 from tests.test_cluster import HEARTBEAT_MS, Cluster
@@ -25,7 +25,7 @@ KEYS = 3
 
 def start_master(cluster: Cluster, log_name: str = "master.log"):
     cluster.master = cluster.spawn(
-        ["-m", "kvpool.daemon", "--role", "master", "--master.listen", cluster.master_address,
+        ["-m", "kvpool.cli.server", "--role", "master", "--master.listen", cluster.master_address,
          "--master.heartbeat_ms", str(HEARTBEAT_MS), "--master.dead_after_missed", "3",
          "--master.forget_nodes_after_s", str(FORGET_S)],
         log_path=cluster.tmp_path / log_name,
@@ -147,8 +147,8 @@ def test_malformed_master_address_is_a_config_error_at_once(make) -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["-m", "kvpool.daemon", "--role", "node", "--master.listen", "127.0.0.1:7700"],
-    ["-m", "kvpool.master", "--listen", "localhost:7700"],
+    ["-m", "kvpool.cli.server", "--role", "node", "--master.listen", "127.0.0.1:7700"],
+    ["-m", "kvpool.cluster.master", "--listen", "localhost:7700"],
 ])
 def test_malformed_master_address_stops_the_daemon_at_once(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)

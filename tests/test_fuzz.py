@@ -26,10 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool import errors
-from kvpool import protocol as P
+from kvpool.cluster import protocol as P
+from kvpool.cluster.master import MasterServer
+from kvpool.cluster.node import Node
+from kvpool.cluster.ops import MasterState
 from kvpool.config import Config, MasterSection
-from kvpool.master import MasterServer, MasterState
-from kvpool.node import Node
 from kvpool.objformat import LayerRange, ObjectSpec
 from kvpool.transport import frames as T
 

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from kvpool import errors
+from kvpool.cluster.etcd import masters
+from kvpool.cluster.master_client import MasterClient
 from kvpool.config import Config
-from kvpool.etcd import masters
-from kvpool.master_client import MasterClient
 from tests.conftest import ChildProcess, Etcd, free_tcp_port, wait_for
 from tests.test_cluster import node_config
 
@@ -55,7 +55,7 @@ class HA:
     def start_master(self, *flags: str) -> str:
         address = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.masters[address] = self.spawn(
-            ["-m", "kvpool.daemon", "--role", "master", "--master.listen", address, *self.settings(), *flags],
+            ["-m", "kvpool.cli.server", "--role", "master", "--master.listen", address, *self.settings(), *flags],
             log_path=self.tmp_path / f"master-{len(self.masters)}.log",
             ready=lambda: address in masters(self.etcd.url, self.prefix)[1], timeout_s=30)
         return address
@@ -71,7 +71,7 @@ class HA:
         config = self.tmp_path / f"{name}.toml"
         config.write_text(node_config(name, data_dir, "tcp://127.0.0.1:7700"))
         log = self.tmp_path / f"{name}.log"
-        return self.spawn(["-m", "kvpool.daemon", "--role", "node", "--config", str(config), *self.settings()],
+        return self.spawn(["-m", "kvpool.cli.server", "--role", "node", "--config", str(config), *self.settings()],
                           log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=30)
 
     def start_actor(self, role: str, name: str, *args: str) -> ChildProcess:
@@ -213,7 +213,7 @@ def test_no_leader_and_bad_etcd_settings_are_typed_errors(tmp_path: Path) -> Non
     with MasterClient(config=Config.load({"master": {"etcd": dead}}), request_timeout_s=0.5) as client:
         with pytest.raises(errors.MasterUnreachableError, match="no master leader in etcd"):
             client.ping()
-    from kvpool.master import MasterServer
+    from kvpool.cluster.master import MasterServer
 
     with pytest.raises(errors.ConfigError, match="wildcard"):
         MasterServer(Config.load({"master": {"etcd": dead, "listen": f"tcp://0.0.0.0:{free_tcp_port()}"}}).master)
@@ -225,7 +225,7 @@ def test_kvpool_server_with_etcd_runs_its_own_etcd_for_a_demo(tmp_path: Path,
         pytest.skip("no etcd binary (Debian: apt-get install etcd-server)")
     url = f"http://127.0.0.1:{free_tcp_port()}"
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    master = spawn_python(["-m", "kvpool.daemon", "--role", "master", "--with-etcd", "--master.etcd", url,
+    master = spawn_python(["-m", "kvpool.cli.server", "--role", "master", "--with-etcd", "--master.etcd", url,
                            "--master.listen", address, "--pool.data_dir", str(tmp_path / "data")],
                           log_path=tmp_path / "demo.log", ready=lambda: masters(url, "/kvpool")[0] == address,
                           timeout_s=40)
@@ -284,7 +284,7 @@ def test_puts_during_a_failover_are_visible_afterwards_or_fail_typed(ha: HA) -> 
 def test_a_leader_whose_key_is_deleted_by_hand_steps_down(ha: HA) -> None:
     """An operator deleting the leader key lets a standby win it; the old leader notices at its
     next renewal (a quarter of the TTL) and stops answering, so two never serve for long."""
-    from kvpool.etcd import EtcdClient, leader_key
+    from kvpool.cluster.etcd import EtcdClient, leader_key
 
     addresses = [ha.start_master() for _ in range(2)]
     old = ha.leader()

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from kvpool import errors
+from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.reader import ReplicaReader, alive_nodes_of
+from kvpool.cluster.security import ClusterKey
 from kvpool.config import Config
-from kvpool.node import NodeAddress
 from kvpool.objformat import ObjectHeader, encode
 from kvpool.pool import Pool
-from kvpool.remote import ReplicaReader, alive_nodes_of
-from kvpool.security import ClusterKey
 from kvpool.transport import PeerAddress, local_host_id
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
 
@@ -44,7 +44,7 @@ def test_default_daemon_and_its_clients_listen_only_on_loopback(
 
     master = f"tcp://127.0.0.1:{free_tcp_port()}"
     log = tmp_path / "daemon.log"
-    daemon = spawn_python(["-m", "kvpool.daemon", "--pool.data_dir", str(tmp_path / "d"),
+    daemon = spawn_python(["-m", "kvpool.cli.server", "--pool.data_dir", str(tmp_path / "d"),
                            "--tiers.cxl.path", str(tmp_path / "d" / "cxl"), "--tiers.dram.mlock", "false",
                            "--master.listen", master, "--metrics.port", str(free_tcp_port())],
                           log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60)

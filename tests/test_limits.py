@@ -1,6 +1,6 @@
 """Bounded everywhere: request sizes, batch sizes, field sizes, liveness under a busy master.
 
-In-process tests drive :class:`kvpool.master.MasterState` / ``MasterServer.serve_frames``;
+In-process tests drive :class:`kvpool.cluster.ops.MasterState` / ``MasterServer.serve_frames``;
 ``test_real_master_stays_live_under_maximum_requests`` runs a real master and two real nodes.
 """
 
@@ -17,13 +17,14 @@ import pytest
 import zmq
 
 from kvpool import errors
-from kvpool import protocol as P
+from kvpool.cluster import protocol as P
+from kvpool.cluster.master import MasterServer
+from kvpool.cluster.master_client import Heartbeater, MasterClient, control_call
+from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.ops import MasterState
+from kvpool.cluster.security import ClusterKey
 from kvpool.config import Config, MasterSection
-from kvpool.master import MasterServer, MasterState
-from kvpool.master_client import Heartbeater, MasterClient, control_call
-from kvpool.node import NodeAddress
 from kvpool.objformat import ObjectSpec
-from kvpool.security import ClusterKey
 from tests.conftest import wait_for
 
 SPEC = ObjectSpec("float16", layers=4, tokens=16, kv_heads=2, head_dim=8)

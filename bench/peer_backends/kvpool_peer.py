@@ -55,12 +55,12 @@ class KvpoolPeer(Peer):
         return None
 
     def start(self) -> None:
-        from kvpool.master_client import MasterClient
+        from kvpool.cluster.master_client import MasterClient
 
         self.address = f"tcp://127.0.0.1:{free_port()}"
         work = self.plan.work_dir
         master = ServerProcess(
-            "kvpool master", [sys.executable, "-m", "kvpool.daemon", "--role", "master", "--master.listen",
+            "kvpool master", [sys.executable, "-m", "kvpool.cli.server", "--role", "master", "--master.listen",
                               self.address, "--log-level", "WARNING"],
             work / "kvpool-master.log", self.cpus.server)
         self.servers.append(master)

@@ -267,8 +267,8 @@ class KvpoolConnector(KVConnectorBase_V1):
                                         "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0,
                                         "plan_loaded_blocks": 0, "plan_recomputed_blocks": 0}
         if role == KVConnectorRole.SCHEDULER:
+            from kvpool.cluster.master_client import MasterClient
             from kvpool.config import Config
-            from kvpool.master_client import MasterClient
 
             # A block kvpool cannot deliver intact is recomputed, not the request failed: vLLM's
             # scheduler reads this after it made the connector (``on_load_failure`` = "fail" keeps

@@ -27,11 +27,11 @@ from typing import Any
 import zmq
 
 from kvpool import errors
-from kvpool import protocol as P
+from kvpool.cluster import protocol as P
+from kvpool.cluster.etcd import LeaderFinder
+from kvpool.cluster.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
+from kvpool.cluster.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
 from kvpool.config import Config, MasterSection, check_master_address
-from kvpool.etcd import LeaderFinder
-from kvpool.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
-from kvpool.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
 
 log = logging.getLogger("kvpool.master_client")
 
@@ -329,7 +329,7 @@ class MasterClient:
     ) -> dict[str, Any]:
         """Announce a node and everything it holds (replaces what the master believed).
 
-        Each object is a :func:`kvpool.protocol.replica_record` with ``key`` set.
+        Each object is a :func:`kvpool.cluster.protocol.replica_record` with ``key`` set.
         ``role`` ``"storage"`` plus a persistent tier makes the node eligible for
         durable copies; ``control`` is its control socket (for re-replication).
         The reply carries the master's ``heartbeat_ms``/``dead_after_missed``.
@@ -388,7 +388,7 @@ class MasterClient:
         until :meth:`release` or the master's ``lease_s``."""
         def locate(batch: Sequence[bytes]) -> dict[str, Any]:
             reply = self.call(P.LOCATE, {"keys": list(batch), "lease": lease})
-            # Shape checked here; the records themselves are checked where they are used (remote.py).
+            # Shape checked here; the records themselves are checked where they are used (kvpool.cluster.reader).
             if not (isinstance(reply, dict) and isinstance(reply.get("replicas"), list)
                     and (reply.get("lease") is None or type(reply.get("lease")) is int)):
                 raise errors.ProtocolError("locate reply without a replica list and a lease id")

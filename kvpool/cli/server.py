@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from kvpool.config import Config, add_setting_flags, apply_setting_flags, format_size
+from kvpool.config import Config, add_setting_flags, apply_setting_flags
 
 log = logging.getLogger("kvpool.server")
 
@@ -48,26 +48,9 @@ def load_config(args: argparse.Namespace) -> Config:
     return config
 
 
-def describe_tiers(stats: dict) -> str:
-    parts = []
-    for name, tier in stats["tiers"].items():
-        extra = []
-        if tier.get("emulated"):
-            extra.append("emulated")
-        if "direct_io" in tier:
-            extra.append("O_DIRECT" if tier["direct_io"] else "buffered")
-        if "locked_bytes" in tier:
-            extra.append(f"{format_size(tier['locked_bytes'])} locked")
-        if tier.get("objects"):
-            extra.append(f"{tier['objects']} objects")
-        suffix = f" ({', '.join(extra)})" if extra else ""
-        parts.append(f"{name} {format_size(tier['capacity_bytes'])}{suffix}")
-    return "; ".join(parts)
-
-
 def run(config: Config, role: str, stop: threading.Event) -> int:
     """Run ``role`` until ``stop`` is set. Returns the process exit status."""
-    from kvpool.server import serve  # imported late: --help must not start UCX
+    from kvpool.cli.serve import serve  # imported late: --help must not start UCX
 
     return serve(config, role, stop)
 
@@ -90,8 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     etcd = None
     if args.with_etcd:
+        from kvpool.cluster.etcd import start_demo_etcd
         from kvpool.errors import ConfigError
-        from kvpool.etcd import start_demo_etcd
 
         if not config.master.etcd:
             config.set("master.etcd", DEMO_ETCD, origin="--with-etcd")

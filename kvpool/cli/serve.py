@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-from kvpool.config import Config, master_address
+from kvpool.config import Config, format_size, master_address
 
 log = logging.getLogger("kvpool.server")
 
@@ -24,8 +24,8 @@ log = logging.getLogger("kvpool.server")
 def serve(config: Config, role: str, stop: threading.Event) -> int:
     """Run ``role`` until ``stop`` is set; returns the exit status."""
     from kvpool import errors
-    from kvpool.master_client import MasterClient
-    from kvpool.security import ClusterKey
+    from kvpool.cluster.master_client import MasterClient
+    from kvpool.cluster.security import ClusterKey
 
     try:
         cluster_key = ClusterKey.from_config(config)  # created on first use; an unreadable one stops here
@@ -59,7 +59,7 @@ def serve(config: Config, role: str, stop: threading.Event) -> int:
 
 
 def _start_master(config: Config, stack: ExitStack) -> bool:
-    from kvpool.master import run_master
+    from kvpool.cluster.master import run_master
 
     ready, master_stop = threading.Event(), threading.Event()
     failure: list[BaseException] = []
@@ -87,8 +87,7 @@ def _start_master(config: Config, stack: ExitStack) -> bool:
 
 
 def _start_node(config: Config, stack: ExitStack) -> Any:
-    from kvpool.daemon import describe_tiers
-    from kvpool.node import Node
+    from kvpool.cluster.node import Node
     from kvpool.pool import build_tier_manager
 
     class StorageNode(Node):
@@ -139,3 +138,20 @@ def _start_metrics(config: Config, role: str, node: Any, master_client: Any, sta
                            health_detail=lambda: dict(detail))
     stack.callback(server.close)
     server.start()
+
+
+def describe_tiers(stats: dict) -> str:
+    parts = []
+    for name, tier in stats["tiers"].items():
+        extra = []
+        if tier.get("emulated"):
+            extra.append("emulated")
+        if "direct_io" in tier:
+            extra.append("O_DIRECT" if tier["direct_io"] else "buffered")
+        if "locked_bytes" in tier:
+            extra.append(f"{format_size(tier['locked_bytes'])} locked")
+        if tier.get("objects"):
+            extra.append(f"{tier['objects']} objects")
+        suffix = f" ({', '.join(extra)})" if extra else ""
+        parts.append(f"{name} {format_size(tier['capacity_bytes'])}{suffix}")
+    return "; ".join(parts)

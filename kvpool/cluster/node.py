@@ -31,12 +31,12 @@ import numpy as np
 import zmq
 
 from kvpool import errors
-from kvpool import protocol as P
+from kvpool.cluster import protocol as P
+from kvpool.cluster.master_client import Heartbeater, MasterClient
+from kvpool.cluster.protocol import ReplicaRecord, replica_record
+from kvpool.cluster.security import ClusterKey
 from kvpool.config import Config, node_host
-from kvpool.master_client import Heartbeater, MasterClient
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
-from kvpool.protocol import ReplicaRecord, replica_record
-from kvpool.security import ClusterKey
 from kvpool.transport import (
     PeerAddress,
     ProviderWouldBlock,
@@ -199,7 +199,7 @@ class Node:
         """Tell the master this node exists, what it is and everything it holds (one message).
 
         ``role`` is ``storage`` for a ``kvpool-server`` node (the class attribute of
-        :class:`kvpool.server.StorageNode`), else ``client``; only storage nodes with a
+        :class:`kvpool.cli.serve.StorageNode`), else ``client``; only storage nodes with a
         persistent tier receive durable copies. Durable copies this node holds in a
         persistent tier are sent with ``durable`` (read from ``durable.log`` beside the
         tier's index, appended by :meth:`_replicate`), so the master knows them as

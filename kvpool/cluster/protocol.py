@@ -2,7 +2,7 @@
 
 Owns the framing, the list of operations, the shape of every request and reply
 body, and the mapping of error replies to :mod:`kvpool.errors` classes. It does
-not own sockets (:mod:`kvpool.master`, :mod:`kvpool.master_client`) or any
+not own sockets (:mod:`kvpool.cluster.master`, :mod:`kvpool.cluster.master_client`) or any
 state.
 
 Framing. A client (DEALER) sends one frame; the master (ROUTER) sees the

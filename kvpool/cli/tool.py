@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
+from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.node import NodeAddress
 from kvpool.config import Config, format_size, master_address, node_host
-from kvpool.master_client import MasterClient, control_call
-from kvpool.node import NodeAddress
 
 
 def _key(text: str, as_text: bool) -> bytes:
@@ -63,7 +63,7 @@ def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
     print(f"master {master.address}{role}: up {stats['uptime_s']:.0f} s, {stats['keys']} keys, "
           f"{stats['replicas']} replicas, {stats['leases']} leases, {stats['reservations']} reservations")
     if isinstance(ha, dict):
-        from kvpool.etcd import masters
+        from kvpool.cluster.etcd import masters
 
         try:
             _leader, announced = masters(str(ha["etcd"]), str(ha.get("prefix", "/kvpool")))
@@ -142,8 +142,8 @@ def layer_arg(text: str) -> int | slice:
 
 
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
+    from kvpool.cluster.reader import ReplicaReader, replicas_at, shared_dirs_of
     from kvpool.pool import Pool
-    from kvpool.remote import ReplicaReader, replicas_at, shared_dirs_of
     from kvpool.transport import local_host_id
 
     key = _key(args.key, args.text)
@@ -196,7 +196,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     """Write a new cluster key (0600); an existing file is kept unless ``--force``."""
-    from kvpool.security import keygen
+    from kvpool.cluster.security import keygen
 
     path = Path(args.file).expanduser()
     if path.exists() and not args.force:

@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
-from kvpool.node import NodeAddress
+from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.protocol import LocatedReplica
+from kvpool.cluster.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
-from kvpool.protocol import LocatedReplica
-from kvpool.security import ClusterKey
 from kvpool.transport import PeerAddress, PullClient, plausible_worker_address
 
 log = logging.getLogger("kvpool.remote")

@@ -1,0 +1,5 @@
+import sys
+
+from kvpool.cli.tool import main
+
+sys.exit(main())

@@ -1,0 +1,237 @@
+"""The master process: :class:`MasterServer` serves :class:`MasterState` over one ZeroMQ ROUTER
+socket from one thread (see :mod:`kvpool.cluster.state` for the semantics); ``python -m
+kvpool.cluster.master`` runs one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from kvpool import errors
+from kvpool.cluster import protocol as P
+from kvpool.cluster.etcd import Election, EtcdClient, check_address_for_etcd
+from kvpool.cluster.ops import MasterState
+from kvpool.cluster.records import loggable
+from kvpool.cluster.rereplicate import Rereplicator
+from kvpool.cluster.security import ClusterKey, stop_authenticator
+from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
+
+log = logging.getLogger("kvpool.master")
+
+
+class MasterServer:
+    """The ROUTER socket and the single thread that serves :class:`MasterState`."""
+
+    election: Election | None = None  # with master.etcd: this master serves only while it leads
+
+    def __init__(self, config: MasterSection, *, max_key_bytes: int = 256,
+                 cluster_key: ClusterKey | None = None) -> None:
+        # Only holders of the cluster key (default: the default key file) get an answer.
+        self.cluster_key = cluster_key or ClusterKey.default()
+        self.config = config
+        self.max_key_bytes = max_key_bytes
+        self._context = zmq.Context(io_threads=1)
+        self._context.setsockopt(zmq.LINGER, 0)
+        self.state, self.rereplicator = self._fresh_state()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.cluster_key.secure_server(self._socket)
+        # A larger message is dropped by ZeroMQ before it is read (the peer is disconnected).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes)
+        try:
+            self._socket.bind(config.listen)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise errors.ConfigError(f"master.listen = {config.listen!r}: cannot bind: {exc}") from None
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        # With master.etcd this master serves only while it leads (see kvpool.cluster.etcd); a
+        # standby answers every request with NotLeaderError naming the leader.
+        self._term = 0
+        if config.etcd:
+            try:
+                check_address_for_etcd(self.endpoint)
+            except errors.ConfigError:
+                self.close()
+                raise
+            self.election = Election(EtcdClient(config.etcd), config.etcd_prefix, self.endpoint,
+                                     config.leader_ttl_s).start()
+        # Timers (dead nodes, reservation and lease expiry) run at least this
+        # often; between requests the socket poll blocks for at most this long.
+        heartbeat_s = config.heartbeat_ms / 1000
+        self.tick_s = max(0.01, min(0.25, heartbeat_s / 2))
+
+    def _fresh_state(self) -> tuple[MasterState, Rereplicator]:
+        state = MasterState(self.config, max_key_bytes=self.max_key_bytes)
+        state.cluster_key = self.cluster_key
+        return state, Rereplicator(state, self._context, self.config, self.cluster_key)
+
+    def leading(self) -> bool:
+        """Serve requests now? Always without etcd; with it, only while this master's term lasts
+        (a new term starts from an empty index, rebuilt by the nodes' re-registration)."""
+        election = self.election
+        if election is None:
+            return True
+        if election.term != self._term:
+            self._term = election.term
+            self.rereplicator.close()
+            self.state, self.rereplicator = self._fresh_state()
+            self.state.ha = {"etcd": election.client.urls, "prefix": election.prefix, "term": self._term,
+                             "endpoint": self.endpoint}
+            log.info("serving as master leader, term %d: nodes re-register what they hold", self._term)
+        return election.leading()
+
+    def serve(self, stop_event: threading.Event) -> None:
+        sock, tick_s = self._socket, self.tick_s
+        # A blocking recv with a timeout is one call per request when busy (a
+        # poll and a failing non-blocking recv would be three) and wakes up at
+        # least every tick when idle, so timers and stop_event are noticed.
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
+        next_sweep = time.monotonic() + tick_s
+        while not stop_event.is_set():
+            try:
+                frames = sock.recv_multipart()
+            except zmq.Again:
+                pass
+            else:
+                try:
+                    sock.send_multipart(self.serve_frames(frames), zmq.NOBLOCK)
+                except zmq.Again:  # that peer's queue is full: it will time out and retry
+                    pass
+            now = time.monotonic()
+            state = self.state
+            # A turn longer than the receive timeout (a large request, a slow sweep, a GC
+            # pause) is time the nodes' heartbeats spent queued: not held against them.
+            state.note_turn(now, tick_s)
+            if now >= next_sweep and self.leading():
+                state.sweep(now)
+                self.rereplicator.round(now)
+                next_sweep = now + tick_s
+
+    def serve_frames(self, frames: list[bytes]) -> list[bytes]:
+        """One routed request in, one routed reply out (errors become typed replies)."""
+        # REQ peers put an empty delimiter after their identity; DEALER peers need not.
+        split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
+        envelope, payload = frames[:split], frames[split:]
+        request_id: Any = None
+        op = "?"
+        try:
+            if len(payload) != 1:
+                raise P.MalformedRequest(f"expected one message frame after the envelope, got {len(payload)}")
+            request = P.unpack_request(payload[0])
+            request_id, op = request.request_id, request.op
+            if not self.leading():
+                leader = self.election.leader if self.election is not None else None
+                raise errors.NotLeaderError(
+                    f"master {self.endpoint} is a standby; the leader is {leader or '(being elected)'}")
+            reply = P.pack_reply(request_id, self.state.handle(op, request.body))
+        except P.MalformedRequest as exc:
+            self.state.counters["protocol_errors"] += 1
+            rid = exc.request_id if exc.request_id is not None else request_id
+            reply = P.pack_error(rid, "ProtocolError", str(exc))
+        except errors.KVPoolError as exc:
+            self.state.counters["errors"] += 1
+            reply = P.pack_error(request_id, type(exc).__name__, str(exc.args[0]) if exc.args else "")
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            # A body shaped wrong in a way the validators did not name.
+            self.state.counters["protocol_errors"] += 1
+            reply = P.pack_error(request_id, "ProtocolError",
+                                 f"malformed {op} body: {type(exc).__name__}: {loggable(str(exc))}")
+        except Exception as exc:  # keep serving: one bad request must not take the master down
+            log.exception("internal error serving %s", op)
+            self.state.counters["errors"] += 1
+            reply = P.pack_error(request_id, "KVPoolError", f"internal master error in {op}: {loggable(repr(exc))}")
+        return [*envelope, reply]
+
+    def close(self) -> None:
+        if self.election is not None:
+            self.election.stop()  # the lease is revoked: a standby takes over at once
+        self.rereplicator.close()
+        self._socket.close(linger=0)
+        stop_authenticator(self._context)  # its ZAP thread holds a socket of this context
+        # destroy(): closes whatever socket is still open (a worker that did not stop in
+        # time) instead of waiting for it forever, as term() would.
+        self._context.destroy(linger=0)
+
+
+def _sections(config: Config | MasterSection | str | os.PathLike[str] | None) -> tuple[MasterSection, int]:
+    if isinstance(config, MasterSection):
+        return config, Config().pool.max_key_bytes
+    full = Config.load(config)
+    return full.master, full.pool.max_key_bytes
+
+
+def run_master(
+    config: Config | MasterSection | str | os.PathLike[str] | None = None,
+    stop_event: threading.Event | None = None,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until ``stop_event`` is set (or SIGTERM/SIGINT when none is given).
+
+    Signal handlers are only installed when no ``stop_event`` is passed and this
+    runs on the main thread; a daemon that owns signals passes its own event.
+    ``on_ready`` gets the bound endpoint once requests are being accepted.
+    Raises ConfigError when the listen address cannot be bound.
+    """
+    section, max_key_bytes = _sections(config)
+    stop = stop_event if stop_event is not None else threading.Event()
+    previous: dict[signal.Signals, Any] = {}
+    if stop_event is None and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, lambda *_: stop.set())
+    cluster_key = ClusterKey.default() if isinstance(config, MasterSection) else ClusterKey.from_config(
+        Config.load(config))
+    server = MasterServer(section, max_key_bytes=max_key_bytes, cluster_key=cluster_key)
+    try:
+        (log.info if cluster_key.enabled else log.warning)(
+            "kvpool master authenticates with %s", cluster_key.describe())
+        log.info(
+            "kvpool master listening on %s (protocol v%d, heartbeat %d ms x %d, lease %.1f s)%s",
+            server.endpoint, P.PROTOCOL_VERSION, section.heartbeat_ms,
+            section.dead_after_missed, section.lease_s,
+            f"; campaigning for leadership in etcd at {section.etcd} ({section.etcd_prefix})"
+            if section.etcd else "",
+        )
+        if on_ready is not None:
+            on_ready(server.endpoint)
+        server.serve(stop)
+    finally:
+        server.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        log.info("kvpool master on %s stopped", server.endpoint)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpool.cluster.master", description="kvpool metadata master")
+    parser.add_argument("--listen", help="ZeroMQ address to bind (overrides master.listen)")
+    parser.add_argument("--config", help="TOML config file")
+    parser.add_argument("--log-level", default="INFO")
+    add_setting_flags(parser)
+    args = parser.parse_args(None if argv is None else list(argv))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = Config.load(args.config)
+        apply_setting_flags(config, args)
+        if args.listen:
+            config.set("master.listen", args.listen)
+        run_master(config)
+    except errors.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,434 @@
+"""The master's requests: one ``op_*`` per protocol operation on :class:`IndexState`.
+
+Each ``op_*`` validates its whole body before changing anything, so a bad request never
+leaves half an update behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpool import errors
+from kvpool.cluster import protocol as P
+from kvpool.cluster.records import (
+    MAX_CONTROL_BYTES,
+    MAX_DELETES_PER_BEAT,
+    MAX_ID_BYTES,
+    MAX_TIERS,
+    Lease,
+    NodeInfo,
+    _field,
+    describe_address,
+)
+from kvpool.cluster.state import IndexState
+from kvpool.config import MasterSection
+
+log = logging.getLogger("kvpool.master")
+
+
+class MasterState(IndexState):
+    """All master state and every operation on it; no sockets, no threads."""
+
+    def __init__(
+        self,
+        config: MasterSection,
+        *,
+        max_key_bytes: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(config, max_key_bytes=max_key_bytes, clock=clock)
+        self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+            P.PING: self.op_ping, P.REGISTER: self.op_register, P.LEAVE: self.op_leave,
+            P.HEARTBEAT: self.op_heartbeat,
+            P.LOOKUP: self.op_lookup, P.EXISTS: self.op_exists, P.LOCATE: self.op_locate,
+            P.RELEASE: self.op_release, P.RESERVE: self.op_reserve, P.COMMIT: self.op_commit,
+            P.REVOKE: self.op_revoke, P.PUBLISH: self.op_publish,
+            P.EVICT_REQUEST: self.op_evict_request, P.REMOVED: self.op_removed,
+            P.DELETE: self.op_delete, P.PLACE: self.op_place, P.STATS: self.op_stats,
+            P.LIST: self.op_list,
+        }
+
+    # -- operations -----------------------------------------------------------------
+
+    def handle(self, op: str, body: dict[str, Any]) -> Any:
+        self.counters["requests"] += 1
+        return self.handlers[op](body)
+
+    def op_ping(self, body: dict[str, Any]) -> Any:
+        return {"version": P.PROTOCOL_VERSION, "uptime_s": self.clock() - self.started}
+
+    def op_register(self, body: dict[str, Any]) -> Any:
+        node_id = self._bounded_str(body, "node_id", MAX_ID_BYTES)
+        address = self._bounded_str(body, "address", self.config.max_address_bytes)
+        host_id = self._bounded_str(body, "host_id", MAX_ID_BYTES)
+        tiers = self._tiers(_field(body, "tiers", dict))
+        raw_objects = self._batch(body, "objects", [])
+        role = _field(body, "role", str, P.ROLE_CLIENT)
+        persistent = _field(body, "persistent_tiers", list, [])
+        if len(persistent) > MAX_TIERS:
+            raise errors.RequestTooLargeError(f"{len(persistent)} persistent tiers; the most is {MAX_TIERS}")
+        if not node_id:
+            raise P.MalformedRequest("node_id must not be empty")
+        if role not in (P.ROLE_STORAGE, P.ROLE_CLIENT):
+            raise P.MalformedRequest(f"role must be {P.ROLE_STORAGE!r} or {P.ROLE_CLIENT!r}, got {role!r:.40}")
+        if not all(isinstance(t, str) for t in persistent):
+            raise P.MalformedRequest("persistent_tiers must be a list of tier names")
+        endpoint, control = describe_address(address)
+        control = self._bounded_str(body, "control", MAX_CONTROL_BYTES, control)
+        records = [self._record(raw, with_key=True) for raw in raw_objects]
+        now = self.clock()
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeInfo(node_id, address, host_id, tiers, now)
+            previously: list[bytes] = []
+        else:
+            # The list is authoritative: forget what we believed the node held.
+            previously = list(node.objects)
+            self._drop_replicas_of(node)
+            node.address, node.host_id, node.tiers = address, host_id, tiers
+            node.last_seen, node.alive, node.committed_since_beat = now, True, 0
+        node.role, node.persistent_tiers, node.control = role, tuple(persistent), control
+        node.endpoint, node.state = endpoint, "alive"
+        skipped = 0
+        for key, record in records:
+            if key in node.pending_deletes:  # deleted by a client while the node was away
+                skipped += 1
+                continue
+            self._note_durable(key, record)
+            self._add_replica(node, key, record)
+        # Keys this node lost, and keys it brings back (maybe the only copy left of a
+        # durable key whose other holders died), may need copies.
+        self._check_durable(previously)
+        self._check_durable(node.objects)
+        if node.stores_durably and node.control:
+            # A new target: keys waiting for one are looked at in the next round.
+            check = self.to_check
+            for key, not_before in check.items():
+                if not_before > now:
+                    check[key] = now
+        self.counters["registers"] += 1
+        if role == P.ROLE_CLIENT:
+            kind = "inference client"
+        elif node.stores_durably:
+            kind = f"storage node, durable copies in {'+'.join(node.persistent_tiers)}"
+        else:
+            kind = "storage node without a persistent tier (takes no durable copies)"
+        log.info(
+            "node %s registered: %s, host=%.64s, %d objects (%d skipped: deleted meanwhile)",
+            node.label, kind, host_id, len(records) - skipped, skipped,
+        )
+        return {
+            "heartbeat_ms": self.config.heartbeat_ms,
+            "dead_after_missed": self.config.dead_after_missed,
+            "lease_s": self.config.lease_s,
+            "indexed": len(records) - skipped,
+            "skipped_deleted": skipped,
+        }
+
+    def op_leave(self, body: dict[str, Any]) -> Any:
+        """A clean departure: the node's replicas leave the index now; it is listed as ``left``."""
+        node = self.nodes.get(_field(body, "node_id", str))
+        if node is None or not node.alive:
+            return {"withdrawn": 0, "known": node is not None}
+        dropped, stale = self._retire(node, self.clock(), "left")
+        self.counters["nodes_left"] += 1
+        log.info("node %s left: %d replicas withdrawn, %d reservations dropped", node.label, dropped, stale)
+        return {"withdrawn": dropped, "known": True}
+
+    def op_heartbeat(self, body: dict[str, Any]) -> Any:
+        node_id = _field(body, "node_id", str)
+        raw_tiers = _field(body, "tiers", dict, None)
+        ack = _field(body, "delete_ack", int, 0)
+        tiers = None if raw_tiers is None else self._tiers(raw_tiers)
+        self.counters["heartbeats"] += 1
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive:
+            return {"reregister": True, "delete": [], "delete_seq": 0}
+        node.last_seen = self.clock()
+        if tiers is not None:
+            node.tiers = tiers
+            node.committed_since_beat = 0
+        pending = node.pending_deletes
+        if not pending:
+            return {"reregister": False, "delete": [], "delete_seq": node.delete_seq}
+        if ack:
+            for key in [k for k, seq in pending.items() if 0 < seq <= ack]:
+                del pending[key]
+        # Pinned replicas stay until their lease ends; unacknowledged ones are
+        # sent again (the reply carrying them may have been lost).
+        sendable = [k for k in pending if (k, node_id) not in self.pins][:MAX_DELETES_PER_BEAT]
+        if sendable:
+            node.delete_seq += 1
+            for key in sendable:
+                pending[key] = node.delete_seq
+        return {"reregister": False, "delete": sendable, "delete_seq": node.delete_seq}
+
+    def op_lookup(self, body: dict[str, Any]) -> Any:
+        keys = self._keys(body, strict=False)
+        present = list(map(self.index.__contains__, keys))
+        prefix = present.index(False) if False in present else len(present)
+        c = self.counters
+        c["lookups"] += 1
+        c["lookup_hashes"] += len(keys)
+        c["lookup_hits"] += prefix
+        return {"prefix": prefix}
+
+    def op_exists(self, body: dict[str, Any]) -> Any:
+        keys = self._keys(body, strict=False)
+        found = list(map(self.index.__contains__, keys))
+        hits = sum(found)
+        self.counters["key_hits"] += hits
+        self.counters["key_misses"] += len(found) - hits
+        return {"exists": found}
+
+    def op_locate(self, body: dict[str, Any]) -> Any:
+        keys = self._keys(body, strict=False)
+        want_lease = _field(body, "lease", bool, True)
+        index, nodes = self.index, self.nodes
+        mint = self.cluster_key.mint_token if self.cluster_key is not None and self.cluster_key.enabled else None
+        out: list[list[dict[str, Any]] | None] = []
+        pins: list[tuple[bytes, str]] = []
+        for key in keys:
+            replicas = index.get(key)
+            if not replicas:
+                out.append(None)
+                continue
+            located = []
+            for node_id, record in replicas.items():
+                node = nodes[node_id]
+                token = mint(key, node_id) if mint is not None else b""
+                located.append({**record, "address": node.address, "host_id": node.host_id, "token": token})
+                pins.append((key, node_id))
+            out.append(located)
+        hits = len(keys) - out.count(None)
+        self.counters["key_hits"] += hits
+        self.counters["key_misses"] += len(keys) - hits
+        lease_id = None
+        if want_lease and pins:
+            lease_id = self._new_id()
+            self.leases[lease_id] = Lease(pins, self.clock() + self.config.lease_s)
+            table = self.pins
+            for pin in pins:
+                table[pin] = table.get(pin, 0) + 1
+            self.counters["leases_granted"] += 1
+        return {"replicas": out, "lease": lease_id}
+
+    def op_release(self, body: dict[str, Any]) -> Any:
+        lease_ids = self._batch(body, "leases")
+        released = 0
+        for lid in lease_ids:
+            lease = self.leases.pop(lid, None) if type(lid) is int else None
+            if lease is not None:
+                self._unpin(lease)
+                released += 1
+        self.counters["leases_released"] += released
+        return {"released": released}
+
+    def op_reserve(self, body: dict[str, Any]) -> Any:
+        items = self._batch(body, "items")
+        checked = []
+        for item in items:
+            if not isinstance(item, dict):
+                raise P.MalformedRequest("reserve items must be maps {key, nbytes, node_id}")
+            key = self._key(item.get("key"))
+            nbytes = _field(item, "nbytes", int)
+            if nbytes < 0:
+                raise P.MalformedRequest("nbytes must be >= 0")
+            checked.append((key, nbytes, self._alive_node(item.get("node_id"))))
+        now = self.clock()
+        return {"reservations": [self._reserve(key, nbytes, node, now) for key, nbytes, node in checked]}
+
+    def op_commit(self, body: dict[str, Any]) -> Any:
+        items = self._batch(body, "items")
+        checked = []
+        for item in items:
+            if not isinstance(item, dict):
+                raise P.MalformedRequest("commit items must be maps {reservation, replica}")
+            rid = _field(item, "reservation", int)
+            _, record = self._record(_field(item, "replica", dict), with_key=False)
+            checked.append((rid, record))
+        committed = []
+        for rid, record in checked:
+            res = self.reservations.pop(rid, None)
+            node = None if res is None else self._release_reservation(res)
+            if res is None or node is None or not node.alive:
+                committed.append(False)
+                self.counters["commits_failed"] += 1
+                continue
+            node.committed_since_beat += record["nbytes"]
+            self._note_durable(res.key, record)
+            if res.durable:
+                self.durable[res.key] = res.durable
+            self._add_replica(node, res.key, record)
+            committed.append(True)
+            self.counters["commits"] += 1
+            self.counters["bytes_committed"] += record["nbytes"]
+        return {"committed": committed}
+
+    def op_revoke(self, body: dict[str, Any]) -> Any:
+        revoked = 0
+        for rid in self._batch(body, "reservations"):
+            res = self.reservations.pop(rid, None) if type(rid) is int else None
+            if res is not None:
+                self._release_reservation(res)
+                revoked += 1
+        self.counters["revokes"] += revoked
+        return {"revoked": revoked}
+
+    def op_publish(self, body: dict[str, Any]) -> Any:
+        node = self._alive_node(_field(body, "node_id", str))
+        records = [self._record(raw, with_key=True) for raw in self._batch(body, "objects")]
+        # A node sending what it holds is alive: one that re-registers a large index in many
+        # batches is never declared dead between them for want of a heartbeat.
+        node.last_seen = max(node.last_seen, self.clock())
+        for key, record in records:
+            self._note_durable(key, record)
+            if self._add_replica(node, key, record):
+                node.committed_since_beat += record["nbytes"]
+        self.counters["published"] += len(records)
+        return {"indexed": len(records)}
+
+    def op_evict_request(self, body: dict[str, Any]) -> Any:
+        node_id = _field(body, "node_id", str)
+        keys = self._keys(body)
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive:
+            # Nothing of this node is indexed, so nothing can be pointed at.
+            return {"allowed": keys, "pinned": [], "reregister": True}
+        allowed, pinned = [], []
+        pins = self.pins
+        for key in keys:
+            if (key, node_id) in pins:
+                pinned.append(key)
+            else:
+                self._remove_replica(node, key)
+                node.pending_deletes.pop(key, None)
+                allowed.append(key)
+        self._check_durable(allowed)
+        self.counters["evictions_allowed"] += len(allowed)
+        self.counters["evictions_refused"] += len(pinned)
+        return {"allowed": allowed, "pinned": pinned, "reregister": False}
+
+    def op_removed(self, body: dict[str, Any]) -> Any:
+        node_id = _field(body, "node_id", str)
+        keys = self._keys(body)
+        node = self.nodes.get(node_id)
+        if node is None:
+            return {"removed": 0}
+        removed = 0
+        for key in keys:
+            removed += self._remove_replica(node, key)
+            node.pending_deletes.pop(key, None)
+        self._check_durable(keys)
+        self.counters["removed"] += removed
+        return {"removed": removed}
+
+    def op_delete(self, body: dict[str, Any]) -> Any:
+        keys = self._keys(body)
+        caller = _field(body, "node_id", str, "")  # drops its own copies itself, at once
+        nodes = self.nodes
+        deleted = []
+        for key in keys:
+            replicas = self.index.pop(key, None)
+            deleted.append(replicas is not None)
+            self.durable.pop(key, None)
+            self.to_check.pop(key, None)
+            self._attempts.pop(key, None)
+            for node_id in replicas or ():
+                node = nodes[node_id]
+                node.objects.discard(key)
+                if node_id != caller:
+                    node.pending_deletes[key] = 0
+        self.counters["deletes"] += sum(deleted)
+        return {"deleted": deleted}
+
+    def op_place(self, body: dict[str, Any]) -> Any:
+        nbytes = _field(body, "nbytes", int)
+        replicas = _field(body, "replicas", int, 1)
+        exclude = set(self._batch(body, "exclude", []))
+        raw_key = _field(body, "key", (bytes, type(None)), None)
+        key = None if raw_key is None else self._key(raw_key)
+        if nbytes < 0:
+            raise P.MalformedRequest("place needs nbytes >= 0")
+        if replicas < 1:
+            raise errors.InvalidArgumentError(f"replicas must be >= 1, got {replicas}")
+        eligible = self._eligible(exclude)
+        if replicas > len(eligible):
+            others = sum(1 for n in self.nodes.values() if n.alive and n.node_id not in exclude) - len(eligible)
+            raise errors.NotEnoughReplicasError(
+                f"{replicas} durable replicas asked for, but only {len(eligible)} storage nodes with a "
+                f"persistent tier are alive and eligible ({len(exclude)} excluded; {others} other alive "
+                f"nodes are inference clients or have no nvme tier and never take durable copies)"
+            )
+        candidates = [n for n in eligible if n.largest_persistent_tier_bytes >= nbytes]
+        if not candidates:
+            raise errors.ObjectTooLargeError(
+                f"{nbytes} bytes is larger than the persistent tier of every one of the "
+                f"{len(eligible)} eligible storage nodes"
+            )
+        if replicas > len(candidates):
+            raise errors.NotEnoughReplicasError(
+                f"{replicas} durable replicas asked for, but the object ({nbytes} bytes) fits the persistent "
+                f"tier of only {len(candidates)} of the {len(eligible)} eligible storage nodes"
+            )
+        chosen = self._choose(nbytes, replicas, candidates)
+        now = self.clock()
+        self.counters["placements"] += 1
+        return {"targets": [
+            {
+                "node_id": n.node_id, "address": n.address, "host_id": n.host_id,
+                "reservation": None if key is None else self._reserve(key, nbytes, n, now, durable=replicas),
+            }
+            for n in chosen
+        ]}
+
+    def op_list(self, body: dict[str, Any]) -> Any:
+        """Keys starting with ``prefix`` (operators' ``kvpool ls``), at most ``limit``."""
+        prefix = _field(body, "prefix", bytes, b"")
+        limit = _field(body, "limit", int, 1000)
+        if limit < 0:
+            raise P.MalformedRequest("field 'limit' must be >= 0")
+        limit = min(limit, self.config.max_batch)  # a reply stays as bounded as a request
+        out: list[dict[str, Any]] = []
+        for key, replicas in self.index.items():
+            if not key.startswith(prefix):
+                continue
+            if len(out) == limit:
+                return {"keys": out, "truncated": True}
+            first = next(iter(replicas.values()))
+            out.append({"key": key, "nbytes": first.get("nbytes", 0), "spec": first.get("spec"),
+                        "replicas": [{"node_id": nid, "tier": r.get("tier")} for nid, r in replicas.items()]})
+        return {"keys": out, "truncated": False}
+
+    def op_stats(self, body: dict[str, Any]) -> Any:
+        now = self.clock()
+        return {
+            "protocol_version": P.PROTOCOL_VERSION,
+            "uptime_s": now - self.started,
+            "nodes": {
+                n.node_id: {
+                    "alive": n.alive, "state": n.state, "role": n.role, "endpoint": n.endpoint,
+                    "persistent_tiers": list(n.persistent_tiers), "stores_durably": n.stores_durably,
+                    "address": n.address, "host_id": n.host_id,
+                    "tiers": n.tiers, "objects": len(n.objects),
+                    "reserved_bytes": n.reserved_bytes,
+                    "effective_free_bytes": n.effective_free_bytes,
+                    "pending_deletes": len(n.pending_deletes),
+                    "last_seen_s": now - n.last_seen,
+                }
+                for n in self.nodes.values()
+            },
+            "keys": len(self.index),
+            "replicas": sum(len(r) for r in self.index.values()),
+            "reservations": len(self.reservations),
+            "leases": len(self.leases),
+            "pinned_replicas": len(self.pins),
+            "durable_keys": len(self.durable),
+            "under_replicated": len(self.to_check) + len(self.rereplicating),
+            "rereplications_in_flight": sum(len(t) for t in self.rereplicating.values()),
+            "counters": dict(self.counters),
+            "ha": self.ha,
+        }

@@ -1,0 +1,536 @@
+"""The metadata master: node registry, key index, reservations, leases, placement.
+
+Owns, in memory, which node holds which key in which tier (with the object's
+spec, its header's checksum and an opaque location), the node registry and its liveness,
+two-phase put reservations, read leases, delete/evict coordination and
+placement of durable puts. It serves these over one ZeroMQ ROUTER socket with
+the protocol of :mod:`kvpool.cluster.protocol`, from one thread, and never sees KV
+bytes. It does not own storage (nodes do) or persistence: after a restart the
+state is rebuilt by nodes re-registering everything they hold (heartbeat
+replies to an unknown node say ``reregister``).
+
+Semantics worth knowing:
+
+* **Liveness.** A node that sends no heartbeat for ``heartbeat_ms *
+  dead_after_missed`` is declared dead on the master's own timer: all its
+  replicas leave the index at once and its reservations are dropped. A later
+  heartbeat from it is answered ``reregister``; ``register`` brings it back.
+* **register** is authoritative for a node: the list it carries replaces
+  whatever the master believed that node held (thousands of records per
+  message are fine; the whole list is one message).
+* **Two-phase put.** ``reserve`` returns an id; the key stays invisible until
+  ``commit`` with the replica's record. A reservation not committed within
+  ``reservation_timeout_s`` is reclaimed. Re-putting a key *adds* a replica on
+  a node that did not hold it and *replaces* the record on a node that did
+  (new tier/location); other nodes' replicas are untouched. ``publish`` is the
+  one-step form for a node announcing bytes it already holds (its own puts,
+  tier moves).
+* **Leases.** ``locate`` with ``lease=True`` pins every replica it returns
+  until ``release`` or ``lease_s``. ``evict_request`` from a node only allows
+  unpinned keys, and removes what it allows from the index before replying,
+  so no reader can be pointed at bytes the node is about to drop.
+* **Delete** removes keys from the index at once (lookup misses immediately);
+  holders learn through heartbeat replies, but only once no lease pins their
+  replica. A heartbeat acknowledges (``delete_ack``) the deletes of the
+  previous reply; unacknowledged ones are sent again.
+* **Leaving.** ``leave`` (a node's clean close) withdraws its replicas at once;
+  it is listed as ``left``, not dead. Dead and departed nodes are forgotten
+  ``forget_nodes_after_s`` later (they vanish from ``stats``).
+* **Placement** (``place``, for durable copies): only *storage nodes* (that
+  registered with role ``storage``: ``kvpool-server --role node|all``) with a
+  persistent tier (nvme) are eligible; inference clients never are. Asking for
+  more replicas than there are eligible nodes is NotEnoughReplicasError before
+  anything is reserved. Among eligible nodes whose persistent tier is large
+  enough, those whose *effective free bytes* (persistent free bytes the node
+  last reported, minus bytes reserved but not committed, minus bytes committed
+  since that report) can take the object are chosen by smooth weighted round
+  robin, weighted by effective free bytes. A node that just joined empty
+  therefore gets a share proportional to its room, not every put, and each
+  reservation lowers its weight at once. When too few nodes have room, every
+  candidate will have to evict, and weights are their capacities. Replicas go
+  to distinct nodes, on distinct hosts where possible. Passing ``key`` reserves
+  on every chosen node in the same round trip; committing such a reservation
+  makes the key *durable* with ``replicas`` copies wanted.
+* **Re-replication.** When a holder of a durable key dies, leaves or drops it,
+  the key is queued; between requests the serving thread plans at most
+  ``rereplicate_per_s`` copies a second (a surviving holder as source, a
+  target chosen as for ``place`` excluding current holders, a reservation on
+  it), and worker threads ask each target over its control socket to
+  ``replicate`` (pull, store in nvme, commit). Failures are retried with
+  backoff; a key with no live holder waits until a node registers it again.
+  Records re-registered with ``durable`` restore this after a master restart.
+
+Ids (reservations, leases) carry a random per-process prefix, so an id from
+before a master restart never names something of the new master. Leases,
+reservations and undelivered deletes live only in memory: after a restart a
+lease from before no longer pins anything, a commit of an old reservation
+fails (ReservationError), and a node may re-register a key deleted just
+before the restart.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
+from typing import Any
+
+from kvpool import errors
+from kvpool.cluster import protocol as P
+from kvpool.cluster.records import (
+    _MISSING,
+    COUNTERS,
+    MAX_CONTROL_BYTES,
+    MAX_LOCATION_ENTRIES,
+    MAX_TIER_NAME_BYTES,
+    MAX_TIERS,
+    REREPLICATE_BACKOFF_S,
+    REREPLICATE_EXAMINE_PER_ROUND,
+    STALL_CREDIT_MIN_S,
+    Holders,
+    Lease,
+    NodeInfo,
+    Replica,
+    RereplicationTask,
+    Reservation,
+    _field,
+)
+from kvpool.cluster.security import ClusterKey
+from kvpool.config import MasterSection
+from kvpool.objformat import ObjectSpec
+
+log = logging.getLogger("kvpool.master")
+
+
+class IndexState:
+    """The master's state and its transitions (index, registry, timers, durability planning);
+    no sockets, no threads. The requests that drive it are :class:`kvpool.cluster.ops.MasterState`'s.
+    """
+
+    def __init__(
+        self,
+        config: MasterSection,
+        *,
+        max_key_bytes: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.max_key_bytes = max_key_bytes
+        self.clock = clock
+        self.dead_after_s = config.heartbeat_ms / 1000 * config.dead_after_missed
+        self.started = clock()
+        self.nodes: dict[str, NodeInfo] = {}
+        self.index: dict[bytes, Holders] = {}  # key -> node_id -> record
+        # Every reservation (lease) gets the same timeout, so insertion order is
+        # deadline order and expiry pops from the front.
+        self.reservations: OrderedDict[int, Reservation] = OrderedDict()
+        self.leases: OrderedDict[int, Lease] = OrderedDict()
+        self.pins: dict[tuple[bytes, str], int] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._id_prefix = secrets.randbits(30) << 32
+        self._id_count = 0
+        self._swrr: dict[str, int] = {}
+        self._specs_checked: set[tuple[Any, ...]] = set()  # wire specs validated before
+        # Durability: key -> replicas wanted (from committed durable copies and
+        # re-registered records); keys whose copies may be short, each with the
+        # time before which it is not looked at again (retry backoff); the
+        # targets of copies in flight per key; failed attempts per key.
+        self.durable: dict[bytes, int] = {}
+        self.to_check: OrderedDict[bytes, float] = OrderedDict()
+        self.rereplicating: dict[bytes, set[str]] = {}
+        self._attempts: dict[bytes, int] = {}
+        self._last_turn: float | None = None  # see note_turn
+        #: mints the pull token every located replica carries (MasterServer sets it; None: no tokens)
+        self.cluster_key: ClusterKey | None = None
+        #: with master.etcd: {"etcd", "prefix", "term", "endpoint"} of this leader's term (shown in stats)
+        self.ha: dict[str, Any] | None = None
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        self._id_count += 1
+        return self._id_prefix | self._id_count
+
+    def _keys(self, body: Mapping[str, Any], name: str = "keys", *, strict: bool = True) -> list[bytes]:
+        """The list of keys in ``body[name]``; InvalidKeyError names the first bad one.
+
+        Reads pass ``strict=False``: only the type is checked, since a key of an
+        impossible length can only miss. map() over builtins keeps the checks
+        in C, so a 1000-hash lookup does not spend its time validating.
+        """
+        keys = self._batch(body, name)
+        if keys and (set(map(type, keys)) != {bytes} or strict and (
+                not 0 < min(map(len, keys)) or max(map(len, keys)) > self.max_key_bytes)):
+            for key in keys:
+                self._key(key)
+        return keys
+
+    def _batch(self, body: Mapping[str, Any], name: str, default: Any = _MISSING) -> list[Any]:
+        """The list ``body[name]``, at most ``master.max_batch`` long (RequestTooLargeError)."""
+        items = _field(body, name, list, default)
+        if len(items) > self.config.max_batch:
+            raise errors.RequestTooLargeError(
+                f"{name}: {len(items)} items in one request; the most is master.max_batch = "
+                f"{self.config.max_batch} (MasterClient splits larger batches)")
+        return items
+
+    @staticmethod
+    def _bounded_str(body: Mapping[str, Any], name: str, limit: int, default: Any = _MISSING) -> str:
+        value = _field(body, name, str, default)
+        if len(value) > limit:
+            raise errors.RequestTooLargeError(f"{name} is {len(value)} characters; the most is {limit}")
+        return value
+
+    def _key(self, key: Any) -> bytes:
+        if type(key) is not bytes or not 0 < len(key) <= self.max_key_bytes:
+            raise errors.InvalidKeyError(
+                f"keys must be 1..{self.max_key_bytes} bytes, got {type(key).__name__} {key!r:.60}"
+            )
+        return key
+
+    @staticmethod
+    def _tiers(raw: Any) -> dict[str, dict[str, int]]:
+        if not isinstance(raw, dict):
+            raise P.MalformedRequest("tiers must be a map {name: {capacity, free}}")
+        if len(raw) > MAX_TIERS:
+            raise errors.RequestTooLargeError(f"{len(raw)} tiers; the most is {MAX_TIERS}")
+        tiers: dict[str, dict[str, int]] = {}
+        for name, state in raw.items():
+            if not isinstance(name, str) or len(name) > MAX_TIER_NAME_BYTES:
+                raise P.MalformedRequest(f"tier names must be str of at most {MAX_TIER_NAME_BYTES} characters")
+            if not isinstance(state, dict):
+                raise P.MalformedRequest(f"tier {name!r} must be a map {{capacity, free}}")
+            capacity, free = state.get("capacity"), state.get("free")
+            if type(capacity) is not int or type(free) is not int or capacity < 0 or not 0 <= free <= capacity:
+                raise P.MalformedRequest(f"tier {name!r}: need ints 0 <= free <= capacity, got {state!r:.100}")
+            tiers[str(name)] = {"capacity": capacity, "free": free}
+        return tiers
+
+    def _record(self, raw: Any, *, with_key: bool) -> tuple[bytes, Replica]:
+        """Validate one replica record; returns (key or b"", the record as stored)."""
+        if not isinstance(raw, dict):
+            raise P.MalformedRequest(f"replica record must be a map, got {type(raw).__name__}")
+        key = self._key(raw.get("key")) if with_key else b""
+        tier, nbytes = raw.get("tier"), raw.get("nbytes")
+        spec: Any = raw.get("spec")
+        if type(tier) is not str or type(nbytes) is not int or nbytes < 0 or len(tier) > MAX_TIER_NAME_BYTES:
+            raise P.MalformedRequest(f"replica record needs tier (str) and nbytes (int >= 0): {raw!r:.200}")
+        try:  # each spec is validated once (re-registering a million keys is a handful of specs)
+            seen = tuple(spec) if type(spec) is list and len(spec) <= 8 else None
+            if seen is None or seen not in self._specs_checked:  # TypeError: unhashable parts
+                ObjectSpec.from_wire(spec)
+                if seen is not None and len(self._specs_checked) < 4096:
+                    self._specs_checked.add(seen)
+        except (TypeError, ValueError, errors.KVPoolError) as exc:
+            raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
+        # A node that lies about its header checksum only fails its own readers' checks.
+        header_sum = raw.get("header_sum")
+        if header_sum is not None and (type(header_sum) is not int or not 0 <= header_sum < 1 << 64):
+            raise P.MalformedRequest(f"header_sum must be a u64 (the header's checksum), got {header_sum!r:.40}")
+        location = raw.get("location") or {}
+        if not isinstance(location, dict):
+            raise P.MalformedRequest("location must be a map")
+        if location and (len(location) > MAX_LOCATION_ENTRIES or any(
+                isinstance(v, (str, bytes, list, dict)) and len(v) > MAX_CONTROL_BYTES for v in location.values())):
+            raise errors.RequestTooLargeError(
+                f"record location: at most {MAX_LOCATION_ENTRIES} entries of at most {MAX_CONTROL_BYTES} each")
+        durable = raw.get("durable")
+        if durable is not None and (type(durable) is not int or durable < 1):
+            raise P.MalformedRequest(f"durable must be an int >= 1 (replicas wanted), got {durable!r:.40}")
+        return key, Replica(tier, spec, nbytes, header_sum, location, durable)
+
+    def _alive_node(self, node_id: Any) -> NodeInfo:
+        node = self.nodes.get(node_id) if isinstance(node_id, str) else None
+        if node is None or not node.alive:
+            raise errors.UnknownNodeError(f"node {node_id!r} is not registered or was declared dead")
+        return node
+
+    def _add_replica(self, node: NodeInfo, key: bytes, record: Replica) -> bool:
+        """Index ``record`` for ``key`` on ``node``; True if the node did not hold it before."""
+        record.node_id = node.node_id  # the node's own string: one per node, not one per record
+        replicas = self.index.get(key)
+        if replicas is None:
+            replicas = self.index[key] = Holders()
+        new = node.node_id not in replicas
+        replicas[node.node_id] = record
+        node.objects.add(key)
+        # A new copy supersedes a delete the node has not carried out yet.
+        node.pending_deletes.pop(key, None)
+        return new
+
+    def _remove_replica(self, node: NodeInfo, key: bytes) -> bool:
+        node.objects.discard(key)
+        replicas = self.index.get(key)
+        if replicas is None or replicas.pop(node.node_id, None) is None:
+            return False
+        if not replicas:
+            del self.index[key]
+        return True
+
+    def _drop_replicas_of(self, node: NodeInfo) -> int:
+        index, node_id = self.index, node.node_id
+        for key in node.objects:
+            replicas = index.get(key)
+            if replicas is not None:
+                replicas.pop(node_id, None)
+                if not replicas:
+                    del index[key]
+        dropped = len(node.objects)
+        node.objects = set()
+        return dropped
+
+    def _unpin(self, lease: Lease) -> None:
+        pins = self.pins
+        for pin in lease.pins:
+            left = pins[pin] - 1
+            if left:
+                pins[pin] = left
+            else:
+                del pins[pin]
+
+    def _reserve(self, key: bytes, nbytes: int, node: NodeInfo, now: float, durable: int = 0) -> int:
+        rid = self._new_id()
+        self.reservations[rid] = Reservation(key, nbytes, node.node_id, now + self.config.reservation_timeout_s,
+                                             durable)
+        node.reserved_bytes += nbytes
+        self.counters["reservations"] += 1
+        self.counters["bytes_reserved"] += nbytes
+        return rid
+
+    def _release_reservation(self, res: Reservation) -> NodeInfo | None:
+        node = self.nodes.get(res.node_id)
+        if node is not None:
+            node.reserved_bytes -= res.nbytes
+        return node
+
+    # -- timers ------------------------------------------------------------------
+
+    def sweep(self, now: float | None = None) -> None:
+        """Declare silent nodes dead, reclaim stale reservations, end expired leases."""
+        now = self.clock() if now is None else now
+        for node in list(self.nodes.values()):
+            if node.alive and now - node.last_seen > self.dead_after_s:
+                self._declare_dead(node, now)
+            elif not node.alive and now - node.died_at > self.config.forget_nodes_after_s:
+                del self.nodes[node.node_id]
+                self._swrr.pop(node.node_id, None)
+        reservations = self.reservations
+        while reservations:
+            rid, res = next(iter(reservations.items()))
+            if res.deadline > now:
+                break
+            del reservations[rid]
+            self._release_reservation(res)
+            self.counters["reservations_expired"] += 1
+        leases = self.leases
+        while leases:
+            lid, lease = next(iter(leases.items()))
+            if lease.deadline > now:
+                break
+            del leases[lid]
+            self._unpin(lease)
+            self.counters["leases_expired"] += 1
+
+    def _retire(self, node: NodeInfo, now: float, state: str) -> tuple[int, int]:
+        """Take a dead or departed node out of service; returns (replicas, reservations) dropped."""
+        node.alive = False
+        node.state = state
+        node.died_at = now
+        held = list(node.objects)
+        dropped = self._drop_replicas_of(node)
+        stale = [rid for rid, res in self.reservations.items() if res.node_id == node.node_id]
+        for rid in stale:
+            del self.reservations[rid]
+        node.reserved_bytes = node.committed_since_beat = 0
+        self._swrr.pop(node.node_id, None)
+        self._check_durable(held)
+        return dropped, len(stale)
+
+    def note_turn(self, now: float, expected_s: float) -> None:
+        """One turn of the serving loop ended at ``now``; a turn normally lasts at most
+        ``expected_s`` (the idle receive timeout). Anything longer (a large request, a slow
+        sweep retiring a big node, a garbage collection) is a stall: see :meth:`note_busy`.
+        """
+        last, self._last_turn = self._last_turn, now
+        if last is not None:
+            self.note_busy(last + expected_s, now)
+
+    def note_busy(self, started: float, ended: float) -> None:
+        """The serving thread was busy from ``started`` to ``ended`` (clock() times).
+
+        Heartbeats that arrived meanwhile are still queued unread, so a long stall
+        must not count against the nodes: every alive node's silence is shortened
+        by the stall (its deadline moves out by that much). Stalls shorter than
+        STALL_CREDIT_MIN_S are ignored (they are far below a heartbeat period).
+        A node that really died during the stall is declared dead that much later.
+        """
+        stall = ended - started
+        if stall < STALL_CREDIT_MIN_S:
+            return
+        for node in self.nodes.values():
+            if node.alive:
+                node.last_seen = min(ended, node.last_seen + stall)
+
+    def _declare_dead(self, node: NodeInfo, now: float) -> None:
+        dropped, stale = self._retire(node, now, "dead")
+        self.counters["nodes_dead"] += 1
+        log.warning(
+            "node %s missed %d heartbeats: declared dead; %d replicas and %d reservations dropped",
+            node.label, self.config.dead_after_missed, dropped, stale,
+        )
+
+    # -- durability ---------------------------------------------------------------------
+
+    def _check_durable(self, keys: Iterable[bytes]) -> None:
+        """Queue the durable ones among ``keys``: their copies may now be short."""
+        durable, check = self.durable, self.to_check
+        for key in keys:
+            if key in durable and key not in check:
+                check[key] = 0.0
+
+    def _note_durable(self, key: bytes, record: Replica) -> None:
+        replicas, record.durable = record.durable, None
+        if replicas:
+            self.durable[key] = replicas
+
+    def _eligible(self, exclude: set[str] | frozenset[str]) -> list[NodeInfo]:
+        """Nodes that may receive a durable copy: alive storage nodes with a persistent tier."""
+        return [n for n in self.nodes.values() if n.alive and n.stores_durably and n.node_id not in exclude]
+
+    def _choose(self, nbytes: int, replicas: int, candidates: list[NodeInfo]) -> list[NodeInfo]:
+        """Up to ``replicas`` distinct nodes among ``candidates`` (all large enough), by free room."""
+        roomy = [n for n in candidates if n.durable_free_bytes >= nbytes]
+        if roomy and len(roomy) >= min(replicas, len(candidates)):
+            pool, weight = roomy, (lambda n: n.durable_free_bytes)
+        else:  # too few have room: the chosen will evict; weigh by capacity
+            pool, weight = candidates, (lambda n: n.persistent_capacity_bytes)
+        chosen: list[NodeInfo] = []
+        hosts: set[str] = set()
+        for _ in range(min(replicas, len(pool))):
+            remaining = [n for n in pool if n not in chosen]
+            group = [n for n in remaining if n.host_id not in hosts] or remaining
+            pick = self._swrr_pick(group, weight)
+            chosen.append(pick)
+            hosts.add(pick.host_id)
+        return chosen
+
+    def _swrr_pick(self, group: list[NodeInfo], weight: Callable[[NodeInfo], int]) -> NodeInfo:
+        """Smooth weighted round robin (nginx): deterministic, proportional, interleaved."""
+        current = self._swrr
+        total = 0
+        best: NodeInfo | None = None
+        for node in group:
+            w = max(weight(node), 1)
+            total += w
+            current[node.node_id] = current.get(node.node_id, 0) + w
+            if best is None or current[node.node_id] > current[best.node_id]:
+                best = node
+        assert best is not None
+        current[best.node_id] -= total
+        return best
+
+    def plan_rereplication(self, now: float, limit: int) -> tuple[list[RereplicationTask], int, int]:
+        """Up to ``limit`` copies that restore durable keys' replica counts, reserved on their
+        targets; returns (tasks, keys lost: no live holder, keys waiting for a target).
+
+        Examines at most REREPLICATE_EXAMINE_PER_ROUND queued keys, so it never holds the
+        serving thread for long whatever the backlog.
+        """
+        tasks: list[RereplicationTask] = []
+        lost = waiting = 0
+        check, nodes = self.to_check, self.nodes
+        for key in list(islice(check, REREPLICATE_EXAMINE_PER_ROUND)):
+            if len(tasks) >= limit:
+                break
+            not_before = check[key]
+            wanted = self.durable.get(key)
+            if not wanted:
+                del check[key]
+                continue
+            if not_before > now:
+                check.move_to_end(key)
+                continue
+            replicas = self.index.get(key)
+            if not replicas:
+                # No live holder to copy from: it comes back when a node registers it again.
+                del check[key]
+                self._attempts.pop(key, None)
+                lost += 1
+                continue
+            in_flight = self.rereplicating.setdefault(key, set())
+            holders = [nid for nid in replicas if nodes[nid].stores_durably]
+            need = wanted - len(holders) - len(in_flight)
+            if need <= 0:
+                del check[key]  # a copy in flight queues the key again when it ends
+                if not in_flight:
+                    del self.rereplicating[key]
+                continue
+            sources = [nid for nid in holders if "header_sum" in replicas[nid]] or \
+                [nid for nid in replicas if "header_sum" in replicas[nid]]
+            if not sources:  # records without a header checksum cannot be verified by a copier
+                del check[key]
+                if not in_flight:
+                    del self.rereplicating[key]
+                lost += 1
+                continue
+            source_id = random.choice(sources)
+            record = replicas[source_id]
+            nbytes = record["nbytes"]
+            exclude = set(replicas) | in_flight
+            candidates = [n for n in self._eligible(exclude)
+                          if n.control and n.largest_persistent_tier_bytes >= nbytes]
+            targets = self._choose(nbytes, min(need, limit - len(tasks)), candidates)
+            if not targets:
+                waiting += 1
+                check[key] = now + REREPLICATE_BACKOFF_S[1] / 10
+                check.move_to_end(key)
+                if not in_flight:
+                    del self.rereplicating[key]
+                continue
+            source_address = nodes[source_id].address
+            for target in targets:
+                rid = self._reserve(key, nbytes, target, now, durable=wanted)
+                in_flight.add(target.node_id)
+                tasks.append(RereplicationTask(
+                    key, record.spec, record["header_sum"], nbytes, wanted, source_id, source_address,
+                    target.node_id, target.label, target.control, rid,
+                ))
+            if len(targets) < need:  # the rest next round (rate limit) or once a target turns up
+                if len(targets) < len(candidates):
+                    check[key] = now
+                else:
+                    waiting += 1
+                    check[key] = now + REREPLICATE_BACKOFF_S[1] / 10
+                check.move_to_end(key)
+            else:
+                del check[key]
+        self.counters["rereplications_started"] += len(tasks)
+        return tasks, lost, waiting
+
+    def finish_rereplication(self, task: RereplicationTask, error: str | None, now: float) -> None:
+        """A copy ended: ``error`` None means the target committed it."""
+        in_flight = self.rereplicating.get(task.key)
+        if in_flight is not None:
+            in_flight.discard(task.target_id)
+            if not in_flight:
+                del self.rereplicating[task.key]
+        delay = 0.0
+        if error is None:
+            self.counters["rereplications_done"] += 1
+            self._attempts.pop(task.key, None)
+        else:
+            self.counters["rereplications_failed"] += 1
+            res = self.reservations.pop(task.reservation, None)
+            if res is not None:
+                self._release_reservation(res)
+            if task.key in self.durable:
+                attempts = self._attempts[task.key] = self._attempts.get(task.key, 0) + 1
+                low, high = REREPLICATE_BACKOFF_S
+                delay = min(high, low * 2 ** (attempts - 1))
+        if task.key in self.durable:  # look again: more copies may be short, or this one failed
+            self.to_check[task.key] = max(self.to_check.get(task.key, 0.0), now + delay)
