@@ -143,7 +143,8 @@ class ClusterPool(Pool):
                                          max_message=self.config.node.max_message,
                                          pull_timeout_s=self.config.node.pull_timeout_s,
                                          location_cache_size=self.config.node.location_cache,
-                                         allowed_dirs=shared_dirs_of(self.config), host=self._node.host)
+                                         allowed_dirs=shared_dirs_of(self.config), host=self._node.host,
+                                         engine=self._node.engine)
             self._neighbours_stop = threading.Event()
             self._refresh_from_master()
             self._neighbours_thread: threading.Thread | None = threading.Thread(

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -376,7 +377,11 @@ def start_demo_etcd(url: str, data_dir: str, timeout_s: float = 20.0) -> Any:
         if binary is None:
             raise errors.ConfigError("--with-etcd: no etcd binary on PATH (Debian/Ubuntu: apt-get install etcd-server)")
         host, port = parse_endpoints(url)[0]
-        peer = f"http://{host}:{port + 1}"
+        # A one-member cluster never hears from a peer, but etcd binds a peer port anyway: a free
+        # one the system picks (port + 1, as before, was sometimes taken).
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            peer = f"http://{host}:{probe.getsockname()[1]}"
         os.makedirs(data_dir, mode=0o700, exist_ok=True)
         with open(f"{data_dir}/etcd.log", "ab") as etcd_log:  # the child keeps its own descriptor
             process = subprocess.Popen(

@@ -107,6 +107,7 @@ class MasterClient:
         config: Config | MasterSection | None = None,
         request_timeout_s: float | None = None,
         cluster_key: ClusterKey | None = None,
+        context: zmq.Context[Any] | None = None,
     ) -> None:
         full = None if isinstance(config, MasterSection) else Config.load(config)
         section = config if isinstance(config, MasterSection) else full.master  # type: ignore[union-attr]
@@ -123,8 +124,12 @@ class MasterClient:
         # split into several requests, and a request that still does not fit is never sent.
         self.max_request_bytes = section.max_request_bytes
         self.max_batch = section.max_batch
-        self._context = zmq.Context(io_threads=1)
-        self._context.setsockopt(zmq.LINGER, 0)  # no socket of this client can hold up term()
+        # ``context``: a shared one (the process's: one ZeroMQ I/O thread for every client of a
+        # node), whose sockets this client closes but which it never terminates.
+        self._owns_context = context is None
+        self._context = context if context is not None else zmq.Context(io_threads=1)
+        if self._owns_context:
+            self._context.setsockopt(zmq.LINGER, 0)  # no socket of this client can hold up term()
         self._local = threading.local()
         self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -276,8 +281,9 @@ class MasterClient:
             for conn in list(self._connections):
                 conn.close()
         self._local = threading.local()
-        # destroy(): a socket still open in some thread is closed rather than waited for forever.
-        self._context.destroy(linger=0)
+        if self._owns_context:
+            # destroy(): a socket still open in some thread is closed rather than waited for forever.
+            self._context.destroy(linger=0)
         if self._finder is not None:
             self._finder.close()
 

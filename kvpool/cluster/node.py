@@ -38,6 +38,7 @@ from kvpool.cluster.security import ClusterKey
 from kvpool.config import Config, node_host
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.transport import (
+    Engine,
     PeerAddress,
     ProviderWouldBlock,
     PullClient,
@@ -45,6 +46,7 @@ from kvpool.transport import (
     ServeSource,
     in_inline_provider,
     local_host_id,
+    ucx_interface_options,
 )
 from tiers.base import Extent, Tier
 from tiers.manager import LockBusy, TierManager
@@ -107,16 +109,22 @@ class Node:
         self.master_address = master_address
         self.host = node_host(config, master_address)  # what this node binds and advertises
         self.cluster_key = ClusterKey.from_config(config)
-        self.master = MasterClient(master_address, config=config, cluster_key=self.cluster_key)
+        # One ZeroMQ context for the process (its I/O thread): this node's master clients and
+        # its control socket.
+        self._zmq: zmq.Context = zmq.Context.instance()
+        self.master = MasterClient(master_address, config=config, cluster_key=self.cluster_key, context=self._zmq)
         # The provider only pins and takes a view (or hands nvme reads to a worker), so it
         # runs on the progress thread: a thread hand-off per pull costs ~50-140 us here.
         # Every pull must carry a token the master (or a key holder) minted for this node; with
         # node.port 0 there is no UCX sockaddr listener (ucxx binds those to every interface):
         # peers reach this node by its worker address, over UCX transports kept on node.host.
+        # One UCX worker and progress thread for the process: this server's, and the pull
+        # client of a ClusterPool around this node (ReplicaReader(engine=node.engine)).
+        self.engine = Engine(f"kvpool-node-{self.node_id[:8]}", ucx_interface_options(self.host))
         self.server = PullServer(self._provide, host=self.host, port=config.node.port,
                                  max_message=config.node.max_message, inline_provider=True,
                                  name=f"kvpool-node-{self.node_id[:8]}", authorize=self._authorize,
-                                 listener=bool(config.node.port))
+                                 listener=bool(config.node.port), engine=self.engine)
         self._events: queue.Queue[tuple[str, bytes, Any]] = queue.Queue()
         #: unpins that found the manager busy on the progress thread finish here
         self._unpinner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-unpin")
@@ -129,13 +137,17 @@ class Node:
         self._publish_lock = threading.Lock()
         self._control_thread = threading.Thread(target=self._control_loop, name="kvpool-node-control",
                                                 daemon=True)
-        self._zmq: zmq.Context = zmq.Context.instance()
         self._control = self._zmq.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
         # A larger message is dropped unread (its peer disconnected), never buffered.
         self._control.setsockopt(zmq.MAXMSGSIZE, config.master.max_request_bytes)
         self.cluster_key.secure_server(self._control)  # only holders of the cluster key are answered
-        port = self._control.bind_to_random_port(f"tcp://{self.host}")
+        try:
+            port = self._control.bind_to_random_port(f"tcp://{self.host}")
+        except zmq.ZMQError:
+            self._control.close(0)
+            self.engine.stop(lambda: None)
+            raise
         self.control_address = f"tcp://{self.host}:{port}"
         self._replicator: PullClient | None = None
         self._replicator_lock = threading.Lock()
@@ -154,7 +166,8 @@ class Node:
         self._control_thread.start()
         self.register()
         self.heartbeater = Heartbeater(
-            lambda: MasterClient(self.master_address, config=self.config, cluster_key=self.cluster_key),
+            lambda: MasterClient(self.master_address, config=self.config, cluster_key=self.cluster_key,
+                                 context=self._zmq),
             self.node_id,
             self.config.master.heartbeat_ms / 1000.0, self.tier_state, self.register, self._on_delete,
         ).start()
@@ -185,6 +198,7 @@ class Node:
             log.info("node %s could not deregister from the master on close: %s", self.node_id[:8], exc)
         self._control.close(0)
         self.server.close()
+        self.engine.stop(lambda: None)  # after every server and client on it closed
         self._unpinner.shutdown(wait=True)
         if self._replicator is not None:
             self._replicator.close()

@@ -42,7 +42,7 @@ from kvpool.cluster.node import NodeAddress
 from kvpool.cluster.protocol import LocatedReplica
 from kvpool.cluster.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
-from kvpool.transport import PeerAddress, PullClient, plausible_worker_address
+from kvpool.transport import Engine, PeerAddress, PullClient, plausible_worker_address
 
 log = logging.getLogger("kvpool.remote")
 
@@ -216,13 +216,14 @@ class ReplicaReader:
     def __init__(self, host_id: str, *, node_id: str | None = None, transport: str = "auto",
                  max_message: int = 16 << 20, pull_timeout_s: float = 10.0,
                  location_cache_size: int = 0, allowed_dirs: Sequence[str] | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", engine: Engine | None = None) -> None:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
         #: only arenas that are regular files directly or deeper inside these are mapped
         self.allowed_dirs = tuple(os.path.realpath(d) for d in (allowed_dirs or DEFAULT_SHARED_DIRS))
-        self.puller = PullClient(transport=transport, max_message=max_message, host=host)
+        # ``engine``: the node's, shared (one UCX worker and progress thread per process)
+        self.puller = PullClient(transport=transport, max_message=max_message, host=host, engine=engine)
         self.counters: Counter[str] = Counter()
         self._cxl_readers: dict[tuple[str, str], Any] = {}
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node

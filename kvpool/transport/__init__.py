@@ -13,7 +13,7 @@ pool asks the master which node to pull from.
 
 Threads and progress
     Every :class:`PullServer` and :class:`PullClient` owns one UCX context and
-    one worker, driven by one dedicated thread (``_ProgressThread``). Only that
+    one worker, driven by one dedicated thread (``Engine``). Only that
     thread makes UCX calls; other threads submit closures to it and wait on
     :class:`concurrent.futures.Future` objects (``pull_into``) or their asyncio
     wrappers (``apull_into``). The thread progresses the worker in *blocking*
@@ -102,6 +102,7 @@ from kvpool.transport.client import PullClient
 from kvpool.transport.engine import (
     DEFAULT_UCX_OPTIONS,
     TRANSPORTS,
+    Engine,
     interface_for_host,
     local_host_id,
     ucx_interface_options,
@@ -112,6 +113,7 @@ from kvpool.transport.source import Provider, ProviderWouldBlock, ServeSource, i
 
 __all__ = [
     "DEFAULT_UCX_OPTIONS",
+    "Engine",
     "MAX_HEADER_NBYTES",
     "PeerAddress",
     "Provider",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import itertools
 import logging
 import secrets
 import time
@@ -20,10 +19,10 @@ from kvpool.objformat import LayerRange
 from kvpool.transport.engine import (
     TRANSPORTS,
     Array,
+    Engine,
     MiB,
     _close_endpoint,
     _describe,
-    _ProgressThread,
     _reply_tag,
     _Timer,
     local_host_id,
@@ -117,6 +116,7 @@ class PullClient:
         ucx_options: Mapping[str, str] | None = None,
         name: str = "kvpool-pull-client",
         host: str | None = "127.0.0.1",
+        engine: Engine | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -128,10 +128,12 @@ class PullClient:
         self._name = name
         self._client_id = secrets.randbits(64)
         self._host_id = local_host_id()
-        self._request_ids = itertools.count(1)
         self._peers: dict[tuple[Any, ...], _Peer] = {}
         # ``host``: this process's address (node.host); UCX's transports stay on its interface.
-        self._engine = _ProgressThread(name, {**ucx_interface_options(host), **(ucx_options or {})})
+        # ``engine``: a shared one (the node's), which this client uses but does not stop.
+        self._owns_engine = engine is None
+        self._engine = engine if engine is not None else Engine(
+            name, {**ucx_interface_options(host), **(ucx_options or {})})
         self._worker_address: bytes = self._engine.call(lambda: self._engine.worker.address.tobytes())
         self._closing = False
         self.pulls = 0
@@ -252,7 +254,10 @@ class PullClient:
         if self._engine.closed or self._closing:
             return
         self._closing = True
-        self._engine.stop(self._close_on_thread)
+        if self._owns_engine:
+            self._engine.stop(self._close_on_thread)
+        else:
+            self._engine.call(self._close_on_thread)
 
     def __enter__(self) -> PullClient:
         return self
@@ -341,7 +346,7 @@ class PullClient:
             return
         pull.peer = peer
         peer.pulls.add(pull)
-        pull.request_id = next(self._request_ids) & _MAX_REQUEST_ID
+        pull.request_id = next(self._engine.request_ids) & _MAX_REQUEST_ID
         reply_address = self._worker_address if peer.by_worker_address else b""
         frame = _pack_request(self._client_id, peer.conn_id, pull, self.max_message, reply_address,
                               peer.error_handling)

@@ -121,12 +121,15 @@ class _Timer:
         self.cancelled = True
 
 
-class _ProgressThread:
+class Engine:
     """One UCX context and worker, created, used and destroyed by one thread.
 
-    Other threads only call :meth:`submit` / :meth:`call`. Everything else
-    (``watch``, ``call_later``, the ``worker`` attribute) is for code already
-    running on the thread.
+    Other threads only call :meth:`submit` / :meth:`call` / :meth:`drive`. Everything else
+    (``watch``, ``call_later``, the ``worker`` attribute) is for code already running on
+    the thread (or driving it). One engine may carry a process's pull server *and* its pull
+    client (``engine=``): one worker, one progress thread, and a caller waiting for its own
+    pull also serves the requests that arrive meanwhile. Whoever created it stops it, after
+    the server and client on it are closed.
     """
 
     def __init__(self, name: str, ucx_options: Mapping[str, str] | None) -> None:
@@ -137,6 +140,9 @@ class _ProgressThread:
         # its own pull (:meth:`drive`), so a pull's reply is handled on the thread that waits for
         # it instead of being handed over. ``_driver`` is the holder's thread id.
         self._lock = threading.Lock()
+        #: pull request ids: reply tags are matched worker-wide, so every client on this worker
+        #: draws from one counter
+        self.request_ids = itertools.count(1)
         self._driver: int | None = None
         self._drive_epoll: select.epoll | None = None
         self._options = _effective_ucx_options(ucx_options)

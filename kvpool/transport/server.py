@@ -13,10 +13,10 @@ from typing import Any
 from kvpool import errors
 from kvpool.transport.engine import (
     Array,
+    Engine,
     MiB,
     _close_endpoint,
     _describe,
-    _ProgressThread,
     _reply_tag,
     local_host_id,
     ucx_api,
@@ -89,6 +89,7 @@ class PullServer:
         staging_buffers: int = 4,
         ucx_options: Mapping[str, str] | None = None,
         name: str = "kvpool-pull-server",
+        engine: Engine | None = None,
         authorize: Callable[[bytes, bytes], None] | None = None,
         listener: bool = True,
     ) -> None:
@@ -108,7 +109,8 @@ class PullServer:
         self._staging_count = max(2, staging_buffers)
         self._ucx_options = {**ucx_interface_options(host), **(ucx_options or {})}
         self._name = name
-        self._engine: _ProgressThread | None = None
+        self._engine: Engine | None = None
+        self._shared_engine = engine  # a shared one (the node's) is used, never stopped, here
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._listener: Any = None
         self._closing = False  # progress thread: close began, requests are no longer served
@@ -142,7 +144,7 @@ class PullServer:
         """
         if self._engine is not None:
             return self
-        engine = _ProgressThread(self._name, self._ucx_options)
+        engine = self._shared_engine or Engine(self._name, self._ucx_options)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             self._provider_threads, thread_name_prefix=f"{self._name}-io"
         )
@@ -172,7 +174,10 @@ class PullServer:
     def close(self) -> None:
         """Stop serving: close endpoints and listener, release sources, join threads."""
         engine, self._engine = self._engine, None
-        if engine is not None:
+        if engine is not None and engine is self._shared_engine:
+            if not engine.closed:
+                engine.call(self._close_on_thread)
+        elif engine is not None:
             engine.stop(self._close_on_thread)
         executor, self._executor = self._executor, None
         if executor is not None:
@@ -249,7 +254,7 @@ class PullServer:
             raise errors.PoolClosedError(f"{self._name} is not started")
 
     @property
-    def _live_engine(self) -> _ProgressThread:
+    def _live_engine(self) -> Engine:
         """The progress engine, for code that runs on it (so it exists)."""
         engine = self._engine
         assert engine is not None, "PullServer used before start() or after close()"
