@@ -197,11 +197,11 @@ class Node:
         except errors.KVPoolError as exc:
             log.info("node %s could not deregister from the master on close: %s", self.node_id[:8], exc)
         self._control.close(0)
+        if self._replicator is not None:
+            self._replicator.close()
         self.server.close()
         self.engine.stop(lambda: None)  # after every server and client on it closed
         self._unpinner.shutdown(wait=True)
-        if self._replicator is not None:
-            self._replicator.close()
         self.master.close()
 
     # -- master bookkeeping -----------------------------------------------------------
@@ -418,7 +418,7 @@ class Node:
         with self._replicator_lock:
             if self._replicator is None:
                 self._replicator = PullClient(transport="auto", max_message=self.config.node.max_message,
-                                              host=self.host)
+                                              host=self.host, engine=self.engine)
             return self._replicator
 
     def _replicate(self, body: dict[str, Any]) -> dict[str, Any]:
