@@ -36,7 +36,9 @@ from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, byte_view, layer_checksums, spec_of
 from kvpool.testing import TierTests, make_object, store
 from tiers.base import Extent
-from tiers.nvme import _MEMORY_FILESYSTEMS, ALIGN, INDEX_DIR, NvmeTier, _filesystem_type
+from tiers.nvme import NvmeTier
+from tiers.nvme.fs import _filesystem_type
+from tiers.nvme.layout import _MEMORY_FILESYSTEMS, ALIGN, INDEX_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KiB, MiB = 1 << 10, 1 << 20
