@@ -435,7 +435,7 @@ def test_find_refuses_an_extent_reused_by_another_key(cxl: CxlTier) -> None:
     """The interleaving that returned another key's bytes: the index still names key A at
     an offset the owner has meanwhile filled with key B's object (even with B's header sum)."""
     from kvpool.objformat import ObjectHeader, layer_checksums, spec_of
-    from tiers.shm_index import IndexEntry
+    from tiers.cxl.index import IndexEntry
 
     def obj(key: bytes, seed: int):
         arr = np.random.default_rng(seed).standard_normal((4, 2, 16, 2, 32)).astype("float16")
@@ -475,7 +475,7 @@ def test_find_refuses_an_extent_reused_by_another_key(cxl: CxlTier) -> None:
 
 def test_stale_arenas_of_dead_owners_are_collected(arena_path: Path) -> None:
     from tiers.cxl import collect_stale_arenas
-    from tiers.shm_index import index_path
+    from tiers.cxl.index import index_path
 
     live = CxlTier(arena_path.with_name(arena_path.name.replace("-cxl", "-live-cxl")), 1 << 20)
     owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))

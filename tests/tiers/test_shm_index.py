@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import errors
-from tiers.shm_index import IndexEntry, SharedIndexReader, SharedIndexWriter
+from tiers.cxl.index import IndexEntry, SharedIndexReader, SharedIndexWriter
 
 INSTANCE = b"0123456789abcdef"
 
@@ -69,7 +69,7 @@ def test_a_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path) -> N
     writer = SharedIndexWriter(tmp_path / "idx", 256, INSTANCE)
     script = textwrap.dedent(f"""
         import sys, time
-        from tiers.shm_index import SharedIndexReader
+        from tiers.cxl.index import SharedIndexReader
         reader = SharedIndexReader({str(tmp_path / 'idx')!r}, {INSTANCE!r})
         found = bad = 0
         deadline = time.monotonic() + 1.5

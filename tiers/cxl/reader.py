@@ -1,0 +1,271 @@
+"""Same-host readers of another process's cxl arena: :class:`CxlArenaReader`."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpool import errors
+from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, ObjectSpec, decode, header_nbytes_at
+from tiers.base import close_mapping
+from tiers.cxl.arena import _ARENA, _MAX_HEADER_NBYTES, DATA_OFFSET, AccessModel, ArenaHeader, _lock_is_free
+from tiers.cxl.index import (
+    SharedIndexReader,
+    index_path,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+log = logging.getLogger("tiers.cxl")
+
+# -- same-host readers --------------------------------------------------------------------
+
+
+class CxlArenaReader:
+    """Read-only mapping of another process's arena: objects are read in place.
+
+    A view returned by :meth:`read_object` stays valid only while the object's
+    replica is pinned (a lease from the master); after the owner frees the
+    extent its bytes may be overwritten. Copy with :meth:`read_layers_into`,
+    which verifies the copy, when the bytes must outlive the lease.
+    """
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, header: ArenaHeader) -> None:
+        self.path = path
+        self.header = header
+        self.model = AccessModel(header.latency_ns, header.bandwidth_gbps)
+        self._fd = fd
+        self._mmap: mmap.mmap | None = mm
+        self._mapped_nbytes = len(mm)
+        data = np.frombuffer(mm, dtype=np.uint8)
+        #: the whole data area, read-only; object views are slices of it
+        self.arena: np.ndarray = data[header.data_offset:header.data_offset + header.capacity_bytes]
+        self._index: SharedIndexReader | None = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, instance: str | bytes | None = None,
+             require_owner: bool = True, prefault: bool = True) -> CxlArenaReader:
+        """Map the arena at ``path`` read-only and validate its header.
+
+        ``instance`` (from :meth:`CxlTier.location`) must match when given. Raises
+        TierError when the file is missing, not yet initialised, owned by nobody
+        (``require_owner``) or of another instance; the FormatError family for a
+        header that is not a valid arena header.
+        """
+        path = Path(path)
+        try:
+            # Non-blocking and no symlinks: a FIFO or a link planted at the path must
+            # neither hang this process nor redirect it.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise errors.TierError(f"cxl: cannot open arena {path}: {exc}") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise errors.TierError(f"cxl: {path} is not a regular file")
+            file_nbytes = st.st_size
+            if file_nbytes < DATA_OFFSET:
+                raise errors.TierError(f"cxl: arena {path} is not initialised ({file_nbytes} bytes)")
+            if require_owner and _lock_is_free(fd):
+                raise errors.TierError(f"cxl: arena {path} has no live owner (stale file)")
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+            mm = mmap.mmap(fd, file_nbytes, flags=flags, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            # A copy: a memoryview of ``mm`` caught in an exception's frame would
+            # keep the mapping from closing.
+            header = ArenaHeader.unpack(mm[:_ARENA.size], file_nbytes)
+            if instance is not None:
+                wanted = bytes.fromhex(instance) if isinstance(instance, str) else instance
+                if wanted != header.instance:
+                    raise errors.TierError(f"cxl: arena {path} belongs to another owner instance "
+                                           f"({header.instance.hex()}, expected {wanted.hex()})")
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
+        return cls(path, fd, mm, header)
+
+    @classmethod
+    def from_location(cls, location: dict[str, Any]) -> CxlArenaReader:
+        return cls.open(location["path"], instance=location.get("instance"))
+
+    def owner_alive(self) -> bool:
+        """Whether the owning process still holds the arena (a released lock means it is gone)."""
+        self._check_open()
+        return not _lock_is_free(self._fd)
+
+    def current(self) -> bool:
+        """Whether this mapping is still the live arena at its path: the owner holds its lock,
+        the path names the same file (not a replacement) and the file was not shrunk."""
+        if self._mmap is None:
+            return False
+        try:
+            mine, now = os.fstat(self._fd), os.stat(self.path)
+        except OSError:
+            return False
+        return (os.path.samestat(mine, now) and mine.st_size >= self._mapped_nbytes
+                and not _lock_is_free(self._fd))
+
+    def _check_size(self) -> None:
+        """Refuse to touch a mapping whose file was shrunk under it (that would be SIGBUS)."""
+        if os.fstat(self._fd).st_size < self._mapped_nbytes:
+            raise errors.TierError(f"cxl: arena {self.path} was truncated under its readers")
+
+    def _object_bytes(self, offset: int, nbytes: int | None) -> tuple[ObjectHeader, np.ndarray]:
+        self._check_open()
+        self._check_size()
+        capacity = self.header.capacity_bytes
+        if not 0 <= offset < capacity:
+            raise errors.FormatError(f"cxl: offset {offset} outside the {capacity}-byte arena")
+        header = ObjectHeader.unpack(self.arena[offset:])
+        total = header.spec.total_nbytes
+        if nbytes is not None and nbytes != total:
+            raise errors.FormatError(f"cxl: object at {offset} is {total} bytes, metadata says {nbytes}")
+        if offset + total > capacity:
+            raise errors.TruncatedObjectError(f"cxl: object at {offset} runs past the arena end")
+        return header, self.arena[offset:offset + total]
+
+    def find(self, key: bytes) -> tuple[int, ObjectHeader] | None:
+        """(offset, header) of ``key`` through the owner's shared index, or None.
+
+        The header is parsed from one private copy of the arena's bytes and must
+        be whole (its checksum), name ``key`` (its key digest) and be the version
+        the index recorded (its checksum equals the index entry's), so an extent
+        reused for another object is a miss, not data. Copy the layers with
+        :meth:`read_layers_into` and this header: the copy is verified against it.
+        """
+        self._check_open()
+        if self._index is None:
+            try:
+                self._index = SharedIndexReader(index_path(self.path), self.header.instance)
+            except errors.KVPoolError:
+                return None  # an owner without an index (or a dead one): use the master
+        entry = self._index.find(key)
+        capacity = self.header.capacity_bytes
+        if entry is None or not 0 <= entry.offset <= capacity - FIXED_HEADER_NBYTES:
+            return None
+        self._check_size()
+        try:
+            claimed = header_nbytes_at(self.arena[entry.offset:entry.offset + FIXED_HEADER_NBYTES])
+            if not FIXED_HEADER_NBYTES <= claimed <= min(_MAX_HEADER_NBYTES, capacity - entry.offset):
+                return None
+            snapshot = self.arena[entry.offset:entry.offset + claimed].tobytes()  # the one copy used
+            header = ObjectHeader.unpack(snapshot)
+        except errors.FormatError:
+            return None
+        if (not header.is_for(key) or header.checksum() != entry.header_sum
+                or header.spec.total_nbytes != entry.nbytes or entry.offset + entry.nbytes > capacity):
+            return None
+        return entry.offset, header
+
+    def read_key_into(self, key: bytes, layers: Any,
+                      out_view: Any) -> tuple[np.ndarray, memoryview] | None:
+        """Copy ``layers`` of ``key`` out of the arena, verified; None when the index has no
+        intact header of ``key`` (absent, or the extent was reused).
+
+        ``out_view(spec, layer_range)`` returns (array to hand back, byte view to
+        fill); LayerRangeError / OutBufferError from it propagate (the caller's
+        mistake). ChecksumError when the copied layers fail their checksums (the
+        extent changed during the copy, or rot): never returned as data.
+        """
+        found = self.find(key)
+        if found is None:
+            return None
+        offset, header = found
+        layer_range = LayerRange.resolve(layers, header.spec.layers)
+        arr, buf = out_view(header.spec, layer_range)
+        self.read_layers_into(offset, header, layer_range, buf, verify=True)
+        return arr, buf
+
+    def header_at(self, offset: int, key: bytes, header_sum: int, spec: ObjectSpec) -> ObjectHeader:
+        """The header of the object at ``offset``, from one private copy of the arena's bytes,
+        if it is the version the master indexed (:meth:`ObjectHeader.unpack_expected`); copy its
+        layers with :meth:`read_layers_into` and this header, so a reuse of the extent after
+        this snapshot fails the copy's checksums."""
+        self._check_open()
+        self._check_size()
+        nbytes = spec.header_nbytes
+        if not 0 <= offset <= self.header.capacity_bytes - nbytes:
+            raise errors.FormatError(f"cxl: header at {offset} outside the arena")
+        return ObjectHeader.unpack_expected(self.arena[offset:offset + nbytes].tobytes(), key, header_sum, spec)
+
+    def read_header(self, offset: int) -> ObjectHeader:
+        """The (checked) header of the object at data-area ``offset``."""
+        return self._object_bytes(offset, None)[0]
+
+    def read_object(self, offset: int, layers: Any = None, verify: bool = True, *,
+                    nbytes: int | None = None) -> tuple[ObjectHeader, np.ndarray]:
+        """(header, read-only array of ``layers``) viewing the arena in place, no copy.
+
+        Raises the FormatError family when no valid object starts at ``offset``
+        (or it is not ``nbytes`` long), ChecksumError when ``verify`` finds a
+        corrupt layer, LayerRangeError for layers outside the object.
+        """
+        start = time.perf_counter()
+        header, blob = self._object_bytes(offset, nbytes)
+        header, arr = decode(blob, layers, verify=verify)
+        if self.model.enabled:
+            self.model.charge(arr.nbytes, time.perf_counter() - start)
+        return header, arr
+
+    def read_layers_into(self, offset: int, header: ObjectHeader, layer_range: LayerRange | Any,
+                         out: Any, *, verify: bool = True) -> None:
+        """Copy ``layer_range`` of the object at ``offset`` into ``out`` and verify the copy.
+
+        Verifying the copy (not the source) catches an owner overwriting the
+        extent mid-copy. Raises OutBufferError for a wrongly sized ``out``,
+        ChecksumError for bad bytes.
+        """
+        self._check_open()
+        start = time.perf_counter()
+        layer_range = LayerRange.resolve(layer_range, header.spec.layers)
+        rng = header.spec.layer_bytes(layer_range)
+        dst = memoryview(out).cast("B")
+        if dst.readonly:
+            raise errors.OutBufferError("out is read-only")
+        if len(dst) != rng.nbytes:
+            raise errors.OutBufferError(f"out holds {len(dst)} bytes, layers need {rng.nbytes}")
+        first = offset + rng.offset
+        if offset < 0 or first + rng.nbytes > self.header.capacity_bytes:
+            raise errors.FormatError(f"cxl: layers at {first}..{first + rng.nbytes} outside the arena")
+        self._check_size()
+        dst[:] = self.arena[first:first + rng.nbytes].data
+        if verify:
+            header.verify(layer_range, dst)
+        if self.model.enabled:
+            self.model.charge(rng.nbytes, time.perf_counter() - start)
+
+    def _check_open(self) -> None:
+        if self._mmap is None:
+            raise errors.PoolClosedError(f"cxl reader of {self.path} is closed")
+
+    def close(self) -> None:
+        if self._mmap is None:
+            return
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        self.arena = np.empty(0, dtype=np.uint8)
+        close_mapping(self._mmap)
+        self._mmap = None
+        os.close(self._fd)
+
+    def __enter__(self) -> CxlArenaReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+

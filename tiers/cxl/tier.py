@@ -1,0 +1,268 @@
+"""The owning side of a cxl arena: :class:`CxlTier`."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpool import errors
+from kvpool.objformat import ObjectHeader
+from tiers.base import ArenaTier, Extent, close_mapping
+from tiers.cxl.arena import (
+    _LOCK_RETRY_S,
+    ALIGNMENT,
+    DATA_OFFSET,
+    PAGE,
+    AccessModel,
+    ArenaHeader,
+    _fit_to_filesystem,
+    default_arena_path,
+    resolve_group,
+)
+from tiers.cxl.index import (
+    IndexEntry,
+    SharedIndexWriter,
+    index_path,
+    share_with_group,
+    slot_count_for,
+)
+from tiers.cxl.stale import collect_stale_arenas
+
+if TYPE_CHECKING:
+    from kvpool.config import Config, CxlSection
+
+
+log = logging.getLogger("tiers.cxl")
+
+# -- the owning tier -------------------------------------------------------------------
+
+
+class CxlTier(ArenaTier):
+    """The owner of a shared-memory arena: allocates, writes, reads, frees.
+
+    ``view()`` returns memory every process mapping the arena sees. With a model
+    (``latency_ns`` / ``bandwidth_gbps`` > 0) ``write``, ``read_into`` and
+    ``view`` take at least the modelled time (a view is charged as a read of its
+    bytes, since handing one out is how in-place readers consume them).
+    """
+
+    name = "cxl"
+    supports_views = True
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
+                 latency_ns: float = 0.0, bandwidth_gbps: float = 0.0, prefault: bool = True,
+                 group: int | None = None) -> None:
+        """``group``: a gid whose members may read the arena and its index (files 0640 in that
+        group); None keeps both 0600, readable by this user's processes only."""
+        collect_stale_arenas(Path(path).parent)  # a dead owner's arena must not count as used
+        capacity_bytes = _fit_to_filesystem(Path(path), capacity_bytes)
+        super().__init__(capacity_bytes, alignment=ALIGNMENT)
+        self.model = AccessModel(latency_ns, bandwidth_gbps)
+        self.path = Path(path)
+        self.instance = uuid.uuid4().bytes
+        self.group = group
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise errors.TierError(f"cxl: cannot create the directory of {self.path}: {exc}") from exc
+        path_fd = self._open_and_lock(self.path)  # held until the new file has replaced the old
+        self._fd = -1
+        self._mmap: mmap.mmap | None = None
+        self.index: SharedIndexWriter | None = None
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{self.instance.hex()[:12]}")
+        try:
+            self._fd = self._create_locked(tmp)
+            share_with_group(self._fd, group)
+            file_nbytes = DATA_OFFSET + self.capacity_bytes
+            self._size_file(file_nbytes)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+            self._mmap = mmap.mmap(self._fd, file_nbytes, flags=flags,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._file = np.frombuffer(self._mmap, dtype=np.uint8)
+            self._arena = self._file[DATA_OFFSET:]
+            if prefault and not getattr(mmap, "MAP_POPULATE", 0):
+                self._arena[::PAGE] = 0
+            # Same-host readers find objects by key here, without asking the master.
+            self._index_lock = threading.Lock()
+            self.index = SharedIndexWriter(index_path(self.path), slot_count_for(self.capacity_bytes),
+                                           self.instance, group=group)
+            # Written before the rename: a reader that opens the path sees either
+            # the old (stale) arena or this one complete, never a half-made one.
+            header = ArenaHeader(DATA_OFFSET, self.capacity_bytes, self.alignment, self.instance,
+                                 os.getpid(), self.model.latency_ns, self.model.bandwidth_gbps)
+            packed = header.pack()
+            self._file[:len(packed)] = np.frombuffer(packed, dtype=np.uint8)
+            os.rename(tmp, self.path)
+        except BaseException:
+            for leftover in (tmp, self.path):  # our temporary file; the placeholder or stale arena we hold
+                try:
+                    if leftover == tmp or os.path.samestat(os.fstat(path_fd), os.stat(leftover)):
+                        os.unlink(leftover)
+                except OSError:
+                    pass
+            self._release(unlink=False)
+            raise
+        finally:
+            os.close(path_fd)  # the old (or placeholder) inode: nobody owns it any more
+
+    @classmethod
+    def from_config(cls, section: CxlSection, config: Config) -> CxlTier:
+        path = section.path or default_arena_path(config.pool.name)
+        return cls(os.path.expanduser(path), section.capacity,
+                   latency_ns=section.latency_ns, bandwidth_gbps=section.bandwidth_gbps,
+                   group=resolve_group(section.group))
+
+    # -- file setup ---------------------------------------------------------------------
+
+    @staticmethod
+    def _open_and_lock(path: Path) -> int:
+        """Hold an exclusive flock on the inode ``path`` names (created empty if absent).
+
+        Success means no live owner: the caller then replaces the file. Raises
+        PoolLockedError while another live process owns it.
+        """
+        deadline = time.monotonic() + _LOCK_RETRY_S
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             0o600)
+            except OSError as exc:
+                raise errors.TierError(f"cxl: cannot open arena file {path}: {exc}") from exc
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise errors.TierError(f"cxl: {path} is not a regular file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    raise errors.PoolLockedError(
+                        f"cxl arena {path} is owned by another live process") from None
+                time.sleep(0.005)
+                continue
+            # The previous owner (or another starter) may have replaced or unlinked
+            # the file between our open and our lock; then we hold an orphan inode.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+
+    @staticmethod
+    def _create_locked(path: Path) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh inode: nobody else can hold it
+        return fd
+
+    def _size_file(self, file_nbytes: int) -> None:
+        fs = os.fstatvfs(self._fd)
+        available = fs.f_bavail * fs.f_frsize
+        if fs.f_blocks and file_nbytes > available:
+            raise errors.CapacityError(
+                f"cxl: arena {self.path} needs {file_nbytes} bytes, its filesystem has {available} free "
+                f"(lower tiers.cxl.capacity or enlarge {self.path.parent})")
+        os.ftruncate(self._fd, file_nbytes)
+        try:
+            os.posix_fallocate(self._fd, 0, file_nbytes)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise errors.CapacityError(
+                    f"cxl: no room for a {file_nbytes}-byte arena at {self.path}: {exc}") from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise errors.TierError(f"cxl: cannot allocate arena {self.path}: {exc}") from exc
+            # The filesystem cannot preallocate; the pre-fault below still touches every page.
+
+    # -- bytes ---------------------------------------------------------------------------
+
+    def write(self, extent: Extent, offset: int, data: Any) -> None:
+        start = time.perf_counter()
+        super().write(extent, offset, data)
+        if self.model.enabled:
+            self.model.charge(memoryview(data).nbytes, time.perf_counter() - start)
+
+    def read_into(self, extent: Extent, offset: int, out: Any) -> None:
+        start = time.perf_counter()
+        super().read_into(extent, offset, out)
+        if self.model.enabled:
+            self.model.charge(memoryview(out).nbytes, time.perf_counter() - start)
+
+    def view(self, extent: Extent, offset: int, nbytes: int) -> memoryview:
+        view = super().view(extent, offset, nbytes)
+        if self.model.enabled:
+            self.model.charge(nbytes, 0.0)
+        return view
+
+    def location(self, extent: Extent) -> dict[str, Any]:
+        """What a same-host reader needs to find this object (shipped in replica metadata).
+
+        ``offset`` is relative to the arena's data area, as
+        :meth:`CxlArenaReader.read_object` expects; ``instance`` names this
+        owner's arena so a reader refuses a newer arena at the same path.
+        """
+        return {**self.arena_info(), "offset": extent.offset, "nbytes": extent.nbytes}
+
+    def commit(self, key: bytes, extent: Extent, header: ObjectHeader) -> None:
+        """Publish the object in the shared index (same-host readers find it by key)."""
+        if self.index is not None:
+            with self._index_lock:
+                self.index.insert(key, IndexEntry(extent.offset, extent.nbytes, header.checksum()))
+
+    def forget(self, key: bytes, extent: Extent) -> None:
+        if self.index is not None:
+            with self._index_lock:
+                self.index.remove(key, extent.offset)
+
+    def arena_info(self) -> dict[str, Any]:
+        """What another process on this host needs to open this arena and its index."""
+        return {"path": str(self.path), "instance": self.instance.hex()}
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        index = self.index
+        return {**super().stats(), "path": str(self.path), "shared": True,
+                "instance": self.instance.hex(), "model": self.model.stats(),
+                "shared_index": None if index is None else {
+                    "path": str(index.path), "slots": index.slot_count, "live": index.live}}
+
+    def _release(self, *, unlink: bool) -> None:
+        if self.index is not None:
+            self.index.close(unlink=unlink)
+            self.index = None
+        self._arena = None
+        self._file = None  # type: ignore[assignment]  # closed: no use follows
+        close_mapping(self._mmap)
+        self._mmap = None
+        if self._fd < 0:
+            return
+        if unlink:
+            # Only unlink the file we own: the lock guarantees nobody replaced it.
+            try:
+                if os.path.samestat(os.fstat(self._fd), os.stat(self.path)):
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        os.close(self._fd)  # releases the flock
+        self._fd = -1
+
+    def close(self) -> None:
+        """Unlink the arena and release it; readers that mapped it keep their mappings."""
+        if self.closed:
+            return
+        super().close()
+        self._release(unlink=True)
+
+
