@@ -56,7 +56,7 @@ import numpy as np
 
 from kvpool.config import format_size, parse_size
 from kvpool.objformat import LayerRange
-from kvpool.transport import PeerAddress, PullClient, PullServer, ServeSource
+from kvpool.transport import DEFAULT_UCX_OPTIONS, PeerAddress, PullClient, PullServer, ServeSource
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 _REQUEST = struct.Struct("<QQ")  # raw socket request: offset, nbytes
@@ -274,7 +274,8 @@ def run_perftest(binary: Path, tls: str | None, size: int, iters: int, warmup: i
     env["LD_LIBRARY_PATH"] = str(binary.parent.parent / "lib") + ":" + env.get("LD_LIBRARY_PATH", "")
     # The same rendezvous settings a kvpool pull runs with (ucxx + transfer defaults).
     env.setdefault("UCX_RNDV_THRESH", "8192")
-    env.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
+    for name, value in DEFAULT_UCX_OPTIONS.items():
+        env.setdefault(f"UCX_{name}", value)
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if tls:
         env["UCX_TLS"] = tls
