@@ -6,8 +6,8 @@ leaves half an update behind.
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +24,6 @@ from kvpool.cluster.records import (
     describe_address,
 )
 from kvpool.cluster.state import IndexState
-from kvpool.config import MasterSection
 
 log = logging.getLogger("kvpool.master")
 
@@ -32,15 +31,9 @@ log = logging.getLogger("kvpool.master")
 class MasterState(IndexState):
     """All master state and every operation on it; no sockets, no threads."""
 
-    def __init__(
-        self,
-        config: MasterSection,
-        *,
-        max_key_bytes: int = 256,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(config, max_key_bytes=max_key_bytes, clock=clock)
-        self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+    @functools.cached_property
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        return {
             P.PING: self.op_ping, P.REGISTER: self.op_register, P.LEAVE: self.op_leave,
             P.HEARTBEAT: self.op_heartbeat,
             P.LOOKUP: self.op_lookup, P.EXISTS: self.op_exists, P.LOCATE: self.op_locate,
