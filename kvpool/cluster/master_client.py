@@ -608,6 +608,13 @@ class Heartbeater:
             self._auth_warned = True
             self.reachable = False
             return
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.ENOTSOCK, zmq.ETERM):  # the process is exiting without close()
+                self._stopping = True
+                return
+            log.exception("node %s: heartbeat failed", self.node_id[:8])
+            self.reachable = False
+            return
         except Exception:
             log.exception("node %s: heartbeat failed", self.node_id[:8])
             self.reachable = False
