@@ -522,6 +522,20 @@ def test_read_failure_mid_pull_is_reported_at_once(server: ServerProcess, client
     assert after["errors"] == before["errors"] + 1
 
 
+def test_a_caller_waiting_on_its_own_pull_sleeps_instead_of_spinning(server: ServerProcess,
+                                                                     client: PullClient) -> None:
+    # `slow` answers after a second; the calling thread drives the worker meanwhile (no other
+    # thread does) and must spend that second asleep in epoll_wait, not polling.
+    want = expected(b"slow", 0, 1)
+    out = np.zeros(want.nbytes, np.uint8)
+    cpu_before, wall_before = time.thread_time(), time.monotonic()
+    assert client.pull_into(server.peer, b"slow", (0, 1), out, timeout_s=10) == want.nbytes
+    waited, burned = time.monotonic() - wall_before, time.thread_time() - cpu_before
+    assert np.array_equal(out, want)
+    assert waited >= 0.9  # the wait happened
+    assert burned < 0.25 * waited, f"the waiting thread burned {burned:.2f} s of CPU in {waited:.2f} s"
+
+
 @pytest.mark.parametrize("slow_key", [b"slow", b"file:slow"])
 def test_client_deadline_frees_the_server_side(server: ServerProcess, client: PullClient, slow_key: bytes) -> None:
     before = server.quiet_stats()

@@ -608,14 +608,10 @@ class Heartbeater:
             self._auth_warned = True
             self.reachable = False
             return
-        except zmq.ZMQError as exc:
-            if exc.errno in (zmq.ENOTSOCK, zmq.ETERM):  # the process is exiting without close()
-                self._stopping = True
+        except Exception as exc:
+            if isinstance(exc, zmq.ZMQError) and exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
+                self._stopping = True  # its socket is gone: the process exits without close()
                 return
-            log.exception("node %s: heartbeat failed", self.node_id[:8])
-            self.reachable = False
-            return
-        except Exception:
             log.exception("node %s: heartbeat failed", self.node_id[:8])
             self.reachable = False
             return

@@ -469,13 +469,9 @@ class PullClient:
         pull.nbytes, pull.chunk = nbytes, chunk
         total = -(-nbytes // chunk) if nbytes else 0
         # The first chunk's receive went out with the request and may have completed already.
-        first_done = pull.chunks_done
-        pull.chunks_left = total - first_done
-        if total == 0:
-            self._succeed(pull)  # cancels the first chunk's receive
-            return
-        if pull.chunks_left == 0:
-            self._succeed(pull)
+        pull.chunks_left = total - pull.chunks_done
+        if pull.chunks_left <= 0:
+            self._succeed(pull)  # an empty payload: this cancels the first chunk's receive
             return
         try:
             for i in range(1, total):

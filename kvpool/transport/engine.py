@@ -10,6 +10,7 @@ import concurrent.futures
 import heapq
 import itertools
 import logging
+import math
 import os
 import select
 import socket
@@ -250,7 +251,7 @@ class Engine:
             self._driver = threading.get_ident()
             worker, epoll = self.worker, self._drive_epoll
             start()
-            next_tick = time.monotonic() + tick_s
+            next_tick = time.monotonic() + tick_s if tick is not None else math.inf
             while True:
                 busy = self._run_commands()
                 worker.progress()
@@ -259,7 +260,8 @@ class Engine:
                 if done():
                     return True
                 now = time.monotonic()
-                if tick is not None and now >= next_tick:
+                if now >= next_tick:
+                    assert tick is not None
                     tick()
                     next_tick = now + tick_s
                     continue
@@ -267,8 +269,7 @@ class Engine:
                     return True
                 if busy or self._commands or not worker.arm():
                     continue
-                wait = min(self._poll_timeout(), deadline - now, max(0.0, next_tick - now))
-                if epoll.poll(max(wait, 0.0)):
+                if epoll.poll(max(0.0, min(self._poll_timeout(), deadline - now, next_tick - now))):
                     try:
                         os.eventfd_read(self._wake_fd)
                     except BlockingIOError:
