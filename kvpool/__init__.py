@@ -15,6 +15,10 @@ def __getattr__(name: str):  # lazy: importing kvpool must not start tiers or UC
         from kvpool.pool import Pool
 
         return Pool
+    if name == "PoolAPI":  # what Pool and kvpool.connect()'s pool both are (for type hints)
+        from kvpool.api import PoolAPI
+
+        return PoolAPI
     if name == "connect":
         from kvpool.client import connect
 
@@ -22,4 +26,4 @@ def __getattr__(name: str):  # lazy: importing kvpool must not start tiers or UC
     raise AttributeError(f"module 'kvpool' has no attribute {name!r}")
 
 
-__all__ = ["Config", "LayerRange", "ObjectSpec", "Pool", "connect", "errors", "prefix_hashes"]
+__all__ = ["Config", "LayerRange", "ObjectSpec", "Pool", "PoolAPI", "connect", "errors", "prefix_hashes"]

@@ -3,6 +3,7 @@ real process on 127.0.0.1, always stopped at the end of the test."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -136,6 +137,38 @@ def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
     assert (result["ok"], result["miss"], result["wrong"]) == (2, 1, 0)  # key 1 was deleted above
 
 
+async def layers_of(pool: kvpool.PoolAPI, key: bytes, **kwargs: object) -> list[tuple[int, np.ndarray]]:
+    return [(layer, arr.copy()) async for layer, arr in pool.iter_layers(key, **kwargs)]  # type: ignore[arg-type]
+
+
+def test_iter_layers_reads_local_and_remote_objects_through_one_pipeline(cluster: Cluster) -> None:
+    cluster.start_master()
+    writer = cluster.start_actor("writer", "writer", "--keys", "2")
+    holder = cluster.node_id_of(writer)
+    reader = cluster.connect("reader")
+    try:
+        before = cluster.node_stats(holder)["transfer"]["bytes_sent"]
+        got = asyncio.run(layers_of(reader, key_of(1), layers=range(2, 6)))  # pulled layer by layer
+        assert [layer for layer, _ in got] == [2, 3, 4, 5]
+        for layer, arr in got:
+            np.testing.assert_array_equal(arr, content(1)[layer])
+        assert cluster.node_stats(holder)["transfer"]["bytes_sent"] - before == 4 * LAYER_NBYTES
+        out = np.empty((2,) + content(0).shape[1:], np.float16)
+        assert [layer for layer, _ in asyncio.run(layers_of(reader, key_of(0), layers=(6, 8), out=out))] == [6, 7]
+        np.testing.assert_array_equal(out, content(0)[6:8])
+        assert asyncio.run(layers_of(reader, b"never-put")) == []
+        reader.put(b"local-key", content(5))  # held here: pinned, not pulled
+        sent = cluster.node_stats(holder)["transfer"]["bytes_sent"]
+        got = asyncio.run(layers_of(reader, b"local-key"))
+        assert [layer for layer, _ in got] == list(range(content(5).shape[0]))
+        np.testing.assert_array_equal(np.stack([arr for _, arr in got]), content(5))
+        assert cluster.node_stats(holder)["transfer"]["bytes_sent"] == sent
+        # every lease a layer-wise read took is given back (released in batches, moments later)
+        wait_for(lambda: cluster.client.stats()["leases"] == 0, 5.0, "the read leases to be released")
+    finally:
+        reader.close()
+
+
 def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -> None:
     cluster.start_master()
     cluster.start_actor("writer", "writer", "--keys", "6")
@@ -214,7 +247,7 @@ def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them
 
         # Corrupt key 2 in the holder's arena: the in-place read and the pull both fail
         # their checksums, so the get is a miss, never the wrong bytes.
-        location = reader._master.locate(key_of(2), lease=False).replicas[0][0]["location"]
+        location = reader.cluster.master.locate(key_of(2), lease=False).replicas[0][0]["location"]
         header_nbytes = ObjectSpec("float16", 8, 32, 4, 64).header_nbytes
         with open(location["path"], "r+b") as arena:
             arena.seek(4096 + location["offset"] + header_nbytes + 5)
@@ -239,16 +272,16 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
     try:
         key, old, new = key_of(50), content(50), content(51)
         writer.put(key, old)
-        [[located]] = reader._master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
+        [[located]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         assert "header" not in located and isinstance(located["header_sum"], int)  # no header in the index
-        np.testing.assert_array_equal(reader._reader.read(key, [located], None, None, Pool._out_view), old)
+        np.testing.assert_array_equal(reader.cluster.reader.read(key, [located], None, None, Pool._out_view), old)
         writer.delete(key)
         writer.put(key, new)
-        [[current]] = reader._master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
+        [[current]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         assert current["header_sum"] != located["header_sum"]  # a new generation, a new header
         for layers in (None, range(2, 5)):
-            assert reader._reader.read(key, [located], layers, None, Pool._out_view) is None
-        assert reader._reader.counters["miss_stale"] == 2
+            assert reader.cluster.reader.read(key, [located], layers, None, Pool._out_view) is None
+        assert reader.cluster.reader.counters["miss_stale"] == 2
         np.testing.assert_array_equal(reader.get(key), new)
         np.testing.assert_array_equal(reader.get(key, layers=range(2, 5)), new[2:5])
         # delete then put from one process leaves the key there: no heartbeat later drops the new copy

@@ -56,7 +56,7 @@ def test_default_daemon_and_its_clients_listen_only_on_loopback(
     try:
         kv = np.ones(SHAPE, np.float16)
         pool.put(b"loopback-key", kv, durable=True)  # the daemon pulls a copy from this process
-        located = pool._master.locate(b"loopback-key")
+        located = pool.cluster.master.locate(b"loopback-key")
         theirs = [r for r in located.replicas[0] if r["node_id"] != pool.node_id]
         assert theirs, located
         for transport in ("tcp", "auto"):  # and this process pulls it back from the daemon
@@ -124,9 +124,9 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
                 asked.append(1)
                 return garbage
 
-            writer._master.stats = stats  # type: ignore[method-assign]
+            writer.cluster.master.stats = stats  # type: ignore[method-assign]
             wait_for(lambda asked=asked: len(asked) >= 2, 10, "the neighbours thread to read it twice")
-        assert writer._neighbours_thread is not None and writer._neighbours_thread.is_alive()
+        assert writer.cluster._neighbours_thread is not None and writer.cluster._neighbours_thread.is_alive()
     finally:
         writer.close()
 

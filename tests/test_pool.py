@@ -73,9 +73,9 @@ def test_bad_input_is_refused_and_loses_nothing(pool: kvpool.Pool) -> None:
     # The message gives each tier's real limit (its capacity less the per-object overhead), and
     # an object of exactly that size does fit.
     limits = dict(re.findall(r"(\w+) up to (\d+) bytes", str(too_large.value)))
-    manager = pool._manager
+    manager = pool.manager
     assert set(limits) == {t.name for t, put in zip(manager.tiers, manager.put_enabled) if put}
-    for tier in pool._manager.tiers:
+    for tier in pool.manager.tiers:
         if tier.name in limits:
             assert tier.fits_ever(int(limits[tier.name])) and not tier.fits_ever(int(limits[tier.name]) + 1)
     np.testing.assert_array_equal(pool.get(b"keep"), kv(4))

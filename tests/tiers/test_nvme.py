@@ -580,14 +580,47 @@ def test_segment_truncated_under_a_running_tier_is_a_miss(disk_dir: Path) -> Non
         arr = put_args_array(3)
         pool.put(b"k", arr)
         os.truncate(disk_dir / "seg-00000.kvs", 3 * ALIGN)  # cut inside the record
-        tier = pool._manager.tiers[-1]
-        [(_, extent, header)] = [(k, e, h) for k, t, e, h in pool._manager.snapshot()]
+        tier = pool.manager.tiers[-1]
+        [(_, extent, header)] = [(k, e, h) for k, t, e, h in pool.manager.snapshot()]
         with pytest.raises(errors.ChecksumError):
             read_all(tier, extent, header)
         with pytest.raises(errors.ChecksumError):
             tier.read_into(extent, 0, bytearray(extent.nbytes))
         assert pool.get(b"k") is None  # a miss, not an exception
         assert pool.get(b"k") is None  # and it stays one
+    finally:
+        pool.close()
+
+
+def test_iter_layers_over_a_layer_rotten_on_disk_raises_and_drops_the_object(disk_dir: Path) -> None:
+    import asyncio
+
+    from kvpool.pool import Pool
+
+    config = {"pool": {"data_dir": str(disk_dir / "data")},
+              "tiers": {"hbm": {"capacity": 0}, "dram": {"capacity": 0}, "cxl": {"capacity": 0},
+                        "nvme": {"capacity": "4MiB", "segment_size": "4MiB", "path": str(disk_dir)}}}
+    pool = Pool(config)
+    try:
+        arr = put_args_array(3)
+        pool.put(b"k", arr)
+        segment = disk_dir / "seg-00000.kvs"
+        data = bytearray(segment.read_bytes())
+        at = data.find(arr[-1].tobytes())  # the last layer's bytes, wherever the record put them
+        assert at > 0
+        data[at + 7] ^= 0xFF
+        segment.write_bytes(data)
+        seen: list[int] = []
+
+        async def read() -> None:
+            async for layer, layer_arr in pool.iter_layers(b"k"):
+                np.testing.assert_array_equal(layer_arr, arr[layer])
+                seen.append(layer)
+
+        with pytest.raises(errors.ChecksumError):  # earlier layers were handed out: not a silent miss
+            asyncio.run(read())
+        assert seen == list(range(arr.shape[0] - 1))
+        assert not pool.exists(b"k") and pool.get(b"k") is None  # dropped at once, not served again
     finally:
         pool.close()
 

@@ -1,0 +1,272 @@
+"""The public surface every pool shares: :class:`PoolAPI`.
+
+Owns what does not depend on where the bytes are: key and ``out=`` validation,
+the asyncio twins, the layer-wise read pipeline (:func:`stream_layers`, one for
+local, same-host and remote reads), Prometheus metrics, and the lifecycle. The
+embedded :class:`kvpool.pool.Pool` implements the core over its local tiers;
+the cluster client (:class:`kvpool.client.ClusterPool`) composes such a pool
+with a view of the cluster. Neither overrides the other.
+
+Every async method runs the same code as its sync twin in a worker thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Protocol, Self
+
+import numpy as np
+
+from kvpool import errors
+from kvpool.config import Config
+from kvpool.metrics import ApiLatency, MetricsServer, StatsCollector
+from kvpool.objformat import LayerRange, ObjectSpec, byte_view, numpy_dtype, storage_dtype
+
+Key = bytes | bytearray | memoryview | str
+
+
+def timed(op: str) -> Any:
+    """Observe the call's latency in the pool's ``op`` histogram (``put``/``get``)."""
+    def decorate(method: Any) -> Any:
+        @functools.wraps(method)
+        def wrapper(self: PoolAPI, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                getattr(self.latency, op).observe(time.perf_counter() - started)
+        return wrapper
+    return decorate
+
+
+def out_view(spec: ObjectSpec, layer_range: LayerRange, out: Any) -> tuple[np.ndarray, memoryview]:
+    """(array to return, byte view to fill) for ``out=``, or fresh if ``out`` is None."""
+    shape = spec.array_shape(layer_range)
+    if out is None:
+        arr = np.empty(shape, dtype=numpy_dtype(spec.dtype))
+        return arr, byte_view(arr)
+    if isinstance(out, np.ndarray):
+        if out.shape != shape:
+            raise errors.OutBufferError(f"out has shape {out.shape}, layers need {shape}")
+        if out.dtype != numpy_dtype(spec.dtype) and out.dtype != storage_dtype(spec.dtype):
+            raise errors.OutBufferError(f"out has dtype {out.dtype}, object is {spec.dtype}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise errors.OutBufferError("out must be C-contiguous and writable")
+        return out, byte_view(out)
+    try:
+        mv = memoryview(out)
+    except TypeError:
+        raise errors.OutBufferError(
+            f"out must be a numpy array or a writable buffer, got {type(out).__name__}"
+        ) from None
+    if mv.readonly or not mv.c_contiguous:
+        raise errors.OutBufferError("out must be C-contiguous and writable")
+    mv = mv.cast("B")
+    need = spec.layer_nbytes * layer_range.count
+    if len(mv) != need:
+        raise errors.OutBufferError(f"out holds {len(mv)} bytes, layers need {need}")
+    arr = np.frombuffer(mv, dtype=numpy_dtype(spec.dtype)).reshape(shape)
+    return arr, mv
+
+
+class LayerSource(Protocol):
+    """One version of one object, held for a layer-wise read (a pinned local object, or
+    located replicas under a lease). Every layer read from it is verified against the
+    same header, so a layer-wise read never mixes two versions."""
+
+    spec: ObjectSpec
+
+    def read(self, layer_range: LayerRange, buf: memoryview) -> None:
+        """Fill ``buf`` with the verified layers, or raise (ChecksumError, TransferError, ...)."""
+
+    def done(self, nbytes_read: int) -> None:
+        """Release what holds the object (pin, lease). Called once, also after a failure."""
+
+
+async def stream_layers(source: LayerSource, layers: Any, out: Any) -> AsyncIterator[tuple[int, np.ndarray]]:
+    """Yield ``(layer, array)`` in order; layer i+1 is read in a worker thread while the
+    caller uses layer i. ``source.done`` runs when the iteration ends, however it ends."""
+    nbytes = 0
+    pending: asyncio.Future[None] | None = None
+    try:
+        spec = source.spec
+        layer_range = LayerRange.resolve(layers, spec.layers)
+        arr, _ = out_view(spec, layer_range, out)
+
+        def read(i: int) -> None:
+            layer = layer_range.start + i
+            source.read(LayerRange(layer, layer + 1), byte_view(arr[i]))
+
+        pending = asyncio.ensure_future(asyncio.to_thread(read, 0))
+        for i in range(layer_range.count):
+            await pending
+            if i + 1 < layer_range.count:
+                pending = asyncio.ensure_future(asyncio.to_thread(read, i + 1))
+            nbytes += spec.layer_nbytes
+            yield layer_range.start + i, arr[i]
+    finally:
+        if pending is not None and not pending.done():
+            await asyncio.wait([pending])  # never release what a worker thread still reads
+        source.done(nbytes)
+
+
+class PoolAPI(abc.ABC):
+    """kvpool's API; see :class:`kvpool.pool.Pool` (local tiers) and
+    :func:`kvpool.connect` (the cluster). Thread-safe."""
+
+    config: Config
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.latency = ApiLatency()
+        self._closed = False
+        self._metrics: MetricsServer | None = None
+
+    # -- validation -------------------------------------------------------------
+
+    def _key(self, prefix_hash: Key) -> bytes:
+        if isinstance(prefix_hash, str):
+            key = prefix_hash.encode()
+        elif isinstance(prefix_hash, (bytes, bytearray, memoryview)):
+            key = bytes(prefix_hash)
+        else:
+            raise errors.InvalidKeyError(
+                f"a key is bytes (a prefix hash) or str, got {type(prefix_hash).__name__}"
+            )
+        if not 0 < len(key) <= self.config.pool.max_key_bytes:
+            raise errors.InvalidKeyError(
+                f"key length {len(key)} outside 1..{self.config.pool.max_key_bytes} bytes"
+            )
+        return key
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.PoolClosedError("the pool is closed")
+
+    _out_view = staticmethod(out_view)
+
+    @staticmethod
+    def _outs(keys: Sequence[bytes], outs: Sequence[Any] | None) -> Sequence[Any]:
+        if outs is None:
+            return [None] * len(keys)
+        if len(outs) != len(keys):
+            raise errors.OutBufferError(f"{len(outs)} out buffers for {len(keys)} keys")
+        return outs
+
+    # -- the core, implemented by each pool --------------------------------------------
+
+    @abc.abstractmethod
+    def put(self, prefix_hash: Key, kv: Any, *, dtype: str | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, prefix_hash: Key, *, layers: Any = None, out: Any = None) -> np.ndarray | None: ...
+
+    @abc.abstractmethod
+    def put_many(self, items: Mapping[Key, Any] | Iterable[tuple[Key, Any]], *,
+                 dtype: str | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None,
+                 outs: Sequence[Any] | None = None) -> list[np.ndarray | None]: ...
+
+    @abc.abstractmethod
+    def exists_many(self, prefix_hashes: Sequence[Key]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def delete(self, prefix_hash: Key) -> None: ...
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def _layer_source(self, key: bytes) -> LayerSource | None:
+        """The object held for a layer-wise read, or None on a miss (may block)."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Release what this pool holds (called once)."""
+
+    # -- derived -----------------------------------------------------------------------
+
+    def exists(self, prefix_hash: Key) -> bool:
+        """Whether the object is cached (a later get may still miss if it is evicted meanwhile)."""
+        return self.exists_many([prefix_hash])[0]
+
+    def lookup(self, prefix_hashes: Sequence[Key]) -> int:
+        """How many leading hashes of this prefix chain are cached (longest cached prefix)."""
+        found = 0
+        for present in self.exists_many(prefix_hashes):
+            if not present:
+                break
+            found += 1
+        return found
+
+    async def iter_layers(self, prefix_hash: Key, *, layers: Any = None,
+                          out: Any = None) -> AsyncIterator[tuple[int, np.ndarray]]:
+        """Yield ``(layer, array)`` in order; layer i+1 is read while the caller uses layer i.
+
+        All layers come from one version of the object (pinned locally, or
+        leased and checked against the first header read). Yields nothing on a
+        miss; raises ChecksumError / TransferError if a layer cannot be read
+        intact after earlier layers were handed out (they cannot be taken back,
+        so this is not silently a miss).
+        """
+        self._check_open()
+        key = self._key(prefix_hash)
+        source = await asyncio.to_thread(self._layer_source, key)
+        if source is None:
+            return
+        async for item in stream_layers(source, layers, out):
+            yield item
+
+    # -- asyncio twins -----------------------------------------------------------------
+
+    async def aput(self, prefix_hash: Key, kv: Any, *, dtype: str | None = None) -> None:
+        await asyncio.to_thread(self.put, prefix_hash, kv, dtype=dtype)
+
+    async def aget(self, prefix_hash: Key, *, layers: Any = None, out: Any = None) -> np.ndarray | None:
+        return await asyncio.to_thread(self.get, prefix_hash, layers=layers, out=out)
+
+    async def aexists(self, prefix_hash: Key) -> bool:
+        return await asyncio.to_thread(self.exists, prefix_hash)
+
+    async def alookup(self, prefix_hashes: Sequence[Key]) -> int:
+        return await asyncio.to_thread(self.lookup, prefix_hashes)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
+        """Expose this pool's Prometheus metrics and /health over HTTP (port 0: any free port)."""
+        self._check_open()
+        if self._metrics is None:
+            self._metrics = MetricsServer(
+                port, host=host, role=self.stats()["role"], ready=lambda: not self._closed,
+                registries=[self.latency, StatsCollector(pool_stats=self.stats)],
+            ).start()
+        return self._metrics
+
+    def close(self) -> None:
+        """Flush what must survive (the nvme index) and release everything held. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._metrics is not None:
+            self._metrics.close()
+        self._close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown: nothing useful to report
+                pass

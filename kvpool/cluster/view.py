@@ -1,0 +1,290 @@
+"""A process's view of the cluster: everything a client does beyond its local tiers.
+
+Owns the node this process is (serving its own objects to peers), the master
+client, the replica reader, read leases and their release, and the watch on
+the other nodes (same-host arenas mapped, dead holders forgotten). The cluster
+client (:class:`kvpool.client.ClusterPool`) composes it with a local
+:class:`kvpool.pool.Pool`; it knows nothing of the local pool beyond the tier
+manager its node serves from.
+
+Reads go: same-host nodes' shared ``cxl`` indexes (no master), then the
+replicas this key was read from last time (no master), then the master's
+``locate`` under a lease, then a UCX pull or an in-place same-host read,
+verified layer by layer; a replica that fails is skipped for the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool import errors
+from kvpool.api import out_view
+from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.node import Node, NodeAddress
+from kvpool.cluster.protocol import Located, LocatedReplica, Placement, ReplicaRecord
+from kvpool.cluster.reader import ReplicaReader, alive_nodes_of, replicas_at, shared_dirs_of
+from kvpool.config import Config
+from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
+from tiers.manager import TierManager
+
+log = logging.getLogger("kvpool.client")
+
+
+class LeaseReleaser:
+    """Ends read leases off the caller's path: a get returns as soon as its bytes are
+    verified, and the master hears of finished reads in batches moments later — at most one
+    release request per ``interval_s``, so a reader doing thousands of gets a second does not
+    double the master's load (a lease held a few ms longer only delays an eviction)."""
+
+    def __init__(self, master: MasterClient, interval_s: float = 0.02) -> None:
+        self._master = master
+        self._interval_s = interval_s
+        self._pending: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvpool-lease-release", daemon=True)
+        self._thread.start()
+
+    def release(self, lease_ids: Iterable[int]) -> None:
+        for lease_id in lease_ids:
+            self._pending.put(lease_id)
+
+    def _run(self) -> None:
+        last = 0.0
+        while True:
+            batch = [self._pending.get()]
+            if batch[0] is not None:  # let more gather, unless it is time to stop
+                time.sleep(max(0.0, last + self._interval_s - time.monotonic()))
+            last = time.monotonic()
+            while True:
+                try:
+                    batch.append(self._pending.get_nowait())
+                except queue.Empty:
+                    break
+            leases = [lease for lease in batch if lease is not None]
+            if leases:
+                try:
+                    self._master.release(leases)
+                except errors.KVPoolError as exc:  # they expire on their own after master.lease_s
+                    log.debug("releasing %d leases failed: %s", len(leases), exc)
+            if None in batch:
+                return
+
+    def close(self) -> None:
+        self._pending.put(None)  # flushes what is queued, then stops
+        self._thread.join(5.0)
+
+
+class ReplicaLayers:
+    """Located replicas of one key, leased, for a layer-wise read (:class:`kvpool.api.LayerSource`).
+
+    Each layer comes from the first replica that delivers it intact; every layer
+    after the first must match the header the first was verified against, so a
+    read that moves to another replica never mixes two versions."""
+
+    def __init__(self, reader: ReplicaReader, key: bytes, replicas: list[LocatedReplica],
+                 release: Callable[[], None]) -> None:
+        self.reader, self.key, self._release = reader, key, release
+        self.spec: ObjectSpec = replicas[0]["_spec"]  # type: ignore[typeddict-item]
+        self.replicas = [r for r in replicas if r["_spec"] == self.spec]  # type: ignore[typeddict-item]
+        self._header: ObjectHeader | None = None
+
+    def read(self, layer_range: LayerRange, buf: memoryview) -> None:
+        for replica in self.replicas:
+            try:
+                header = self.reader.read_into(self.key, replica, layer_range, buf, same_as=self._header)
+            except (errors.TransferError, errors.ChecksumError, errors.KVTimeoutError) as exc:
+                log.info("layers %s of %s: replica on %s failed (%s)", layer_range, self.key.hex(),
+                         replica.get("node_id"), exc)
+                continue
+            self._header = self._header or header
+            return
+        raise errors.TransferError(f"layers {layer_range} of {self.key.hex()}: every replica failed")
+
+    def done(self, nbytes_read: int) -> None:
+        self._release()
+
+
+class ClusterView:
+    """The node, master client, reader and lease releaser of one process (see the module
+    docstring). ``manager``: the local tiers this process's node serves to peers."""
+
+    def __init__(self, config: Config, manager: TierManager, master_address: str | None, *,
+                 transport: str = "auto") -> None:
+        self.config = config
+        self.counters = Counter[str]()
+        self._neighbours_thread: threading.Thread | None = None
+        self._neighbours_stop = threading.Event()
+        self._parts: list[Any] = []  # closed in reverse order
+        try:
+            self.node = Node(config, manager, master_address)
+            self._parts.append(self.node)
+            self.master = self.node.master
+            self.master.ping()
+            self.node.start()
+            self.releaser = LeaseReleaser(self.master)
+            self._parts.append(self.releaser)
+            self.reader = ReplicaReader(self.node.host_id, node_id=self.node.node_id, transport=transport,
+                                        max_message=config.node.max_message,
+                                        pull_timeout_s=config.node.pull_timeout_s,
+                                        location_cache_size=config.node.location_cache,
+                                        allowed_dirs=shared_dirs_of(config), host=self.node.host,
+                                        engine=self.node.engine)
+            self._parts.append(self.reader)
+            self._refresh_from_master()
+            self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,
+                                                       name="kvpool-neighbours")
+            self._neighbours_thread.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    # -- the other nodes --------------------------------------------------------------------
+
+    def _refresh_from_master(self) -> None:
+        """Map same-host arenas and forget remembered holders that are no longer alive."""
+        stats = self.master.stats()
+        if self.config.node.same_host_index:
+            self.reader.refresh_neighbours(stats)
+        alive = alive_nodes_of(stats)  # None: the master's stats are unreadable, keep what we know
+        if alive is not None:
+            self.reader.forget_nodes_except(alive)
+
+    def _watch_neighbours(self) -> None:
+        """Keep the view of the other nodes current (they join, leave, die) once per heartbeat."""
+        period_s = max(0.2, self.config.master.heartbeat_ms / 1000.0)
+        while not self._neighbours_stop.wait(period_s):
+            try:
+                self._refresh_from_master()
+            except errors.KVPoolError as exc:
+                log.debug("refreshing the view of other nodes failed: %s", exc)
+            except Exception as exc:  # garbage from the master must not stop this thread
+                log.warning("refreshing the view of other nodes failed: %s: %.200s", type(exc).__name__, exc)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def publish(self, keys: Sequence[bytes]) -> None:
+        """Make objects this node holds visible to the cluster: one master round trip (an object
+        evicted again meanwhile by a concurrent flood has nothing to show and is skipped)."""
+        records: list[ReplicaRecord] = [r for r in map(self.node.record, keys) if r is not None]
+        if records:
+            self.node.publish(records)
+
+    def place(self, nbytes: int, replicas: int, key: bytes) -> list[Placement]:
+        """Storage nodes chosen (and reserved) for durable copies of ``key``."""
+        return self.master.place(nbytes, replicas, exclude=[self.node.node_id], key=key)
+
+    def replicate(self, key: bytes, targets: Sequence[Placement]) -> None:
+        """Have every target pull the object from here into its nvme tier; each commits its
+        reservation before it answers, so on return every copy is visible and durable."""
+        record = self.node.record(key)
+        if record is None:
+            raise errors.CapacityError("object was evicted locally before it could be replicated")
+        assert self.node.address is not None
+        source = self.node.address.encode()
+        for target in targets:
+            control_call(NodeAddress.decode(target.address).control, "replicate", {
+                "key": key, "spec": record["spec"], "header_sum": record["header_sum"], "source": source,
+                "reservation": target.reservation_id,
+                "replicas": len(targets), "persistent": True,
+                "token": self.node.cluster_key.mint_token(key, self.node.node_id),
+            }, timeout_s=self.config.node.pull_timeout_s + 5.0, cluster_key=self.node.cluster_key)
+            self.counters["replicated"] += 1
+
+    def revoke(self, targets: Sequence[Placement]) -> None:
+        """Give back reservations of copies that will not be made (else they expire after
+        ``master.reservation_timeout_s``)."""
+        try:
+            self.master.revoke([t.reservation_id for t in targets if t.reservation_id is not None])
+        except errors.KVPoolError as exc:
+            log.debug("revoking durable reservations failed: %s", exc)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read(self, key: bytes, layers: Any, out: Any) -> np.ndarray | None:
+        """The layers from another node (same-host index, remembered replicas, then the
+        master), verified; None on a miss anywhere."""
+        nearby = self.reader.read_same_host(key, layers, out, out_view)
+        if nearby is not None:
+            return nearby
+        remembered = self.reader.read_cached(key, layers, out, out_view)
+        if remembered is not None:
+            return remembered
+        located = self.master.locate(key, lease=True)
+        try:
+            return self.reader.read(key, replicas_at(located, 0), layers, out, out_view)
+        finally:
+            self.releaser.release(located.lease_ids)
+
+    def read_many(self, keys: Sequence[bytes], layers: Any, outs: Sequence[Any]) -> list[np.ndarray | None]:
+        """``read`` of many keys: same-host arenas, then remembered replicas pulled concurrently,
+        the rest located in one master round trip and pulled concurrently."""
+        results = [self.reader.read_same_host(key, layers, out, out_view) for key, out in zip(keys, outs)]
+        # Where keys were found last time, without the master; a replica no longer there (or a
+        # token about to expire) is located again below.
+        remembered = [(i, self.reader.remembered(keys[i])) for i, r in enumerate(results) if r is None]
+        remembered = [(i, replicas) for i, replicas in remembered if replicas]
+        if remembered:
+            pulled = self.reader.read_many([keys[i] for i, _ in remembered], [r for _, r in remembered], layers,
+                                           out_view, [outs[i] for i, _ in remembered], count_misses=False)
+            for (i, _), arr in zip(remembered, pulled):
+                results[i] = arr
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            located = self.master.locate_many([keys[i] for i in missing], lease=True)
+            try:
+                pulled = self.reader.read_many([keys[i] for i in missing],
+                                               [replicas_at(located, j) for j in range(len(missing))], layers,
+                                               out_view, [outs[i] for i in missing])
+                for i, arr in zip(missing, pulled):
+                    results[i] = arr
+            finally:
+                self.releaser.release(located.lease_ids)
+        return results
+
+    def layer_source(self, key: bytes) -> ReplicaLayers | None:
+        """Replicas of ``key`` leased for a layer-wise read, or None on a miss."""
+        located: Located = self.master.locate(key, lease=True)
+        replicas = self.reader.ordered(replicas_at(located, 0))
+        if not replicas:
+            self.releaser.release(located.lease_ids)
+            return None
+        return ReplicaLayers(self.reader, key, replicas, lambda: self.releaser.release(located.lease_ids))
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.master.exists_many(keys)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return self.master.lookup(keys)
+
+    def delete(self, key: bytes) -> bool:
+        """Gone from lookups at once (holders drop it on their next heartbeat); whether the
+        master knew the key."""
+        self.reader.forget(key)
+        return self.master.delete([key], node_id=self.node.node_id)[0]
+
+    def stats(self) -> dict[str, Any]:
+        return {"node": self.node.stats(), "remote": {**self.reader.stats(), **self.counters}}
+
+    def close(self) -> None:
+        self._neighbours_stop.set()
+        if self._neighbours_thread is not None:
+            self._neighbours_thread.join(5.0)
+        while self._parts:
+            part = self._parts.pop()
+            try:
+                part.close()
+            except Exception as exc:  # keep closing the rest
+                log.warning("closing %s: %s", type(part).__name__, exc)
