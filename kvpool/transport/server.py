@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpool import errors
+from kvpool.transport.connections import ReplyEndpoints
 from kvpool.transport.engine import (
     Array,
     Engine,
@@ -24,14 +25,11 @@ from kvpool.transport.engine import (
 )
 from kvpool.transport.frames import (
     _ABORT_INDEX,
-    _HELLO,
-    _HELLO_MAGIC,
     _MAX_CHUNKS,
     _RECEIVES_POSTED,
     _REQUEST_BUFFER_NBYTES,
     MAX_HEADER_NBYTES,
     MIN_CHUNK,
-    PROTOCOL_VERSION,
     REQUEST_TAG,
     STATUS_BAD_RANGE,
     STATUS_ERROR,
@@ -50,8 +48,8 @@ from kvpool.transport.source import (
     ProviderWouldBlock,
     ServeSource,
     _ServeJob,
-    _StagingPool,
 )
+from kvpool.transport.staging import StagedReads
 
 log = logging.getLogger("kvpool.transport")
 
@@ -106,7 +104,6 @@ class PullServer:
         self.send_timeout_s = send_timeout_s
         self.inline_provider = inline_provider
         self._provider_threads = provider_threads
-        self._staging_count = max(2, staging_buffers)
         self._ucx_options = {**ucx_interface_options(host), **(ucx_options or {})}
         self._name = name
         self._engine: Engine | None = None
@@ -119,12 +116,11 @@ class PullServer:
         self._host_id = local_host_id()
         # Progress-thread state.
         self._recv_slots: list[tuple[Any, bytearray]] = []
-        self._pending_hello: set[Any] = set()
-        self._conns: dict[int, Any] = {}  # conn_id -> endpoint replies go out on
-        self._reply_conn: dict[int, int] = {}  # client_id -> conn_id of its worker-address reply endpoint
-        self._parked: dict[int, list[_Request]] = {}
+        self._endpoints: ReplyEndpoints | None = None  # made on start, on the progress thread
         self._jobs: set[_ServeJob] = set()
-        self._staging: _StagingPool | None = None
+        self._reads = StagedReads(max(2, staging_buffers), max_message, submit=self._submit_io,
+                                  post=self._post_from_worker, send=self._send_chunk, abort=self._maybe_abort,
+                                  release=self._release)
         self._releasing = 0  # sources whose release() is queued or running
         self._awaiting_provider: set[_ServeJob] = set()  # provider call not returned yet
         self._deferred_release: set[_ServeJob] = set()  # finished, a read still running
@@ -161,10 +157,15 @@ class PullServer:
     def _start_on_thread(self) -> None:
         engine = self._engine
         assert engine is not None
+        # The request overtook the connection's hello: parked until it arrives, or forgotten
+        # after send_timeout_s (the client's deadline reports the failure).
+        endpoints = self._endpoints = ReplyEndpoints(
+            engine, self._name, park_s=self.send_timeout_s, dispatch=self._dispatch, dropped=self._on_dropped,
+            error=self._count_error)
         if self._use_listener:
             # ucxx 0.52 binds its sockaddr listener to every interface (no address parameter).
             self._listener = ucx_api.UCXListener.create(
-                engine.worker, self._requested_port, self._on_connection
+                engine.worker, self._requested_port, lambda conn_request: endpoints.accept(self._listener, conn_request)
             )
             self._port = self._listener.port
         self._worker_address = engine.worker.address.tobytes()
@@ -187,20 +188,13 @@ class PullServer:
         for job in list(self._deferred_release):
             job.reads_in_flight = 0
             self._release(job)
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._reads.close()
 
     def _close_on_thread(self) -> None:
         self._closing = True
         self._listener = None  # ucp_listener_destroy: no new connections
-        eps = list(self._pending_hello) + list(self._conns.values())
-        self._pending_hello.clear()
-        self._conns.clear()
-        self._reply_conn.clear()
-        self._parked.clear()
-        for ep in eps:  # cancels every send before any source is released
-            _close_endpoint(ep)
+        if self._endpoints is not None:
+            self._endpoints.close()  # cancels every send before any source is released
         for job in list(self._jobs):
             self._finish(job, ok=False, reason="server closing")
         self._recv_slots.clear()
@@ -253,47 +247,26 @@ class PullServer:
         if self._engine is None:
             raise errors.PoolClosedError(f"{self._name} is not started")
 
+    def _count_error(self) -> None:
+        self.errors += 1
+
+    def _submit_io(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._executor is not None
+        self._executor.submit(fn, *args)
+
+    def _post_from_worker(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread; PoolClosedError once the server is closing."""
+        engine = self._engine
+        if engine is None:
+            raise errors.PoolClosedError("closing")
+        engine.submit(fn)
+
     @property
     def _live_engine(self) -> Engine:
         """The progress engine, for code that runs on it (so it exists)."""
         engine = self._engine
         assert engine is not None, "PullServer used before start() or after close()"
         return engine
-
-    # -- connections (progress thread) ---------------------------------------------------
-
-    def _on_connection(self, conn_request: int) -> None:
-        ep = self._listener.create_endpoint_from_conn_request(conn_request, True)
-        # Called from inside UCX when the client goes away; sweep afterwards,
-        # never close an endpoint from within its own error callback.
-        ep.set_close_callback(self._live_engine.post, cb_args=(self._sweep_dead_connections,))
-        hello = bytearray(_HELLO.size)
-        self._pending_hello.add(ep)
-        array = Array(hello)
-        self._live_engine.watch(ep.stream_recv(array), lambda err: self._on_hello(ep, hello, err), array)
-
-    def _on_hello(self, ep: Any, hello: bytearray, error: BaseException | None) -> None:
-        self._pending_hello.discard(ep)
-        if error is not None:
-            log.debug("%s: connection closed before its hello: %s", self._name, error)
-            _close_endpoint(ep)
-            return
-        magic, version, conn_id = _HELLO.unpack(hello)
-        if magic != _HELLO_MAGIC or version != PROTOCOL_VERSION or conn_id in self._conns:
-            self.errors += 1
-            log.warning("%s: bad hello %r, dropping connection", self._name, bytes(hello))
-            _close_endpoint(ep)
-            return
-        self._conns[conn_id] = ep
-        for request in self._parked.pop(conn_id, []):
-            self._dispatch(request, ep)
-
-    def _sweep_dead_connections(self) -> None:
-        for ep in [ep for ep in self._conns.values() if not ep.alive]:
-            self._drop_client(ep)
-        for ep in [ep for ep in self._pending_hello if not ep.alive]:
-            self._pending_hello.discard(ep)
-            _close_endpoint(ep)
 
     # -- requests (progress thread) ----------------------------------------------------------
 
@@ -320,50 +293,8 @@ class PullServer:
             self.errors += 1
             log.warning("%s: dropping malformed request: %s", self._name, exc)
             return
-        ep = self._conns.get(request.conn_id)
-        if ep is None and request.reply_address:
-            ep = self._connect_reply_endpoint(request)
-            if ep is None:
-                return
-        if ep is None:
-            # The request overtook the connection's hello; serve it once that
-            # arrives, or forget it (the client's deadline reports the failure).
-            self._parked.setdefault(request.conn_id, []).append(request)
-            self._engine.call_later(self.send_timeout_s, lambda: self._unpark(request))
-            return
-        self._dispatch(request, ep)
-
-    def _connect_reply_endpoint(self, request: _Request) -> Any:
-        """Endpoint to a same-host client's worker address, one per client.
-
-        A client that dropped its endpoint to us (deadline, error) reconnects
-        under a new ``conn_id``. UCX pairs the two endpoints a pair of workers
-        create toward each other, so our old reply endpoint points at the
-        closed one and must be replaced, not reused.
-        """
-        stale = self._conns.get(self._reply_conn.get(request.client_id, -1))
-        if stale is not None:
-            self._drop_client(stale)
-        try:
-            address = ucx_api.UCXAddress.create_from_buffer(request.reply_address)
-            ep = self._live_engine.worker.create_endpoint_from_worker_address(address, request.reply_error_handling)
-            if request.reply_error_handling:
-                ep.set_close_callback(self._live_engine.post, cb_args=(self._sweep_dead_connections,))
-        except Exception as exc:
-            self.errors += 1
-            log.warning("%s: cannot reach client by worker address: %s", self._name, exc)
-            return None
-        self._conns[request.conn_id] = ep
-        self._reply_conn[request.client_id] = request.conn_id
-        return ep
-
-    def _unpark(self, request: _Request) -> None:
-        parked = self._parked.get(request.conn_id)
-        if parked and request in parked:
-            parked.remove(request)
-            self.errors += 1
-            if not parked:
-                del self._parked[request.conn_id]
+        assert self._endpoints is not None
+        self._endpoints.route(request)
 
     def _dispatch(self, request: _Request, ep: Any) -> None:
         job = _ServeJob(request, ep)
@@ -400,10 +331,7 @@ class PullServer:
             self._on_source(job, outcome)
             return
         try:
-            engine = self._engine
-            if engine is None:
-                raise errors.PoolClosedError("closing")
-            engine.submit(lambda: self._on_source(job, outcome))
+            self._post_from_worker(lambda: self._on_source(job, outcome))
         except errors.PoolClosedError:
             if isinstance(outcome, ServeSource) and outcome.release is not None:
                 outcome.release()
@@ -463,7 +391,7 @@ class PullServer:
         elif source.read_into is None:
             self._send_buffers(job)
         else:
-            self._pump_reads(job)
+            self._reads.pump(job)
 
     def _send_status(
         self, job: _ServeJob, status: int, *, text: str = "", nbytes: int = 0, chunk: int = 0,
@@ -514,7 +442,7 @@ class PullServer:
             req = job.ep.tag_send(array, _reply_tag(job.request.request_id, index))
         except Exception as exc:
             if staging is not None:
-                self._give_staging(job, staging)
+                self._reads.give(job, staging)
             self._on_send_failed(job, exc)
             return False
         self._live_engine.watch(req, lambda err: self._on_chunk_sent(job, nbytes, staging, err), array)
@@ -524,7 +452,7 @@ class PullServer:
         self, job: _ServeJob, nbytes: int, staging: mmap.mmap | None, error: BaseException | None
     ) -> None:
         if staging is not None:
-            self._give_staging(job, staging)
+            self._reads.give(job, staging)
         if error is not None:
             self._on_send_failed(job, error)
             return
@@ -536,7 +464,7 @@ class PullServer:
         elif job.chunks_done == job.chunks_total and not job.finished:
             self._finish(job, ok=True)
         elif job.source is not None and job.source.read_into is not None:
-            self._pump_reads(job)
+            self._reads.pump(job)
 
     def _on_send_failed(self, job: _ServeJob, error: BaseException) -> None:
         if not job.finished:
@@ -555,68 +483,7 @@ class PullServer:
             close_ep=True,
         )
 
-    # -- nvme read path (progress thread + worker threads) ---------------------------------------
-
-    def _pump_reads(self, job: _ServeJob) -> None:
-        if self._staging is None:
-            self._staging = _StagingPool(self._staging_count, self.max_message)
-        pool = self._staging
-        # Two buffers per pull: read chunk i+1 while chunk i is on the wire.
-        while (not job.finished and not job.abort_text
-               and job.chunks_started + job.reads_in_flight < job.chunks_total
-               and job.reads_in_flight + (job.chunks_started - job.chunks_done) < 2):
-            buf = pool.take()
-            if buf is None:
-                if job not in pool.waiting:
-                    pool.waiting.append(job)
-                return
-            job.staging.append(buf)
-            index = job.chunks_started + job.reads_in_flight + 1
-            job.reads_in_flight += 1
-            assert self._executor is not None and job.source is not None
-            self._executor.submit(self._read_chunk, job, job.source, index, buf)
-
-    def _read_chunk(self, job: _ServeJob, source: ServeSource, index: int, buf: mmap.mmap) -> None:
-        # Runs on a worker thread; job state is only read here, never written.
-        assert source.read_into is not None
-        offset = (index - 1) * job.chunk
-        nbytes = min(job.chunk, source.nbytes - offset)
-        view = memoryview(buf)[:nbytes]
-        error: BaseException | None = None
-        try:
-            got = source.read_into(offset, view)
-            if got is not None and got != nbytes:
-                raise errors.TransferError(f"short read: {got} of {nbytes} bytes at {offset}")
-        except BaseException as exc:
-            error = exc
-        finally:
-            view.release()
-        try:
-            engine = self._engine
-            if engine is None:
-                raise errors.PoolClosedError("closing")
-            engine.submit(lambda: self._on_chunk_read(job, index, buf, nbytes, error))
-        except errors.PoolClosedError:
-            pass
-
-    def _on_chunk_read(
-        self, job: _ServeJob, index: int, buf: mmap.mmap, nbytes: int, error: BaseException | None
-    ) -> None:
-        job.reads_in_flight -= 1
-        if job.finished:
-            self._give_staging(job, buf)
-            if job.reads_in_flight == 0:
-                self._release(job)  # deferred until no read used the source
-            return
-        if error is not None or job.abort_text:
-            self._give_staging(job, buf)
-            if not job.abort_text:
-                assert error is not None  # one of the two holds
-                job.abort_text = f"reading the object failed: {_describe(error)}"
-            self._maybe_abort(job)
-            return
-        # Reads may finish out of order; tags carry the chunk index, so order is free.
-        self._send_chunk(job, index, memoryview(buf)[:nbytes], staging=buf)
+    # -- aborts -------------------------------------------------------------------------
 
     def _maybe_abort(self, job: _ServeJob) -> None:
         """After a failed read, once nothing of this pull is in flight: tell the client.
@@ -629,20 +496,6 @@ class PullServer:
             return
         self._send_status(job, STATUS_ERROR, text=job.abort_text, index=_ABORT_INDEX)
         self._finish(job, ok=False, reason=job.abort_text)
-
-    def _give_staging(self, job: _ServeJob, buf: mmap.mmap) -> None:
-        if buf in job.staging:
-            job.staging.remove(buf)
-        pool = self._staging
-        if pool is None:
-            return
-        pool.give(buf)
-        # Hand free buffers to waiting pulls until one is taken or none waits.
-        free_before = pool.free_count
-        while pool.waiting and pool.free_count >= free_before:
-            waiter = pool.waiting.popleft()
-            if not waiter.finished:
-                self._pump_reads(waiter)
 
     # -- finishing ------------------------------------------------------------------------
 
@@ -694,15 +547,13 @@ class PullServer:
         self._releasing -= 1
 
     def _drop_client(self, ep: Any) -> None:
-        for conn_id, known in list(self._conns.items()):
-            if known is ep:
-                del self._conns[conn_id]
-                for client_id, reply_conn in list(self._reply_conn.items()):
-                    if reply_conn == conn_id:
-                        del self._reply_conn[client_id]
-        # Close first: closing cancels the sends still reading the sources'
-        # memory, and only then may their release() let the node unpin it.
-        _close_endpoint(ep)
+        if self._endpoints is not None:
+            self._endpoints.drop(ep)  # closes it, then calls _on_dropped
+        else:
+            _close_endpoint(ep)
+            self._on_dropped(ep)
+
+    def _on_dropped(self, ep: Any) -> None:
         for other in list(self._jobs):
             if other.ep is ep:
                 self._finish(other, ok=False, reason="connection dropped")

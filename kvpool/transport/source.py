@@ -1,11 +1,9 @@
 """What a provider hands the pull server: :class:`ServeSource`, and the rules for providers
-run inline on the progress thread. Also the per-pull state the server keeps (:class:`_ServeJob`)
-and its nvme staging buffers.
+run inline on the progress thread. Also the per-pull state the server keeps (:class:`_ServeJob`).
 """
 
 from __future__ import annotations
 
-import collections
 import mmap
 import threading
 from collections.abc import Callable, Sequence
@@ -32,7 +30,6 @@ _INLINE = threading.local()
 def in_inline_provider() -> bool:
     """Whether the calling provider runs inline on a progress thread (must not block)."""
     return bool(getattr(_INLINE, "active", False))
-
 
 
 @dataclass
@@ -86,40 +83,6 @@ Provider = Callable[[bytes, LayerRange], "ServeSource | None"]
 
 
 
-
-
-class _StagingPool:
-    """Page-aligned buffers reused for nvme reads (O_DIRECT needs the alignment)."""
-
-    def __init__(self, count: int, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._limit = count
-        self._free: list[mmap.mmap] = []
-        self._made = 0
-        self.waiting: collections.deque[_ServeJob] = collections.deque()
-
-    def take(self) -> mmap.mmap | None:
-        if self._free:
-            return self._free.pop()
-        if self._made < self._limit:
-            self._made += 1
-            return mmap.mmap(-1, self.nbytes)
-        return None
-
-    def give(self, buf: mmap.mmap) -> None:
-        self._free.append(buf)
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free) + self._limit - self._made
-
-    def close(self) -> None:
-        for buf in self._free:
-            try:
-                buf.close()
-            except BufferError:  # still exported to an in-flight send; freed with it
-                pass
-        self._free.clear()
 
 
 @dataclass(eq=False)

@@ -1,0 +1,148 @@
+"""The nvme read path of a pull server: payload chunks read from disk into page-aligned
+staging buffers on worker threads, each chunk sent while the next is read.
+
+:class:`StagedReads` runs on the server's progress thread except :meth:`StagedReads._read`,
+which runs on a worker thread and only reads the job's state. It sends, aborts and
+releases through the callbacks the server gives it.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+from collections.abc import Callable
+from typing import Any
+
+from kvpool import errors
+from kvpool.transport.engine import _describe
+from kvpool.transport.source import ServeSource, _ServeJob
+
+
+class _StagingPool:
+    """Page-aligned buffers reused for nvme reads (O_DIRECT needs the alignment)."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._limit = count
+        self._free: list[mmap.mmap] = []
+        self._made = 0
+        self.waiting: collections.deque[_ServeJob] = collections.deque()
+
+    def take(self) -> mmap.mmap | None:
+        if self._free:
+            return self._free.pop()
+        if self._made < self._limit:
+            self._made += 1
+            return mmap.mmap(-1, self.nbytes)
+        return None
+
+    def give(self, buf: mmap.mmap) -> None:
+        self._free.append(buf)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free) + self._limit - self._made
+
+    def close(self) -> None:
+        for buf in self._free:
+            try:
+                buf.close()
+            except BufferError:  # still exported to an in-flight send; freed with it
+                pass
+        self._free.clear()
+
+
+class StagedReads:
+    """Reads of ``read_into`` sources, two staging buffers per pull at most (read chunk i+1
+    while chunk i is on the wire), ``count`` buffers of ``nbytes`` in all (made on first use).
+
+    ``submit(fn, *args)`` runs ``fn`` on a worker thread; ``post(fn)`` runs it on the
+    progress thread (raises PoolClosedError once closing); ``send(job, index, payload,
+    staging)`` sends one chunk and hands ``staging`` back through :meth:`give` when done;
+    ``abort(job)`` tells the client a read failed once nothing is in flight;
+    ``release(job)`` releases a finished job's source.
+    """
+
+    def __init__(self, count: int, nbytes: int, *, submit: Callable[..., Any],
+                 post: Callable[[Callable[[], None]], Any],
+                 send: Callable[[_ServeJob, int, memoryview, mmap.mmap], bool],
+                 abort: Callable[[_ServeJob], None], release: Callable[[_ServeJob], None]) -> None:
+        self._count, self._nbytes = count, nbytes
+        self._submit, self._post, self._send = submit, post, send
+        self._abort, self._release = abort, release
+        self._pool: _StagingPool | None = None
+
+    def pump(self, job: _ServeJob) -> None:
+        """Start as many reads of ``job`` as its share of buffers allows."""
+        if self._pool is None:
+            self._pool = _StagingPool(self._count, self._nbytes)
+        pool = self._pool
+        while (not job.finished and not job.abort_text
+               and job.chunks_started + job.reads_in_flight < job.chunks_total
+               and job.reads_in_flight + (job.chunks_started - job.chunks_done) < 2):
+            buf = pool.take()
+            if buf is None:
+                if job not in pool.waiting:
+                    pool.waiting.append(job)
+                return
+            job.staging.append(buf)
+            index = job.chunks_started + job.reads_in_flight + 1
+            job.reads_in_flight += 1
+            assert job.source is not None
+            self._submit(self._read, job, job.source, index, buf)
+
+    def _read(self, job: _ServeJob, source: ServeSource, index: int, buf: mmap.mmap) -> None:
+        # Runs on a worker thread; job state is only read here, never written.
+        assert source.read_into is not None
+        offset = (index - 1) * job.chunk
+        nbytes = min(job.chunk, source.nbytes - offset)
+        view = memoryview(buf)[:nbytes]
+        error: BaseException | None = None
+        try:
+            got = source.read_into(offset, view)
+            if got is not None and got != nbytes:
+                raise errors.TransferError(f"short read: {got} of {nbytes} bytes at {offset}")
+        except BaseException as exc:
+            error = exc
+        finally:
+            view.release()
+        try:
+            self._post(lambda: self._on_read(job, index, buf, nbytes, error))
+        except errors.PoolClosedError:
+            pass
+
+    def _on_read(self, job: _ServeJob, index: int, buf: mmap.mmap, nbytes: int, error: BaseException | None) -> None:
+        job.reads_in_flight -= 1
+        if job.finished:
+            self.give(job, buf)
+            if job.reads_in_flight == 0:
+                self._release(job)  # deferred until no read used the source
+            return
+        if error is not None or job.abort_text:
+            self.give(job, buf)
+            if not job.abort_text:
+                assert error is not None  # one of the two holds
+                job.abort_text = f"reading the object failed: {_describe(error)}"
+            self._abort(job)
+            return
+        # Reads may finish out of order; tags carry the chunk index, so order is free.
+        self._send(job, index, memoryview(buf)[:nbytes], buf)
+
+    def give(self, job: _ServeJob, buf: mmap.mmap) -> None:
+        """A staging buffer back from ``job``; hands free buffers to pulls waiting for one."""
+        if buf in job.staging:
+            job.staging.remove(buf)
+        pool = self._pool
+        if pool is None:
+            return
+        pool.give(buf)
+        free_before = pool.free_count
+        while pool.waiting and pool.free_count >= free_before:
+            waiter = pool.waiting.popleft()
+            if not waiter.finished:
+                self.pump(waiter)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
