@@ -36,7 +36,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.common import format_table, percentile  # noqa: E402
 from kvpool.cluster import protocol as P  # noqa: E402
-from kvpool.cluster.master_client import Heartbeater, MasterClient  # noqa: E402
+from kvpool.cluster.heartbeat import Heartbeater  # noqa: E402
+from kvpool.cluster.master_client import MasterClient  # noqa: E402
 from kvpool.objformat import ObjectHeader, ObjectSpec  # noqa: E402
 
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}

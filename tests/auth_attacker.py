@@ -34,7 +34,8 @@ def main(spec: dict[str, Any]) -> None:
 
     import kvpool
     from kvpool.cluster import protocol as P
-    from kvpool.cluster.master_client import MasterClient, control_call
+    from kvpool.cluster.control import control_call
+    from kvpool.cluster.master_client import MasterClient
     from kvpool.cluster.security import ClusterKey
     from kvpool.config import Config
     from kvpool.objformat import ObjectSpec

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.control import control_call
+from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import NodeAddress
 from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of, small_config

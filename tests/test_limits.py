@@ -18,8 +18,10 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
+from kvpool.cluster.control import control_call
+from kvpool.cluster.heartbeat import Heartbeater
 from kvpool.cluster.master import MasterServer
-from kvpool.cluster.master_client import Heartbeater, MasterClient, control_call
+from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import NodeAddress
 from kvpool.cluster.ops import MasterState
 from kvpool.cluster.security import ClusterKey

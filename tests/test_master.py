@@ -21,7 +21,8 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
-from kvpool.cluster.master_client import Heartbeater, MasterClient
+from kvpool.cluster.heartbeat import Heartbeater
+from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.security import ClusterKey
 from kvpool.hashing import prefix_hashes
 from kvpool.objformat import ObjectSpec

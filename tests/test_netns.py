@@ -22,7 +22,8 @@ KEYS = 4
 
 PROBE = """
 import json, sys
-from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.control import control_call
+from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import NodeAddress
 with MasterClient(sys.argv[1], request_timeout_s=5) as client:
     stats = client.stats()

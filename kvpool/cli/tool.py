@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
-from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.control import control_call
+from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import NodeAddress
 from kvpool.config import Config, format_size, master_address, node_host
 

@@ -1,4 +1,6 @@
-"""Client side of the master protocol: :class:`MasterClient` and :class:`Heartbeater`.
+"""Client side of the master protocol: :class:`MasterClient` (a node's heartbeats are
+:mod:`kvpool.cluster.heartbeat`, calls to another node's control socket
+:mod:`kvpool.cluster.control`).
 
 Owns talking to the master: one DEALER socket per calling thread (ZeroMQ
 sockets are not thread-safe, and a socket per thread needs no lock and no
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import secrets
 import threading
 import time
 import weakref
@@ -523,148 +524,3 @@ class MasterClient:
         """(keys with their replicas, truncated) for keys starting with ``prefix``."""
         reply = self.call(P.LIST, {"prefix": as_key(prefix) if prefix else b"", "limit": int(limit)})
         return reply["keys"], reply["truncated"]
-
-
-class Heartbeater:
-    """Beats for one node on its own thread, with its own client and socket.
-
-    Each period it sends ``state_fn()`` (the node's tiers ``{name: {capacity,
-    free}}``; keep it cheap: it runs under the GIL on this thread). When the
-    master answers ``reregister`` (first contact, after a master restart, or
-    after the node was declared dead) it calls ``on_reregister()``, which
-    should :meth:`MasterClient.register` everything the node holds; starting a
-    Heartbeater is therefore enough to get a node registered. Deletes the
-    master relays go to ``on_delete(keys)`` and are acknowledged on the next
-    beat once it returned. Callback errors and an unreachable master are
-    logged and retried on the next beat; they never stop the thread.
-    """
-
-    def __init__(
-        self,
-        client_factory: Callable[[], MasterClient],
-        node_id: str,
-        period_s: float,
-        state_fn: Callable[[], Mapping[str, Mapping[str, int]]],
-        on_reregister: Callable[[], None],
-        on_delete: Callable[[list[bytes]], None] | None = None,
-    ) -> None:
-        self.node_id = node_id
-        self.period_s = period_s
-        self._client_factory = client_factory
-        self._state_fn = state_fn
-        self._on_reregister = on_reregister
-        self._on_delete = on_delete
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"kvpool-heartbeat-{node_id[:8]}", daemon=True)
-        self._delete_ack = 0
-        self.beats = 0            # replies received
-        self.reregistrations = 0  # on_reregister calls that returned
-        self.reachable = False    # did the last beat get a reply?
-        self._auth_warned = False
-
-    def start(self) -> Heartbeater:
-        self._thread.start()
-        return self
-
-    def beat_now(self) -> None:
-        """Send the next heartbeat at once instead of at the end of the period."""
-        self._wake.set()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    def __enter__(self) -> Heartbeater:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        client = self._client_factory()
-        try:
-            while not self._stopping:
-                self._beat(client)
-                # Blocks (no spinning) until the period ends, beat_now() or stop().
-                self._wake.wait(self.period_s)
-                self._wake.clear()
-        finally:
-            client.close()
-
-    def _beat(self, client: MasterClient) -> None:
-        try:
-            reply = client.heartbeat(self.node_id, self._state_fn(), self._delete_ack)
-        except errors.MasterUnreachableError as exc:
-            if self.reachable:
-                log.warning("node %s: heartbeat failed: %s", self.node_id[:8], exc)
-            self.reachable = False
-            return
-        except errors.AuthenticationError as exc:  # logged once per outage, not at every beat
-            if self.reachable or not self._auth_warned:
-                log.error("node %s: heartbeat refused: %s", self.node_id[:8], exc)
-            self._auth_warned = True
-            self.reachable = False
-            return
-        except Exception as exc:
-            if isinstance(exc, zmq.ZMQError) and exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
-                self._stopping = True  # its socket is gone: the process exits without close()
-                return
-            log.exception("node %s: heartbeat failed", self.node_id[:8])
-            self.reachable = False
-            return
-        if not self.reachable:
-            log.info("node %s: master at %s answers heartbeats", self.node_id[:8], client.address)
-        self.reachable = True
-        self.beats += 1
-        if reply.reregister:
-            try:
-                self._on_reregister()
-                self.reregistrations += 1
-            except Exception:
-                log.exception("node %s: re-registration failed; retrying next beat", self.node_id[:8])
-            return
-        if reply.delete:
-            if self._on_delete is None:
-                log.warning("node %s: %d deletes relayed but no on_delete handler", self.node_id[:8], len(reply.delete))
-            else:
-                try:
-                    self._on_delete(reply.delete)
-                except Exception:
-                    log.exception("node %s: applying %d deletes failed", self.node_id[:8], len(reply.delete))
-                    return
-            self._delete_ack = reply.delete_seq
-
-
-def control_call(control: str, op: str, body: Mapping[str, Any], timeout_s: float,
-                 context: zmq.Context | None = None, cluster_key: ClusterKey | None = None,
-                 check: Callable[[], None] | None = None) -> Any:
-    """One request to a node's control socket (``replicate``, ``stats``, ``ping``); returns the
-    reply body or raises the node's typed error.
-
-    Authenticates with ``cluster_key`` (default: the default key file); a node that refuses it
-    is AuthenticationError as soon as the handshake fails. ``check()`` runs every 100 ms of
-    waiting and may raise to give up early (a stopping master, a target known to be gone).
-    """
-    key = cluster_key or ClusterKey.default()
-    sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # a reply larger than this is dropped unread
-    key.secure_client(sock)
-    watch = HandshakeWatch(sock)
-    request_id = secrets.randbits(62)
-    try:
-        sock.connect(control)
-        sock.send(P.pack_control_request(request_id, op, body))
-        frame = recv_or_refused(sock, watch, timeout_s, f"{op}: node control socket", control, key, check)
-        if frame is None:
-            raise errors.KVTimeoutError(f"node {control} did not answer {op!r} within {timeout_s:.3g} s")
-    finally:
-        sock.close(0)
-        watch.close()
-    try:
-        return P.unpack_control_reply(frame, request_id)  # the node's typed error; TransferError if not ours
-    except errors.KVPoolError as exc:
-        raise type(exc)(f"{op} on {control} failed: {exc}") from None

@@ -32,7 +32,8 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
-from kvpool.cluster.master_client import Heartbeater, MasterClient
+from kvpool.cluster.heartbeat import Heartbeater
+from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.protocol import ReplicaRecord, replica_record
 from kvpool.cluster.security import ClusterKey
 from kvpool.config import Config, node_host

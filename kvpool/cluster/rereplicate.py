@@ -11,7 +11,7 @@ from typing import Any
 import zmq
 
 from kvpool import errors
-from kvpool.cluster.master_client import control_call
+from kvpool.cluster.control import control_call
 from kvpool.cluster.ops import MasterState
 from kvpool.cluster.records import REREPLICATE_MAX_IN_FLIGHT, REREPLICATE_WORKERS, RereplicationTask, loggable
 from kvpool.cluster.security import ClusterKey

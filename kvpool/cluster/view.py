@@ -27,7 +27,8 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.api import out_view
-from kvpool.cluster.master_client import MasterClient, control_call
+from kvpool.cluster.control import control_call
+from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import Node, NodeAddress
 from kvpool.cluster.protocol import Located, LocatedReplica, Placement, ReplicaRecord
 from kvpool.cluster.reader import ReplicaReader, alive_nodes_of, replicas_at, shared_dirs_of

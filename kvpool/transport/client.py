@@ -11,7 +11,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool import errors
@@ -24,7 +23,6 @@ from kvpool.transport.engine import (
     _close_endpoint,
     _describe,
     _reply_tag,
-    _Timer,
     local_host_id,
     ucx_api,
     ucx_interface_options,
@@ -40,7 +38,6 @@ from kvpool.transport.frames import (
     _MAX_TOKEN_BYTES,
     _MIN_CHUNK_FLOOR,
     _STATUS,
-    _STATUS_BUFFER_NBYTES,
     MAX_HEADER_NBYTES,
     MIN_CHUNK,
     PROTOCOL_VERSION,
@@ -55,47 +52,10 @@ from kvpool.transport.frames import (
     _parse_status,
     plausible_worker_address,
 )
+from kvpool.transport.pulls import _as_layer_range, _as_out_view, _as_peer_address, _Peer, _Pull
 
 log = logging.getLogger("kvpool.transport")
 
-# -- client ------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Peer:
-    """A cached endpoint to one server and the pulls using it."""
-
-    key: tuple[Any, ...]
-    ep: Any
-    error_handling: bool
-    label: str
-    conn_id: int = field(default_factory=lambda: secrets.randbits(64))
-    pulls: set[_Pull] = field(default_factory=set)
-    #: reached through its worker address (no listener): the server replies to ours
-    by_worker_address: bool = False
-
-
-@dataclass(eq=False)
-class _Pull:
-    address: PeerAddress
-    key: bytes
-    layer_range: LayerRange
-    out: memoryview
-    timeout_s: float
-    future: concurrent.futures.Future[int]
-    request_id: int = 0
-    peer: _Peer | None = None
-    status_buf: bytearray = field(default_factory=lambda: bytearray(_STATUS_BUFFER_NBYTES))
-    header_out: bytearray | None = None  # receives the header an OK carries (asked for)
-    nbytes: int = 0
-    chunk: int = 0
-    chunks_left: int = 0
-    chunks_done: int = 0  # chunks received (the first may arrive before the status is handled)
-    receives: list[Any] = field(default_factory=list)  # chunk receives not yet completed
-    abort_receive: Any = None
-    done: bool = False
-    timer: _Timer | None = None
-    token: bytes = b""
 
 
 class PullClient:
@@ -597,45 +557,3 @@ class PullClient:
             for pull in list(peer.pulls):
                 self._fail(pull, errors.PoolClosedError(f"{self._name} closed"))
             self._drop_peer(peer, "client closing")
-
-
-def _as_peer_address(address: PeerAddress | tuple[str, int]) -> PeerAddress:
-    if isinstance(address, PeerAddress):
-        return address
-    try:
-        host, port = address
-        return PeerAddress(str(host), int(port))
-    except (TypeError, ValueError):
-        raise ValueError(f"address must be a PeerAddress or (host, port), got {address!r}") from None
-
-
-def _as_layer_range(layers: LayerRange | tuple[int, int] | range) -> LayerRange:
-    if isinstance(layers, LayerRange):
-        start, stop = layers.start, layers.stop
-    elif isinstance(layers, range) and layers.step == 1:
-        start, stop = layers.start, layers.stop
-    elif isinstance(layers, tuple) and len(layers) == 2:
-        start, stop = int(layers[0]), int(layers[1])
-    else:
-        raise errors.LayerRangeError(f"cannot read {layers!r} as a layer range")
-    if not 0 <= start < stop < 2**32:
-        raise errors.LayerRangeError(f"layer range [{start}, {stop}) is empty or negative")
-    return LayerRange(start, stop)
-
-
-def _as_out_view(out: Any) -> memoryview:
-    try:
-        view = memoryview(out)
-    except TypeError:
-        raise errors.OutBufferError(
-            f"out must support the buffer protocol, got {type(out).__name__}") from None
-    if view.readonly:
-        raise errors.OutBufferError("out buffer is read-only")
-    if not view.c_contiguous:
-        raise errors.OutBufferError("out buffer must be C-contiguous")
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    if view.nbytes == 0:
-        raise errors.OutBufferError("out buffer is empty")
-    return view
-
-

@@ -1,0 +1,92 @@
+"""The pulling side's per-pull state (:class:`_Pull`), its cached endpoints (:class:`_Peer`),
+and the checks of a caller's arguments (address, layer range, ``out`` buffer).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool import errors
+from kvpool.objformat import LayerRange
+from kvpool.transport.engine import _Timer
+from kvpool.transport.frames import _STATUS_BUFFER_NBYTES, PeerAddress
+
+
+@dataclass(eq=False)
+class _Peer:
+    """A cached endpoint to one server and the pulls using it."""
+
+    key: tuple[Any, ...]
+    ep: Any
+    error_handling: bool
+    label: str
+    conn_id: int = field(default_factory=lambda: secrets.randbits(64))
+    pulls: set[_Pull] = field(default_factory=set)
+    #: reached through its worker address (no listener): the server replies to ours
+    by_worker_address: bool = False
+
+
+@dataclass(eq=False)
+class _Pull:
+    address: PeerAddress
+    key: bytes
+    layer_range: LayerRange
+    out: memoryview
+    timeout_s: float
+    future: concurrent.futures.Future[int]
+    request_id: int = 0
+    peer: _Peer | None = None
+    status_buf: bytearray = field(default_factory=lambda: bytearray(_STATUS_BUFFER_NBYTES))
+    header_out: bytearray | None = None  # receives the header an OK carries (asked for)
+    nbytes: int = 0
+    chunk: int = 0
+    chunks_left: int = 0
+    chunks_done: int = 0  # chunks received (the first may arrive before the status is handled)
+    receives: list[Any] = field(default_factory=list)  # chunk receives not yet completed
+    abort_receive: Any = None
+    done: bool = False
+    timer: _Timer | None = None
+    token: bytes = b""
+
+
+def _as_peer_address(address: PeerAddress | tuple[str, int]) -> PeerAddress:
+    if isinstance(address, PeerAddress):
+        return address
+    try:
+        host, port = address
+        return PeerAddress(str(host), int(port))
+    except (TypeError, ValueError):
+        raise ValueError(f"address must be a PeerAddress or (host, port), got {address!r}") from None
+
+
+def _as_layer_range(layers: LayerRange | tuple[int, int] | range) -> LayerRange:
+    if isinstance(layers, LayerRange):
+        start, stop = layers.start, layers.stop
+    elif isinstance(layers, range) and layers.step == 1:
+        start, stop = layers.start, layers.stop
+    elif isinstance(layers, tuple) and len(layers) == 2:
+        start, stop = int(layers[0]), int(layers[1])
+    else:
+        raise errors.LayerRangeError(f"cannot read {layers!r} as a layer range")
+    if not 0 <= start < stop < 2**32:
+        raise errors.LayerRangeError(f"layer range [{start}, {stop}) is empty or negative")
+    return LayerRange(start, stop)
+
+
+def _as_out_view(out: Any) -> memoryview:
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise errors.OutBufferError(
+            f"out must support the buffer protocol, got {type(out).__name__}") from None
+    if view.readonly:
+        raise errors.OutBufferError("out buffer is read-only")
+    if not view.c_contiguous:
+        raise errors.OutBufferError("out buffer must be C-contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes == 0:
+        raise errors.OutBufferError("out buffer is empty")
+    return view
