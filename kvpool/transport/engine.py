@@ -151,6 +151,7 @@ class Engine:
         self.request_ids = itertools.count(1)
         self._driver: int | None = None
         self._drive_epoll: select.epoll | None = None
+        self._loop_epoll: select.epoll | None = None  # the progress thread's (muted while a caller drives)
         self._options = _effective_ucx_options(ucx_options)
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._watched: list[tuple[Any, Callable[[BaseException | None], None], Any]] = []
@@ -245,11 +246,16 @@ class Engine:
         """
         if not self._lock.acquire(blocking=False):
             return False
+        settled = False
         try:
             if self._stop_requested or self.worker is None or self._drive_epoll is None:
                 raise errors.PoolClosedError(f"{self.name} is closed")
             self._driver = threading.get_ident()
             worker, epoll = self.worker, self._drive_epoll
+            # The progress thread sleeps on the same descriptors: muted while this thread drives,
+            # so the events of this pull do not wake it only to wait for the lock (a context switch
+            # and a GIL hand-off per event, on this caller's vCPU when they share one).
+            self._mute_loop(True)
             start()
             next_tick = time.monotonic() + tick_s if tick is not None else math.inf
             while True:
@@ -258,6 +264,7 @@ class Engine:
                 busy = self._reap() or busy
                 busy = self._run_due_timers() or busy
                 if done():
+                    settled = self._settle(worker)
                     return True
                 now = time.monotonic()
                 if now >= next_tick:
@@ -279,15 +286,39 @@ class Engine:
             # Leave the worker armed for the progress thread, or wake it for what is pending.
             kick = bool(self._commands)
             try:
-                kick = kick or (self.worker is not None and not self.worker.arm())
+                kick = kick or (self.worker is not None and not (settled or self.worker.arm()))
             except Exception:
                 kick = True
+            self._mute_loop(False)  # level-triggered: what arrived meanwhile wakes it now
             self._lock.release()
             if kick and not self._closed:
                 try:
                     os.eventfd_write(self._wake_fd, 1)
                 except OSError:
                     pass
+
+    def _settle(self, worker: Any, rounds: int = 4) -> bool:
+        """Finish what this drive left behind (send completions, releases) until the worker arms,
+        so the progress thread need not be woken for it; whether it armed."""
+        for _ in range(rounds):
+            if not self._commands and worker.arm():
+                return True
+            self._run_commands()
+            worker.progress()
+            self._reap()
+            self._run_due_timers()
+        return False
+
+    def _mute_loop(self, mute: bool) -> None:
+        epoll, worker = self._loop_epoll, self.worker
+        if epoll is None or worker is None:
+            return
+        events = 0 if mute else select.EPOLLIN
+        try:
+            epoll.modify(worker.epoll_file_descriptor, events)
+            epoll.modify(self._wake_fd, events)
+        except (OSError, ValueError):  # closed meanwhile: the loop is gone
+            pass
 
     # -- thread only -------------------------------------------------------------
 
@@ -323,6 +354,7 @@ class Engine:
             epoll = select.epoll()
             epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
             epoll.register(self._wake_fd, select.EPOLLIN)
+            self._loop_epoll = epoll
             self._drive_epoll = select.epoll()
             self._drive_epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
             self._drive_epoll.register(self._wake_fd, select.EPOLLIN)
@@ -380,6 +412,7 @@ class Engine:
                 self.worker.progress()
                 self._reap()
         finally:
+            self._loop_epoll = None
             epoll.close()
             if self._drive_epoll is not None:
                 self._drive_epoll.close()
