@@ -20,7 +20,8 @@ from kvpool.api import Key, LayerSource, PoolAPI, timed
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectSpec, byte_view, spec_of
 from tiers import TIER_ORDER, tier_class
-from tiers.manager import PinnedObject, TierManager
+from tiers.entries import PinnedObject
+from tiers.manager import TierManager
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,12 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kvpool import errors
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, layer_checksums
 from tiers.base import Extent, Tier
+from tiers.entries import LockBusy, ManagerListener, PinnedObject, _Entry, _largest_fit, _NeedsApproval
 from tiers.policy import make_policy
 
 log = logging.getLogger(__name__)
@@ -52,82 +52,8 @@ log = logging.getLogger(__name__)
 MISS_REASONS = ("absent", "checksum")
 
 
-def _largest_fit(tier: Tier) -> int:
-    """The largest object (total bytes, header included) ``tier`` could ever hold."""
-    low, high = 0, tier.capacity_bytes
-    while low < high:
-        mid = (low + high + 1) // 2
-        if tier.fits_ever(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-@dataclass
-class _Entry:
-    key: bytes
-    tier: int
-    extent: Extent
-    header: ObjectHeader
-    pins: int = 0
-    doomed: bool = False  # deleted or overwritten while pinned: free on last unpin
-    lower_hits: int = 0  # hits since it landed in a tier below the top
-    #: a copy left in a persistent tier when the object was promoted out of it (never read
-    #: while the upper copy exists; dropped when its tier needs the space)
-    backing: tuple[int, Extent] | None = None
-
-
-class _NeedsApproval(Exception):
-    """Making room needs the ``may_drop_many`` hook's word on these bottom-tier victims."""
-
-    def __init__(self, entries: list[_Entry]) -> None:
-        super().__init__(f"{len(entries)} victims await approval")
-        self.entries = entries
-
-
-class LockBusy(errors.KVPoolError):
-    """``pin(blocking=False)`` found the manager's lock taken (retry on a thread that may wait)."""
-
-
 _APPROVAL_ROUNDS = 8  # rounds of "propose victims, ask outside the lock" before PoolFullError
 _DISK_FULL_RETRIES = 4
-
-
-@dataclass(frozen=True)
-class PinnedObject:
-    """A read-pinned object: its bytes stay put until ``TierManager.unpin``."""
-
-    key: bytes
-    header: ObjectHeader
-    tier: Tier
-    extent: Extent
-    _entry: _Entry = field(repr=False, compare=False)
-
-    @property
-    def spec(self) -> ObjectSpec:
-        return self.header.spec
-
-    def read_layers(self, layer_range: LayerRange, out: Any) -> None:
-        """Copy the layers into ``out`` (verified where the tier can rot)."""
-        self.tier.read_layers(self.extent, self.header, layer_range, out)
-
-    def view_layers(self, layer_range: LayerRange) -> memoryview | None:
-        """Zero-copy view of the layers in tier memory, or None if the tier has none."""
-        if not self.tier.supports_views:
-            return None
-        rng = self.header.spec.layer_bytes(layer_range)
-        return self.tier.view(self.extent, rng.offset, rng.nbytes)
-
-
-class ManagerListener(Protocol):
-    """Told of every change to the index (called with the manager's lock held: keep it cheap)."""
-
-    def stored(self, key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> None: ...
-
-    def moved(self, key: bytes, tier: Tier, extent: Extent, header: ObjectHeader) -> None: ...
-
-    def removed(self, key: bytes, reason: str) -> None: ...
 
 
 class TierManager:

@@ -50,7 +50,8 @@ from kvpool.transport import (
     ucx_interface_options,
 )
 from tiers.base import Extent, Tier
-from tiers.manager import LockBusy, TierManager
+from tiers.entries import LockBusy
+from tiers.manager import TierManager
 
 log = logging.getLogger("kvpool.node")
 
