@@ -580,15 +580,15 @@ def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALE
         ([msgpack.packb({"op": "ping"})], None, "ProtocolError", "array"),
         ([msgpack.packb([99, 7, "ping", {}])], 7, "ProtocolError", "version"),
         ([msgpack.packb([P.PROTOCOL_VERSION, 8, "frobnicate", {}])], 8, "ProtocolError", "unknown op"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 9, "lookup", [1, 2]])], 9, "ProtocolError", "must be a map"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 9, "lookup", [1, 2]])], 9, "ProtocolError", "got `array`"),
         ([msgpack.packb([P.PROTOCOL_VERSION, 10, "lookup", {"keys": 5}])], 10, "ProtocolError", "keys"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 11, "lookup", {"keys": [5]}])], 11, "InvalidKeyError", "bytes"),
+        ([msgpack.packb([P.PROTOCOL_VERSION, 11, "lookup", {"keys": [5]}])], 11, "ProtocolError", "$.keys[0]"),
         ([msgpack.packb([P.PROTOCOL_VERSION, 12, "register", {"node_id": "x", "address": "a", "host_id": "h",
                                               "tiers": {"dram": {"capacity": 1, "free": 2}}}])],
          12, "ProtocolError", "free <= capacity"),
         ([msgpack.packb([P.PROTOCOL_VERSION, 13, "commit",
                          {"items": [{"reservation": 1, "replica": {"tier": "dram"}}]}])],
-         13, "ProtocolError", "nbytes"),
+         13, "ProtocolError", "missing required field"),
         ([msgpack.packb([P.PROTOCOL_VERSION, 14, "ping", {}]), b"extra frame"], None, "ProtocolError",
          "one message frame"),
     ],
@@ -657,7 +657,7 @@ class FakeStorage:
         self.socket.setsockopt(zmq.LINGER, 0)
         ClusterKey.default().secure_server(self.socket)  # as a node's control socket
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.requests: list[dict[str, Any]] = []
+        self.requests: list[Any] = []  # schema.Replicate structs
         self.fail = False
         self.stopping = threading.Event()
         # Everything _serve uses exists before it runs: the master may ask this node for a copy
@@ -681,9 +681,9 @@ class FakeStorage:
             if self.fail:
                 reply = P.pack_control_error(request.request_id, "TransferError", "injected")
             else:
-                rec = {**record(), "header_sum": body["header_sum"]}
-                self.committer.commit(body["reservation"], rec)
-                self.node.objects[body["key"]] = rec
+                rec = {**record(), "header_sum": body.header_sum}  # body: a schema.Replicate
+                self.committer.commit(body.reservation, rec)
+                self.node.objects[body.key] = rec
                 reply = P.pack_control_reply(request.request_id, {"node_id": self.node.node_id})
             self.socket.send_multipart([ident, reply])
 
@@ -754,10 +754,10 @@ def test_master_rereplicates_durable_keys_when_a_holder_dies_or_leaves(master, f
                  "copies restored on the two surviving storage nodes")
         took = time.monotonic() - started
         copies = [r for f in (a, b, c) if f is not victim for r in f.requests]
-        assert all(r["persistent"] and r["replicas"] == 2 for r in copies)
+        assert all(r.persistent and r.replicas == 2 for r in copies)
         # a copier is told what to check the source's header against: that key's, and the spec
-        assert all(r["header_sum"] == sums[r["key"]] and r["spec"] == SPEC.to_wire() for r in copies)
-        assert {r["source"] for r in copies} <= {a.node.address, b.node.address, c.node.address, writer.address}
+        assert all(r.header_sum == sums[r.key] and r.spec == SPEC.to_wire() for r in copies)
+        assert {r.source for r in copies} <= {a.node.address, b.node.address, c.node.address, writer.address}
         assert took < 5
 
         # One leaves cleanly: nowhere to copy to until a new storage node joins.

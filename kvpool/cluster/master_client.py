@@ -25,12 +25,14 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.etcd import LeaderFinder
 from kvpool.cluster.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
+from kvpool.cluster.schema import LocateReply
 from kvpool.cluster.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
 from kvpool.config import Config, MasterSection, check_master_address
 
@@ -266,7 +268,7 @@ class MasterClient:
                 raise errors.MasterUnreachableError(
                     f"master at {conn.address} did not answer {op} within {timeout:.3g} s"
                 ) from None
-            reply_id, ok, reply = P.unpack_reply(frame)
+            reply_id, ok, reply = P.unpack_reply(frame, op)  # an OK body as op's reply struct
             if reply_id != request_id:
                 continue  # a late reply to a request this thread gave up on
             if ok:
@@ -320,7 +322,7 @@ class MasterClient:
     # -- operations ---------------------------------------------------------------------
 
     def ping(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.call(P.PING, {}, timeout_s=timeout_s)
+        return msgspec.structs.asdict(self.call(P.PING, {}, timeout_s=timeout_s))
 
     def register(
         self,
@@ -346,18 +348,18 @@ class MasterClient:
         def send(batch: Sequence[ReplicaRecord]) -> int:
             # The first batch registers (replacing what the master believed); the rest are published.
             if first:
-                return self.call(P.PUBLISH, {"node_id": node_id, "objects": list(batch)})["indexed"]
+                return self.call(P.PUBLISH, {"node_id": node_id, "objects": list(batch)}).indexed
             body: dict[str, Any] = {
                 "node_id": node_id, "address": address, "host_id": host_id,
                 "tiers": tiers, "objects": list(batch), "role": role, "persistent_tiers": list(persistent_tiers),
             }
             if control is not None:
                 body["control"] = control
-            first.append(self.call(P.REGISTER, body))
-            return first[0].get("indexed", 0)
+            first.append(msgspec.structs.asdict(self.call(P.REGISTER, body)))
+            return first[0]["indexed"]
 
         indexed = self._batched(objects if isinstance(objects, Sequence) else list(objects), send)
-        reply = dict(first[0])
+        reply = first[0]
         reply["indexed"] = sum(indexed)
         return reply
 
@@ -366,7 +368,7 @@ class MasterClient:
 
         Returns how many replicas were withdrawn.
         """
-        return self.call(P.LEAVE, {"node_id": node_id}, timeout_s=timeout_s)["withdrawn"]
+        return self.call(P.LEAVE, {"node_id": node_id}, timeout_s=timeout_s).withdrawn
 
     def heartbeat(
         self, node_id: str, tiers: Mapping[str, Mapping[str, int]] | None = None, delete_ack: int = 0
@@ -374,18 +376,17 @@ class MasterClient:
         body: dict[str, Any] = {"node_id": node_id, "delete_ack": delete_ack}
         if tiers is not None:
             body["tiers"] = tiers
-        reply = self.call(P.HEARTBEAT, body)
-        return HeartbeatReply(reply["reregister"], reply["delete"], reply["delete_seq"])
+        return self.call(P.HEARTBEAT, body)
 
     def lookup(self, hashes: Iterable[KeyLike]) -> int:
         """How many leading ``hashes`` are cached somewhere (the longest cached prefix)."""
-        replies = self._batched(_keys(hashes), lambda b: self.call(P.LOOKUP, {"keys": list(b)})["prefix"],
+        replies = self._batched(_keys(hashes), lambda b: self.call(P.LOOKUP, {"keys": list(b)}).prefix,
                                 until=lambda batch, prefix: prefix < len(batch))
         return sum(replies)
 
     def exists_many(self, keys: Iterable[KeyLike]) -> list[bool]:
         return [hit for reply in self._batched(
-            _keys(keys), lambda b: self.call(P.EXISTS, {"keys": list(b)})["exists"]) for hit in reply]
+            _keys(keys), lambda b: self.call(P.EXISTS, {"keys": list(b)}).exists) for hit in reply]
 
     def exists(self, key: KeyLike) -> bool:
         return self.exists_many([key])[0]
@@ -393,21 +394,18 @@ class MasterClient:
     def locate_many(self, keys: Iterable[KeyLike], lease: bool = True) -> Located:
         """Every replica of each key (None on a miss); with ``lease`` they are pinned
         until :meth:`release` or the master's ``lease_s``."""
-        def locate(batch: Sequence[bytes]) -> dict[str, Any]:
-            reply = self.call(P.LOCATE, {"keys": list(batch), "lease": lease})
-            # Shape checked here; the records themselves are checked where they are used (kvpool.cluster.reader).
-            if not (isinstance(reply, dict) and isinstance(reply.get("replicas"), list)
-                    and (reply.get("lease") is None or type(reply.get("lease")) is int)):
-                raise errors.ProtocolError("locate reply without a replica list and a lease id")
-            return reply
+        def locate(batch: Sequence[bytes]) -> LocateReply:
+            # The schema checks the reply's shape; each replica record is checked where it is used
+            # (kvpool.cluster.reader), so one bad record costs only that replica.
+            return self.call(P.LOCATE, {"keys": list(batch), "lease": lease})
 
         replies = self._batched(_keys(keys), locate)
-        leases = [r["lease"] for r in replies if r["lease"] is not None]
+        leases = [r.lease for r in replies if r.lease is not None]
         if len(replies) == 1:
-            return Located(replies[0]["replicas"], replies[0]["lease"])
+            return Located(replies[0].replicas, replies[0].lease)
         # More than max_batch keys: one lease per request; lease_id is the first, the others
         # are in more_leases (Located.lease_ids names them all).
-        return Located([x for r in replies for x in r["replicas"]], leases[0] if leases else None,
+        return Located([x for r in replies for x in r.replicas], leases[0] if leases else None,
                        tuple(leases[1:]))
 
     def locate(self, key: KeyLike, lease: bool = True) -> Located:
@@ -418,7 +416,7 @@ class MasterClient:
         ids = [lid for lid in lease_ids if lid is not None]
         if not ids:
             return 0
-        return sum(self._batched(ids, lambda b: self.call(P.RELEASE, {"leases": list(b)})["released"]))
+        return sum(self._batched(ids, lambda b: self.call(P.RELEASE, {"leases": list(b)}).released))
 
     def reserve_many(self, items: Iterable[tuple[KeyLike, int, str]]) -> list[int]:
         """Reserve (key, nbytes, node_id) puts; the keys stay invisible until commit.
@@ -429,7 +427,7 @@ class MasterClient:
         done: list[int] = []
 
         def send(batch: Sequence[dict[str, Any]]) -> list[int]:
-            ids = self.call(P.RESERVE, {"items": list(batch)})["reservations"]
+            ids = self.call(P.RESERVE, {"items": list(batch)}).reservations
             done.extend(ids)
             return ids
 
@@ -451,7 +449,7 @@ class MasterClient:
         """Make reserved puts visible; False for a reservation that expired, was
         revoked, or whose node died."""
         body = [{"reservation": rid, "replica": record} for rid, record in items]
-        return [ok for reply in self._batched(body, lambda b: self.call(P.COMMIT, {"items": list(b)})["committed"])
+        return [ok for reply in self._batched(body, lambda b: self.call(P.COMMIT, {"items": list(b)}).committed)
                 for ok in reply]
 
     def commit(self, reservation_id: int, replica: ReplicaRecord) -> None:
@@ -462,25 +460,25 @@ class MasterClient:
 
     def revoke(self, reservation_ids: Iterable[int]) -> int:
         return sum(self._batched(list(reservation_ids),
-                                 lambda b: self.call(P.REVOKE, {"reservations": list(b)})["revoked"]))
+                                 lambda b: self.call(P.REVOKE, {"reservations": list(b)}).revoked))
 
     def publish(self, node_id: str, objects: Sequence[ReplicaRecord]) -> int:
         """Index replicas a node already holds, in one step (records with ``key``)."""
         return sum(self._batched(list(objects), lambda b: self.call(
-            P.PUBLISH, {"node_id": node_id, "objects": list(b)})["indexed"]))
+            P.PUBLISH, {"node_id": node_id, "objects": list(b)}).indexed))
 
     def evict_request(self, node_id: str, keys: Iterable[KeyLike]) -> EvictDecision:
         """Ask to drop keys: allowed ones are already out of the index; pinned ones
         must stay until their readers' leases end."""
         replies = self._batched(_keys(keys), lambda b: self.call(
             P.EVICT_REQUEST, {"node_id": node_id, "keys": list(b)}))
-        return EvictDecision([k for r in replies for k in r["allowed"]], [k for r in replies for k in r["pinned"]],
-                             any(r["reregister"] for r in replies))
+        return EvictDecision([k for r in replies for k in r.allowed], [k for r in replies for k in r.pinned],
+                             any(r.reregister for r in replies))
 
     def removed(self, node_id: str, keys: Iterable[KeyLike]) -> int:
         """Report keys the node no longer holds; returns how many were indexed."""
         return sum(self._batched(_keys(keys), lambda b: self.call(
-            P.REMOVED, {"node_id": node_id, "keys": list(b)})["removed"]))
+            P.REMOVED, {"node_id": node_id, "keys": list(b)}).removed))
 
     def delete(self, keys: Iterable[KeyLike], node_id: str | None = None) -> list[bool]:
         """Remove keys from the pool (lookups miss at once); False for unknown keys.
@@ -489,8 +487,8 @@ class MasterClient:
         not told to drop them again on a later heartbeat (which would delete a copy it put
         again meanwhile: delete then put from one process must leave the key there)."""
         extra = {} if node_id is None else {"node_id": node_id}
-        return [d for reply in self._batched(_keys(keys), lambda b: self.call(P.DELETE, {"keys": list(b), **extra})[
-            "deleted"]) for d in reply]
+        replies = self._batched(_keys(keys), lambda b: self.call(P.DELETE, {"keys": list(b), **extra}).deleted)
+        return [d for reply in replies for d in reply]
 
     def place(
         self,
@@ -514,7 +512,7 @@ class MasterClient:
             "key": None if key is None else as_key(key),
         })
         return [
-            Placement(t["node_id"], t["address"], t["host_id"], t["reservation"]) for t in reply["targets"]
+            Placement(t.node_id, t.address, t.host_id, t.reservation) for t in reply.targets
         ]
 
     def stats(self) -> dict[str, Any]:
@@ -523,4 +521,4 @@ class MasterClient:
     def list_keys(self, prefix: KeyLike = b"", limit: int = 1000) -> tuple[list[dict[str, Any]], bool]:
         """(keys with their replicas, truncated) for keys starting with ``prefix``."""
         reply = self.call(P.LIST, {"prefix": as_key(prefix) if prefix else b"", "limit": int(limit)})
-        return reply["keys"], reply["truncated"]
+        return reply.keys, reply.truncated

@@ -32,6 +32,7 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
+from kvpool.cluster import schema as S
 from kvpool.cluster.heartbeat import Heartbeater
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.protocol import ReplicaRecord, replica_record
@@ -423,7 +424,7 @@ class Node:
                                               host=self.host, engine=self.engine)
             return self._replicator
 
-    def _replicate(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _replicate(self, body: S.Replicate) -> dict[str, Any]:
         """Pull a whole object from a holder, verify it, store it, commit the reservation.
 
         A durable copy (``persistent``: every durable put and re-replication) goes
@@ -431,25 +432,19 @@ class Node:
         its key is appended to ``durable.log`` there, so the node re-registers it
         as durable after a restart. Replies only once the master has the commit.
         """
-        key = body.get("key")
-        raw_spec, header_sum, raw_source = body.get("spec"), body.get("header_sum"), body.get("source")
-        reservation, persistent = body.get("reservation"), body.get("persistent", False)
-        replicas = body.get("replicas") or 1
-        token = body.get("token", b"")  # minted for the source node by the master or the writer
-        if type(key) is not bytes or not 0 < len(key) <= self.config.pool.max_key_bytes:
+        key, header_sum, raw_source = body.key, body.header_sum, body.source
+        reservation, persistent, replicas, token = body.reservation, body.persistent, body.replicas, body.token
+        if not 0 < len(key) <= self.config.pool.max_key_bytes:
             raise errors.ProtocolError(f"replicate: key must be 1..{self.config.pool.max_key_bytes} bytes")
-        if type(header_sum) is not int or not 0 <= header_sum < 1 << 64:
-            raise errors.ProtocolError("replicate: header_sum must be a u64 (the source header's checksum)")
         try:
-            spec = ObjectSpec.from_wire(raw_spec)  # type: ignore[arg-type]
+            spec = ObjectSpec.from_wire(body.spec)
         except (TypeError, ValueError, errors.KVPoolError) as exc:
-            raise errors.ProtocolError(f"replicate: bad spec {raw_spec!r:.100}: {exc}") from None
-        if type(raw_source) is not str or len(raw_source) > self.config.master.max_address_bytes:
+            raise errors.ProtocolError(f"replicate: bad spec {body.spec!r:.100}: {exc}") from None
+        if len(raw_source) > self.config.master.max_address_bytes:
             raise errors.ProtocolError("replicate: source must be a node address (str, bounded)")
-        if type(reservation) is not int or type(replicas) is not int or replicas < 1 \
-                or type(persistent) is not bool:
-            raise errors.ProtocolError("replicate: reservation (int), replicas (int >= 1), persistent (bool)")
-        if type(token) is not bytes or len(token) > 64:
+        if reservation is None:
+            raise errors.ProtocolError("replicate: a reservation to commit is needed")
+        if len(token) > 64:
             raise errors.ProtocolError("replicate: token must be bytes (at most 64)")
         source = NodeAddress.decode(raw_source).peer
         # Never allocate what a peer's header claims before checking it could be stored here.

@@ -1,7 +1,8 @@
 """The master's requests: one ``op_*`` per protocol operation on :class:`IndexState`.
 
-Each ``op_*`` validates its whole body before changing anything, so a bad request never
-leaves half an update behind.
+Each ``op_*`` takes its op's struct from :mod:`kvpool.cluster.schema` (shape and fixed
+limits already checked) and checks what depends on settings and state before changing
+anything, so a bad request never leaves half an update behind.
 """
 
 from __future__ import annotations
@@ -13,16 +14,8 @@ from typing import Any
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
-from kvpool.cluster.records import (
-    MAX_CONTROL_BYTES,
-    MAX_DELETES_PER_BEAT,
-    MAX_ID_BYTES,
-    MAX_TIERS,
-    Lease,
-    NodeInfo,
-    _field,
-    describe_address,
-)
+from kvpool.cluster import schema as S
+from kvpool.cluster.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address
 from kvpool.cluster.state import IndexState
 
 log = logging.getLogger("kvpool.master")
@@ -32,7 +25,7 @@ class MasterState(IndexState):
     """All master state and every operation on it; no sockets, no threads."""
 
     @functools.cached_property
-    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+    def handlers(self) -> dict[str, Callable[[Any], Any]]:
         return {
             P.PING: self.op_ping, P.REGISTER: self.op_register, P.LEAVE: self.op_leave,
             P.HEARTBEAT: self.op_heartbeat,
@@ -46,31 +39,23 @@ class MasterState(IndexState):
 
     # -- operations -----------------------------------------------------------------
 
-    def handle(self, op: str, body: dict[str, Any]) -> Any:
+    def handle(self, op: str, body: Any) -> Any:
+        """Serve one request: ``body`` is the op's struct (a mapping is decoded into it first, as
+        the wire would be). Returns the reply body as builtins."""
         self.counters["requests"] += 1
-        return self.handlers[op](body)
+        return self.handlers[op](P.decode_body(op, body))
 
-    def op_ping(self, body: dict[str, Any]) -> Any:
+    def op_ping(self, body: S.Ping) -> Any:
         return {"version": P.PROTOCOL_VERSION, "uptime_s": self.clock() - self.started}
 
-    def op_register(self, body: dict[str, Any]) -> Any:
-        node_id = self._bounded_str(body, "node_id", MAX_ID_BYTES)
-        address = self._bounded_str(body, "address", self.config.max_address_bytes)
-        host_id = self._bounded_str(body, "host_id", MAX_ID_BYTES)
-        tiers = self._tiers(_field(body, "tiers", dict))
-        raw_objects = self._batch(body, "objects", [])
-        role = _field(body, "role", str, P.ROLE_CLIENT)
-        persistent = _field(body, "persistent_tiers", list, [])
-        if len(persistent) > MAX_TIERS:
-            raise errors.RequestTooLargeError(f"{len(persistent)} persistent tiers; the most is {MAX_TIERS}")
-        if not node_id:
-            raise P.MalformedRequest("node_id must not be empty")
-        if role not in (P.ROLE_STORAGE, P.ROLE_CLIENT):
-            raise P.MalformedRequest(f"role must be {P.ROLE_STORAGE!r} or {P.ROLE_CLIENT!r}, got {role!r:.40}")
-        if not all(isinstance(t, str) for t in persistent):
-            raise P.MalformedRequest("persistent_tiers must be a list of tier names")
+    def op_register(self, body: S.Register) -> Any:
+        node_id, host_id, role, persistent = body.node_id, body.host_id, body.role, body.persistent_tiers
+        address = self._bounded_str("address", body.address, self.config.max_address_bytes)
+        tiers = self._tiers(body.tiers)
+        raw_objects = self._batch(body.objects, "objects")
         endpoint, control = describe_address(address)
-        control = self._bounded_str(body, "control", MAX_CONTROL_BYTES, control)
+        if body.control is not None:
+            control = body.control
         records = [self._record(raw, with_key=True) for raw in raw_objects]
         now = self.clock()
         node = self.nodes.get(node_id)
@@ -121,9 +106,9 @@ class MasterState(IndexState):
             "skipped_deleted": skipped,
         }
 
-    def op_leave(self, body: dict[str, Any]) -> Any:
+    def op_leave(self, body: S.Leave) -> Any:
         """A clean departure: the node's replicas leave the index now; it is listed as ``left``."""
-        node = self.nodes.get(_field(body, "node_id", str))
+        node = self.nodes.get(body.node_id)
         if node is None or not node.alive:
             return {"withdrawn": 0, "known": node is not None}
         dropped, stale = self._retire(node, self.clock(), "left")
@@ -131,11 +116,9 @@ class MasterState(IndexState):
         log.info("node %s left: %d replicas withdrawn, %d reservations dropped", node.label, dropped, stale)
         return {"withdrawn": dropped, "known": True}
 
-    def op_heartbeat(self, body: dict[str, Any]) -> Any:
-        node_id = _field(body, "node_id", str)
-        raw_tiers = _field(body, "tiers", dict, None)
-        ack = _field(body, "delete_ack", int, 0)
-        tiers = None if raw_tiers is None else self._tiers(raw_tiers)
+    def op_heartbeat(self, body: S.Heartbeat) -> Any:
+        node_id, ack = body.node_id, body.delete_ack
+        tiers = None if body.tiers is None else self._tiers(body.tiers)
         self.counters["heartbeats"] += 1
         node = self.nodes.get(node_id)
         if node is None or not node.alive:
@@ -159,8 +142,8 @@ class MasterState(IndexState):
                 pending[key] = node.delete_seq
         return {"reregister": False, "delete": sendable, "delete_seq": node.delete_seq}
 
-    def op_lookup(self, body: dict[str, Any]) -> Any:
-        keys = self._keys(body, strict=False)
+    def op_lookup(self, body: S.Keys) -> Any:
+        keys = self._keys(body.keys, strict=False)
         present = list(map(self.index.__contains__, keys))
         prefix = present.index(False) if False in present else len(present)
         c = self.counters
@@ -169,17 +152,17 @@ class MasterState(IndexState):
         c["lookup_hits"] += prefix
         return {"prefix": prefix}
 
-    def op_exists(self, body: dict[str, Any]) -> Any:
-        keys = self._keys(body, strict=False)
+    def op_exists(self, body: S.Keys) -> Any:
+        keys = self._keys(body.keys, strict=False)
         found = list(map(self.index.__contains__, keys))
         hits = sum(found)
         self.counters["key_hits"] += hits
         self.counters["key_misses"] += len(found) - hits
         return {"exists": found}
 
-    def op_locate(self, body: dict[str, Any]) -> Any:
-        keys = self._keys(body, strict=False)
-        want_lease = _field(body, "lease", bool, True)
+    def op_locate(self, body: S.Locate) -> Any:
+        keys = self._keys(body.keys, strict=False)
+        want_lease = body.lease
         index, nodes = self.index, self.nodes
         mint = self.cluster_key.mint_token if self.cluster_key is not None and self.cluster_key.enabled else None
         out: list[list[dict[str, Any]] | None] = []
@@ -209,40 +192,26 @@ class MasterState(IndexState):
             self.counters["leases_granted"] += 1
         return {"replicas": out, "lease": lease_id}
 
-    def op_release(self, body: dict[str, Any]) -> Any:
-        lease_ids = self._batch(body, "leases")
+    def op_release(self, body: S.Release) -> Any:
+        lease_ids = self._batch(body.leases, "leases")
         released = 0
         for lid in lease_ids:
-            lease = self.leases.pop(lid, None) if type(lid) is int else None
+            lease = self.leases.pop(lid, None)
             if lease is not None:
                 self._unpin(lease)
                 released += 1
         self.counters["leases_released"] += released
         return {"released": released}
 
-    def op_reserve(self, body: dict[str, Any]) -> Any:
-        items = self._batch(body, "items")
-        checked = []
-        for item in items:
-            if not isinstance(item, dict):
-                raise P.MalformedRequest("reserve items must be maps {key, nbytes, node_id}")
-            key = self._key(item.get("key"))
-            nbytes = _field(item, "nbytes", int)
-            if nbytes < 0:
-                raise P.MalformedRequest("nbytes must be >= 0")
-            checked.append((key, nbytes, self._alive_node(item.get("node_id"))))
+    def op_reserve(self, body: S.Reserve) -> Any:
+        checked = [(self._key(item.key), item.nbytes, self._alive_node(item.node_id))
+                   for item in self._batch(body.items, "items")]
         now = self.clock()
         return {"reservations": [self._reserve(key, nbytes, node, now) for key, nbytes, node in checked]}
 
-    def op_commit(self, body: dict[str, Any]) -> Any:
-        items = self._batch(body, "items")
-        checked = []
-        for item in items:
-            if not isinstance(item, dict):
-                raise P.MalformedRequest("commit items must be maps {reservation, replica}")
-            rid = _field(item, "reservation", int)
-            _, record = self._record(_field(item, "replica", dict), with_key=False)
-            checked.append((rid, record))
+    def op_commit(self, body: S.Commit) -> Any:
+        checked = [(item.reservation, self._record(item.replica, with_key=False)[1])
+                   for item in self._batch(body.items, "items")]
         committed = []
         for rid, record in checked:
             res = self.reservations.pop(rid, None)
@@ -261,19 +230,19 @@ class MasterState(IndexState):
             self.counters["bytes_committed"] += record["nbytes"]
         return {"committed": committed}
 
-    def op_revoke(self, body: dict[str, Any]) -> Any:
+    def op_revoke(self, body: S.Revoke) -> Any:
         revoked = 0
-        for rid in self._batch(body, "reservations"):
-            res = self.reservations.pop(rid, None) if type(rid) is int else None
+        for rid in self._batch(body.reservations, "reservations"):
+            res = self.reservations.pop(rid, None)
             if res is not None:
                 self._release_reservation(res)
                 revoked += 1
         self.counters["revokes"] += revoked
         return {"revoked": revoked}
 
-    def op_publish(self, body: dict[str, Any]) -> Any:
-        node = self._alive_node(_field(body, "node_id", str))
-        records = [self._record(raw, with_key=True) for raw in self._batch(body, "objects")]
+    def op_publish(self, body: S.Publish) -> Any:
+        node = self._alive_node(body.node_id)
+        records = [self._record(raw, with_key=True) for raw in self._batch(body.objects, "objects")]
         # A node sending what it holds is alive: one that re-registers a large index in many
         # batches is never declared dead between them for want of a heartbeat.
         node.last_seen = max(node.last_seen, self.clock())
@@ -284,9 +253,9 @@ class MasterState(IndexState):
         self.counters["published"] += len(records)
         return {"indexed": len(records)}
 
-    def op_evict_request(self, body: dict[str, Any]) -> Any:
-        node_id = _field(body, "node_id", str)
-        keys = self._keys(body)
+    def op_evict_request(self, body: S.NodeKeys) -> Any:
+        node_id = body.node_id
+        keys = self._keys(body.keys)
         node = self.nodes.get(node_id)
         if node is None or not node.alive:
             # Nothing of this node is indexed, so nothing can be pointed at.
@@ -305,9 +274,9 @@ class MasterState(IndexState):
         self.counters["evictions_refused"] += len(pinned)
         return {"allowed": allowed, "pinned": pinned, "reregister": False}
 
-    def op_removed(self, body: dict[str, Any]) -> Any:
-        node_id = _field(body, "node_id", str)
-        keys = self._keys(body)
+    def op_removed(self, body: S.NodeKeys) -> Any:
+        node_id = body.node_id
+        keys = self._keys(body.keys)
         node = self.nodes.get(node_id)
         if node is None:
             return {"removed": 0}
@@ -319,9 +288,9 @@ class MasterState(IndexState):
         self.counters["removed"] += removed
         return {"removed": removed}
 
-    def op_delete(self, body: dict[str, Any]) -> Any:
-        keys = self._keys(body)
-        caller = _field(body, "node_id", str, "")  # drops its own copies itself, at once
+    def op_delete(self, body: S.Delete) -> Any:
+        keys = self._keys(body.keys)
+        caller = body.node_id  # drops its own copies itself, at once
         nodes = self.nodes
         deleted = []
         for key in keys:
@@ -338,14 +307,10 @@ class MasterState(IndexState):
         self.counters["deletes"] += sum(deleted)
         return {"deleted": deleted}
 
-    def op_place(self, body: dict[str, Any]) -> Any:
-        nbytes = _field(body, "nbytes", int)
-        replicas = _field(body, "replicas", int, 1)
-        exclude = set(self._batch(body, "exclude", []))
-        raw_key = _field(body, "key", (bytes, type(None)), None)
-        key = None if raw_key is None else self._key(raw_key)
-        if nbytes < 0:
-            raise P.MalformedRequest("place needs nbytes >= 0")
+    def op_place(self, body: S.Place) -> Any:
+        nbytes, replicas = body.nbytes, body.replicas
+        exclude = set(self._batch(body.exclude, "exclude"))
+        key = None if body.key is None else self._key(body.key)
         if replicas < 1:
             raise errors.InvalidArgumentError(f"replicas must be >= 1, got {replicas}")
         eligible = self._eligible(exclude)
@@ -378,13 +343,10 @@ class MasterState(IndexState):
             for n in chosen
         ]}
 
-    def op_list(self, body: dict[str, Any]) -> Any:
+    def op_list(self, body: S.ListKeys) -> Any:
         """Keys starting with ``prefix`` (operators' ``kvpool ls``), at most ``limit``."""
-        prefix = _field(body, "prefix", bytes, b"")
-        limit = _field(body, "limit", int, 1000)
-        if limit < 0:
-            raise P.MalformedRequest("field 'limit' must be >= 0")
-        limit = min(limit, self.config.max_batch)  # a reply stays as bounded as a request
+        prefix = body.prefix
+        limit = min(body.limit, self.config.max_batch)  # a reply stays as bounded as a request
         out: list[dict[str, Any]] = []
         for key, replicas in self.index.items():
             if not key.startswith(prefix):
@@ -396,7 +358,7 @@ class MasterState(IndexState):
                         "replicas": [{"node_id": nid, "tier": r.get("tier")} for nid, r in replicas.items()]})
         return {"keys": out, "truncated": False}
 
-    def op_stats(self, body: dict[str, Any]) -> Any:
+    def op_stats(self, body: S.Stats | Any) -> Any:
         now = self.clock()
         return {
             "protocol_version": P.PROTOCOL_VERSION,

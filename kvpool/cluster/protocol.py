@@ -1,4 +1,5 @@
-"""The master's wire protocol: versioned msgpack messages over ZeroMQ.
+"""The master's and the node control socket's wire protocol: versioned msgpack messages
+over ZeroMQ, with the bodies typed by :mod:`kvpool.cluster.schema`.
 
 Owns the framing, the list of operations, the shape of every request and reply
 body, and the mapping of error replies to :mod:`kvpool.errors` classes. It does
@@ -20,7 +21,11 @@ for anything unparseable, an unknown version or op, or a malformed body).
 msgpack is packed with ``use_bin_type``: keys (prefix hashes) are ``bytes``,
 names are ``str``.
 
-Bodies (every batch is one message, whatever its size)::
+Bodies (every batch is one message, whatever its size) are msgpack maps; their typed
+schema — the authority on every field, type and fixed limit — is :mod:`kvpool.cluster.schema`,
+and :data:`SCHEMA` maps each op to its request and reply struct. A request decodes straight
+into its struct (a body that does not fit is ProtocolError, naming the field); a client
+decodes each reply into its op's reply struct the same way::
 
     ping            {}                                   -> {"version", "uptime_s"}
     register        {"node_id", "address", "host_id", "tiers", "objects": [record],
@@ -84,8 +89,11 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import msgpack
+import msgspec
 
 from kvpool import errors
+from kvpool.cluster import schema as S
+from kvpool.cluster.schema import ROLE_CLIENT, ROLE_STORAGE
 from kvpool.objformat import ObjectSpec, stored_header_checksum
 
 PROTOCOL_VERSION = 2  # v2: records carry header_sum, not the header
@@ -116,13 +124,19 @@ PLACE = "place"
 STATS = "stats"
 LIST = "list"
 
-ROLE_STORAGE = "storage"  # kvpool-server --role node|all: may receive durable copies
-ROLE_CLIENT = "client"    # an inference process (kvpool.connect): never receives durable copies
+__all__ = ["ROLE_CLIENT", "ROLE_STORAGE"]
 
-OPS = frozenset({
-    PING, REGISTER, LEAVE, HEARTBEAT, LOOKUP, EXISTS, LOCATE, RELEASE, RESERVE, COMMIT,
-    REVOKE, PUBLISH, EVICT_REQUEST, REMOVED, DELETE, PLACE, STATS, LIST,
-})
+#: op -> (request body, reply body) in :mod:`kvpool.cluster.schema`; a reply of None is free-form
+SCHEMA: dict[str, tuple[type[S.Body], type[S.Body] | None]] = {
+    PING: (S.Ping, S.PingReply), REGISTER: (S.Register, S.RegisterReply), LEAVE: (S.Leave, S.LeaveReply),
+    HEARTBEAT: (S.Heartbeat, S.HeartbeatReply), LOOKUP: (S.Keys, S.LookupReply),
+    EXISTS: (S.Keys, S.ExistsReply), LOCATE: (S.Locate, S.LocateReply), RELEASE: (S.Release, S.ReleaseReply),
+    RESERVE: (S.Reserve, S.ReserveReply), COMMIT: (S.Commit, S.CommitReply), REVOKE: (S.Revoke, S.RevokeReply),
+    PUBLISH: (S.Publish, S.PublishReply), EVICT_REQUEST: (S.NodeKeys, S.EvictReply),
+    REMOVED: (S.NodeKeys, S.RemovedReply), DELETE: (S.Delete, S.DeleteReply), PLACE: (S.Place, S.PlaceReply),
+    STATS: (S.Stats, None), LIST: (S.ListKeys, S.ListReply),
+}
+OPS = frozenset(SCHEMA)
 
 
 # -- body shapes (documentation for readers and type checkers) --------------------
@@ -182,11 +196,8 @@ def replica_record(
 # -- client-side views of replies ------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class HeartbeatReply:
-    reregister: bool      # the master does not know this node: register again with everything held
-    delete: list[bytes]   # keys other clients deleted; drop them, the next beat acknowledges
-    delete_seq: int       # acknowledge with this in the next heartbeat's delete_ack
+HeartbeatReply = S.HeartbeatReply
+EvictDecision = S.EvictReply
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,13 +210,6 @@ class Located:
     def lease_ids(self) -> tuple[int, ...]:
         """Every lease this locate took: release them all when done."""
         return ((self.lease_id,) if self.lease_id is not None else ()) + self.more_leases
-
-
-@dataclass(frozen=True, slots=True)
-class EvictDecision:
-    allowed: list[bytes]  # drop now: already gone from the index, no reader holds them
-    pinned: list[bytes]   # a reader holds a lease: keep them and ask again later
-    reregister: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +227,7 @@ class Placement:
 class Request:
     request_id: Any
     op: str
-    body: dict[str, Any]
+    body: Any  # the op's schema struct
 
 
 class MalformedRequest(errors.ProtocolError):
@@ -234,23 +238,60 @@ class MalformedRequest(errors.ProtocolError):
         self.request_id = request_id
 
 
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[Any, Any, Any, msgspec.Raw])
+_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def _decoder(kind: Any) -> msgspec.msgpack.Decoder[Any]:
+    try:
+        return _DECODERS[kind]
+    except KeyError:
+        decoder = _DECODERS[kind] = msgspec.msgpack.Decoder(kind)
+        return decoder
+
+
 def _unpack(frame: bytes | memoryview) -> Any:
     return msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
 
 
-def pack_request(request_id: Any, op: str, body: Mapping[str, Any]) -> bytes:
-    return msgpack.packb([PROTOCOL_VERSION, request_id, op, body], use_bin_type=True)
+def _envelope(frame: bytes | memoryview, what: str) -> tuple[Any, Any, Any, msgspec.Raw]:
+    """``[version, request_id, op_or_status, body]`` with the body left encoded."""
+    try:
+        return _ENVELOPE.decode(frame)
+    except msgspec.ValidationError:
+        raise MalformedRequest(f"{what} must be a msgpack array [version, request_id, op, body]") from None
+    except Exception as exc:  # DecodeError and friends: never leaks as such
+        raise MalformedRequest(f"{what} is not msgpack: {type(exc).__name__}: {str(exc):.200}") from None
+
+
+def decode_body(op: str, body: Any, request_id: Any = None, *, kinds: Mapping[str, Any] | None = None) -> Any:
+    """``body`` (still encoded, or a mapping as tests build it) as ``op``'s request struct;
+    MalformedRequest names the field that does not fit (RequestTooLargeError for a fixed limit)."""
+    kind = (kinds or _REQUESTS)[op]
+    if isinstance(body, S.Body):
+        return body
+    raw = body if isinstance(body, msgspec.Raw) else _ENCODER.encode(body)
+    try:
+        return _decoder(kind).decode(raw)
+    except msgspec.ValidationError as exc:
+        raise MalformedRequest(f"body of {op} does not fit its schema (a map of {kind.__name__} fields): {exc}",
+                               request_id) from None
+    except msgspec.DecodeError as exc:
+        raise MalformedRequest(f"body of {op} is not msgpack: {exc}", request_id) from None
+
+
+_REQUESTS = {op: request for op, (request, _) in SCHEMA.items()}
+
+
+def pack_request(request_id: Any, op: str, body: Any) -> bytes:
+    return _ENCODER.encode([PROTOCOL_VERSION, request_id, op, body])
 
 
 def unpack_request(frame: bytes | memoryview) -> Request:
-    """Parse one request frame; raises MalformedRequest (with the id when readable)."""
-    try:
-        message = _unpack(frame)
-    except Exception as exc:  # msgpack raises a zoo of types (ExtraData, ValueError, ...)
-        raise MalformedRequest(f"request is not msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(message, list) or len(message) != 4:
-        raise MalformedRequest("request must be a msgpack array [version, request_id, op, body]")
-    version, request_id, op, body = message
+    """Parse one request frame into its op's struct; raises MalformedRequest (with the id when
+    readable)."""
+    version, request_id, op, body = _envelope(frame, "request")
     if not isinstance(request_id, (int, str)) or isinstance(request_id, bool) or (
             isinstance(request_id, str) and len(request_id) > 256):
         raise MalformedRequest(f"request_id must be an int or a str of at most 256 characters, "
@@ -262,35 +303,35 @@ def unpack_request(frame: bytes | memoryview) -> Request:
         )
     if not isinstance(op, str) or op not in OPS:
         raise MalformedRequest(f"unknown op {op!r:.80}; known: {', '.join(sorted(OPS))}", request_id)
-    if not isinstance(body, dict):
-        raise MalformedRequest(f"body of {op} must be a map, got {type(body).__name__}", request_id)
-    return Request(request_id, op, body)
+    return Request(request_id, op, decode_body(op, body, request_id))
 
 
 def pack_reply(request_id: Any, body: Any) -> bytes:
-    return msgpack.packb([PROTOCOL_VERSION, request_id, OK, body], use_bin_type=True)
+    return _ENCODER.encode([PROTOCOL_VERSION, request_id, OK, body])
 
 
 def pack_error(request_id: Any, error_type: str, message: str) -> bytes:
-    return msgpack.packb(
-        [PROTOCOL_VERSION, request_id, ERROR, {"type": error_type, "message": message}],
-        use_bin_type=True,
-    )
+    return _ENCODER.encode([PROTOCOL_VERSION, request_id, ERROR, {"type": error_type, "message": message}])
 
 
-def unpack_reply(frame: bytes | memoryview) -> tuple[Any, bool, Any]:
-    """(request_id, ok, body) of one reply frame; raises ProtocolError if unparseable."""
+def unpack_reply(frame: bytes | memoryview, op: str | None = None) -> tuple[Any, bool, Any]:
+    """(request_id, ok, body) of one reply frame: an OK body as ``op``'s reply struct (free-form
+    without an op, or for ``stats``), an error body as a map. ProtocolError if it does not fit."""
     try:
-        message = _unpack(frame)
-    except Exception as exc:
-        raise errors.ProtocolError(f"master reply is not msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(message, list) or len(message) != 4 or message[2] not in (OK, ERROR):
+        version, request_id, status, raw = _envelope(frame, "master reply")
+    except MalformedRequest as exc:
+        raise errors.ProtocolError(str(exc)) from None
+    if status not in (OK, ERROR):
         raise errors.ProtocolError("master reply is not [version, request_id, status, body]")
-    version, request_id, status, body = message
     if version != PROTOCOL_VERSION:
         raise errors.ProtocolError(
             f"master speaks protocol version {version!r:.40}; this client speaks {PROTOCOL_VERSION}"
         )
+    kind = SCHEMA.get(op, (None, None))[1] if op is not None and status == OK else None
+    try:
+        body = _decoder(kind if kind is not None else Any).decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise errors.ProtocolError(f"master sent a malformed {op or ''} reply: {exc}") from None
     return request_id, status == OK, body
 
 
@@ -321,21 +362,24 @@ CONTROL_STATS = "stats"
 CONTROL_OPS = frozenset({CONTROL_REPLICATE, CONTROL_PING, CONTROL_STATS})
 
 
-def pack_control_request(request_id: int, op: str, body: Mapping[str, Any]) -> bytes:
-    return msgpack.packb([CONTROL_PROTOCOL_VERSION, request_id, op, dict(body)], use_bin_type=True)
+CONTROL_SCHEMA: dict[str, type[S.Body]] = {
+    CONTROL_REPLICATE: S.Replicate, CONTROL_PING: S.Ping, CONTROL_STATS: S.Stats,
+}
+
+
+def pack_control_request(request_id: int, op: str, body: Any) -> bytes:
+    return _ENCODER.encode([CONTROL_PROTOCOL_VERSION, request_id, op, body])
 
 
 def unpack_control_request(frame: bytes | memoryview) -> Request:
-    """Parse one control request; raises MalformedRequest (with the id when readable)."""
+    """Parse one control request into its op's struct; raises MalformedRequest (with the id
+    when readable)."""
     try:
-        message = _unpack(frame)
-    except Exception as exc:  # ExtraData, ValueError, ... : never leaks as such
-        raise MalformedRequest(f"control request is not msgpack: {type(exc).__name__}: {str(exc):.200}") from None
-    if not isinstance(message, list) or len(message) != 4:
+        version, request_id, op, body = _envelope(frame, "control request")
+    except MalformedRequest as exc:
         raise MalformedRequest(
-            f"control request must be [version={CONTROL_PROTOCOL_VERSION}, request_id, op, body] "
-            "(an unversioned [op, body] is protocol 1, no longer served)")
-    version, request_id, op, body = message
+            f"{exc} (control requests are [version={CONTROL_PROTOCOL_VERSION}, request_id, op, body]; "
+            "an unversioned [op, body] is protocol 1, no longer served)") from None
     if type(request_id) is not int:
         raise MalformedRequest(f"control request_id must be an int, got {type(request_id).__name__}")
     if version != CONTROL_PROTOCOL_VERSION:
@@ -344,18 +388,16 @@ def unpack_control_request(frame: bytes | memoryview) -> Request:
     if not isinstance(op, str) or op not in CONTROL_OPS:
         raise MalformedRequest(f"unknown control op {op!r:.80}; known: {', '.join(sorted(CONTROL_OPS))}",
                                request_id)
-    if not isinstance(body, dict):
-        raise MalformedRequest(f"body of {op} must be a map, got {type(body).__name__}", request_id)
-    return Request(request_id, op, body)
+    return Request(request_id, op, decode_body(op, body, request_id, kinds=CONTROL_SCHEMA))
 
 
 def pack_control_reply(request_id: Any, body: Any) -> bytes:
-    return msgpack.packb([CONTROL_PROTOCOL_VERSION, request_id, OK, body], use_bin_type=True)
+    return _ENCODER.encode([CONTROL_PROTOCOL_VERSION, request_id, OK, body])
 
 
 def pack_control_error(request_id: Any, error_type: str, message: str) -> bytes:
-    return msgpack.packb([CONTROL_PROTOCOL_VERSION, request_id, ERROR,
-                          {"type": error_type, "message": message[:2000]}], use_bin_type=True)
+    return _ENCODER.encode([CONTROL_PROTOCOL_VERSION, request_id, ERROR,
+                            {"type": error_type, "message": message[:2000]}])
 
 
 def unpack_control_reply(frame: bytes | memoryview, request_id: int) -> Any:

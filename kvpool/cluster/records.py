@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +22,6 @@ REREPLICATE_EXAMINE_PER_ROUND = 4096
 REREPLICATE_MAX_IN_FLIGHT = 16
 REREPLICATE_WORKERS = 2
 REREPLICATE_BACKOFF_S = (0.5, 30.0)
-# Bounds on request fields (besides master.max_batch / max_address_bytes / max_request_bytes
-# and pool.max_key_bytes): node and host ids, control addresses, tier names and counts,
-# the parts of a replica record. A longer one is RequestTooLargeError.
-MAX_ID_BYTES = 256
-MAX_CONTROL_BYTES = 1024
-MAX_TIER_NAME_BYTES = 64
-MAX_TIERS = 64
-MAX_LOCATION_ENTRIES = 32
 # A request that kept the serving thread longer than this pauses liveness for that long
 # (see MasterState.note_busy): nodes are not declared dead because the master was busy.
 STALL_CREDIT_MIN_S = 0.02
@@ -159,21 +151,6 @@ class RereplicationTask:
 class Lease:
     pins: list[tuple[bytes, str]]
     deadline: float
-
-
-_MISSING: Any = object()
-
-
-def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
-    try:
-        value = body[name]
-    except KeyError:
-        if default is _MISSING:
-            raise P.MalformedRequest(f"missing field {name!r}") from None
-        return default
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise P.MalformedRequest(f"field {name!r} has type {type(value).__name__}")
-    return value
 
 
 class Replica:

@@ -76,19 +76,15 @@ import random
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Any
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
+from kvpool.cluster import schema as S
 from kvpool.cluster.records import (
-    _MISSING,
     COUNTERS,
-    MAX_CONTROL_BYTES,
-    MAX_LOCATION_ENTRIES,
-    MAX_TIER_NAME_BYTES,
-    MAX_TIERS,
     REREPLICATE_BACKOFF_S,
     REREPLICATE_EXAMINE_PER_ROUND,
     STALL_CREDIT_MIN_S,
@@ -98,7 +94,6 @@ from kvpool.cluster.records import (
     Replica,
     RereplicationTask,
     Reservation,
-    _field,
 )
 from kvpool.cluster.security import ClusterKey
 from kvpool.config import MasterSection
@@ -156,23 +151,22 @@ class IndexState:
         self._id_count += 1
         return self._id_prefix | self._id_count
 
-    def _keys(self, body: Mapping[str, Any], name: str = "keys", *, strict: bool = True) -> list[bytes]:
-        """The list of keys in ``body[name]``; InvalidKeyError names the first bad one.
+    def _keys(self, keys: list[bytes], name: str = "keys", *, strict: bool = True) -> list[bytes]:
+        """``keys`` (bytes, as the schema decoded them), at most ``master.max_batch``;
+        InvalidKeyError names the first of an impossible length.
 
-        Reads pass ``strict=False``: only the type is checked, since a key of an
-        impossible length can only miss. map() over builtins keeps the checks
-        in C, so a 1000-hash lookup does not spend its time validating.
+        Reads pass ``strict=False``: a key of an impossible length can only miss.
+        map() over builtins keeps the checks in C, so a 1000-hash lookup does not
+        spend its time validating.
         """
-        keys = self._batch(body, name)
-        if keys and (set(map(type, keys)) != {bytes} or strict and (
-                not 0 < min(map(len, keys)) or max(map(len, keys)) > self.max_key_bytes)):
+        self._batch(keys, name)
+        if strict and keys and (not 0 < min(map(len, keys)) or max(map(len, keys)) > self.max_key_bytes):
             for key in keys:
                 self._key(key)
         return keys
 
-    def _batch(self, body: Mapping[str, Any], name: str, default: Any = _MISSING) -> list[Any]:
-        """The list ``body[name]``, at most ``master.max_batch`` long (RequestTooLargeError)."""
-        items = _field(body, name, list, default)
+    def _batch(self, items: list[Any], name: str) -> list[Any]:
+        """``items``, at most ``master.max_batch`` long (RequestTooLargeError)."""
         if len(items) > self.config.max_batch:
             raise errors.RequestTooLargeError(
                 f"{name}: {len(items)} items in one request; the most is master.max_batch = "
@@ -180,8 +174,7 @@ class IndexState:
         return items
 
     @staticmethod
-    def _bounded_str(body: Mapping[str, Any], name: str, limit: int, default: Any = _MISSING) -> str:
-        value = _field(body, name, str, default)
+    def _bounded_str(name: str, value: str, limit: int) -> str:
         if len(value) > limit:
             raise errors.RequestTooLargeError(f"{name} is {len(value)} characters; the most is {limit}")
         return value
@@ -194,55 +187,25 @@ class IndexState:
         return key
 
     @staticmethod
-    def _tiers(raw: Any) -> dict[str, dict[str, int]]:
-        if not isinstance(raw, dict):
-            raise P.MalformedRequest("tiers must be a map {name: {capacity, free}}")
-        if len(raw) > MAX_TIERS:
-            raise errors.RequestTooLargeError(f"{len(raw)} tiers; the most is {MAX_TIERS}")
-        tiers: dict[str, dict[str, int]] = {}
-        for name, state in raw.items():
-            if not isinstance(name, str) or len(name) > MAX_TIER_NAME_BYTES:
-                raise P.MalformedRequest(f"tier names must be str of at most {MAX_TIER_NAME_BYTES} characters")
-            if not isinstance(state, dict):
-                raise P.MalformedRequest(f"tier {name!r} must be a map {{capacity, free}}")
-            capacity, free = state.get("capacity"), state.get("free")
-            if type(capacity) is not int or type(free) is not int or capacity < 0 or not 0 <= free <= capacity:
-                raise P.MalformedRequest(f"tier {name!r}: need ints 0 <= free <= capacity, got {state!r:.100}")
-            tiers[str(name)] = {"capacity": capacity, "free": free}
-        return tiers
+    def _tiers(tiers: dict[str, S.TierState]) -> dict[str, dict[str, int]]:
+        """The schema checked the states; the master keeps plain maps (shown in stats)."""
+        return {name: {"capacity": state.capacity, "free": state.free} for name, state in tiers.items()}
 
-    def _record(self, raw: Any, *, with_key: bool) -> tuple[bytes, Replica]:
-        """Validate one replica record; returns (key or b"", the record as stored)."""
-        if not isinstance(raw, dict):
-            raise P.MalformedRequest(f"replica record must be a map, got {type(raw).__name__}")
-        key = self._key(raw.get("key")) if with_key else b""
-        tier, nbytes = raw.get("tier"), raw.get("nbytes")
-        spec: Any = raw.get("spec")
-        if type(tier) is not str or type(nbytes) is not int or nbytes < 0 or len(tier) > MAX_TIER_NAME_BYTES:
-            raise P.MalformedRequest(f"replica record needs tier (str) and nbytes (int >= 0): {raw!r:.200}")
+    def _record(self, raw: S.Record, *, with_key: bool) -> tuple[bytes, Replica]:
+        """One replica record as stored: (key or b"", the record). The schema checked its
+        shape; the key's length and the spec's meaning are checked here."""
+        key = self._key(raw.key) if with_key else b""
+        spec = raw.spec
         try:  # each spec is validated once (re-registering a million keys is a handful of specs)
-            seen = tuple(spec) if type(spec) is list and len(spec) <= 8 else None
-            if seen is None or seen not in self._specs_checked:  # TypeError: unhashable parts
+            seen = tuple(spec)
+            if seen not in self._specs_checked:
                 ObjectSpec.from_wire(spec)
-                if seen is not None and len(self._specs_checked) < 4096:
+                if len(self._specs_checked) < 4096:
                     self._specs_checked.add(seen)
         except (TypeError, ValueError, errors.KVPoolError) as exc:
             raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
         # A node that lies about its header checksum only fails its own readers' checks.
-        header_sum = raw.get("header_sum")
-        if header_sum is not None and (type(header_sum) is not int or not 0 <= header_sum < 1 << 64):
-            raise P.MalformedRequest(f"header_sum must be a u64 (the header's checksum), got {header_sum!r:.40}")
-        location = raw.get("location") or {}
-        if not isinstance(location, dict):
-            raise P.MalformedRequest("location must be a map")
-        if location and (len(location) > MAX_LOCATION_ENTRIES or any(
-                isinstance(v, (str, bytes, list, dict)) and len(v) > MAX_CONTROL_BYTES for v in location.values())):
-            raise errors.RequestTooLargeError(
-                f"record location: at most {MAX_LOCATION_ENTRIES} entries of at most {MAX_CONTROL_BYTES} each")
-        durable = raw.get("durable")
-        if durable is not None and (type(durable) is not int or durable < 1):
-            raise P.MalformedRequest(f"durable must be an int >= 1 (replicas wanted), got {durable!r:.40}")
-        return key, Replica(tier, spec, nbytes, header_sum, location, durable)
+        return key, Replica(raw.tier, spec, raw.nbytes, raw.header_sum, raw.location, raw.durable)
 
     def _alive_node(self, node_id: Any) -> NodeInfo:
         node = self.nodes.get(node_id) if isinstance(node_id, str) else None
