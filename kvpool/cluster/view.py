@@ -100,7 +100,8 @@ class ReplicaLayers:
         for replica in self.replicas:
             try:
                 header = self.reader.read_into(self.key, replica, layer_range, buf, same_as=self._header)
-            except (errors.TransferError, errors.ChecksumError, errors.KVTimeoutError) as exc:
+            except (errors.TransferError, errors.FormatError, errors.TierError, errors.KVTimeoutError,
+                    errors.AuthenticationError) as exc:  # this replica only: dead, evicted, corrupt, refused
                 log.info("layers %s of %s: replica on %s failed (%s)", layer_range, self.key.hex(),
                          replica.get("node_id"), exc)
                 continue
