@@ -165,7 +165,8 @@ class CxlSection:
 class NvmeSection:
     capacity: int = _size("8GiB", "bytes of segment files; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
-    path: str = _opt("", "directory of segment files and index; default <data_dir>/nvme")
+    path: str = _opt("", "directory of segment files and index; default <data_dir>/nvme for pool "
+                          "'default', <data_dir>/nvme-<pool name> for any other")
     segment_size: int = _size("1GiB", "bytes per preallocated segment file (largest object)")
     direct_io: str = _opt("auto", "O_DIRECT: auto (use where supported), on (required), off", ("auto", "on", "off"))
     fsync: bool = _opt(False, "fdatasync data and index on every put (survive power loss, not only crashes)")

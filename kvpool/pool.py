@@ -25,6 +25,8 @@ from tiers.manager import TierManager
 
 log = logging.getLogger(__name__)
 
+EMBEDDED_POOL = "embedded"  # the name of a Pool() given no pool.name
+
 __all__ = ["Key", "Pool", "build_tier_manager", "timed"]
 
 
@@ -81,7 +83,12 @@ class Pool(PoolAPI):
     """
 
     def __init__(self, config: str | Config | Mapping[str, Any] | None = None) -> None:
-        super().__init__(Config.load(config))
+        loaded = Config.load(config)
+        if config is None or isinstance(config, Mapping) and "name" not in config.get("pool", {}):
+            # No pool named: pool "embedded", never the one a kvpool-server on this host opens with
+            # the same defaults ("default": its cxl arena and nvme directory are taken while it runs).
+            loaded.set("pool.name", EMBEDDED_POOL, origin="kvpool.Pool defaults")
+        super().__init__(loaded)
         self.manager = build_tier_manager(self.config)
         log.info("kvpool %r: tiers %s", self.config.pool.name,
                  ", ".join(f"{t.name} {t.capacity_bytes} B" for t in self.manager.tiers))

@@ -200,8 +200,7 @@ def test_a_master_client_with_another_key_gets_authentication_error_not_unreacha
 def test_another_unix_user_cannot_read_the_key_or_the_tiers(secured: Secured) -> None:
     python, env = nobody_python()
     arena = Path("/dev/shm") / f"kvpool-{secured.pool_name}-cxl"
-    segments = sorted((secured.data_dir / "nvme").glob("seg*")) or sorted(
-        p for p in (secured.data_dir / "nvme").rglob("*") if p.is_file())
+    segments = sorted(p for p in secured.data_dir.rglob("*") if p.is_file() and "nvme" in p.parent.name)
     assert arena.exists() and segments, (arena, list(secured.data_dir.rglob("*")))
     for path in [secured.key_a, arena, *segments]:
         assert path.stat().st_mode & 0o077 == 0, path  # 0600: nobody but the owner

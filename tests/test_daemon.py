@@ -187,6 +187,49 @@ def test_clients_with_default_settings_run_side_by_side_with_a_daemon(tmp_path: 
         assert float(seen) == 3 - i  # and it reads the other client's put
 
 
+def readme_python_example(heading: str) -> str:
+    """The first ``python`` block after ``heading`` in README.md, as written there."""
+    text = (REPO_ROOT / "README.md").read_text()
+    after = text[text.index(heading):]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start:after.index("```", start)]
+
+
+def test_the_readme_embedded_example_runs_next_to_a_default_daemon(tmp_path: Path, spawn_python) -> None:
+    """README's kvpool.Pool() example, verbatim, while a kvpool-server runs with the default pool
+    name and paths (HOME moved to tmp_path; the daemon's tiers made small by flags)."""
+    import os
+
+    from kvpool.config import Config
+    from tiers.cxl.arena import _lock_is_free, default_arena_path
+
+    arena = Path(default_arena_path(Config().pool.name))
+    if arena.exists():
+        fd = os.open(arena, os.O_RDONLY)
+        try:
+            if not _lock_is_free(fd):
+                pytest.skip("a live pool named 'default' (a real kvpool-server?) owns its arena on this host")
+        finally:
+            os.close(fd)
+    env = {"HOME": str(tmp_path)}
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    log = tmp_path / "daemon.log"
+    spawn_python(["-m", "kvpool.cli.server", "--master.listen", master, "--tiers.dram.capacity", "8MiB",
+                  "--tiers.dram.mlock", "false", "--tiers.cxl.capacity", "16MiB", "--tiers.nvme.capacity", "16MiB",
+                  "--tiers.nvme.segment_size", "8MiB"],
+                 log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60, env=env)
+    example = readme_python_example("## Use it from Python")
+    assert "kvpool.Pool()" in example
+    done = subprocess.run([sys.executable, "-c", example + "\nprint('pool', pool.config.pool.name)\npool.close()"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pool embedded" in done.stdout
+    # the two pools' files do not meet: the daemon's nvme in <data_dir>/nvme, the example's beside it
+    data = tmp_path / ".local" / "share" / "kvpool"
+    assert (data / "nvme").is_dir() and (data / "nvme-embedded").is_dir()
+
+
 def test_a_tier_larger_than_the_host_can_map_is_one_line_naming_the_setting(tmp_path: Path) -> None:
     # 512 TiB is beyond any x86-64 address space: refused whatever the overcommit policy.
     result = subprocess.run([sys.executable, "-m", "kvpool.cli.server", "--role", "node", "--tiers.dram.capacity",

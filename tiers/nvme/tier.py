@@ -115,8 +115,10 @@ class NvmeTier(IndexedSegments):
 
     @classmethod
     def from_config(cls, section: NvmeSection, config: Config) -> NvmeTier:
+        name = config.pool.name
+        # Pools of different names never share a directory (pool "default" keeps the one it has used).
         path = (Path(os.path.expandvars(os.path.expanduser(section.path))) if section.path
-                else config.pool.resolved_data_dir() / "nvme")
+                else config.pool.resolved_data_dir() / ("nvme" if name == "default" else f"nvme-{name}"))
         return cls(path, section.capacity, segment_size=section.segment_size, direct_io=section.direct_io,
                    fsync=section.fsync, io_threads=section.io_threads, io_chunk=section.io_chunk)
 
