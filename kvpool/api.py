@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
 import functools
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Protocol, Self
 
@@ -114,6 +116,22 @@ async def stream_layers(source: LayerSource, layers: Any, out: Any) -> AsyncIter
         source.done(nbytes)
 
 
+_OPEN: weakref.WeakSet[PoolAPI] = weakref.WeakSet()
+
+
+def _close_open_pools() -> None:
+    """Close what a program left open while its threads still run: a pool closed later, from
+    ``__del__`` at interpreter shutdown, would wait on progress and heartbeat threads that
+    no longer run (30 s per pool, then warnings about half-torn modules). Registered again
+    with every pool, so it runs before the exit hooks of what the pool imported (ZeroMQ
+    terminates its sockets in one)."""
+    for pool in list(_OPEN):
+        try:
+            pool.close()
+        except Exception:  # exiting anyway: nothing useful to report
+            pass
+
+
 class PoolAPI(abc.ABC):
     """kvpool's API; see :class:`kvpool.pool.Pool` (local tiers) and
     :func:`kvpool.connect` (the cluster). Thread-safe."""
@@ -125,6 +143,13 @@ class PoolAPI(abc.ABC):
         self.latency = ApiLatency()
         self._closed = False
         self._metrics: MetricsServer | None = None
+        _OPEN.add(self)
+        atexit.unregister(_close_open_pools)
+        atexit.register(_close_open_pools)
+
+    def _adopt(self, part: PoolAPI) -> None:
+        """``part`` is closed by this pool's close, not on its own at exit."""
+        _OPEN.discard(part)
 
     # -- validation -------------------------------------------------------------
 

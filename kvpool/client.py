@@ -85,6 +85,7 @@ class ClusterPool(PoolAPI):
                 config.set("tiers.nvme.capacity", 0, origin="kvpool.connect defaults")
         self.local = Pool(config)
         super().__init__(self.local.config)
+        self._adopt(self.local)
         self.master_address = config_master_address(self.config, master_address)  # None: the leader in etcd
         try:
             self.cluster = ClusterView(self.config, self.local.manager, self.master_address, transport=transport)

@@ -316,6 +316,38 @@ def test_unreachable_master_is_a_typed_error_and_local_puts_reappear_after_its_r
         client.close()
 
 
+EXITS_WITHOUT_CLOSE = """
+import sys, numpy as np, kvpool
+from tests.cluster_actor import small_config
+pool = kvpool.connect(sys.argv[1], config=small_config(sys.argv[1], sys.argv[2], sys.argv[3], 200))
+pool.put(b"left-open", np.zeros((2, 2, 16, 2, 32), np.float16))
+print("NODE", pool.node_id, flush=True)
+if sys.argv[4] == "raise":
+    raise RuntimeError("the program fails")
+"""
+
+
+@pytest.mark.parametrize("ending", ["return", "raise"])
+def test_a_program_that_exits_without_closing_its_pool_leaves_cleanly(cluster: Cluster, ending: str) -> None:
+    """No close(): the pool is closed at exit while its threads still run, so the node says
+    goodbye (the master lists it as left, not dead) and nothing is logged about half-torn parts."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    cluster.start_master()
+    done = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE, cluster.master_address, f"exit-{ending}",
+                           str(cluster.tmp_path / f"exit-{ending}"), ending],
+                          capture_output=True, text=True, timeout=90, cwd=REPO_ROOT)
+    assert done.returncode == (0 if ending == "return" else 1), done.stderr[-3000:]
+    node_id = done.stdout.split("NODE ", 1)[1].split()[0]
+    assert cluster.client.stats()["nodes"][node_id]["state"] == "left"
+    noise = [line for line in done.stderr.splitlines() if "closing" in line or "did not answer" in line]
+    assert noise == [], done.stderr[-3000:]
+    assert ("RuntimeError: the program fails" in done.stderr) == (ending == "raise")
+
+
 def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
     import zmq
 

@@ -189,9 +189,10 @@ class MasterClient:
                 raise errors.ConfigError(f"master address {address!r}: {exc}") from None
             conn = _Connection(socket, address, watch)
             self._connections.add(conn)
-            # When the thread ends its connection is collected; close the socket then.
-            weakref.finalize(conn, socket.close, 0)
-            weakref.finalize(conn, watch.monitor.close, 0)
+            # When the thread ends its connection is collected; close the socket then. Not at
+            # exit: pools close their clients then (kvpool.api), and still need the sockets.
+            for close in (socket.close, watch.monitor.close):
+                weakref.finalize(conn, close, 0).atexit = False
         self._local.conn = conn
         return conn
 
