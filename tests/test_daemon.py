@@ -215,8 +215,8 @@ def test_the_readme_embedded_example_runs_next_to_a_default_daemon(tmp_path: Pat
     master = f"tcp://127.0.0.1:{free_tcp_port()}"
     log = tmp_path / "daemon.log"
     spawn_python(["-m", "kvpool.cli.server", "--master.listen", master, "--tiers.dram.capacity", "8MiB",
-                  "--tiers.dram.mlock", "false", "--tiers.cxl.capacity", "16MiB", "--tiers.nvme.capacity", "16MiB",
-                  "--tiers.nvme.segment_size", "8MiB"],
+                  "--tiers.dram.mlock", "false", "--tiers.cxl.capacity", "16MiB", "--tiers.nvme.capacity", "128MiB",
+                  "--tiers.nvme.segment_size", "64MiB"],
                  log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60, env=env)
     example = readme_python_example("## Use it from Python")
     assert "kvpool.Pool()" in example
@@ -228,6 +228,15 @@ def test_the_readme_embedded_example_runs_next_to_a_default_daemon(tmp_path: Pat
     # the two pools' files do not meet: the daemon's nvme in <data_dir>/nvme, the example's beside it
     data = tmp_path / ".local" / "share" / "kvpool"
     assert (data / "nvme").is_dir() and (data / "nvme-embedded").is_dir()
+
+    # The cluster example against that daemon (its address instead of the default port's).
+    example = readme_python_example("Across hosts, the master listens")
+    assert 'kvpool.connect("tcp://127.0.0.1:7700")' in example and "durable=True" in example
+    done = subprocess.run([sys.executable, "-c", example.replace("tcp://127.0.0.1:7700", master)
+                           + "\nprint('read', float(buf.flat[0]))"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "read 1.0" in done.stdout
 
 
 def test_a_tier_larger_than_the_host_can_map_is_one_line_naming_the_setting(tmp_path: Path) -> None:
