@@ -27,8 +27,6 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_POOL = "embedded"  # the name of a Pool() given no pool.name
 
-__all__ = ["Key", "Pool", "build_tier_manager", "timed"]
-
 
 def build_tier_manager(config: Config) -> TierManager:
     """Open every tier with a capacity above 0, fastest first."""
@@ -92,10 +90,6 @@ class Pool(PoolAPI):
         self.manager = build_tier_manager(self.config)
         log.info("kvpool %r: tiers %s", self.config.pool.name,
                  ", ".join(f"{t.name} {t.capacity_bytes} B" for t in self.manager.tiers))
-
-    @property
-    def _manager(self) -> TierManager:  # the name tests and tools used before ``manager``
-        return self.manager
 
     # -- core API -----------------------------------------------------------------
 

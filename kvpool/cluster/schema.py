@@ -319,7 +319,7 @@ class Replicate(Body):
     source: str
     reservation: int | None = None
     replicas: int = 1
-    persistent: bool = True
+    persistent: bool = False  # into the persistent tier (every durable copy says so)
     token: bytes = b""  # pull token the holder accepts for this key
 
     def __post_init__(self) -> None:
@@ -327,8 +327,3 @@ class Replicate(Body):
             raise ValueError(f"header_sum must be a u64, got {self.header_sum}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-
-
-class ReplicateReply(Body):
-    committed: bool
-    tier: str = ""

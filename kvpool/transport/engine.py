@@ -259,10 +259,7 @@ class Engine:
             start()
             next_tick = time.monotonic() + tick_s if tick is not None else math.inf
             while True:
-                busy = self._run_commands()
-                worker.progress()
-                busy = self._reap() or busy
-                busy = self._run_due_timers() or busy
+                busy = self._turn(worker)
                 if done():
                     settled = self._settle(worker)
                     return True
@@ -303,10 +300,7 @@ class Engine:
         for _ in range(rounds):
             if not self._commands and worker.arm():
                 return True
-            self._run_commands()
-            worker.progress()
-            self._reap()
-            self._run_due_timers()
+            self._turn(worker)
         return False
 
     def _mute_loop(self, mute: bool) -> None:
@@ -381,10 +375,7 @@ class Engine:
             with self._lock:  # waits while a caller drives (it does this thread's work meanwhile)
                 self._driver = me
                 try:
-                    busy = self._run_commands()
-                    worker.progress()
-                    busy = self._reap() or busy
-                    busy = self._run_due_timers() or busy
+                    busy = self._turn(worker)
                     # arm() fails while UCX still has events to process: progress again.
                     if busy or self._commands or not worker.arm():
                         continue
@@ -424,6 +415,14 @@ class Engine:
             self.context = None
             self._driver = None
             self._lock.release()
+
+    def _turn(self, worker: Any) -> bool:
+        """One round of the driving thread's work: commands, UCX progress, completions, due
+        timers; whether any of it did something."""
+        busy = self._run_commands()
+        worker.progress()
+        busy = self._reap() or busy
+        return self._run_due_timers() or busy
 
     def _run_commands(self) -> bool:
         ran = False

@@ -16,7 +16,6 @@ from kvpool.transport.engine import (
     Array,
     Engine,
     MiB,
-    _close_endpoint,
     _describe,
     _reply_tag,
     local_host_id,
@@ -547,11 +546,8 @@ class PullServer:
         self._releasing -= 1
 
     def _drop_client(self, ep: Any) -> None:
-        if self._endpoints is not None:
-            self._endpoints.drop(ep)  # closes it, then calls _on_dropped
-        else:
-            _close_endpoint(ep)
-            self._on_dropped(ep)
+        assert self._endpoints is not None  # made on start, before any job exists
+        self._endpoints.drop(ep)  # closes it, then calls _on_dropped
 
     def _on_dropped(self, ep: Any) -> None:
         for other in list(self._jobs):
