@@ -112,7 +112,7 @@ def run_server(args: argparse.Namespace) -> None:
             raise ValueError(f"range ends at {hi}, buffer holds {len(view)}")
         return ServeSource(nbytes=hi - lo, buffers=[view[lo:hi]])
 
-    server = PullServer(provider, max_message=args.max_message).start()
+    server = PullServer(provider, max_message=args.max_message, inline_provider=True).start()
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_socket_server, args=(listener, view), daemon=True).start()
     peer = server.peer_address

@@ -229,6 +229,8 @@ class NodeSection:
     pull_timeout_s: float = _opt(10.0, "deadline for one pull from a peer")
     same_host_index: bool = _opt(True, "find objects in same-host nodes' cxl arenas by key, without the master")
     location_cache: int = _opt(65536, "keys whose holder is remembered, so a repeat get skips the master (0: off)")
+    speculative_pulls: bool = _opt(True, "while the master locates a key, pull it from the node last pulled "
+                                         "from; used only if the master confirms that node and version")
 
 
 @dataclass

@@ -170,6 +170,87 @@ def test_iter_layers_reads_local_and_remote_objects_through_one_pipeline(cluster
         reader.close()
 
 
+def test_a_get_pulls_from_the_last_holder_while_the_master_locates_and_keeps_only_what_it_confirms(
+        cluster: Cluster) -> None:
+    """Speculative pulls (node.speculative_pulls): while ``locate`` travels, a get pulls from
+    the node it last pulled from. The bytes count only when the master names that node with
+    the same header checksum; otherwise the get goes on as if nothing had been guessed."""
+    from kvpool.api import out_view
+
+    cluster.start_master()
+    a, b, reader = cluster.connect("holder-a"), cluster.connect("holder-b"), cluster.connect("reader")
+
+    def counter(name: str) -> int:
+        return int(reader.stats()["remote"].get(name, 0))
+
+    try:
+        for i in range(4):
+            a.put(key_of(i), content(i))
+        b.put(key_of(10), content(10))
+        other_spec = np.arange(2 * 2 * 32 * 4 * 64, dtype=np.float16).reshape(2, 2, 32, 4, 64)
+        a.put(b"two-layers", other_spec)
+
+        np.testing.assert_array_equal(reader.get(key_of(0)), content(0))  # nothing to guess yet
+        assert counter("speculative_hits") == counter("speculative_wasted") == 0
+        np.testing.assert_array_equal(reader.get(key_of(1)), content(1))  # guessed a: confirmed
+        out = np.empty((3,) + content(0).shape[1:], np.float16)
+        assert reader.get(key_of(3), layers=range(2, 5), out=out) is out
+        np.testing.assert_array_equal(out, content(3)[2:5])
+        assert counter("speculative_hits") == 2
+        asked = cluster.client.stats()["counters"]["key_hits"]
+        np.testing.assert_array_equal(reader.get(key_of(1)), content(1))  # confirmed reads are remembered
+        assert cluster.client.stats()["counters"]["key_hits"] == asked
+
+        np.testing.assert_array_equal(reader.get(key_of(10)), content(10))  # on b only: a misses
+        assert counter("speculative_wasted") == 1
+
+        # Deleted at the master while a still holds it (until its next heartbeat): a miss, never a's bytes.
+        np.testing.assert_array_equal(reader.get(key_of(1)), content(1))
+        assert cluster.client.delete([key_of(2)]) == [True]
+        assert reader.get(key_of(2)) is None
+        assert counter("speculative_wasted") == 2
+
+        # A version the master did not locate: pulled, then refused by its header checksum.
+        key = key_of(1)
+        [[located]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
+        a.delete(key)
+        a.put(key, content(20))
+        guess = reader.cluster.reader.speculate(key, None, None, out_view)
+        assert guess is not None and guess.replica["node_id"] == a.node_id
+        reader.cluster.reader.run(guess, reader.cluster.node.cluster_key.mint_token(key, a.node_id))
+        assert guess.pulled
+        np.testing.assert_array_equal(guess.arr, content(20))  # the holder's bytes, unverified
+        assert reader.cluster.reader.confirm(guess, [located]) is None
+        assert counter("speculative_wasted") == 3
+        np.testing.assert_array_equal(reader.get(key), content(20))
+
+        # Guesses kept missing (3 wasted against 2 confirmed): no more guessing for a while, and
+        # an object of another spec is read as located.
+        np.testing.assert_array_equal(reader.get(b"two-layers"), other_spec)
+        assert counter("speculative_wasted") == 3 and counter("speculative_hits") == 2
+    finally:
+        for pool in (a, b, reader):
+            pool.close()
+
+
+def test_speculative_pulls_can_be_turned_off(cluster: Cluster) -> None:
+    cluster.start_master()
+    holder = cluster.connect("holder")
+    config = small_config(cluster.master_address, "reader", str(cluster.tmp_path / "reader"), HEARTBEAT_MS)
+    config.set("node.speculative_pulls", False, origin="test")
+    reader = kvpool.connect(cluster.master_address, config=config)
+    try:
+        for i in range(3):
+            holder.put(key_of(i), content(i))
+        for i in range(3):
+            np.testing.assert_array_equal(reader.get(key_of(i)), content(i))
+        remote = reader.stats()["remote"]
+        assert remote["pulls"] == 3 and "speculative_hits" not in remote and "speculative_wasted" not in remote
+    finally:
+        holder.close()
+        reader.close()
+
+
 def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -> None:
     cluster.start_master()
     cluster.start_actor("writer", "writer", "--keys", "6")

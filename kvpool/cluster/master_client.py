@@ -200,17 +200,25 @@ class MasterClient:
         self._local.conn = None
         conn.close()
 
-    def call(self, op: str, body: Mapping[str, Any], *, timeout_s: float | None = None) -> Any:
-        """Send one request and return the reply body (raises the error a reply names)."""
+    def call(self, op: str, body: Mapping[str, Any], *, timeout_s: float | None = None,
+             meanwhile: Callable[[], None] | None = None) -> Any:
+        """Send one request and return the reply body (raises the error a reply names).
+
+        ``meanwhile`` runs on this thread once the request is out, before the reply is read:
+        work that overlaps the round trip (it should not raise; a reply that arrives meanwhile
+        waits in the socket). It runs once, even if the request is sent again to a new leader.
+        """
         timeout = self.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         if self._finder is None:
-            return self._call_once(self._connection(self._fixed), op, body, deadline, timeout)  # type: ignore[arg-type]
+            return self._call_once(self._connection(self._fixed), op, body, deadline, timeout,  # type: ignore[arg-type]
+                                   meanwhile)
         refresh = False
         while True:
             conn = self._connection(self._leader(deadline, refresh))
             try:
-                return self._call_once(conn, op, body, deadline, timeout)
+                work, meanwhile = meanwhile, None
+                return self._call_once(conn, op, body, deadline, timeout, work)
             except _LeaderMoved:
                 refresh = False  # the finder has just read the new leader
             except errors.NotLeaderError:  # a standby (the leader key moved since it was read)
@@ -221,7 +229,7 @@ class MasterClient:
                 refresh = True
 
     def _call_once(self, conn: _Connection, op: str, body: Mapping[str, Any], deadline: float,
-                   timeout: float) -> Any:
+                   timeout: float, meanwhile: Callable[[], None] | None = None) -> Any:
         request_id = next(conn.ids)
         frame = P.pack_request(request_id, op, body)
         if len(frame) > self.max_request_bytes:  # the master would drop it unread: never a silent timeout
@@ -233,6 +241,8 @@ class MasterClient:
         except zmq.Again:  # the send queue is full: the master has been gone for a while
             self._discard(conn)
             raise errors.MasterUnreachableError(f"master at {conn.address} is not accepting requests") from None
+        if meanwhile is not None:
+            meanwhile()
         socket = conn.socket
         # Following a leader: a reply slower than this makes the client look for a new leader.
         slice_ms = int(LEADER_CHECK_S * 1000) if self._finder is not None else 1 << 30
@@ -392,13 +402,17 @@ class MasterClient:
     def exists(self, key: KeyLike) -> bool:
         return self.exists_many([key])[0]
 
-    def locate_many(self, keys: Iterable[KeyLike], lease: bool = True) -> Located:
+    def locate_many(self, keys: Iterable[KeyLike], lease: bool = True,
+                    meanwhile: Callable[[], None] | None = None) -> Located:
         """Every replica of each key (None on a miss); with ``lease`` they are pinned
-        until :meth:`release` or the master's ``lease_s``."""
+        until :meth:`release` or the master's ``lease_s``. ``meanwhile``: see :meth:`call`
+        (with the first request)."""
         def locate(batch: Sequence[bytes]) -> LocateReply:
+            nonlocal meanwhile
+            work, meanwhile = meanwhile, None
             # The schema checks the reply's shape; each replica record is checked where it is used
             # (kvpool.cluster.reader), so one bad record costs only that replica.
-            return self.call(P.LOCATE, {"keys": list(batch), "lease": lease})
+            return self.call(P.LOCATE, {"keys": list(batch), "lease": lease}, meanwhile=work)
 
         replies = self._batched(_keys(keys), locate)
         leases = [r.lease for r in replies if r.lease is not None]
@@ -409,8 +423,8 @@ class MasterClient:
         return Located([x for r in replies for x in r.replicas], leases[0] if leases else None,
                        tuple(leases[1:]))
 
-    def locate(self, key: KeyLike, lease: bool = True) -> Located:
-        return self.locate_many([key], lease)
+    def locate(self, key: KeyLike, lease: bool = True, meanwhile: Callable[[], None] | None = None) -> Located:
+        return self.locate_many([key], lease, meanwhile)
 
     def release(self, lease_ids: Iterable[int | None]) -> int:
         """End leases early; unknown or expired ids are ignored. Returns how many ended."""

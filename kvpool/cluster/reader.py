@@ -183,6 +183,26 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
             "_node": node, "_spec": spec}
 
 
+class Speculation:
+    """A pull started from a guessed holder while the master's ``locate`` is on its way
+    (:meth:`ReplicaReader.speculate`). Its bytes count only once :meth:`ReplicaReader.confirm`
+    finds the guessed node among the located replicas with the same spec and header checksum:
+    until then they are unverified, and they are thrown away (the read then goes on as if no
+    guess had been made) when the master disagrees."""
+
+    __slots__ = ("arr", "buf", "key", "layer_range", "pulled", "raw_header", "replica")
+
+    def __init__(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, arr: np.ndarray,
+                 buf: memoryview) -> None:
+        self.key, self.replica, self.layer_range, self.arr, self.buf = key, replica, layer_range, arr, buf
+        self.raw_header = bytearray(replica["_spec"].header_nbytes)  # type: ignore[typeddict-item]
+        self.pulled = False
+
+
+_SPECULATION_MAX_SCORE = 8
+_SPECULATION_RETRY_EVERY = 32  # with speculation off (guesses kept missing), still try this often
+
+
 def _check_same(header: ObjectHeader, same_as: ObjectHeader | None, layer_range: LayerRange) -> None:
     if same_as is not None and header.layer_checksums[layer_range.start:layer_range.stop] != \
             same_as.layer_checksums[layer_range.start:layer_range.stop]:
@@ -234,6 +254,11 @@ class ReplicaReader:
         self._alive_nodes: set[str] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        # Speculative pulls (:meth:`speculate`): the replica last pulled from, and how well
+        # guessing it has done lately (a hit adds one, a wasted guess takes two; off at zero).
+        self._last_holder: LocatedReplica | None = None
+        self._speculation_score = _SPECULATION_MAX_SCORE // 2
+        self._speculation_skipped = 0
 
     # -- same-host arenas, found by key without the master ----------------------------
 
@@ -358,14 +383,19 @@ class ReplicaReader:
             self.counters["location_cache_hits" if arr is not None else "location_cache_stale"] += 1
             if arr is None:
                 self.forget(key)
-        if arr is not None and self.location_cache_size:
-            keep = [r for r in replicas if r.get("node_id") not in failed]
-            with self._lock:
-                self._locations[key] = keep
-                self._locations.move_to_end(key)
-                while len(self._locations) > self.location_cache_size:
-                    self._locations.popitem(last=False)
+        if arr is not None:
+            self._remember(key, [r for r in replicas if r.get("node_id") not in failed])
         return arr
+
+    def _remember(self, key: bytes, replicas: list[LocatedReplica]) -> None:
+        """Where ``key`` was read from, for :meth:`read_cached` (LRU, ``location_cache_size``)."""
+        if not self.location_cache_size:
+            return
+        with self._lock:
+            self._locations[key] = replicas
+            self._locations.move_to_end(key)
+            while len(self._locations) > self.location_cache_size:
+                self._locations.popitem(last=False)
 
     def remembered(self, key: bytes) -> list[LocatedReplica] | None:
         """The replicas ``key`` was read from last time whose tokens are still good for a while
@@ -524,7 +554,81 @@ class ReplicaReader:
         _check_same(header, same_as, layer_range)
         header.verify(layer_range, buf)
         self.counters["pulls"] += 1
+        self._last_holder = replica
         return header
+
+    # -- speculative pulls -------------------------------------------------------------------
+
+    def speculate(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> Speculation | None:
+        """A pull of ``key`` to start from the node this reader last pulled from, before the
+        master has said where ``key`` is (:meth:`run`, then :meth:`confirm`), or None: nothing
+        pulled yet, the guesses have kept missing lately, that node is gone, or ``layers`` /
+        ``out`` do not fit the last object's spec (the guess is that ``key`` has the same one).
+
+        A reader that keeps reading from one holder (a decode node reading what its prefill
+        node wrote) then pays max(locate, pull) instead of their sum.
+        """
+        replica = self._last_holder
+        if replica is None:
+            return None
+        if self._speculation_score <= 0:
+            self._speculation_skipped += 1
+            if self._speculation_skipped < _SPECULATION_RETRY_EVERY:
+                return None
+            self._speculation_skipped, self._speculation_score = 0, 1
+        if not self.holder_alive(replica):
+            return None
+        spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
+        try:
+            layer_range = LayerRange.resolve(layers, spec.layers)
+            arr, buf = out_view(spec, layer_range, out)
+        except errors.KVPoolError:  # not this spec: the located read will say what is wrong
+            return None
+        return Speculation(key, replica, layer_range, arr, buf)
+
+    def run(self, guess: Speculation, token: bytes) -> None:
+        """Pull the guessed bytes (unverified until :meth:`confirm`); never raises a kvpool error."""
+        replica = guess.replica
+        try:
+            self.puller.pull_into(replica["_node"].peer, guess.key, guess.layer_range,  # type: ignore[typeddict-item]
+                                  guess.buf, timeout_s=self.pull_timeout_s,
+                                  alive=lambda: self.holder_alive(replica), token=token,
+                                  header_out=guess.raw_header)
+            guess.pulled = True
+        except errors.KVPoolError as exc:  # not there, or the guessed spec was wrong: locate decides
+            log.debug("speculative pull of %s from %s: %s", guess.key.hex(), replica.get("node_id"), exc)
+
+    def confirm(self, guess: Speculation, located: Any) -> np.ndarray | None:
+        """The speculatively pulled layers, if the master located ``guess.key`` on the guessed
+        node with the same spec and header checksum and every layer matches that header;
+        else None (the guess is wasted: read the located replicas as usual)."""
+        # Checked quietly: the located read that follows a wasted guess counts bad records.
+        checked = [r if _is_clean(r) else clean_replica(r) for r in located[:1024]] \
+            if isinstance(located, list) else []
+        replicas = [r for r in checked if r is not None]
+        for replica in replicas:
+            if not guess.pulled or replica["node_id"] != guess.replica["node_id"]:
+                continue
+            spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
+            if spec != guess.replica["_spec"]:  # type: ignore[typeddict-item]
+                break
+            try:
+                header = ObjectHeader.unpack_expected(guess.raw_header, guess.key, replica["header_sum"], spec)
+                header.verify(guess.layer_range, guess.buf)
+            except errors.KVPoolError as exc:  # another version, or damaged: read as located
+                log.info("speculative pull of %s from %s not used: %s", guess.key.hex(), replica["node_id"], exc)
+                break
+            self._speculation_score = min(_SPECULATION_MAX_SCORE, self._speculation_score + 1)
+            self.counters["speculative_hits"] += 1
+            self.counters["hits_remote"] += 1
+            self.counters["pulls"] += 1
+            self.counters["bytes_pulled"] += len(guess.buf)
+            self._last_holder = replica
+            self._remember(guess.key, replicas)
+            return guess.arr
+        self._speculation_score -= 2
+        self.counters["speculative_wasted"] += 1
+        return None
 
     def _cxl_reader(self, location: Mapping[str, Any]) -> Any:
         from tiers.cxl import CxlArenaReader

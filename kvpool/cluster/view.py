@@ -11,6 +11,9 @@ Reads go: same-host nodes' shared ``cxl`` indexes (no master), then the
 replicas this key was read from last time (no master), then the master's
 ``locate`` under a lease, then a UCX pull or an in-place same-host read,
 verified layer by layer; a replica that fails is skipped for the next one.
+While ``locate`` travels, a single-key read pulls from the node it last pulled
+from (``node.speculative_pulls``); those bytes are used only when the master
+names that node with the same header checksum.
 """
 
 from __future__ import annotations
@@ -222,9 +225,18 @@ class ClusterView:
         remembered = self.reader.read_cached(key, layers, out, out_view)
         if remembered is not None:
             return remembered
-        located = self.master.locate(key, lease=True)
+        # The master's answer is awaited while a guess (the holder last pulled from) is pulled:
+        # used only if the master confirms it, so a right guess hides the round trip.
+        guess = self.reader.speculate(key, layers, out, out_view) if self.config.node.speculative_pulls else None
+        located = self.master.locate(key, lease=True, meanwhile=None if guess is None else lambda: self.reader.run(
+            guess, self.node.cluster_key.mint_token(key, guess.replica["node_id"])))
         try:
-            return self.reader.read(key, replicas_at(located, 0), layers, out, out_view)
+            replicas = replicas_at(located, 0)
+            if guess is not None:
+                confirmed = self.reader.confirm(guess, replicas)
+                if confirmed is not None:
+                    return confirmed
+            return self.reader.read(key, replicas, layers, out, out_view)
         finally:
             self.releaser.release(located.lease_ids)
 
