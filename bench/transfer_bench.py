@@ -57,6 +57,7 @@ import numpy as np
 from kvpool.config import format_size, parse_size
 from kvpool.objformat import LayerRange
 from kvpool.transport import DEFAULT_UCX_OPTIONS, PeerAddress, PullClient, PullServer, ServeSource
+from kvpool.transport.engine import _effective_ucx_options
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 _REQUEST = struct.Struct("<QQ")  # raw socket request: offset, nbytes
@@ -272,8 +273,8 @@ def run_perftest(binary: Path, tls: str | None, size: int, iters: int, warmup: i
     """Bandwidth in GB/s of ``ucx_perftest -t tag_bw`` between two processes."""
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = str(binary.parent.parent / "lib") + ":" + env.get("LD_LIBRARY_PATH", "")
-    # The same rendezvous settings a kvpool pull runs with (ucxx + transfer defaults).
-    env.setdefault("UCX_RNDV_THRESH", "8192")
+    # The same UCX settings a kvpool pull runs with (transfer defaults over ucxx's).
+    env["UCX_RNDV_THRESH"] = _effective_ucx_options({}).get("RNDV_THRESH", os.environ.get("UCX_RNDV_THRESH", "8192"))
     for name, value in DEFAULT_UCX_OPTIONS.items():
         env.setdefault(f"UCX_{name}", value)
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

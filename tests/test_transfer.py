@@ -645,3 +645,22 @@ if __name__ == "__main__":
         _serve(sys.argv[2])
     else:
         sys.exit("usage: test_transfer.py --serve TMPDIR  (pytest runs the tests)")
+
+
+@pytest.mark.parametrize("user_value", [None, "64k"])
+def test_rendezvous_threshold_default_yields_to_the_users_variable(user_value: str | None) -> None:
+    """ucxx sets UCX_RNDV_THRESH=8192 when imported; kvpool's own default (eager below 8 MiB
+    where UCX has only TCP and shared memory) replaces that, never a value the user set."""
+    env = {k: v for k, v in os.environ.items() if k != "UCX_RNDV_THRESH"}
+    if user_value is not None:
+        env["UCX_RNDV_THRESH"] = user_value
+    code = ("import json, os; from kvpool.transport.engine import _effective_ucx_options, _host_without_rdma_or_gpu; "
+            "print(json.dumps([_effective_ucx_options({}).get('RNDV_THRESH'), _host_without_rdma_or_gpu(), "
+            "os.environ['UCX_RNDV_THRESH']]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    option, tcp_and_shm_only, variable = json.loads(out.stdout.strip().splitlines()[-1])
+    if user_value is not None:
+        assert (option, variable) == (None, user_value)  # the context reads the user's variable
+    else:
+        assert variable == "8192"  # ucxx's
+        assert option == ("8m" if tcp_and_shm_only else None)
