@@ -293,7 +293,7 @@ def check_status_frame(frame: bytes) -> None:
         parsed = T._parse_status(buf, 5)
     if parsed is not None:
         status, nbytes, chunk, body = parsed
-        assert len(body) <= (T.MAX_HEADER_NBYTES if status == T.STATUS_OK else T._MAX_STATUS_TEXT)
+        assert len(body) <= (T.MAX_HEADER_NBYTES if status in T.OK_STATUSES else T._MAX_STATUS_TEXT)
 
 
 def test_valid_frames_parse() -> None:

@@ -144,7 +144,7 @@ class KvpoolClient(PeerClient):
     def info(self) -> dict[str, Any]:
         stats = self.pool.stats()
         remote = stats.get("remote", {})
-        names = ("pulls", "reads_in_place", "hits_same_host", "hits_remote", "bytes_pulled")
+        names = ("pulls", "speculative_hits", "reads_in_place", "hits_same_host", "hits_remote", "bytes_pulled")
         return {k: remote.get(k, 0) for k in names}
 
     def close(self) -> None:

@@ -41,7 +41,10 @@ Wire protocol (all tag messages; tags are 64-bit and matched worker-wide)
              frame sent instead of the remaining chunks when reading the
              object fails after OK went out (nvme path), once every chunk
              already posted has been delivered; the client cancels its
-             receives for the chunks that will never come.
+             receives for the chunks that will never come. Only a payload
+             read while it is sent can fail so: its OK is
+             ``STATUS_OK_MAY_ABORT``, and only then does the client post a
+             receive for an abort frame (a payload from memory needs none).
     hello    client -> server over the UCX *stream* API, once per listener
              connection: 16 bytes naming the connection (``conn_id``, which
              every request repeats), because a worker-wide tag receive cannot

@@ -17,7 +17,8 @@ from kvpool.objformat import LayerRange
 
 # -- wire format ---------------------------------------------------------------
 
-PROTOCOL_VERSION = 3  # v2: pull tokens, reply error handling; v3: OK may carry the object's header
+PROTOCOL_VERSION = 4  # v2: pull tokens, reply error handling; v3: OK may carry the object's header;
+# v4: STATUS_OK_MAY_ABORT (only a payload read while it is sent may be cut short by an abort frame)
 # Top bit set: never equal to a reply tag (request ids stay below 2**43).
 REQUEST_TAG = 0xC0DE_4B56_5055_4C4C
 _INDEX_BITS = 20
@@ -53,13 +54,17 @@ _STATUS_BUFFER_NBYTES = _STATUS.size + _MAX_STATUS_TEXT
 _HELLO = struct.Struct("<4sBxxxQ")
 _HELLO_MAGIC = b"KVPH"
 
-STATUS_OK = 0
+STATUS_OK = 0  # the payload follows from memory: every chunk comes
 STATUS_MISS = 1
 STATUS_ERROR = 2
 STATUS_BAD_RANGE = 3
 STATUS_OUT_TOO_SMALL = 4
 STATUS_BAD_REQUEST = 5
 STATUS_UNAUTHORIZED = 6  # the request's token was refused: nothing else is sent
+# OK, and the payload is read (nvme) while it is sent: an abort frame may replace the chunks not
+# yet sent. Only then does the client post a receive for one.
+STATUS_OK_MAY_ABORT = 7
+OK_STATUSES = (STATUS_OK, STATUS_OK_MAY_ABORT)
 
 _RECEIVES_POSTED = 4  # request receives kept posted on a server's worker
 
@@ -152,7 +157,7 @@ def _parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, bytes
     except struct.error:
         return None
     if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id \
-            or _STATUS.size + text_len > len(buf) or status != STATUS_OK and text_len > _MAX_STATUS_TEXT:
+            or _STATUS.size + text_len > len(buf) or status not in OK_STATUSES and text_len > _MAX_STATUS_TEXT:
         return None
     return status, nbytes, chunk, bytes(buf[_STATUS.size:_STATUS.size + text_len])
 

@@ -34,6 +34,7 @@ from kvpool.transport.frames import (
     STATUS_ERROR,
     STATUS_MISS,
     STATUS_OK,
+    STATUS_OK_MAY_ABORT,
     STATUS_OUT_TOO_SMALL,
     STATUS_UNAUTHORIZED,
     PeerAddress,
@@ -383,7 +384,8 @@ class PullServer:
                 self._send_status(job, STATUS_ERROR, text=f"no header to send ({len(header)} bytes)")
                 self._finish(job, ok=False, reason="provider gave no header")
                 return
-        if not self._send_status(job, STATUS_OK, nbytes=source.nbytes, chunk=job.chunk, body=header):
+        ok = STATUS_OK if source.read_into is None else STATUS_OK_MAY_ABORT
+        if not self._send_status(job, ok, nbytes=source.nbytes, chunk=job.chunk, body=header):
             return
         if job.chunks_total == 0:
             self._finish(job, ok=True)
