@@ -149,3 +149,32 @@ def test_a_full_disk_is_capacity_and_the_newest_objects_survive(small_disk: Path
         assert str(small_disk) in warnings[0].getMessage() or "nvme" in warnings[0].getMessage()
     finally:
         pool.close()
+
+
+def test_a_frozen_last_holder_delays_a_speculative_get_once_and_never_serves_it(cluster: Cluster) -> None:
+    """A get pulls from the node it last pulled from while the master locates the key
+    (node.speculative_pulls). That node frozen (SIGSTOP) and the key held elsewhere: the
+    exact bytes from the other holder; the frozen node is waited on once, until the master
+    declares it dead, and is not guessed again."""
+    cluster.start_master()
+    frozen = cluster.start_actor("writer", "holder-a", "--keys", "2")
+    cluster.start_actor("writer", "holder-b", "--keys", "3", "--first", "10")
+    reader = cluster.connect("reader")
+    stopped = False
+    try:
+        np.testing.assert_array_equal(reader.get(key_of(0)), content(0))  # from a: a is guessed next
+        os.kill(frozen.pid, signal.SIGSTOP)
+        stopped = True
+        np.testing.assert_array_equal(reader.get(key_of(10)), content(10))
+        remote = reader.stats()["remote"]
+        assert remote["speculative_wasted"] == 1
+        failures = remote["pull_client"]["failures"]
+        assert failures <= 1  # the guess on a, at most; the located read went to b
+        for i in (11, 12):  # b is the holder guessed now, and right
+            np.testing.assert_array_equal(reader.get(key_of(i)), content(i))
+        remote = reader.stats()["remote"]
+        assert remote["speculative_hits"] >= 1 and remote["pull_client"]["failures"] == failures
+    finally:
+        if stopped:
+            os.kill(frozen.pid, signal.SIGCONT)
+        reader.close()

@@ -241,8 +241,10 @@ class MasterClient:
         except zmq.Again:  # the send queue is full: the master has been gone for a while
             self._discard(conn)
             raise errors.MasterUnreachableError(f"master at {conn.address} is not accepting requests") from None
-        if meanwhile is not None:
+        if meanwhile is not None:  # its time is not the master's: the deadline moves by it
+            began = time.monotonic()
             meanwhile()
+            deadline += time.monotonic() - began
         socket = conn.socket
         # Following a leader: a reply slower than this makes the client look for a new leader.
         slice_ms = int(LEADER_CHECK_S * 1000) if self._finder is not None else 1 << 30

@@ -190,13 +190,16 @@ class Speculation:
     until then they are unverified, and they are thrown away (the read then goes on as if no
     guess had been made) when the master disagrees."""
 
-    __slots__ = ("arr", "buf", "key", "layer_range", "pulled", "raw_header", "replica")
+    __slots__ = ("arr", "buf", "failure", "key", "layer_range", "pulled", "raw_header", "replica")
 
     def __init__(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, arr: np.ndarray,
                  buf: memoryview) -> None:
         self.key, self.replica, self.layer_range, self.arr, self.buf = key, replica, layer_range, arr, buf
         self.raw_header = bytearray(replica["_spec"].header_nbytes)  # type: ignore[typeddict-item]
         self.pulled = False
+        #: why the guessed holder failed as a holder (dead, frozen, timed out), if it did: the
+        #: located read then skips it rather than wait on it a second time
+        self.failure: str | None = None
 
 
 _SPECULATION_MAX_SCORE = 8
@@ -362,12 +365,14 @@ class ReplicaReader:
         return sorted(others, key=lambda r: (r.get("host_id") != self.host_id, r.get("tier") != "cxl"))
 
     def read(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any, out: Any,
-             out_view: OutView, count_misses: bool = True) -> np.ndarray | None:
+             out_view: OutView, count_misses: bool = True,
+             skip: Mapping[str, str] | None = None) -> np.ndarray | None:
         """The layers from the first replica that delivers them intact, or None (counted by reason).
 
         Raises LayerRangeError / OutBufferError for the caller's mistakes (the
         same on every replica); every other failure moves on to the next replica.
-        Replicas that served are remembered for :meth:`read_cached`.
+        Replicas that served are remembered for :meth:`read_cached`. ``skip``: node ids
+        already known to fail now, with the miss reason each counts as.
         """
         if not replicas:
             self.counters["miss_absent"] += count_misses
@@ -378,7 +383,7 @@ class ReplicaReader:
             return None
         failed: set[str] = set()
         arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=count_misses,
-                                 failed=failed)  # ordered() keeps the checked records as they are
+                                 failed=failed, skip=skip)  # ordered() keeps the checked records as they are
         if not count_misses:  # a remembered location: counted as such, forgotten when it failed
             self.counters["location_cache_hits" if arr is not None else "location_cache_stale"] += 1
             if arr is None:
@@ -453,17 +458,19 @@ class ReplicaReader:
         return True
 
     def _first_intact(self, key: bytes, replicas: list[LocatedReplica], layers: Any, out: Any,
-                      out_view: OutView, *, count_misses: bool, failed: set[str] | None = None) -> np.ndarray | None:
+                      out_view: OutView, *, count_misses: bool, failed: set[str] | None = None,
+                      skip: Mapping[str, str] | None = None) -> np.ndarray | None:
         """The layers from the first replica that delivers them intact; ``failed`` collects the
         node ids of replicas that failed (dead, frozen, evicted, corrupt) on the way."""
         for replica in replicas:
             reason = None
-            if not self.holder_alive(replica):
-                reason = "holder_gone"
+            known = skip.get(replica["node_id"]) if skip else None
+            if known is not None or not self.holder_alive(replica):
+                reason = known or "holder_gone"
                 if failed is not None:
                     failed.add(str(replica.get("node_id")))
                 if count_misses:
-                    self.counters["miss_holder_gone"] += 1
+                    self.counters[f"miss_{reason}"] += 1
                 continue
             try:
                 spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
@@ -595,8 +602,14 @@ class ReplicaReader:
                                   alive=lambda: self.holder_alive(replica), token=token,
                                   header_out=guess.raw_header)
             guess.pulled = True
-        except errors.KVPoolError as exc:  # not there, or the guessed spec was wrong: locate decides
+        except errors.KVTimeoutError:
+            guess.failure = "timeout"
+        except (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError, errors.ProtocolError,
+                errors.AuthenticationError) as exc:  # not there, or not the guessed spec: locate decides
             log.debug("speculative pull of %s from %s: %s", guess.key.hex(), replica.get("node_id"), exc)
+        except errors.KVPoolError as exc:  # the holder failed (gone, connection lost)
+            log.debug("speculative pull of %s from %s: %s", guess.key.hex(), replica.get("node_id"), exc)
+            guess.failure = "holder_gone"
 
     def confirm(self, guess: Speculation, located: Any) -> np.ndarray | None:
         """The speculatively pulled layers, if the master located ``guess.key`` on the guessed

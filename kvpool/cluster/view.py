@@ -232,11 +232,14 @@ class ClusterView:
             guess, self.node.cluster_key.mint_token(key, guess.replica["node_id"])))
         try:
             replicas = replicas_at(located, 0)
+            skip = None
             if guess is not None:
                 confirmed = self.reader.confirm(guess, replicas)
                 if confirmed is not None:
                     return confirmed
-            return self.reader.read(key, replicas, layers, out, out_view)
+                if guess.failure is not None:  # that holder just failed: not waited on again
+                    skip = {guess.replica["node_id"]: guess.failure}
+            return self.reader.read(key, replicas, layers, out, out_view, skip=skip)
         finally:
             self.releaser.release(located.lease_ids)
 
