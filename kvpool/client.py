@@ -159,7 +159,10 @@ class ClusterPool(PoolAPI):
 
     @timed("get")
     def get(self, prefix_hash: Key, *, layers: Any = None, out: Any = None) -> np.ndarray | None:
-        """Local tiers first, then a replica elsewhere; None on a miss anywhere."""
+        """Local tiers first, then a replica elsewhere; None on a miss anywhere.
+
+        What lands in ``out`` counts only when the get returns it: on a miss ``out`` may hold
+        bytes a failed replica or a wasted speculative pull wrote (never reported as data)."""
         self._check_open()
         key = self._key(prefix_hash)
         local = self.local.get_object(key, layers, out)
