@@ -5,6 +5,9 @@ What it measures, each at the same message sizes in the same run:
 * ``pull``    PullClient.pull_into from a PullServer in another process,
               ``transport="tcp"`` (listener, error handling on) and ``"auto"``
               (same host: worker-address endpoints, shared memory).
+* ``bare``    the same request/reply over bare ucxx with blocking progress, no
+              kvpool code (``bench/ucx_floor.py``), over TCP and by worker
+              address (shared memory): the floor a pull's own steps sit on.
 * ``socket``  the raw limit of the same request/reply over a TCP socket on
               127.0.0.1: an 16-byte request, ``sendall`` of a memoryview,
               ``recv_into`` a preallocated buffer.
@@ -58,6 +61,10 @@ from kvpool.config import format_size, parse_size
 from kvpool.objformat import LayerRange
 from kvpool.transport import DEFAULT_UCX_OPTIONS, PeerAddress, PullClient, PullServer, ServeSource
 from kvpool.transport.engine import _effective_ucx_options
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.ucx_floor import BareRequester, BareResponder  # noqa: E402
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 _REQUEST = struct.Struct("<QQ")  # raw socket request: offset, nbytes
@@ -114,14 +121,17 @@ def run_server(args: argparse.Namespace) -> None:
         return ServeSource(nbytes=hi - lo, buffers=[view[lo:hi]])
 
     server = PullServer(provider, max_message=args.max_message, inline_provider=True).start()
+    bare = BareResponder(view)
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_socket_server, args=(listener, view), daemon=True).start()
     peer = server.peer_address
     print(json.dumps({
         "peer": [peer.host, peer.port, peer.worker_address.hex(), peer.host_id],
         "socket_port": listener.getsockname()[1],
+        "bare": bare.address.hex(),
     }), flush=True)
     sys.stdin.read()  # until the client closes our stdin
+    bare.close()
     server.close()
     listener.close()
 
@@ -161,6 +171,7 @@ class ServerHandle:
     proc: subprocess.Popen[str]
     peer: PeerAddress
     socket_port: int
+    bare_address: bytes
 
     def close(self) -> None:
         try:
@@ -185,7 +196,8 @@ def start_server(cpu: int | None, buffer_bytes: int, max_message: int) -> Server
         raise SystemExit(f"benchmark server failed to start (exit code {proc.returncode})")
     info = json.loads(line)
     host, port, worker_address, host_id = info["peer"]
-    return ServerHandle(proc, PeerAddress(host, port, bytes.fromhex(worker_address), host_id), info["socket_port"])
+    return ServerHandle(proc, PeerAddress(host, port, bytes.fromhex(worker_address), host_id), info["socket_port"],
+                        bytes.fromhex(info["bare"]))
 
 
 # -- backends ------------------------------------------------------------------------------------
@@ -230,6 +242,21 @@ class PullBackend(Backend):
 
     def close(self) -> None:
         self.client.close()
+
+
+class BareBackend(Backend):
+    """The same request/reply over bare ucxx (bench/ucx_floor.py): the transport's own floor."""
+
+    def __init__(self, server: ServerHandle, transport: str, client_id: int) -> None:
+        self.name = f"bare {transport}"
+        options = {"TLS": "tcp,self"} if transport == "tcp" else None
+        self.requester = BareRequester(server.bare_address, client_id, options)
+
+    def run_once(self, size: int) -> None:
+        self.requester.pull(0, size, memoryview(self.out))
+
+    def close(self) -> None:
+        self.requester.close()
 
 
 class SocketBackend(Backend):
@@ -326,6 +353,7 @@ def section_throughput(
 ) -> None:
     backends: list[Backend] = [SocketBackend(server), MemcpyBackend()]
     backends += [PullBackend(server, t, args.max_message) for t in ("tcp", "auto")]
+    backends += [BareBackend(server, t, i) for i, t in enumerate(("tcp", "auto"))]
     total = len(args.sizes) * (len(backends) + 2)
     step = 0
     try:
@@ -448,7 +476,7 @@ def print_report(args: argparse.Namespace, results: Results) -> None:
     if results.rtt_us:
         print()
         print("Time per pull (us, median)")
-        rtt_cols = ("socket", "pull tcp", "pull auto")
+        rtt_cols = ("socket", "bare tcp", "pull tcp", "bare auto", "pull auto")
         print(f"{'size':>10} " + " ".join(f"{c:>13}" for c in rtt_cols))
         for size in args.sizes:
             print(f"{format_size(size):>10} " + " ".join(
