@@ -178,3 +178,24 @@ def test_a_frozen_last_holder_delays_a_speculative_get_once_and_never_serves_it(
         if stopped:
             os.kill(frozen.pid, signal.SIGCONT)
         reader.close()
+
+
+def test_get_many_moves_on_to_the_next_replica_when_the_first_choice_was_killed(cluster: Cluster) -> None:
+    """get_many pulls every key's first choice of replica at once (one PullClient.pull_many);
+    the keys whose holder was killed under it are read from the other replica, exact."""
+    first, second = _two_holders(cluster)
+    reader = cluster.connect("reader")
+    try:
+        serving, _ = _holder_that_serves(cluster, reader, first, second)  # remembered: first choice
+        serving.kill()
+        keys = [key_of(i) for i in range(KEYS)]
+        got = reader.get_many(keys)
+        for i, arr in enumerate(got):
+            assert arr is not None, f"key {i} missed although a live replica holds it"
+            np.testing.assert_array_equal(arr, content(i))
+        assert reader.stats()["remote"].get("miss_timeout", 0) == 0
+        got = reader.get_many(keys, layers=range(2, 4))  # and again, now without the dead holder
+        for i, arr in enumerate(got):
+            np.testing.assert_array_equal(arr, content(i)[2:4])
+    finally:
+        reader.close()

@@ -263,6 +263,36 @@ def test_whole_object_and_layer_ranges_arrive_exact(server: ServerProcess, clien
     assert after["released"] - before["released"] == 5
 
 
+def test_pull_many_keeps_every_pull_in_flight_and_gives_each_its_own_result(
+        server: ServerProcess, client: PullClient) -> None:
+    from kvpool.transport import PullRequest
+
+    before = server.quiet_stats()
+    wants = [expected(b"obj-m%d" % i, i % LAYERS, LAYERS) for i in range(12)]
+    outs = [np.zeros(w.nbytes, np.uint8) for w in wants]
+    headers = [bytearray(4096) for _ in wants]
+    requests = [PullRequest(server.peer, b"obj-m%d" % i, (i % LAYERS, LAYERS), outs[i], header_out=headers[i],
+                            alive=lambda: True) for i in range(12)]
+    missing = np.zeros(64, np.uint8)
+    requests += [PullRequest(server.peer, b"miss:never", (0, 1), missing),     # the holder misses
+                 PullRequest(server.peer, b"", (0, 1), missing),               # a bad key: refused here
+                 PullRequest(server.peer, b"obj-m0", (0, 1), np.zeros(1, np.uint8))]  # out too small
+    results = client.pull_many(requests, timeout_s=10)
+    for i, want in enumerate(wants):
+        assert results[i] == want.nbytes and np.array_equal(outs[i], want), f"pull {i}"
+        assert bytes(headers[i]) == header_of(b"obj-m%d" % i)
+    assert isinstance(results[12], errors.RemoteMissError)
+    assert isinstance(results[13], errors.InvalidKeyError)
+    assert isinstance(results[14], errors.OutBufferError)
+    after = server.quiet_stats()
+    assert after["bytes_sent"] - before["bytes_sent"] == sum(w.nbytes for w in wants)
+    # a holder reported gone fails its pulls at once, without waiting out the deadline
+    gone = client.pull_many([PullRequest(server.peer, b"slow", (0, 1), np.zeros(layer_nbytes_of(b"slow"), np.uint8),
+                                         alive=lambda: False)], timeout_s=30)
+    assert isinstance(gone[0], errors.TransferError) and "gone" in str(gone[0])
+    assert client.pull_into(server.peer, b"obj-m1", (1, LAYERS), outs[1]) == wants[1].nbytes  # still serving
+
+
 def test_the_header_comes_in_the_same_reply_only_when_asked(server: ServerProcess, client: PullClient) -> None:
     want = expected(b"obj-h", 2, 5)
     out = np.zeros(want.nbytes, np.uint8)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import concurrent.futures
 import json
 import logging
 import os
@@ -42,11 +41,10 @@ from kvpool.cluster.node import NodeAddress
 from kvpool.cluster.protocol import LocatedReplica
 from kvpool.cluster.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
-from kvpool.transport import Engine, PeerAddress, PullClient, plausible_worker_address
+from kvpool.transport import Engine, PeerAddress, PullClient, PullRequest, plausible_worker_address
 
 log = logging.getLogger("kvpool.remote")
 
-_PARALLEL_PULLS = 8  # pulls of one get_many in flight at once
 
 OutView = Callable[[ObjectSpec, LayerRange, Any], "tuple[np.ndarray, memoryview]"]
 
@@ -255,7 +253,6 @@ class ReplicaReader:
         #: node ids the master last reported alive (None until the first report): a replica on
         #: any other node is skipped, and a pull from it is abandoned as soon as it is known dead
         self._alive_nodes: set[str] | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         # Speculative pulls (:meth:`speculate`): the replica last pulled from, and how well
         # guessing it has done lately (a hit adds one, a wasted guess takes two; off at zero).
@@ -482,25 +479,8 @@ class ReplicaReader:
                 return arr
             except (errors.LayerRangeError, errors.OutBufferError):
                 raise
-            except errors.RemoteMissError:
-                reason = "evicted"
-            except errors.WrongObjectError:  # the holder has another version now (put again)
-                reason = "stale"
-            except errors.ChecksumError:
-                reason = "checksum"
-            except errors.KVTimeoutError:
-                reason = "timeout"
-            except errors.AuthenticationError as exc:  # the holder refused the token: never data
-                log.info("replica of %s on %s refused the pull: %s", key.hex(), replica.get("node_id"), exc)
-                reason = "unauthorized"
-            except (errors.TransferError, errors.FormatError, errors.TierError) as exc:
-                log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
-                reason = "holder_gone"
             except (ValueError, TypeError, KeyError, IndexError, OverflowError, errors.KVPoolError) as exc:
-                # what the master said about this replica does not add up (header, location)
-                log.warning("replica of %s on %s is malformed: %s: %.200s", key.hex(), replica.get("node_id"),
-                            type(exc).__name__, exc)
-                reason = "malformed"
+                reason = self._reason_of(key, replica, exc)
             if failed is not None:
                 failed.add(str(replica.get("node_id")))
             if count_misses:
@@ -509,16 +489,87 @@ class ReplicaReader:
 
     def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Any,
                   out_view: OutView, outs: Sequence[Any], count_misses: bool = True) -> list[np.ndarray | None]:
-        """``read`` for many keys with their pulls in flight together (results in order)."""
-        jobs = list(zip(keys, replicas, outs))
-        if len(jobs) <= 1:
-            return [self.read(k, r, layers, out, out_view, count_misses) for k, r, out in jobs]
-        with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(_PARALLEL_PULLS, thread_name_prefix="kvpool-pull")
-            pool = self._pool
-        futures = [pool.submit(self.read, k, r, layers, out, out_view, count_misses) for k, r, out in jobs]
-        return [f.result() for f in futures]
+        """``read`` for many keys (results in order): every key's first choice of replica that
+        must be pulled is pulled in one :meth:`PullClient.pull_many` (all in flight at once,
+        driven by this thread); same-host in-place reads, keys whose first choice failed and
+        keys without a usable replica take the one-key path."""
+        results: list[np.ndarray | None] = [None] * len(keys)
+        alone: list[tuple[int, dict[str, str] | None]] = []  # read one by one, skipping these nodes
+        batch: list[tuple[int, LocatedReplica, LayerRange, np.ndarray, memoryview, bytearray]] = []
+        for i, (located, out) in enumerate(zip(replicas, outs)):
+            first = self._first_to_pull(located)
+            if first is None:
+                alone.append((i, None))
+                continue
+            spec: ObjectSpec = first["_spec"]  # type: ignore[typeddict-item]
+            layer_range = LayerRange.resolve(layers, spec.layers)
+            arr, buf = out_view(spec, layer_range, out)
+            batch.append((i, first, layer_range, arr, buf, bytearray(spec.header_nbytes)))
+        if batch:
+            pulled = self.puller.pull_many([
+                PullRequest(replica["_node"].peer, keys[i], layer_range, buf,  # type: ignore[typeddict-item]
+                            token=replica.get("token", b""), header_out=raw,
+                            alive=lambda replica=replica: self.holder_alive(replica))
+                for i, replica, layer_range, _, buf, raw in batch], timeout_s=self.pull_timeout_s)
+            for (i, replica, layer_range, arr, buf, raw), outcome in zip(batch, pulled):
+                try:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    header = ObjectHeader.unpack_expected(raw, keys[i], replica["header_sum"],
+                                                          replica["_spec"])  # type: ignore[typeddict-item]
+                    header.verify(layer_range, buf)
+                except (errors.LayerRangeError, errors.OutBufferError):
+                    raise
+                except Exception as exc:  # this replica failed: the others, one by one
+                    alone.append((i, {replica["node_id"]: self._reason_of(keys[i], replica, exc)}))
+                    continue
+                self.counters["pulls"] += 1
+                self.counters["hits_remote"] += 1
+                self.counters["bytes_pulled"] += len(buf)
+                if not count_misses:
+                    self.counters["location_cache_hits"] += 1
+                self._last_holder = replica
+                self._remember(keys[i], self.clean(replicas[i]))
+                results[i] = arr
+        for i, skip in sorted(alone, key=lambda item: item[0]):
+            results[i] = self.read(keys[i], replicas[i], layers, outs[i], out_view, count_misses, skip=skip)
+        return results
+
+    def _first_to_pull(self, located: list[LocatedReplica] | None) -> LocatedReplica | None:
+        """The replica a one-key read would try first, if it is to be pulled (not read in place
+        from a same-host arena) and its holder is alive; else None. Checked quietly: the
+        one-key read of what is left counts bad records."""
+        if not isinstance(located, list) or not located:
+            return None
+        checked = [r if _is_clean(r) else clean_replica(r) for r in located[:1024]]
+        ordered = self.ordered([r for r in checked if r is not None])
+        if not ordered:
+            return None
+        first = ordered[0]
+        if first.get("host_id") == self.host_id and first.get("tier") == "cxl" and first.get("location"):
+            return None
+        return first if self.holder_alive(first) else None
+
+    def _reason_of(self, key: bytes, replica: LocatedReplica, exc: BaseException) -> str:
+        """The miss reason a failed read of ``replica`` counts as (logged where it says more)."""
+        if isinstance(exc, errors.RemoteMissError):
+            return "evicted"
+        if isinstance(exc, errors.WrongObjectError):  # the holder has another version now (put again)
+            return "stale"
+        if isinstance(exc, errors.ChecksumError):
+            return "checksum"
+        if isinstance(exc, errors.KVTimeoutError):
+            return "timeout"
+        if isinstance(exc, errors.AuthenticationError):  # the holder refused the token: never data
+            log.info("replica of %s on %s refused the pull: %s", key.hex(), replica.get("node_id"), exc)
+            return "unauthorized"
+        if isinstance(exc, (errors.TransferError, errors.FormatError, errors.TierError)):
+            log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
+            return "holder_gone"
+        # what the master said about this replica does not add up (header, location)
+        log.warning("replica of %s on %s is malformed: %s: %.200s", key.hex(), replica.get("node_id"),
+                    type(exc).__name__, exc)
+        return "malformed"
 
     def read_into(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
                   *, same_as: ObjectHeader | None = None) -> ObjectHeader:
@@ -660,8 +711,6 @@ class ReplicaReader:
         return {**self.counters, "pull_client": self.puller.stats()}
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
         self.puller.close()
         with self._lock:
             for reader in [*self._cxl_readers.values(), *self._neighbours.values()]:

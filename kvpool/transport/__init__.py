@@ -111,6 +111,7 @@ from kvpool.transport.engine import (
     ucx_interface_options,
 )
 from kvpool.transport.frames import MAX_HEADER_NBYTES, PeerAddress, plausible_worker_address
+from kvpool.transport.pulls import PullRequest
 from kvpool.transport.server import PullServer
 from kvpool.transport.source import Provider, ProviderWouldBlock, ServeSource, in_inline_provider
 
@@ -122,6 +123,7 @@ __all__ = [
     "Provider",
     "ProviderWouldBlock",
     "PullClient",
+    "PullRequest",
     "PullServer",
     "ServeSource",
     "TRANSPORTS",

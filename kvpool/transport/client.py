@@ -10,7 +10,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvpool import errors
@@ -53,7 +53,7 @@ from kvpool.transport.frames import (
     _parse_status,
     plausible_worker_address,
 )
-from kvpool.transport.pulls import _as_layer_range, _as_out_view, _as_peer_address, _Peer, _Pull
+from kvpool.transport.pulls import PullRequest, _as_layer_range, _as_out_view, _as_peer_address, _Peer, _Pull
 
 log = logging.getLogger("kvpool.transport")
 
@@ -185,6 +185,68 @@ class PullClient:
             self._abort(future)
             raise errors.KVTimeoutError(
                 f"pull of {bytes(key).hex()}: progress thread unresponsive after {timeout_s}s") from None
+
+    def pull_many(self, requests: Sequence[PullRequest], *, timeout_s: float = 10.0,
+                  alive_check_s: float = 0.05) -> list[int | BaseException]:
+        """Pulls in flight together, sent and completed by this thread (no thread per pull, no
+        hand-off when no other thread drives the worker): one result per request, in order —
+        the bytes received, or the exception :meth:`pull_into` would have raised (a request
+        whose arguments are bad gets its own error and the others go on). Each request has the
+        whole ``timeout_s``; ``alive`` is asked as in :meth:`pull_into`. Pulls to one holder
+        share its endpoint: a transport failure of one fails the others on it too.
+        """
+        results: list[int | BaseException | None] = [None] * len(requests)
+        pending: list[tuple[int, _Pull, Callable[[], bool] | None]] = []
+        for i, request in enumerate(requests):
+            try:
+                pull = self._new_pull(request.address, request.key, request.layer_range, request.out, timeout_s,
+                                      request.token, request.header_out)
+            except (errors.KVPoolError, ValueError, TypeError) as exc:
+                results[i] = exc
+                continue
+            pending.append((i, pull, request.alive))
+        if pending:
+            self._run_many(pending, timeout_s, alive_check_s)
+        for i, pull, _ in pending:
+            error = pull.future.exception(0)
+            results[i] = error if error is not None else pull.future.result(0)
+        return results  # type: ignore[return-value]
+
+    def _run_many(self, pending: list[tuple[int, _Pull, Callable[[], bool] | None]], timeout_s: float,
+                  alive_check_s: float) -> None:
+        """Start every pull and wait until each is done (or abandoned at the deadline)."""
+        futures = [pull.future for _, pull, _ in pending]
+        deadline = time.monotonic() + timeout_s + 5.0  # the pulls' own timers come first
+        checked = [(pull, alive) for _, pull, alive in pending if alive is not None]
+
+        def start() -> None:
+            for _, pull, _ in pending:
+                self._start(pull)
+
+        def done() -> bool:
+            return all(f.done() for f in futures)
+
+        def gone(pull: _Pull) -> errors.TransferError:
+            return errors.TransferError(f"pull of {pull.key.hex()}: the holder is gone")
+
+        def check_alive() -> None:  # on the driving thread
+            for pull, alive in checked:
+                if not pull.future.done() and not alive():
+                    self._fail(pull, gone(pull), drop_peer=True)
+
+        if not self._engine.drive(start, done, deadline, check_alive if checked else None, alive_check_s):
+            self._engine.submit(start)
+            while not done() and time.monotonic() < deadline:
+                concurrent.futures.wait(futures, min(alive_check_s, max(0.0, deadline - time.monotonic())))
+                for pull, alive in checked:
+                    if not pull.future.done() and not alive():
+                        self._abort(pull.future)
+                        _fail_future(pull.future, gone(pull))
+        for _, pull, _ in pending:
+            if not pull.future.done():
+                self._abort(pull.future)
+                _fail_future(pull.future, errors.KVTimeoutError(
+                    f"pull of {pull.key.hex()}: no result {timeout_s}s + 5s after it started (UCX stalled)"))
 
     async def apull_into(
         self,
@@ -572,3 +634,11 @@ class PullClient:
             for pull in list(peer.pulls):
                 self._fail(pull, errors.PoolClosedError(f"{self._name} closed"))
             self._drop_peer(peer, "client closing")
+
+
+def _fail_future(future: concurrent.futures.Future[int], exc: BaseException) -> None:
+    """Fail ``future`` unless the progress thread finished it meanwhile."""
+    try:
+        future.set_exception(exc)
+    except concurrent.futures.InvalidStateError:
+        pass

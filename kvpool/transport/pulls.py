@@ -52,6 +52,19 @@ class _Pull:
     token: bytes = b""
 
 
+@dataclass(eq=False)
+class PullRequest:
+    """One pull of :meth:`kvpool.transport.PullClient.pull_many` (the arguments of ``pull_into``)."""
+
+    address: PeerAddress | tuple[str, int]
+    key: bytes
+    layer_range: LayerRange | tuple[int, int] | range
+    out: Any
+    token: bytes = b""
+    header_out: bytearray | None = None
+    alive: Any = None  # Callable[[], bool] | None: asked while the pull waits, as in pull_into
+
+
 def _as_peer_address(address: PeerAddress | tuple[str, int]) -> PeerAddress:
     if isinstance(address, PeerAddress):
         return address
