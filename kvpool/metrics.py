@@ -124,6 +124,11 @@ class StatsCollector(Collector):
         remote_hits = CounterMetricFamily("kvpool_remote_hits", "Gets served from another node's replica")
         remote_hits.add_metric([], remote.get("hits_remote", 0))
         yield remote_hits
+        guesses = CounterMetricFamily("kvpool_speculative_pulls", "One-key gets that pulled from the last holder "
+                                      "while the master located the key, by outcome", labels=["outcome"])
+        guesses.add_metric(["confirmed"], remote.get("speculative_hits", 0))
+        guesses.add_metric(["wasted"], remote.get("speculative_wasted", 0))
+        yield guesses
         for name, help_text, value in (
             ("kvpool_bytes_put", "Payload bytes stored by puts", counters.get("bytes_put", 0)),
             ("kvpool_bytes_got", "Payload bytes read from local tiers", counters.get("bytes_got", 0)),

@@ -197,6 +197,10 @@ def test_a_get_pulls_from_the_last_holder_while_the_master_locates_and_keeps_onl
         assert reader.get(key_of(3), layers=range(2, 5), out=out) is out
         np.testing.assert_array_equal(out, content(3)[2:5])
         assert counter("speculative_hits") == 2
+        from tests.test_metrics import sample, scrape
+        _, text = scrape(reader.serve_metrics().address, "/metrics")
+        assert sample(text, 'kvpool_speculative_pulls_total{outcome="confirmed"}') == 2
+        assert sample(text, 'kvpool_speculative_pulls_total{outcome="wasted"}') == 0
         asked = cluster.client.stats()["counters"]["key_hits"]
         np.testing.assert_array_equal(reader.get(key_of(1)), content(1))  # confirmed reads are remembered
         assert cluster.client.stats()["counters"]["key_hits"] == asked
