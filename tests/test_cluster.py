@@ -19,6 +19,7 @@ from kvpool.cluster.node import NodeAddress
 from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
+from tests.test_metrics import sample, scrape
 
 HEARTBEAT_MS = 200
 LAYER_NBYTES = 2 * 32 * 4 * 64 * 2  # one layer of tests.cluster_actor.SHAPE, float16
@@ -197,7 +198,6 @@ def test_a_get_pulls_from_the_last_holder_while_the_master_locates_and_keeps_onl
         assert reader.get(key_of(3), layers=range(2, 5), out=out) is out
         np.testing.assert_array_equal(out, content(3)[2:5])
         assert counter("speculative_hits") == 2
-        from tests.test_metrics import sample, scrape
         _, text = scrape(reader.serve_metrics().address, "/metrics")
         assert sample(text, 'kvpool_speculative_pulls_total{outcome="confirmed"}') == 2
         assert sample(text, 'kvpool_speculative_pulls_total{outcome="wasted"}') == 0

@@ -214,6 +214,15 @@ def _is_clean(replica: Any) -> bool:
     return isinstance(replica, dict) and isinstance(replica.get("_node"), NodeAddress)
 
 
+def _checked_quietly(located: Any) -> list[LocatedReplica]:
+    """The well-formed replicas of a master's answer, bad ones dropped without counting them
+    (for a look ahead: the one-key read that may follow counts them)."""
+    if not isinstance(located, list):
+        return []
+    checked = [r if _is_clean(r) else clean_replica(r) for r in located[:1024]]
+    return [r for r in checked if r is not None]
+
+
 def replicas_at(located: Any, index: int) -> Any:
     """``located.replicas[index]`` of a master reply, or None when the reply has no such entry."""
     replicas = getattr(located, "replicas", None)
@@ -474,8 +483,7 @@ class ReplicaReader:
                 layer_range = LayerRange.resolve(layers, spec.layers)
                 arr, buf = out_view(spec, layer_range, out)
                 self.read_into(key, replica, layer_range, buf)
-                self.counters["hits_remote"] += 1
-                self.counters["bytes_pulled"] += len(buf)
+                self._hit(len(buf))
                 return arr
             except (errors.LayerRangeError, errors.OutBufferError):
                 raise
@@ -515,20 +523,16 @@ class ReplicaReader:
                 try:
                     if isinstance(outcome, BaseException):
                         raise outcome
-                    header = ObjectHeader.unpack_expected(raw, keys[i], replica["header_sum"],
-                                                          replica["_spec"])  # type: ignore[typeddict-item]
-                    header.verify(layer_range, buf)
+                    self._verified(keys[i], replica, raw, layer_range, buf)
                 except (errors.LayerRangeError, errors.OutBufferError):
                     raise
                 except Exception as exc:  # this replica failed: the others, one by one
                     alone.append((i, {replica["node_id"]: self._reason_of(keys[i], replica, exc)}))
                     continue
-                self.counters["pulls"] += 1
-                self.counters["hits_remote"] += 1
-                self.counters["bytes_pulled"] += len(buf)
+                self._hit(len(buf))
+                self._pulled_from(replica)
                 if not count_misses:
                     self.counters["location_cache_hits"] += 1
-                self._last_holder = replica
                 self._remember(keys[i], self.clean(replicas[i]))
                 results[i] = arr
         for i, skip in sorted(alone, key=lambda item: item[0]):
@@ -539,10 +543,7 @@ class ReplicaReader:
         """The replica a one-key read would try first, if it is to be pulled (not read in place
         from a same-host arena) and its holder is alive; else None. Checked quietly: the
         one-key read of what is left counts bad records."""
-        if not isinstance(located, list) or not located:
-            return None
-        checked = [r if _is_clean(r) else clean_replica(r) for r in located[:1024]]
-        ordered = self.ordered([r for r in checked if r is not None])
+        ordered = self.ordered(_checked_quietly(located))
         if not ordered:
             return None
         first = ordered[0]
@@ -603,17 +604,39 @@ class ReplicaReader:
                 return header
             except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
                 log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
-        peer = replica["_node"].peer  # type: ignore[typeddict-item]
         raw_header = bytearray(spec.header_nbytes)
-        self.puller.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
-                              alive=lambda: self.holder_alive(replica), token=replica.get("token", b""),
-                              header_out=raw_header)
-        header = ObjectHeader.unpack_expected(raw_header, key, header_sum, spec)
+        self._pull(key, replica, layer_range, buf, raw_header, replica.get("token", b""))
+        header = self._verified(key, replica, raw_header, layer_range, buf, same_as)
+        self._pulled_from(replica)
+        return header
+
+    def _pull(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
+              raw_header: bytearray, token: bytes) -> None:
+        """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
+        (unverified), abandoned as soon as the holder is known gone."""
+        self.puller.pull_into(replica["_node"].peer, key, layer_range, buf,  # type: ignore[typeddict-item]
+                              timeout_s=self.pull_timeout_s, alive=lambda: self.holder_alive(replica),
+                              token=token, header_out=raw_header)
+
+    @staticmethod
+    def _verified(key: bytes, replica: LocatedReplica, raw_header: bytearray, layer_range: LayerRange,
+                  buf: memoryview, same_as: ObjectHeader | None = None) -> ObjectHeader:
+        """The header a holder sent with ``buf``, checked against what the master indexed for
+        ``replica``, and every layer in ``buf`` checked against it (see :meth:`read_into`)."""
+        header = ObjectHeader.unpack_expected(raw_header, key, replica["header_sum"],
+                                              replica["_spec"])  # type: ignore[typeddict-item]
         _check_same(header, same_as, layer_range)
         header.verify(layer_range, buf)
+        return header
+
+    def _pulled_from(self, replica: LocatedReplica) -> None:
+        """Count a verified pull; its holder is the next speculative guess."""
         self.counters["pulls"] += 1
         self._last_holder = replica
-        return header
+
+    def _hit(self, nbytes: int) -> None:
+        self.counters["hits_remote"] += 1
+        self.counters["bytes_pulled"] += nbytes
 
     # -- speculative pulls -------------------------------------------------------------------
 
@@ -648,10 +671,7 @@ class ReplicaReader:
         """Pull the guessed bytes (unverified until :meth:`confirm`); never raises a kvpool error."""
         replica = guess.replica
         try:
-            self.puller.pull_into(replica["_node"].peer, guess.key, guess.layer_range,  # type: ignore[typeddict-item]
-                                  guess.buf, timeout_s=self.pull_timeout_s,
-                                  alive=lambda: self.holder_alive(replica), token=token,
-                                  header_out=guess.raw_header)
+            self._pull(guess.key, replica, guess.layer_range, guess.buf, guess.raw_header, token)
             guess.pulled = True
         except errors.KVTimeoutError:
             guess.failure = "timeout"
@@ -667,9 +687,7 @@ class ReplicaReader:
         node with the same spec and header checksum and every layer matches that header;
         else None (the guess is wasted: read the located replicas as usual)."""
         # Checked quietly: the located read that follows a wasted guess counts bad records.
-        checked = [r if _is_clean(r) else clean_replica(r) for r in located[:1024]] \
-            if isinstance(located, list) else []
-        replicas = [r for r in checked if r is not None]
+        replicas = _checked_quietly(located)
         for replica in replicas:
             if not guess.pulled or replica["node_id"] != guess.replica["node_id"]:
                 continue
@@ -677,17 +695,14 @@ class ReplicaReader:
             if spec != guess.replica["_spec"]:  # type: ignore[typeddict-item]
                 break
             try:
-                header = ObjectHeader.unpack_expected(guess.raw_header, guess.key, replica["header_sum"], spec)
-                header.verify(guess.layer_range, guess.buf)
+                self._verified(guess.key, replica, guess.raw_header, guess.layer_range, guess.buf)
             except errors.KVPoolError as exc:  # another version, or damaged: read as located
                 log.info("speculative pull of %s from %s not used: %s", guess.key.hex(), replica["node_id"], exc)
                 break
             self._speculation_score = min(_SPECULATION_MAX_SCORE, self._speculation_score + 1)
             self.counters["speculative_hits"] += 1
-            self.counters["hits_remote"] += 1
-            self.counters["pulls"] += 1
-            self.counters["bytes_pulled"] += len(guess.buf)
-            self._last_holder = replica
+            self._hit(len(guess.buf))
+            self._pulled_from(replica)
             self._remember(guess.key, replicas)
             return guess.arr
         self._speculation_score -= 2

@@ -147,44 +147,8 @@ class PullClient:
         undefined (possibly partly written), never reported as valid.
         """
         pull = self._new_pull(address, key, layer_range, out, timeout_s, token, header_out)
-        future = pull.future
-        # The pull's own timer enforces the deadline; the slack only guards against a
-        # wedged progress thread.
-        deadline = time.monotonic() + timeout_s + 5.0
-        # Usually no other thread drives the worker: this one sends the request and handles
-        # the reply itself (no hand-off either way).
-        def check_alive() -> None:
-            if alive is not None and not alive():
-                self._fail(pull, errors.TransferError(f"pull of {bytes(key).hex()}: the holder is gone"),
-                           drop_peer=True)
-
-        if self._engine.drive(lambda: self._start(pull), future.done, deadline,
-                              check_alive if alive is not None else None, alive_check_s):
-            if not future.done():
-                self._abort(future)
-                raise errors.KVTimeoutError(
-                    f"pull of {bytes(key).hex()}: no result {timeout_s}s + 5s after it started (UCX stalled)")
-            return future.result(0)
-        self._engine.submit(lambda: self._start(pull))
-        try:
-            if alive is not None:
-                while True:
-                    try:
-                        return future.result(min(alive_check_s, max(deadline - time.monotonic(), 0.0)))
-                    except concurrent.futures.TimeoutError:
-                        if future.done() or time.monotonic() >= deadline:
-                            raise
-                        if not alive():
-                            self._abort(future)
-                            raise errors.TransferError(
-                                f"pull of {bytes(key).hex()}: the holder is gone") from None
-            return future.result(timeout_s + 5.0)
-        except concurrent.futures.TimeoutError:
-            if future.done():  # KVTimeoutError is a TimeoutError too: the deadline's own
-                raise
-            self._abort(future)
-            raise errors.KVTimeoutError(
-                f"pull of {bytes(key).hex()}: progress thread unresponsive after {timeout_s}s") from None
+        self._run_many([(pull, alive)], timeout_s, alive_check_s)
+        return pull.future.result(0)
 
     def pull_many(self, requests: Sequence[PullRequest], *, timeout_s: float = 10.0,
                   alive_check_s: float = 0.05) -> list[int | BaseException]:
@@ -206,21 +170,27 @@ class PullClient:
                 continue
             pending.append((i, pull, request.alive))
         if pending:
-            self._run_many(pending, timeout_s, alive_check_s)
+            self._run_many([(pull, alive) for _, pull, alive in pending], timeout_s, alive_check_s)
         for i, pull, _ in pending:
             error = pull.future.exception(0)
             results[i] = error if error is not None else pull.future.result(0)
         return results  # type: ignore[return-value]
 
-    def _run_many(self, pending: list[tuple[int, _Pull, Callable[[], bool] | None]], timeout_s: float,
+    def _run_many(self, pending: list[tuple[_Pull, Callable[[], bool] | None]], timeout_s: float,
                   alive_check_s: float) -> None:
-        """Start every pull and wait until each is done (or abandoned at the deadline)."""
-        futures = [pull.future for _, pull, _ in pending]
-        deadline = time.monotonic() + timeout_s + 5.0  # the pulls' own timers come first
-        checked = [(pull, alive) for _, pull, alive in pending if alive is not None]
+        """Start every pull and wait until each is done or abandoned (holder gone, deadline).
+
+        Usually no other thread drives the worker: this one sends the requests and handles the
+        replies itself (no hand-off either way); otherwise it submits them and waits.
+        """
+        futures = [pull.future for pull, _ in pending]
+        # The pulls' own timers enforce the deadline; the slack only guards against a wedged
+        # progress thread.
+        deadline = time.monotonic() + timeout_s + 5.0
+        checked = [(pull, alive) for pull, alive in pending if alive is not None]
 
         def start() -> None:
-            for _, pull, _ in pending:
+            for pull, _ in pending:
                 self._start(pull)
 
         def done() -> bool:
@@ -237,12 +207,13 @@ class PullClient:
         if not self._engine.drive(start, done, deadline, check_alive if checked else None, alive_check_s):
             self._engine.submit(start)
             while not done() and time.monotonic() < deadline:
-                concurrent.futures.wait(futures, min(alive_check_s, max(0.0, deadline - time.monotonic())))
+                remaining = max(0.0, deadline - time.monotonic())
+                concurrent.futures.wait(futures, min(alive_check_s, remaining) if checked else remaining)
                 for pull, alive in checked:
                     if not pull.future.done() and not alive():
                         self._abort(pull.future)
                         _fail_future(pull.future, gone(pull))
-        for _, pull, _ in pending:
+        for pull, _ in pending:
             if not pull.future.done():
                 self._abort(pull.future)
                 _fail_future(pull.future, errors.KVTimeoutError(
@@ -496,18 +467,6 @@ class PullClient:
         if pull.chunks_left <= 0:
             self._succeed(pull)  # an empty payload: this cancels the first chunk's receive
             return
-        if total == 1 and pull.receives and pull.receives[0].completed:
-            # The only chunk landed in the same progress round as the status (its callback,
-            # still to come, finds the pull done): no abort receive to post and cancel.
-            try:
-                pull.receives[0].check_error()
-            except Exception:  # noqa: S110  (its own callback fails the pull)
-                pass
-            else:
-                pull.receives.clear()
-                pull.chunks_done, pull.chunks_left = 1, 0
-                self._succeed(pull)
-                return
         try:
             for i in range(1, total):
                 lo = i * chunk
