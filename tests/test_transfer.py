@@ -37,6 +37,7 @@ import pytest
 from kvpool import errors
 from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullClient, PullServer, ServeSource
+from kvpool.transport.tcp import TcpPullServer
 
 LAYERS = 8
 LAYER_NBYTES = 96 * 1024 + 40  # odd size: chunk boundaries fall inside layers
@@ -96,6 +97,10 @@ def _serve(tmpdir: str) -> None:
     def release() -> None:
         released[0] += 1
 
+    def authorize(key: bytes, token: bytes) -> None:  # TCP pulls of "secret:*" keys need a token
+        if key.startswith(b"secret:") and token != b"open-sesame":
+            raise errors.AuthenticationError("token refused")
+
     def provider(key: bytes, layer_range: LayerRange) -> ServeSource | None:
         if key.startswith(b"miss:"):
             return None
@@ -141,13 +146,16 @@ def _serve(tmpdir: str) -> None:
         return ServeSource(nbytes=hi - lo, buffers=[view], release=release, header=header_of(key))
 
     server = PullServer(provider, max_message=SERVER_MAX_MESSAGE, send_timeout_s=3.0).start()
+    # The same provider over plain TCP (tests/test_tcp_pulls.py)
+    tcp = TcpPullServer(provider, send_timeout_s=3.0, authorize=authorize, staging_nbytes=SERVER_MAX_MESSAGE).start()
     peer = server.peer_address
-    say("ready " + json.dumps({"peer": [peer.host, peer.port, peer.worker_address.hex(), peer.host_id]}))
+    say("ready " + json.dumps({"peer": [peer.host, peer.port, peer.worker_address.hex(), peer.host_id, tcp.port]}))
     for line in sys.stdin:
         if line.strip() == "stats":
-            say("stats " + json.dumps({**server.stats(), "released": released[0]}))
+            say("stats " + json.dumps({**server.stats(), "released": released[0], "tcp": tcp.stats()}))
         elif line.strip() == "quit":
             break
+    tcp.close()
     server.close()
     say("bye")
 
@@ -163,8 +171,8 @@ class ServerProcess:
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         ready = self.wait_for("ready", timeout_s=30)
-        host, port, worker_address, host_id = json.loads(ready)["peer"]
-        self.peer = PeerAddress(host, port, bytes.fromhex(worker_address), host_id)
+        host, port, worker_address, host_id, tcp_port = json.loads(ready)["peer"]
+        self.peer = PeerAddress(host, port, bytes.fromhex(worker_address), host_id, tcp_port)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

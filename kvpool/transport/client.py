@@ -32,28 +32,22 @@ from kvpool.transport.frames import (
     _HELLO,
     _HELLO_MAGIC,
     _MAX_CHUNKS,
-    _MAX_KEY_BYTES,
     _MAX_REQUEST_ID,
     _MAX_STATUS_TEXT,
-    _MAX_TOKEN_BYTES,
     _MIN_CHUNK_FLOOR,
     _STATUS,
-    MAX_HEADER_NBYTES,
     MIN_CHUNK,
     OK_STATUSES,
     PROTOCOL_VERSION,
     REQUEST_TAG,
-    STATUS_BAD_RANGE,
-    STATUS_MISS,
     STATUS_OK_MAY_ABORT,
-    STATUS_OUT_TOO_SMALL,
-    STATUS_UNAUTHORIZED,
     PeerAddress,
     _pack_request,
     _parse_status,
     plausible_worker_address,
+    status_error,
 )
-from kvpool.transport.pulls import PullRequest, _as_layer_range, _as_out_view, _as_peer_address, _Peer, _Pull
+from kvpool.transport.pulls import PullRequest, _Peer, _Pull, checked_pull
 
 log = logging.getLogger("kvpool.transport")
 
@@ -289,28 +283,14 @@ class PullClient:
             raise errors.PoolClosedError(f"{self._name} is closed")
         if self._engine.on_thread():
             raise RuntimeError("pull_into cannot be called from the client's own progress thread")
-        peer = _as_peer_address(address)
-        if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= _MAX_KEY_BYTES:
-            raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if not isinstance(token, (bytes, bytearray, memoryview)) or len(token) > _MAX_TOKEN_BYTES:
-            raise errors.AuthenticationError(f"pull token must be at most {_MAX_TOKEN_BYTES} bytes")
-        pull = _Pull(
-            address=peer,
-            key=bytes(key),
-            layer_range=_as_layer_range(layer_range),
-            out=_as_out_view(out),
-            timeout_s=float(timeout_s),
-            future=concurrent.futures.Future(),
-            token=bytes(token),
-        )
+        args = checked_pull(address, key, layer_range, out, token, header_out)
+        pull = _Pull(address=args.address, key=args.key, layer_range=args.layer_range, out=args.out,
+                     timeout_s=float(timeout_s), future=concurrent.futures.Future(), token=args.token)
         if header_out is not None:
-            if not isinstance(header_out, bytearray):
-                raise TypeError(f"header_out must be a bytearray, got {type(header_out).__name__}")
-            room = len(header_out) if 0 < len(header_out) <= MAX_HEADER_NBYTES else MAX_HEADER_NBYTES
             pull.header_out = header_out
-            pull.status_buf = bytearray(_STATUS.size + max(room, _MAX_STATUS_TEXT))
+            pull.status_buf = bytearray(_STATUS.size + max(args.header_room, _MAX_STATUS_TEXT))
         pull.future.kvpool_pull = pull  # type: ignore[attr-defined]  # for _abort
         return pull
 
@@ -439,13 +419,7 @@ class PullClient:
         layers = pull.layer_range
         what = f"{peer.label}: pull of {pull.key.hex()} layers [{layers.start}, {layers.stop})"
         if status not in OK_STATUSES:
-            exc_type = {
-                STATUS_MISS: errors.RemoteMissError,
-                STATUS_BAD_RANGE: errors.LayerRangeError,
-                STATUS_OUT_TOO_SMALL: errors.OutBufferError,
-                STATUS_UNAUTHORIZED: errors.AuthenticationError,
-            }.get(status, errors.TransferError)
-            self._fail(pull, exc_type(f"{what}: {body.decode('utf-8', 'replace')}"))
+            self._fail(pull, status_error(status)(f"{what}: {body.decode('utf-8', 'replace')}"))
             return
         if pull.header_out is not None:
             if not body:

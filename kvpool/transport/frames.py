@@ -66,6 +66,16 @@ STATUS_UNAUTHORIZED = 6  # the request's token was refused: nothing else is sent
 STATUS_OK_MAY_ABORT = 7
 OK_STATUSES = (STATUS_OK, STATUS_OK_MAY_ABORT)
 
+
+def status_error(status: int) -> type[errors.KVPoolError]:
+    """The error a client raises for a failed pull's status."""
+    return {
+        STATUS_MISS: errors.RemoteMissError,
+        STATUS_BAD_RANGE: errors.LayerRangeError,
+        STATUS_OUT_TOO_SMALL: errors.OutBufferError,
+        STATUS_UNAUTHORIZED: errors.AuthenticationError,
+    }.get(status, errors.TransferError)
+
 _RECEIVES_POSTED = 4  # request receives kept posted on a server's worker
 
 
@@ -96,14 +106,16 @@ class PeerAddress:
     port: int
     worker_address: bytes = b""
     host_id: str = ""
+    #: where the node serves pulls over plain TCP (:mod:`.tcp`) on ``host``; 0: it does not
+    tcp_port: int = 0
 
     def to_wire(self) -> list[Any]:
-        return [self.host, self.port, self.worker_address, self.host_id]
+        return [self.host, self.port, self.worker_address, self.host_id, self.tcp_port]
 
     @classmethod
     def from_wire(cls, fields: Sequence[Any]) -> PeerAddress:
-        host, port, worker_address, host_id = fields
-        return cls(str(host), int(port), bytes(worker_address), str(host_id))
+        host, port, worker_address, host_id, *rest = fields  # a 4-field address serves no TCP pulls
+        return cls(str(host), int(port), bytes(worker_address), str(host_id), int(rest[0]) if rest else 0)
 
 
 

@@ -12,7 +12,13 @@ from typing import Any
 from kvpool import errors
 from kvpool.objformat import LayerRange
 from kvpool.transport.engine import _Timer
-from kvpool.transport.frames import _STATUS_BUFFER_NBYTES, PeerAddress
+from kvpool.transport.frames import (
+    _MAX_KEY_BYTES,
+    _MAX_TOKEN_BYTES,
+    _STATUS_BUFFER_NBYTES,
+    MAX_HEADER_NBYTES,
+    PeerAddress,
+)
 
 
 @dataclass(eq=False)
@@ -63,6 +69,34 @@ class PullRequest:
     token: bytes = b""
     header_out: bytearray | None = None
     alive: Any = None  # Callable[[], bool] | None: asked while the pull waits, as in pull_into
+
+
+@dataclass(frozen=True)
+class CheckedPull:
+    """A pull's arguments, checked (:func:`checked_pull`)."""
+
+    address: PeerAddress
+    key: bytes
+    layer_range: LayerRange
+    out: memoryview
+    token: bytes
+    header_room: int  # the most header bytes ``header_out`` takes
+
+
+def checked_pull(address: PeerAddress | tuple[str, int], key: Any, layer_range: Any, out: Any,
+                 token: Any, header_out: Any) -> CheckedPull:
+    """The arguments of one pull, checked as every client checks them, or a typed error."""
+    peer = _as_peer_address(address)
+    if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= _MAX_KEY_BYTES:
+        raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")
+    if not isinstance(token, (bytes, bytearray, memoryview)) or len(token) > _MAX_TOKEN_BYTES:
+        raise errors.AuthenticationError(f"pull token must be at most {_MAX_TOKEN_BYTES} bytes")
+    room = 0
+    if header_out is not None:
+        if not isinstance(header_out, bytearray):
+            raise TypeError(f"header_out must be a bytearray, got {type(header_out).__name__}")
+        room = len(header_out) if 0 < len(header_out) <= MAX_HEADER_NBYTES else MAX_HEADER_NBYTES
+    return CheckedPull(peer, bytes(key), _as_layer_range(layer_range), _as_out_view(out), bytes(token), room)
 
 
 def _as_peer_address(address: PeerAddress | tuple[str, int]) -> PeerAddress:

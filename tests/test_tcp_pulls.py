@@ -1,0 +1,225 @@
+"""TcpPullServer / TcpPullClient: pulls over plain TCP on 127.0.0.1.
+
+The holder is the server process of ``test_transfer.py`` (the same provider, served over
+UCX and TCP); tests of connection limits and idle connections run a server in this process.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool import errors
+from kvpool.objformat import LayerRange
+from kvpool.transport import PeerAddress, PullRequest, ServeSource
+from kvpool.transport.tcp import TcpPullClient, TcpPullServer
+from tests.test_transfer import LAYER_NBYTES, LAYERS, ServerProcess, expected, header_of
+
+
+@pytest.fixture(scope="module")
+def holder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path_factory.mktemp("tcp-holder"))
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def client() -> Iterator[TcpPullClient]:
+    with TcpPullClient() as c:
+        yield c
+
+
+def test_pull_lands_exact_bytes_and_header(holder: ServerProcess, client: TcpPullClient) -> None:
+    out = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)
+    header = bytearray(4096)
+    got = client.pull_into(holder.peer, b"k1", (2, 5), out, header_out=header, timeout_s=10)
+    assert got == 3 * LAYER_NBYTES
+    assert np.array_equal(out[:got], expected(b"k1", 2, 5))
+    assert bytes(header) == header_of(b"k1")
+    split = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)  # a payload from two buffers
+    assert client.pull_into(holder.peer, b"split:x", (0, LAYERS), split) == split.nbytes
+    assert np.array_equal(split, expected(b"split:x", 0, LAYERS))
+
+
+def test_failures_are_typed_and_keep_the_connection(holder: ServerProcess, client: TcpPullClient) -> None:
+    def request(key: bytes, layers: tuple[int, int] = (0, 1), nbytes: int = LAYER_NBYTES) -> PullRequest:
+        return PullRequest(holder.peer, key, layers, bytearray(nbytes))
+
+    ok = request(b"k2", (1, 3), 2 * LAYER_NBYTES)
+    results = client.pull_many([
+        request(b"miss:1"), ok, request(b"k3", (0, LAYERS + 1), 9 * LAYER_NBYTES), request(b"k3", (0, 2)),
+        request(b"boom"), request(b"secret:x"), request(b"", (0, 1)), request(b"k4"),
+    ], timeout_s=10)
+    assert isinstance(results[0], errors.RemoteMissError)
+    assert results[1] == 2 * LAYER_NBYTES and bytes(ok.out) == expected(b"k2", 1, 3).tobytes()
+    assert isinstance(results[2], errors.LayerRangeError)
+    assert isinstance(results[3], errors.OutBufferError)
+    assert isinstance(results[4], errors.TransferError) and "disk on fire" in str(results[4])
+    assert isinstance(results[5], errors.AuthenticationError)
+    assert isinstance(results[6], errors.InvalidKeyError)  # refused before anything was sent
+    assert results[7] == LAYER_NBYTES
+    # all on one connection, which stayed in step with its replies
+    assert client.connects == 1
+    out = bytearray(LAYER_NBYTES)
+    assert client.pull_into(holder.peer, b"secret:x", (0, 1), out, token=b"open-sesame") == LAYER_NBYTES
+    assert bytes(out) == expected(b"secret:x", 0, 1).tobytes()
+    assert client.connects == 1
+
+
+def test_read_while_sent_and_a_read_failing_midway(holder: ServerProcess, client: TcpPullClient) -> None:
+    out = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)
+    assert client.pull_into(holder.peer, b"file:a", (0, LAYERS), out) == out.nbytes
+    assert np.array_equal(out, expected(b"file:a", 0, LAYERS))
+    # the OK went out, then the second read fails: the pull fails, the payload is not taken
+    with pytest.raises(errors.TransferError, match="closed"):
+        client.pull_into(holder.peer, b"file:bad", (0, LAYERS), out)
+    out[:] = 0
+    assert client.pull_into(holder.peer, b"file:b", (0, 2), out) == 2 * LAYER_NBYTES
+    assert np.array_equal(out[:2 * LAYER_NBYTES], expected(b"file:b", 0, 2))
+
+
+def test_many_pulls_to_one_holder_are_pipelined_without_blocking(holder: ServerProcess,
+                                                                 client: TcpPullClient) -> None:
+    """More request bytes than a window and replies far larger than socket buffers."""
+    keys = [f"many-{i}-{'x' * 900}".encode() for i in range(120)]
+    outs = [np.zeros(2 * LAYER_NBYTES, np.uint8) for _ in keys]
+    results = client.pull_many([PullRequest(holder.peer, key, (3, 5), out) for key, out in zip(keys, outs)],
+                               timeout_s=30)
+    assert results == [2 * LAYER_NBYTES] * len(keys)
+    for key, out in zip(keys, outs):
+        assert np.array_equal(out, expected(key, 3, 5))
+
+
+def test_concurrent_callers_each_get_their_own_bytes(holder: ServerProcess, client: TcpPullClient) -> None:
+    wrong: list[str] = []
+
+    def worker(n: int) -> None:
+        out = np.zeros(2 * LAYER_NBYTES, np.uint8)
+        for i in range(25):
+            key = f"c{n}-{i}".encode()
+            start = i % (LAYERS - 1)
+            client.pull_into(holder.peer, key, (start, start + 2), out, timeout_s=20)
+            if not np.array_equal(out, expected(key, start, start + 2)):
+                wrong.append(key.decode())
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not wrong
+    assert client.connects <= 4
+
+
+def test_a_killed_holder_fails_the_pull_at_once(tmp_path: Path) -> None:
+    proc = ServerProcess(tmp_path)
+    try:
+        with TcpPullClient() as client:
+            out = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)
+            result: list[BaseException | int] = []
+            t = threading.Thread(target=lambda: result.append(
+                client.pull_many([PullRequest(proc.peer, b"stall-mid", (0, LAYERS), out)], timeout_s=30)[0]))
+            t.start()
+            proc.wait_for("stalled")
+            started = time.monotonic()
+            proc.kill()
+            t.join(30)
+            assert isinstance(result[0], errors.TransferError) and not isinstance(result[0], errors.KVTimeoutError)
+            assert time.monotonic() - started < 10  # not the 30 s deadline
+            with pytest.raises(errors.TransferError, match="unreachable"):  # nothing listens now
+                client.pull_into(proc.peer, b"k", (0, 1), out, timeout_s=5)
+    finally:
+        proc.stop()
+
+
+def test_a_frozen_holder_costs_the_deadline_or_until_it_is_known_gone(holder: ServerProcess,
+                                                                     client: TcpPullClient) -> None:
+    out = bytearray(LAYER_NBYTES)
+    with pytest.raises(errors.KVTimeoutError):
+        client.pull_into(holder.peer, b"slow", (0, 1), out, timeout_s=0.3)
+    gone = threading.Event()
+    threading.Timer(0.2, gone.set).start()
+    started = time.monotonic()
+    with pytest.raises(errors.TransferError, match="gone"):
+        client.pull_into(holder.peer, b"slow", (0, 1), out, timeout_s=30, alive=lambda: not gone.is_set())
+    assert time.monotonic() - started < 10
+    assert client.pull_into(holder.peer, b"k5", (0, 1), out) == LAYER_NBYTES  # a new connection
+    assert bytes(out) == expected(b"k5", 0, 1).tobytes()
+
+
+# -- a server in this process ------------------------------------------------------------------
+
+
+def _memory_provider(key: bytes, layer_range: LayerRange) -> ServeSource | None:
+    data = expected(key, layer_range.start, layer_range.stop)
+    return ServeSource(data.nbytes, buffers=[memoryview(data)], header=b"h" * 16)
+
+
+def test_an_idle_connection_the_holder_closed_is_replaced_once() -> None:
+    with TcpPullServer(_memory_provider, idle_timeout_s=0.2) as server, TcpPullClient() as client:
+        peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
+        out = bytearray(LAYER_NBYTES)
+        assert client.pull_into(peer, b"a", (0, 1), out) == LAYER_NBYTES
+        deadline = time.monotonic() + 10
+        while server.stats()["connections"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server drops the idle connection
+        assert client.pull_into(peer, b"b", (0, 1), out) == LAYER_NBYTES
+        assert bytes(out) == expected(b"b", 0, 1).tobytes()
+        assert client.connects == 2 and client.failures == 0
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(100) == b""
+    except ConnectionResetError:  # closed with our bytes unread
+        return True
+
+
+def test_garbage_and_too_many_connections_are_dropped_without_harm() -> None:
+    with TcpPullServer(_memory_provider, max_connections=2) as server, TcpPullClient() as client:
+        peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as bad:
+            bad.sendall(b"GET / HTTP/1.1\r\n" + b"x" * 200)
+            assert _closed_by_peer(bad)  # nothing answered
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as idle:
+            out = bytearray(LAYER_NBYTES)
+            assert client.pull_into(peer, b"a", (0, 1), out) == LAYER_NBYTES  # the second connection
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as third:
+                assert _closed_by_peer(third)  # over the limit: closed at once
+            assert server.stats()["connections_refused"] >= 1
+            assert client.pull_into(peer, b"b", (0, 1), out) == LAYER_NBYTES
+            assert bytes(out) == expected(b"b", 0, 1).tobytes()
+            del idle
+        assert server.stats()["errors"] >= 1
+
+
+def test_closing_the_server_fails_a_waiting_pull() -> None:
+    release = threading.Event()
+
+    def stalling(key: bytes, layer_range: LayerRange) -> ServeSource | None:
+        release.wait(10)
+        return None
+
+    server = TcpPullServer(stalling).start()
+    try:
+        with TcpPullClient() as client:
+            peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
+            threading.Timer(0.2, server.close).start()
+            with pytest.raises(errors.TransferError):
+                client.pull_into(peer, b"a", (0, 1), bytearray(16), timeout_s=20)
+    finally:
+        release.set()
+        server.close()
+
+
+def test_a_peer_without_a_tcp_port_is_refused_up_front(client: TcpPullClient) -> None:
+    (outcome,) = client.pull_many([PullRequest(PeerAddress("127.0.0.1", 1), b"a", (0, 1), bytearray(8))])
+    assert isinstance(outcome, errors.TransferError)
