@@ -231,6 +231,9 @@ class NodeSection:
     location_cache: int = _opt(65536, "keys whose holder is remembered, so a repeat get skips the master (0: off)")
     speculative_pulls: bool = _opt(True, "while the master locates a key, pull it from the node last pulled "
                                          "from; used only if the master confirms that node and version")
+    tcp_pull_max: int = _size("2MiB", "pulls of at most this many bytes go over a plain TCP connection to the "
+                                      "holder (node.host, an ephemeral port), larger ones over UCX; 0: every "
+                                      "pull over UCX and no TCP port (set 0 where UCX has RDMA)")
 
 
 @dataclass
@@ -333,6 +336,8 @@ class Config:
             raise bad("node.replicas", "must be >= 1")
         if self.node.location_cache < 0:
             raise bad("node.location_cache", "must be >= 0")
+        if self.node.tcp_pull_max < 0:
+            raise bad("node.tcp_pull_max", "must be >= 0")
         if self.node.max_message < 4096:
             raise bad("node.max_message", "must be at least 4096 bytes")
         if self.security.token_ttl_s <= 0:

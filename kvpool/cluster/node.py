@@ -17,7 +17,9 @@ to serve or replicate them.
 from __future__ import annotations
 
 import base64
+import binascii
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
@@ -46,8 +48,10 @@ from kvpool.transport import (
     PullClient,
     PullServer,
     ServeSource,
+    TcpPullServer,
     in_inline_provider,
     local_host_id,
+    plausible_worker_address,
     ucx_interface_options,
 )
 from tiers.base import Extent, Tier
@@ -75,6 +79,7 @@ class NodeAddress:
     def encode(self) -> str:
         return json.dumps({
             "ucx": [self.peer.host, self.peer.port],
+            "tcp": self.peer.tcp_port,
             "worker": base64.b64encode(self.peer.worker_address).decode(),
             "host_id": self.peer.host_id,
             "control": self.control,
@@ -83,13 +88,39 @@ class NodeAddress:
 
     @classmethod
     def decode(cls, text: str) -> NodeAddress:
+        address = cls.parse(text)
+        if address is None:
+            raise errors.ProtocolError(f"unreadable node address {text[:300]!r}")
+        return address
+
+    @classmethod
+    def parse(cls, text: str) -> NodeAddress | None:
+        """The address in ``text`` (as the master relays it from any node), or None if any part
+        is malformed: checked before UCX or a socket sees it."""
         try:
             data = json.loads(text)
             host, port = data["ucx"]
-            peer = PeerAddress(host, int(port), base64.b64decode(data["worker"]), data["host_id"])
-            return cls(peer, data["control"], data.get("arena"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise errors.ProtocolError(f"unreadable node address {text!r}: {exc}") from None
+            tcp_port = data.get("tcp", 0)
+            worker = base64.b64decode(data["worker"], validate=True)
+            host_id, control, arena = data["host_id"], data["control"], data.get("arena")
+        except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
+            return None
+        if not isinstance(host, str) or not 0 < len(host) <= 255 or not _is_port(port) or not _is_port(tcp_port):
+            return None
+        if worker and not plausible_worker_address(worker):
+            return None
+        if not isinstance(host_id, str) or len(host_id) > 1024 or not isinstance(control, str) \
+                or len(control) > 1024:
+            return None
+        if arena is not None and not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
+                                      and isinstance(arena.get("instance"), str) and len(arena["instance"]) <= 256
+                                      and 0 < len(arena["path"]) <= 4096):
+            return None
+        return cls(PeerAddress(host, port, worker, host_id, tcp_port), control, arena)
+
+
+def _is_port(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 65536
 
 
 def record_for(key: bytes, tier: Tier, extent: Extent, header: ObjectHeader,
@@ -128,6 +159,10 @@ class Node:
                                  max_message=config.node.max_message, inline_provider=True,
                                  name=f"kvpool-node-{self.node_id[:8]}", authorize=self._authorize,
                                  listener=bool(config.node.port), engine=self.engine)
+        # Small pulls over plain TCP (node.tcp_pull_max): a thread per reader connection, which
+        # may block in the provider, so the manager's lock is simply taken there.
+        self.tcp_server = TcpPullServer(self._provide, self.host, authorize=self._authorize,
+                                        name=f"kvpool-tcp-{self.node_id[:8]}") if config.node.tcp_pull_max else None
         self._events: queue.Queue[tuple[str, bytes, Any]] = queue.Queue()
         #: unpins that found the manager busy on the progress thread finish here
         self._unpinner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-unpin")
@@ -161,8 +196,11 @@ class Node:
 
     def start(self) -> Node:
         self.server.start()
+        peer = self.server.peer_address
+        if self.tcp_server is not None:
+            peer = dataclasses.replace(peer, tcp_port=self.tcp_server.start().port)
         arena = next((info for t in self.manager.tiers if (info := t.arena_info()) is not None), None)
-        self.address = NodeAddress(self.server.peer_address, self.control_address, arena)
+        self.address = NodeAddress(peer, self.control_address, arena)
         self.manager.listener = self
         self.manager.may_drop_many = self._may_drop_many
         self._publisher.start()
@@ -202,6 +240,8 @@ class Node:
         self._control.close(0)
         if self._replicator is not None:
             self._replicator.close()
+        if self.tcp_server is not None:
+            self.tcp_server.close()
         self.server.close()
         self.engine.stop(lambda: None)  # after every server and client on it closed
         self._unpinner.shutdown(wait=True)
@@ -368,7 +408,8 @@ class Node:
         """Tiers, counters and pull-server counters of this node (also served on the control socket)."""
         return {"node_id": self.node_id, "host_id": self.host_id, "objects": len(self.manager),
                 "tiers": self.manager.tier_stats(), "counters": dict(self.manager.counters),
-                "transfer": self.server.stats()}
+                "transfer": self.server.stats(),
+                "transfer_tcp": self.tcp_server.stats() if self.tcp_server is not None else {}}
 
     # -- replication for durable puts ----------------------------------------------------
 

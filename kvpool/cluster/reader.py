@@ -23,9 +23,6 @@ minted for it; the location cache stops using a replica once its token expired.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import logging
 import os
 import threading
@@ -41,7 +38,7 @@ from kvpool.cluster.node import NodeAddress
 from kvpool.cluster.protocol import LocatedReplica
 from kvpool.cluster.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
-from kvpool.transport import Engine, PeerAddress, PullClient, PullRequest, plausible_worker_address
+from kvpool.transport import Engine, PeerAddress, PullClient, PullRequest, TcpPullClient
 
 log = logging.getLogger("kvpool.remote")
 
@@ -67,9 +64,6 @@ def shared_dirs_of(config: Any) -> tuple[str, ...]:
     dirs += [os.path.expanduser(d) for d in str(extra).split(":") if d]
     return tuple(dirs)
 
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int
 
 
 def clean_location(raw: Any) -> dict[str, Any] | None:
@@ -103,7 +97,7 @@ def clean_node_address(text: Any) -> NodeAddress | None:
         pass
     if len(_addresses) >= _MEMO_LIMIT:
         _addresses.clear()
-    node = _addresses[text] = _decode_node_address(text)
+    node = _addresses[text] = NodeAddress.parse(text)
     return node
 
 
@@ -124,28 +118,6 @@ def _clean_spec(raw: Any) -> ObjectSpec | None:
         _specs.clear()
     _specs[wire] = spec
     return spec
-
-
-def _decode_node_address(text: str) -> NodeAddress | None:
-    try:
-        data = json.loads(text)
-        host, port = data["ucx"]
-        worker = base64.b64decode(data["worker"], validate=True)
-        host_id, control, arena = data["host_id"], data["control"], data.get("arena")
-    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
-        return None
-    if not isinstance(host, str) or not 0 < len(host) <= 255 or not _is_int(port) or not 0 <= port < 65536:
-        return None
-    if worker and not plausible_worker_address(worker):
-        return None
-    if not isinstance(host_id, str) or len(host_id) > 1024 or not isinstance(control, str) \
-            or len(control) > 1024:
-        return None
-    if arena is not None and not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
-                                  and isinstance(arena.get("instance"), str) and len(arena["instance"]) <= 256
-                                  and 0 < len(arena["path"]) <= 4096):
-        return None
-    return NodeAddress(PeerAddress(host, port, worker, host_id), control, arena)
 
 
 def clean_replica(raw: Any) -> LocatedReplica | None:
@@ -246,7 +218,7 @@ class ReplicaReader:
     def __init__(self, host_id: str, *, node_id: str | None = None, transport: str = "auto",
                  max_message: int = 16 << 20, pull_timeout_s: float = 10.0,
                  location_cache_size: int = 0, allowed_dirs: Sequence[str] | None = None,
-                 host: str = "127.0.0.1", engine: Engine | None = None) -> None:
+                 host: str = "127.0.0.1", engine: Engine | None = None, tcp_pull_max: int = 0) -> None:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
@@ -254,6 +226,9 @@ class ReplicaReader:
         self.allowed_dirs = tuple(os.path.realpath(d) for d in (allowed_dirs or DEFAULT_SHARED_DIRS))
         # ``engine``: the node's, shared (one UCX worker and progress thread per process)
         self.puller = PullClient(transport=transport, max_message=max_message, host=host, engine=engine)
+        #: pulls of at most this many bytes from a holder with a TCP port go over plain TCP
+        self.tcp_pull_max = tcp_pull_max
+        self.tcp_puller = TcpPullClient() if tcp_pull_max else None
         self.counters: Counter[str] = Counter()
         self._cxl_readers: dict[tuple[str, str], Any] = {}
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
@@ -514,11 +489,11 @@ class ReplicaReader:
             arr, buf = out_view(spec, layer_range, out)
             batch.append((i, first, layer_range, arr, buf, bytearray(spec.header_nbytes)))
         if batch:
-            pulled = self.puller.pull_many([
+            pulled = self._pull_many([
                 PullRequest(replica["_node"].peer, keys[i], layer_range, buf,  # type: ignore[typeddict-item]
                             token=replica.get("token", b""), header_out=raw,
                             alive=lambda replica=replica: self.holder_alive(replica))
-                for i, replica, layer_range, _, buf, raw in batch], timeout_s=self.pull_timeout_s)
+                for i, replica, layer_range, _, buf, raw in batch])
             for (i, replica, layer_range, arr, buf, raw), outcome in zip(batch, pulled):
                 try:
                     if isinstance(outcome, BaseException):
@@ -614,9 +589,29 @@ class ReplicaReader:
               raw_header: bytearray, token: bytes) -> None:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified), abandoned as soon as the holder is known gone."""
-        self.puller.pull_into(replica["_node"].peer, key, layer_range, buf,  # type: ignore[typeddict-item]
-                              timeout_s=self.pull_timeout_s, alive=lambda: self.holder_alive(replica),
-                              token=token, header_out=raw_header)
+        peer: PeerAddress = replica["_node"].peer  # type: ignore[typeddict-item]
+        self._client_for(peer, buf.nbytes).pull_into(
+            peer, key, layer_range, buf, timeout_s=self.pull_timeout_s, alive=lambda: self.holder_alive(replica),
+            token=token, header_out=raw_header)
+
+    def _client_for(self, peer: PeerAddress | tuple[str, int], nbytes: int) -> PullClient | TcpPullClient:
+        """Plain TCP for a pull of at most ``tcp_pull_max`` bytes from a holder that serves it,
+        else UCX."""
+        if self.tcp_puller is not None and isinstance(peer, PeerAddress) and peer.tcp_port \
+                and nbytes <= self.tcp_pull_max:
+            return self.tcp_puller
+        return self.puller
+
+    def _pull_many(self, requests: list[PullRequest]) -> list[int | BaseException]:
+        """Pulls in flight together (:meth:`PullClient.pull_many`), the small ones over TCP."""
+        clients = [self._client_for(r.address, r.out.nbytes) for r in requests]
+        results: list[int | BaseException | None] = [None] * len(requests)
+        for client in {id(c): c for c in clients}.values():
+            chosen = [i for i, c in enumerate(clients) if c is client]
+            for i, outcome in zip(chosen, client.pull_many([requests[i] for i in chosen],
+                                                           timeout_s=self.pull_timeout_s)):
+                results[i] = outcome
+        return results  # type: ignore[return-value]
 
     @staticmethod
     def _verified(key: bytes, replica: LocatedReplica, raw_header: bytearray, layer_range: LayerRange,
@@ -723,10 +718,13 @@ class ReplicaReader:
             return reader
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "pull_client": self.puller.stats()}
+        return {**self.counters, "pull_client": self.puller.stats(),
+                "tcp_pull_client": self.tcp_puller.stats() if self.tcp_puller is not None else {}}
 
     def close(self) -> None:
         self.puller.close()
+        if self.tcp_puller is not None:
+            self.tcp_puller.close()
         with self._lock:
             for reader in [*self._cxl_readers.values(), *self._neighbours.values()]:
                 reader.close()

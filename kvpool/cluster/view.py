@@ -140,7 +140,7 @@ class ClusterView:
                                         pull_timeout_s=config.node.pull_timeout_s,
                                         location_cache_size=config.node.location_cache,
                                         allowed_dirs=shared_dirs_of(config), host=self.node.host,
-                                        engine=self.node.engine)
+                                        engine=self.node.engine, tcp_pull_max=config.node.tcp_pull_max)
             self._parts.append(self.reader)
             self._refresh_from_master()
             self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,

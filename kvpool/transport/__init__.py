@@ -114,6 +114,7 @@ from kvpool.transport.frames import MAX_HEADER_NBYTES, PeerAddress, plausible_wo
 from kvpool.transport.pulls import PullRequest
 from kvpool.transport.server import PullServer
 from kvpool.transport.source import Provider, ProviderWouldBlock, ServeSource, in_inline_provider
+from kvpool.transport.tcp import TcpPullClient, TcpPullServer
 
 __all__ = [
     "DEFAULT_UCX_OPTIONS",
@@ -127,6 +128,8 @@ __all__ = [
     "PullServer",
     "ServeSource",
     "TRANSPORTS",
+    "TcpPullClient",
+    "TcpPullServer",
     "in_inline_provider",
     "interface_for_host",
     "local_host_id",
