@@ -255,6 +255,40 @@ def test_speculative_pulls_can_be_turned_off(cluster: Cluster) -> None:
         reader.close()
 
 
+def test_small_pulls_go_over_tcp_and_large_ones_over_ucx(cluster: Cluster) -> None:
+    """A reader pulls layer ranges up to its node.tcp_pull_max over the holder's TCP port and
+    larger ones over UCX; a holder with node.tcp_pull_max = 0 opens no TCP port and is pulled
+    from over UCX only."""
+    cluster.start_master()
+    holder = cluster.connect("holder")
+    config = small_config(cluster.master_address, "no-tcp", str(cluster.tmp_path / "no-tcp"), HEARTBEAT_MS)
+    config.set("node.tcp_pull_max", 0, origin="test")
+    untcp = kvpool.connect(cluster.master_address, config=config)
+    config = small_config(cluster.master_address, "reader", str(cluster.tmp_path / "reader"), HEARTBEAT_MS)
+    config.set("node.tcp_pull_max", 2 * LAYER_NBYTES, origin="test")
+    reader = kvpool.connect(cluster.master_address, config=config)
+    try:
+        assert holder.cluster.node.address is not None and holder.cluster.node.address.peer.tcp_port
+        assert untcp.cluster.node.tcp_server is None
+        assert untcp.cluster.node.address is not None and untcp.cluster.node.address.peer.tcp_port == 0
+        for i in range(4):
+            holder.put(key_of(i), content(i))
+            untcp.put(key_of(10 + i), content(10 + i))
+        np.testing.assert_array_equal(reader.get(key_of(0), layers=(1, 3)), content(0)[1:3])  # 2 layers: TCP
+        np.testing.assert_array_equal(reader.get(key_of(1)), content(1))  # 8 layers: UCX
+        got = reader.get_many([key_of(2), key_of(3)], layers=(5, 6))  # one TCP connection for both
+        for i, arr in zip((2, 3), got):
+            np.testing.assert_array_equal(arr, content(i)[5:6])
+        np.testing.assert_array_equal(reader.get(key_of(10), layers=(0, 1)), content(10)[0:1])  # no port: UCX
+        remote = reader.stats()["remote"]
+        assert remote["tcp_pull_client"]["pulls"] == 3 and remote["tcp_pull_client"]["connects"] == 1, remote
+        assert remote["pull_client"]["pulls"] == 2, remote
+        assert holder.cluster.node.stats()["transfer_by_path"]["tcp"]["requests_served"] == 3
+    finally:
+        for pool in (holder, untcp, reader):
+            pool.close()
+
+
 def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -> None:
     cluster.start_master()
     cluster.start_actor("writer", "writer", "--keys", "6")

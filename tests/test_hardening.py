@@ -59,11 +59,14 @@ def test_default_daemon_and_its_clients_listen_only_on_loopback(
         located = pool.cluster.master.locate(b"loopback-key")
         theirs = [r for r in located.replicas[0] if r["node_id"] != pool.node_id]
         assert theirs, located
-        for transport in ("tcp", "auto"):  # and this process pulls it back from the daemon
-            reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0)
+        # and this process pulls it back from the daemon: UCX over TCP, UCX same-host, plain TCP
+        for transport, tcp_pull_max in (("tcp", 0), ("auto", 0), ("auto", 1 << 20)):
+            reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0,
+                                   tcp_pull_max=tcp_pull_max)
             try:
                 got = reader.read(b"loopback-key", theirs, None, None, Pool._out_view)
                 assert got is not None and np.array_equal(got, kv), reader.counters
+                assert (reader.tcp_puller is not None and reader.tcp_puller.pulls == 1) == bool(tcp_pull_max)
             finally:
                 reader.close()
         daemon_listens, own_listens = listeners_of(daemon.pid), listeners_of(os.getpid())
@@ -93,8 +96,9 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
             "expired": key.mint_token(b"token-key", stored["node_id"], now=time.time() - 3600),
             "garbage": os.urandom(24),
         }
-        for transport in ("tcp", "auto"):
-            reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0)
+        for transport, tcp_pull_max in (("tcp", 0), ("auto", 0), ("tcp", 1 << 20)):  # the last: plain TCP
+            reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0,
+                                   tcp_pull_max=tcp_pull_max)
             try:
                 got = reader.read(b"token-key", [stored], None, None, Pool._out_view)
                 assert got is not None and np.array_equal(got, kv)
@@ -102,9 +106,14 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
                     assert reader.read(b"token-key", [{**stored, "token": token}], None, None,
                                        Pool._out_view) is None, what
                 assert reader.counters["miss_unauthorized"] == len(cases), reader.counters
+                peer = NodeAddress.decode(stored["address"]).peer
+                assert peer.tcp_port
                 with pytest.raises(errors.AuthenticationError):
-                    peer = NodeAddress.decode(stored["address"]).peer
                     reader.puller.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
+                if reader.tcp_puller is not None:
+                    assert reader.tcp_puller.pulls == 1 and reader.tcp_puller.failures == len(cases)
+                    with pytest.raises(errors.AuthenticationError):
+                        reader.tcp_puller.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
             finally:
                 reader.close()
         # the location cache drops a replica whose token expired: locate again

@@ -406,10 +406,13 @@ class Node:
 
     def stats(self) -> dict[str, Any]:
         """Tiers, counters and pull-server counters of this node (also served on the control socket)."""
+        ucx = self.server.stats()
+        tcp = self.tcp_server.stats() if self.tcp_server is not None else {}
         return {"node_id": self.node_id, "host_id": self.host_id, "objects": len(self.manager),
                 "tiers": self.manager.tier_stats(), "counters": dict(self.manager.counters),
-                "transfer": self.server.stats(),
-                "transfer_tcp": self.tcp_server.stats() if self.tcp_server is not None else {}}
+                # served over both data paths together, and each on its own
+                "transfer": {name: value + tcp.get(name, 0) for name, value in ucx.items()},
+                "transfer_by_path": {"ucx": ucx, "tcp": tcp}}
 
     # -- replication for durable puts ----------------------------------------------------
 
