@@ -5,6 +5,8 @@ What it measures, each at the same message sizes in the same run:
 * ``pull``    PullClient.pull_into from a PullServer in another process,
               ``transport="tcp"`` (listener, error handling on) and ``"auto"``
               (same host: worker-address endpoints, shared memory).
+* ``pull sock`` TcpPullClient.pull_into from a TcpPullServer (the same provider):
+              the plain-TCP data path nodes use for pulls up to ``node.tcp_pull_max``.
 * ``bare``    the same request/reply over bare ucxx with blocking progress, no
               kvpool code (``bench/ucx_floor.py``), over TCP and by worker
               address (shared memory): the floor a pull's own steps sit on.
@@ -59,7 +61,15 @@ import numpy as np
 
 from kvpool.config import format_size, parse_size
 from kvpool.objformat import LayerRange
-from kvpool.transport import DEFAULT_UCX_OPTIONS, PeerAddress, PullClient, PullServer, ServeSource
+from kvpool.transport import (
+    DEFAULT_UCX_OPTIONS,
+    PeerAddress,
+    PullClient,
+    PullServer,
+    ServeSource,
+    TcpPullClient,
+    TcpPullServer,
+)
 from kvpool.transport.engine import _effective_ucx_options
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
@@ -121,6 +131,7 @@ def run_server(args: argparse.Namespace) -> None:
         return ServeSource(nbytes=hi - lo, buffers=[view[lo:hi]])
 
     server = PullServer(provider, max_message=args.max_message, inline_provider=True).start()
+    tcp = TcpPullServer(provider).start()
     bare = BareResponder(view)
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_socket_server, args=(listener, view), daemon=True).start()
@@ -129,8 +140,10 @@ def run_server(args: argparse.Namespace) -> None:
         "peer": [peer.host, peer.port, peer.worker_address.hex(), peer.host_id],
         "socket_port": listener.getsockname()[1],
         "bare": bare.address.hex(),
+        "tcp_port": tcp.port,
     }), flush=True)
     sys.stdin.read()  # until the client closes our stdin
+    tcp.close()
     bare.close()
     server.close()
     listener.close()
@@ -196,8 +209,8 @@ def start_server(cpu: int | None, buffer_bytes: int, max_message: int) -> Server
         raise SystemExit(f"benchmark server failed to start (exit code {proc.returncode})")
     info = json.loads(line)
     host, port, worker_address, host_id = info["peer"]
-    return ServerHandle(proc, PeerAddress(host, port, bytes.fromhex(worker_address), host_id), info["socket_port"],
-                        bytes.fromhex(info["bare"]))
+    return ServerHandle(proc, PeerAddress(host, port, bytes.fromhex(worker_address), host_id, info["tcp_port"]),
+                        info["socket_port"], bytes.fromhex(info["bare"]))
 
 
 # -- backends ------------------------------------------------------------------------------------
@@ -235,6 +248,23 @@ class PullBackend(Backend):
         self.name = f"pull {transport}"
         self.server = server
         self.client = PullClient(transport=transport, max_message=max_message)
+
+    def run_once(self, size: int) -> None:
+        n = self.client.pull_into(self.server.peer, _BLOB_KEY + str(size).encode(), (0, 1), self.out, timeout_s=60)
+        assert n == size
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class TcpPullBackend(Backend):
+    """Pulls over plain TCP (kvpool.transport.tcp): what a node uses up to node.tcp_pull_max."""
+
+    name = "pull sock"
+
+    def __init__(self, server: ServerHandle) -> None:
+        self.server = server
+        self.client = TcpPullClient()
 
     def run_once(self, size: int) -> None:
         n = self.client.pull_into(self.server.peer, _BLOB_KEY + str(size).encode(), (0, 1), self.out, timeout_s=60)
@@ -353,6 +383,7 @@ def section_throughput(
 ) -> None:
     backends: list[Backend] = [SocketBackend(server), MemcpyBackend()]
     backends += [PullBackend(server, t, args.max_message) for t in ("tcp", "auto")]
+    backends.append(TcpPullBackend(server))
     backends += [BareBackend(server, t, i) for i, t in enumerate(("tcp", "auto"))]
     total = len(args.sizes) * (len(backends) + 2)
     step = 0
@@ -476,7 +507,7 @@ def print_report(args: argparse.Namespace, results: Results) -> None:
     if results.rtt_us:
         print()
         print("Time per pull (us, median)")
-        rtt_cols = ("socket", "bare tcp", "pull tcp", "bare auto", "pull auto")
+        rtt_cols = ("socket", "pull sock", "bare tcp", "pull tcp", "bare auto", "pull auto")
         print(f"{'size':>10} " + " ".join(f"{c:>13}" for c in rtt_cols))
         for size in args.sizes:
             print(f"{format_size(size):>10} " + " ".join(

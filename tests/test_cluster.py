@@ -284,6 +284,19 @@ def test_small_pulls_go_over_tcp_and_large_ones_over_ucx(cluster: Cluster) -> No
         assert remote["tcp_pull_client"]["pulls"] == 3 and remote["tcp_pull_client"]["connects"] == 1, remote
         assert remote["pull_client"]["pulls"] == 2, remote
         assert holder.cluster.node.stats()["transfer_by_path"]["tcp"]["requests_served"] == 3
+        # A holder whose TCP port turns new connections away (at its limit) is read over UCX.
+        assert holder.cluster.node.tcp_server is not None
+        holder.cluster.node.tcp_server.max_connections = 0
+        config = small_config(cluster.master_address, "late", str(cluster.tmp_path / "late"), HEARTBEAT_MS)
+        config.set("node.tcp_pull_max", 2 * LAYER_NBYTES, origin="test")
+        late = kvpool.connect(cluster.master_address, config=config)
+        try:
+            for i in (0, 1):
+                np.testing.assert_array_equal(late.get(key_of(i), layers=(0, 1)), content(i)[0:1])
+            remote = late.stats()["remote"]
+            assert remote["tcp_fallbacks"] == 1 and remote["pull_client"]["pulls"] == 2, remote  # tried once
+        finally:
+            late.close()
     finally:
         for pool in (holder, untcp, reader):
             pool.close()

@@ -18,7 +18,7 @@ import pytest
 from kvpool import errors
 from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullRequest, ServeSource
-from kvpool.transport.tcp import TcpPullClient, TcpPullServer
+from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient, TcpPullServer
 from tests.test_transfer import LAYER_NBYTES, LAYERS, ServerProcess, expected, header_of
 
 
@@ -134,7 +134,7 @@ def test_a_killed_holder_fails_the_pull_at_once(tmp_path: Path) -> None:
             t.join(30)
             assert isinstance(result[0], errors.TransferError) and not isinstance(result[0], errors.KVTimeoutError)
             assert time.monotonic() - started < 10  # not the 30 s deadline
-            with pytest.raises(errors.TransferError, match="unreachable"):  # nothing listens now
+            with pytest.raises(errors.TransferError, match="refused"):  # nothing listens now
                 client.pull_into(proc.peer, b"k", (0, 1), out, timeout_s=5)
     finally:
         proc.stop()
@@ -199,6 +199,27 @@ def test_garbage_and_too_many_connections_are_dropped_without_harm() -> None:
             assert bytes(out) == expected(b"b", 0, 1).tobytes()
             del idle
         assert server.stats()["errors"] >= 1
+
+
+def test_a_port_that_refuses_or_turns_connections_away_is_not_reachable_for_a_while() -> None:
+    with TcpPullServer(_memory_provider, max_connections=0) as full, TcpPullClient() as client:
+        nobody = PeerAddress("127.0.0.1", 0, tcp_port=full.port)
+        with pytest.raises(TcpPathUnusable):  # over its limit: the holder may serve over UCX
+            client.pull_into(nobody, b"a", (0, 1), bytearray(LAYER_NBYTES))
+        assert not client.reachable(nobody)
+        full.close()
+        with socket.socket() as s:  # a port nothing listens on: the holder is gone
+            s.bind(("127.0.0.1", 0))
+            gone = PeerAddress("127.0.0.1", 0, tcp_port=s.getsockname()[1])
+        with pytest.raises(errors.TransferError) as caught:
+            client.pull_into(gone, b"a", (0, 1), bytearray(LAYER_NBYTES))
+        assert not isinstance(caught.value, TcpPathUnusable)
+        assert not client.reachable(gone)
+        assert not client.reachable(PeerAddress("127.0.0.1", 1))  # no TCP port at all
+    with TcpPullClient(retry_after_s=0.0) as eager:
+        with pytest.raises(errors.TransferError):
+            eager.pull_into(gone, b"a", (0, 1), bytearray(LAYER_NBYTES))
+        assert eager.reachable(gone)  # tried again at once
 
 
 def test_closing_the_server_fails_a_waiting_pull() -> None:

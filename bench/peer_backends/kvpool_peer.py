@@ -10,6 +10,9 @@ The master runs as ``kvpool-server --role master`` in its own process.
 
 Modes (the reader's transport and the writer's tier):
 
+Pulls of at most ``node.tcp_pull_max`` (2 MiB by default) go over a plain TCP connection to
+the writer in every mode; larger ones over UCX as below.
+
 * ``kvpool-tcp``: reader ``transport="tcp"`` (UCX listener endpoints over TCP),
   writer stores in ``dram`` — the cross-process path, as to another host;
 * ``kvpool-shm``: reader ``transport="auto"`` (same host: UCX shared memory),
@@ -94,12 +97,12 @@ class KvpoolPeer(Peer):
 
 class KvpoolTcp(KvpoolPeer):
     system = "kvpool-tcp"
-    label = "kvpool  UCX over TCP, cross-process"
+    label = "kvpool  TCP (UCX > 2 MiB), cross-process"
 
 
 class KvpoolShm(KvpoolPeer):
     system = "kvpool-shm"
-    label = "kvpool  same host, UCX shared memory"
+    label = "kvpool  same host, UCX shm > 2 MiB"
     transport = "auto"
 
 
@@ -145,7 +148,8 @@ class KvpoolClient(PeerClient):
         stats = self.pool.stats()
         remote = stats.get("remote", {})
         names = ("pulls", "speculative_hits", "reads_in_place", "hits_same_host", "hits_remote", "bytes_pulled")
-        return {k: remote.get(k, 0) for k in names}
+        return {**{k: remote.get(k, 0) for k in names},
+                "tcp_pulls": remote.get("tcp_pull_client", {}).get("pulls", 0)}
 
     def close(self) -> None:
         self.pool.close()

@@ -39,6 +39,7 @@ from kvpool.cluster.protocol import LocatedReplica
 from kvpool.cluster.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.transport import Engine, PeerAddress, PullClient, PullRequest, TcpPullClient
+from kvpool.transport.tcp import TcpPathUnusable
 
 log = logging.getLogger("kvpool.remote")
 
@@ -590,26 +591,40 @@ class ReplicaReader:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified), abandoned as soon as the holder is known gone."""
         peer: PeerAddress = replica["_node"].peer  # type: ignore[typeddict-item]
-        self._client_for(peer, buf.nbytes).pull_into(
-            peer, key, layer_range, buf, timeout_s=self.pull_timeout_s, alive=lambda: self.holder_alive(replica),
-            token=token, header_out=raw_header)
+        client = self._client_for(peer, buf.nbytes)
+        for attempt in (client, self.puller) if client is not self.puller else (client,):
+            try:
+                attempt.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
+                                  alive=lambda: self.holder_alive(replica), token=token, header_out=raw_header)
+                return
+            except TcpPathUnusable:  # its TCP port is full or blocked: UCX may still reach it
+                self.counters["tcp_fallbacks"] += 1
 
     def _client_for(self, peer: PeerAddress | tuple[str, int], nbytes: int) -> PullClient | TcpPullClient:
-        """Plain TCP for a pull of at most ``tcp_pull_max`` bytes from a holder that serves it,
-        else UCX."""
-        if self.tcp_puller is not None and isinstance(peer, PeerAddress) and peer.tcp_port \
-                and nbytes <= self.tcp_pull_max:
+        """Plain TCP for a pull of at most ``tcp_pull_max`` bytes from a holder that serves it
+        (and whose port worked lately), else UCX."""
+        if self.tcp_puller is not None and isinstance(peer, PeerAddress) and nbytes <= self.tcp_pull_max \
+                and self.tcp_puller.reachable(peer):
             return self.tcp_puller
         return self.puller
 
     def _pull_many(self, requests: list[PullRequest]) -> list[int | BaseException]:
-        """Pulls in flight together (:meth:`PullClient.pull_many`), the small ones over TCP."""
-        clients = [self._client_for(r.address, r.out.nbytes) for r in requests]
+        """Pulls in flight together (:meth:`PullClient.pull_many`), the small ones over TCP
+        first; those whose holder's TCP port proved unusable then go over UCX with the rest."""
         results: list[int | BaseException | None] = [None] * len(requests)
-        for client in {id(c): c for c in clients}.values():
-            chosen = [i for i, c in enumerate(clients) if c is client]
-            for i, outcome in zip(chosen, client.pull_many([requests[i] for i in chosen],
-                                                           timeout_s=self.pull_timeout_s)):
+        over_ucx = list(range(len(requests)))
+        if self.tcp_puller is not None:
+            over_tcp = [i for i in over_ucx if self._client_for(requests[i].address, requests[i].out.nbytes)
+                        is self.tcp_puller]
+            if over_tcp:
+                for i, outcome in zip(over_tcp, self.tcp_puller.pull_many(
+                        [requests[i] for i in over_tcp], timeout_s=self.pull_timeout_s)):
+                    results[i] = outcome
+                    self.counters["tcp_fallbacks"] += isinstance(outcome, TcpPathUnusable)
+                over_ucx = [i for i in over_ucx if results[i] is None or isinstance(results[i], TcpPathUnusable)]
+        if over_ucx:
+            for i, outcome in zip(over_ucx, self.puller.pull_many([requests[i] for i in over_ucx],
+                                                                  timeout_s=self.pull_timeout_s)):
                 results[i] = outcome
         return results  # type: ignore[return-value]
 

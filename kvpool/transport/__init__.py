@@ -1,8 +1,12 @@
-"""Pulling KV bytes between nodes over UCX (``ucxx``): the transport package.
+"""Pulling KV bytes between nodes over UCX (``ucxx``), and small pulls over plain TCP: the
+transport package.
 
 Modules: :mod:`.frames` (the wire format), :mod:`.engine` (one UCX context and
 worker, its progress thread and caller-driven progress), :mod:`.server`
-(:class:`PullServer`, :class:`ServeSource`) and :mod:`.client` (:class:`PullClient`).
+(:class:`PullServer`, :class:`ServeSource`), :mod:`.client` (:class:`PullClient`)
+and :mod:`.tcp` (:class:`TcpPullServer`, :class:`TcpPullClient`: the same frames over a
+TCP connection, for payloads where UCX from Python is the slower path; see its docstring).
+The rest of this docstring is about UCX.
 
 Owns the wire protocol and the UCX plumbing for one operation: a client names
 ``(key, layer range)`` and a :class:`PullServer` answers with exactly those

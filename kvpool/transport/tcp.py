@@ -73,6 +73,13 @@ _STAGING_NBYTES = 4 << 20  # nvme payloads are read and sent in pieces of at mos
 _WINDOW_NBYTES = 32 << 10  # request bytes a client writes ahead of the replies it has read
 
 
+class TcpPathUnusable(errors.TransferError):
+    """A holder's TCP port could not be used: connecting timed out, or a new connection was
+    closed before its first reply (the holder is at its connection limit). The holder may
+    still serve the pull over UCX. A refused connection (nothing listens: the holder is gone)
+    is a plain :class:`errors.TransferError`."""
+
+
 class TcpPullServer:
     """Serves ``(key, layer range)`` pulls over TCP on ``host`` (an ephemeral port).
 
@@ -82,7 +89,7 @@ class TcpPullServer:
     """
 
     def __init__(self, provider: Provider, host: str = "127.0.0.1", *,
-                 authorize: Callable[[bytes, bytes], None] | None = None, max_connections: int = 256,
+                 authorize: Callable[[bytes, bytes], None] | None = None, max_connections: int = 1024,
                  send_timeout_s: float = 30.0, idle_timeout_s: float = 600.0,
                  staging_nbytes: int = _STAGING_NBYTES, name: str = "kvpool-tcp-pulls") -> None:
         self._provider = provider
@@ -284,12 +291,18 @@ class TcpPullClient:
 
     Thread-safe: each call takes its own connection to a holder (kept open for the next call
     afterwards, at most ``idle_per_peer`` per holder). Errors as :meth:`PullClient.pull_into`.
+    A holder whose port cannot be connected to, or which closes a new connection unasked
+    (over its connection limit), is :meth:`reachable` no more for ``retry_after_s``: callers
+    pull from it over UCX meanwhile.
     """
 
-    def __init__(self, *, connect_timeout_s: float = 5.0, idle_per_peer: int = 8) -> None:
+    def __init__(self, *, connect_timeout_s: float = 1.0, idle_per_peer: int = 8,
+                 retry_after_s: float = 30.0) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.idle_per_peer = idle_per_peer
+        self.retry_after_s = retry_after_s
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._unreachable: dict[tuple[str, int], float] = {}  # holder -> when to try it again
         self._lock = threading.Lock()
         self._closed = False
         self.pulls = 0
@@ -330,6 +343,13 @@ class TcpPullClient:
                 results[i] = outcome
         return results  # type: ignore[return-value]
 
+    def reachable(self, address: PeerAddress) -> bool:
+        """Whether ``address`` serves TCP pulls that this client can reach (see the class)."""
+        if not address.tcp_port:
+            return False
+        until = self._unreachable.get((address.host, address.tcp_port))
+        return until is None or time.monotonic() >= until
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -355,18 +375,23 @@ class TcpPullClient:
         """Every pull to one holder over one connection. A reused connection that fails before
         its first reply byte (the holder closed it while idle) is replaced once: reads repeat."""
         conn, reused = self._checkout(where, pulls[0])
-        if conn is None:
-            return [self._failed(pull, errors.TransferError(f"{pull.label}: holder unreachable"))
-                    for pull in pulls]
         outcomes: list[int | BaseException] = []
         while True:
+            if not isinstance(conn, socket.socket):
+                self._unreachable[where] = time.monotonic() + self.retry_after_s
+                error = (errors.TransferError if isinstance(conn, ConnectionRefusedError) else TcpPathUnusable)
+                return [self._failed(pull, error(f"{pull.label}: TCP port unusable: {_describe(conn)}"))
+                        for pull in pulls]
             try:
                 self._exchange(conn, pulls, outcomes, alive_check_s)
             except _ConnectionLost as lost:
                 conn.close()
-                if reused and not lost.replied and not outcomes:
-                    conn, reused = self._checkout(where, pulls[0], fresh=True)
-                    if conn is not None:
+                if not lost.replied and not outcomes:
+                    if reused:  # closed by the holder while idle: once more on a new one
+                        conn, reused = self._checkout(where, pulls[0], fresh=True)
+                        continue
+                    if type(lost.error) is errors.TransferError:  # a new one closed unasked: full
+                        conn = ConnectionAbortedError("closed before its first reply")
                         continue
                 failed = pulls[len(outcomes):]
                 outcomes += [self._failed(pull, lost.error if pull is failed[0] else errors.TransferError(
@@ -433,7 +458,9 @@ class TcpPullClient:
         return errors.TransferError(f"{pull.label}: {_describe(exc)}")
 
     def _checkout(self, where: tuple[str, int], pull: _TcpPull,
-                  fresh: bool = False) -> tuple[socket.socket | None, bool]:
+                  fresh: bool = False) -> tuple[socket.socket | OSError, bool]:
+        """A connection to ``where`` (an idle one unless ``fresh``) and whether it was idle; or
+        why none could be made."""
         if not fresh:
             with self._lock:
                 idle = self._idle.get(where)
@@ -444,7 +471,7 @@ class TcpPullClient:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             log.debug("tcp pull connect to %s:%d failed: %s", *where, _describe(exc))
-            return None, False
+            return exc, False
         self.connects += 1
         return conn, False
 
