@@ -104,6 +104,7 @@ class TcpPullServer:
         self._accepter: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()  # serving a connection
         self._closing = False
         self.port = 0
         self.bytes_sent = 0
@@ -142,6 +143,13 @@ class TcpPullServer:
             _shutdown(conn)
         if self._accepter is not None:
             self._accepter.join(timeout=5.0)
+        # A connection's thread may be in the provider or a read: it releases what it pinned
+        # before the node's tiers close (bounded: a provider stuck longer is left behind).
+        deadline = time.monotonic() + 5.0
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> TcpPullServer:
         return self.start()
@@ -180,7 +188,10 @@ class TcpPullServer:
                 self.connections_refused += full
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
+            thread = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         staging: list[mmap.mmap] = []
@@ -201,6 +212,7 @@ class TcpPullServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                self._threads.discard(threading.current_thread())
             conn.close()
             for buf in staging:
                 buf.close()
