@@ -231,9 +231,10 @@ class NodeSection:
     location_cache: int = _opt(65536, "keys whose holder is remembered, so a repeat get skips the master (0: off)")
     speculative_pulls: bool = _opt(True, "while the master locates a key, pull it from the node last pulled "
                                          "from; used only if the master confirms that node and version")
-    tcp_pull_max: int = _size("2MiB", "pulls of at most this many bytes go over a plain TCP connection to the "
-                                      "holder (node.host, an ephemeral port), larger ones over UCX; 0: every "
-                                      "pull over UCX and no TCP port (set 0 where UCX has RDMA)")
+    tcp_pull_max: int = _size("4MiB", "pulls of at most this many bytes go over a plain TCP connection to the "
+                                      "holder (node.host, an ephemeral port), larger ones over UCX (from a "
+                                      "same-host holder over UCX shared memory: above 1 MiB); 0: every pull "
+                                      "over UCX and no TCP port (set 0 where UCX has RDMA)")
 
 
 @dataclass

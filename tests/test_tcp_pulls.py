@@ -244,3 +244,27 @@ def test_closing_the_server_fails_a_waiting_pull() -> None:
 def test_a_peer_without_a_tcp_port_is_refused_up_front(client: TcpPullClient) -> None:
     (outcome,) = client.pull_many([PullRequest(PeerAddress("127.0.0.1", 1), b"a", (0, 1), bytearray(8))])
     assert isinstance(outcome, errors.TransferError)
+
+
+def test_which_pulls_a_reader_sends_over_tcp() -> None:
+    """Up to tcp_pull_max; from a same-host holder UCX reaches by shared memory, up to 1 MiB."""
+    from kvpool.cluster.reader import SAME_HOST_TCP_PULL_MAX, ReplicaReader
+    from kvpool.transport import local_host_id
+
+    worker = bytes([1]) + b"w" * 40
+    here = PeerAddress("127.0.0.1", 0, worker, local_host_id(), tcp_port=1)
+    elsewhere = PeerAddress("10.0.0.2", 0, worker, "another-host", tcp_port=1)
+    for transport, same_host_limit in (("auto", SAME_HOST_TCP_PULL_MAX), ("tcp", 4 << 20)):
+        reader = ReplicaReader(local_host_id(), transport=transport, tcp_pull_max=4 << 20)
+        try:
+            for peer, limit in ((here, same_host_limit), (elsewhere, 4 << 20)):
+                assert reader._client_for(peer, limit) is reader.tcp_puller
+                assert reader._client_for(peer, limit + 1) is reader.puller
+            assert reader._client_for(PeerAddress("10.0.0.2", 0, worker, "h"), 4096) is reader.puller  # no port
+        finally:
+            reader.close()
+    off = ReplicaReader(local_host_id(), tcp_pull_max=0)
+    try:
+        assert off.tcp_puller is None and off._client_for(elsewhere, 4096) is off.puller
+    finally:
+        off.close()

@@ -10,8 +10,8 @@ The master runs as ``kvpool-server --role master`` in its own process.
 
 Modes (the reader's transport and the writer's tier):
 
-Pulls of at most ``node.tcp_pull_max`` (2 MiB by default) go over a plain TCP connection to
-the writer in every mode; larger ones over UCX as below.
+Pulls of at most ``node.tcp_pull_max`` (4 MiB by default; 1 MiB from a same-host holder over
+UCX shared memory) go over a plain TCP connection to the writer; larger ones over UCX as below.
 
 * ``kvpool-tcp``: reader ``transport="tcp"`` (UCX listener endpoints over TCP),
   writer stores in ``dram`` — the cross-process path, as to another host;
@@ -97,12 +97,12 @@ class KvpoolPeer(Peer):
 
 class KvpoolTcp(KvpoolPeer):
     system = "kvpool-tcp"
-    label = "kvpool  TCP (UCX > 2 MiB), cross-process"
+    label = "kvpool  TCP (UCX > 4 MiB), cross-process"
 
 
 class KvpoolShm(KvpoolPeer):
     system = "kvpool-shm"
-    label = "kvpool  same host, UCX shm > 2 MiB"
+    label = "kvpool  same host, UCX shm > 1 MiB"
     transport = "auto"
 
 

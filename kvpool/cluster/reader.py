@@ -43,6 +43,9 @@ from kvpool.transport.tcp import TcpPathUnusable
 
 log = logging.getLogger("kvpool.remote")
 
+#: the most bytes pulled over plain TCP from a holder that UCX reaches by shared memory
+SAME_HOST_TCP_PULL_MAX = 1 << 20
+
 
 OutView = Callable[[ObjectSpec, LayerRange, Any], "tuple[np.ndarray, memoryview]"]
 
@@ -227,7 +230,9 @@ class ReplicaReader:
         self.allowed_dirs = tuple(os.path.realpath(d) for d in (allowed_dirs or DEFAULT_SHARED_DIRS))
         # ``engine``: the node's, shared (one UCX worker and progress thread per process)
         self.puller = PullClient(transport=transport, max_message=max_message, host=host, engine=engine)
-        #: pulls of at most this many bytes from a holder with a TCP port go over plain TCP
+        self.transport = transport
+        #: pulls of at most this many bytes from a holder with a TCP port go over plain TCP (at
+        #: most SAME_HOST_TCP_PULL_MAX from a same-host holder that UCX reaches by shared memory)
         self.tcp_pull_max = tcp_pull_max
         self.tcp_puller = TcpPullClient() if tcp_pull_max else None
         self.counters: Counter[str] = Counter()
@@ -602,11 +607,15 @@ class ReplicaReader:
 
     def _client_for(self, peer: PeerAddress | tuple[str, int], nbytes: int) -> PullClient | TcpPullClient:
         """Plain TCP for a pull of at most ``tcp_pull_max`` bytes from a holder that serves it
-        (and whose port worked lately), else UCX."""
-        if self.tcp_puller is not None and isinstance(peer, PeerAddress) and nbytes <= self.tcp_pull_max \
-                and self.tcp_puller.reachable(peer):
-            return self.tcp_puller
-        return self.puller
+        (and whose port worked lately), else UCX. From a same-host holder that UCX reaches by
+        shared memory (``transport="auto"``), plain TCP only up to SAME_HOST_TCP_PULL_MAX:
+        above it UCX's shared memory was faster (bench/transfer_bench.py)."""
+        if self.tcp_puller is None or not isinstance(peer, PeerAddress):
+            return self.puller
+        limit = self.tcp_pull_max
+        if self.transport == "auto" and peer.host_id == self.host_id and peer.worker_address:
+            limit = min(limit, SAME_HOST_TCP_PULL_MAX)
+        return self.tcp_puller if nbytes <= limit and self.tcp_puller.reachable(peer) else self.puller
 
     def _pull_many(self, requests: list[PullRequest]) -> list[int | BaseException]:
         """Pulls in flight together (:meth:`PullClient.pull_many`), the small ones over TCP
