@@ -69,7 +69,6 @@ def shared_dirs_of(config: Any) -> tuple[str, ...]:
     return tuple(dirs)
 
 
-
 def clean_location(raw: Any) -> dict[str, Any] | None:
     """A cxl location ``{path, offset, instance?, ...}`` with sane types, or None."""
     if not isinstance(raw, dict):
