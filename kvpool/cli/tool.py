@@ -86,7 +86,9 @@ def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
         counters = detail.get("counters", {})
         moves = "/".join(str(counters.get(c, 0)) for c in ("demotions", "promotions", "evictions"))
         state = node.get("state") or ("alive" if node["alive"] else "dead")
-        rows.append([node_id[:12], state, f"{address.peer.host}:{address.peer.port}",
+        peer = address.peer  # where it serves pulls: UCX listener port (0: none), plain TCP port
+        serves = f"{peer.host}:{peer.port}" + (f" tcp {peer.tcp_port}" if peer.tcp_port else "")
+        rows.append([node_id[:12], state, serves,
                      node["objects"], counters.get("miss_absent", "-"), moves,
                      format_size(transfer.get("bytes_sent", 0)), transfer.get("requests_served", "-"),
                      f"{node['last_seen_s']:.1f} s"])
