@@ -249,10 +249,10 @@ class TcpPullServer:
         if source is None:
             self.misses += 1
             return refuse(STATUS_MISS, f"key {request.key.hex()} not held here")
+        if not isinstance(source, ServeSource):
+            self.errors += 1
+            return refuse(STATUS_ERROR, f"provider returned {type(source).__name__}")
         try:
-            if not isinstance(source, ServeSource):
-                self.errors += 1
-                return refuse(STATUS_ERROR, f"provider returned {type(source).__name__}")
             if source.nbytes > request.capacity:
                 return refuse(STATUS_OUT_TOO_SMALL,
                               f"payload is {source.nbytes} bytes, out buffer holds {request.capacity}")
