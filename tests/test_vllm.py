@@ -14,7 +14,9 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -362,14 +364,29 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
 
         # The model does not wait past load_timeout_s for a layer: every block of that load is then
         # reported for recompute, even those whose bytes arrive later.
+        # The pull is held back until the model has given up on it (a fast pull could otherwise
+        # finish before the first wait, and there is nothing to time out).
         reader.settings = Settings.from_extra({"master": master, "layers_per_pull": layers_per_pull,
                                                "load_timeout_s": 1e-6})
-        reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys[:1], [6])], num_tokens=1))
-        reader.start_load_kv(None)
-        for i in range(layers):
-            reader.wait_for_layer_load(f"layer.{i}")
-        reader.wait_for_save()
-        assert reader.get_block_ids_with_load_errors() == {6}
+        gate = threading.Event()
+        get_many = reader._pool.get_many
+
+        def held_back(*args: Any, **kwargs: Any) -> Any:
+            gate.wait(10)
+            return get_many(*args, **kwargs)
+
+        reader._pool.get_many = held_back  # type: ignore[method-assign]
+        try:
+            reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys[:1], [6])],
+                                                                   num_tokens=1))
+            reader.start_load_kv(None)
+            for i in range(layers):
+                reader.wait_for_layer_load(f"layer.{i}")
+            reader.wait_for_save()
+            assert reader.get_block_ids_with_load_errors() == {6}
+        finally:
+            gate.set()
+            reader._pool.get_many = get_many  # type: ignore[method-assign]
     finally:
         writer._pool.close()
         reader._pool.close()
