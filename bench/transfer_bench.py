@@ -244,27 +244,14 @@ class Backend:
 
 
 class PullBackend(Backend):
+    """Pulls with ``client``: a PullClient (UCX, ``transport``), or with ``transport="sock"`` a
+    TcpPullClient (plain TCP: what a node uses up to node.tcp_pull_max)."""
+
     def __init__(self, server: ServerHandle, transport: str, max_message: int) -> None:
         self.name = f"pull {transport}"
         self.server = server
-        self.client = PullClient(transport=transport, max_message=max_message)
-
-    def run_once(self, size: int) -> None:
-        n = self.client.pull_into(self.server.peer, _BLOB_KEY + str(size).encode(), (0, 1), self.out, timeout_s=60)
-        assert n == size
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class TcpPullBackend(Backend):
-    """Pulls over plain TCP (kvpool.transport.tcp): what a node uses up to node.tcp_pull_max."""
-
-    name = "pull sock"
-
-    def __init__(self, server: ServerHandle) -> None:
-        self.server = server
-        self.client = TcpPullClient()
+        self.client: PullClient | TcpPullClient = (
+            TcpPullClient() if transport == "sock" else PullClient(transport=transport, max_message=max_message))
 
     def run_once(self, size: int) -> None:
         n = self.client.pull_into(self.server.peer, _BLOB_KEY + str(size).encode(), (0, 1), self.out, timeout_s=60)
@@ -382,8 +369,7 @@ def section_throughput(
     args: argparse.Namespace, server: ServerHandle, results: Results, cpus: tuple[int, int] | None
 ) -> None:
     backends: list[Backend] = [SocketBackend(server), MemcpyBackend()]
-    backends += [PullBackend(server, t, args.max_message) for t in ("tcp", "auto")]
-    backends.append(TcpPullBackend(server))
+    backends += [PullBackend(server, t, args.max_message) for t in ("tcp", "auto", "sock")]
     backends += [BareBackend(server, t, i) for i, t in enumerate(("tcp", "auto"))]
     total = len(args.sizes) * (len(backends) + 2)
     step = 0

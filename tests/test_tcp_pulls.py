@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from kvpool import errors
+from kvpool.cluster.reader import SAME_HOST_TCP_PULL_MAX, ReplicaReader
 from kvpool.objformat import LayerRange
-from kvpool.transport import PeerAddress, PullRequest, ServeSource
+from kvpool.transport import PeerAddress, PullRequest, ServeSource, local_host_id
 from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient, TcpPullServer
 from tests.test_transfer import LAYER_NBYTES, LAYERS, ServerProcess, expected, header_of
 
@@ -248,9 +249,6 @@ def test_a_peer_without_a_tcp_port_is_refused_up_front(client: TcpPullClient) ->
 
 def test_which_pulls_a_reader_sends_over_tcp() -> None:
     """Up to tcp_pull_max; from a same-host holder UCX reaches by shared memory, up to 1 MiB."""
-    from kvpool.cluster.reader import SAME_HOST_TCP_PULL_MAX, ReplicaReader
-    from kvpool.transport import local_host_id
-
     worker = bytes([1]) + b"w" * 40
     here = PeerAddress("127.0.0.1", 0, worker, local_host_id(), tcp_port=1)
     elsewhere = PeerAddress("10.0.0.2", 0, worker, "another-host", tcp_port=1)

@@ -594,15 +594,10 @@ class ReplicaReader:
               raw_header: bytearray, token: bytes) -> None:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified), abandoned as soon as the holder is known gone."""
-        peer: PeerAddress = replica["_node"].peer  # type: ignore[typeddict-item]
-        client = self._client_for(peer, buf.nbytes)
-        for attempt in (client, self.puller) if client is not self.puller else (client,):
-            try:
-                attempt.pull_into(peer, key, layer_range, buf, timeout_s=self.pull_timeout_s,
-                                  alive=lambda: self.holder_alive(replica), token=token, header_out=raw_header)
-                return
-            except TcpPathUnusable:  # its TCP port is full or blocked: UCX may still reach it
-                self.counters["tcp_fallbacks"] += 1
+        (outcome,) = self._pull_many([PullRequest(replica["_node"].peer, key, layer_range, buf,  # type: ignore[typeddict-item]
+                                                  token, raw_header, lambda: self.holder_alive(replica))])
+        if isinstance(outcome, BaseException):
+            raise outcome
 
     def _client_for(self, peer: PeerAddress | tuple[str, int], nbytes: int) -> PullClient | TcpPullClient:
         """Plain TCP for a pull of at most ``tcp_pull_max`` bytes from a holder that serves it
@@ -617,8 +612,9 @@ class ReplicaReader:
         return self.tcp_puller if nbytes <= limit and self.tcp_puller.reachable(peer) else self.puller
 
     def _pull_many(self, requests: list[PullRequest]) -> list[int | BaseException]:
-        """Pulls in flight together (:meth:`PullClient.pull_many`), the small ones over TCP
-        first; those whose holder's TCP port proved unusable then go over UCX with the rest."""
+        """Pulls in flight together (:meth:`PullClient.pull_many`): one result per request, the
+        bytes received or the error. The small ones go over TCP first; those whose holder's TCP
+        port proved unusable then go over UCX with the rest."""
         results: list[int | BaseException | None] = [None] * len(requests)
         over_ucx = list(range(len(requests)))
         if self.tcp_puller is not None:

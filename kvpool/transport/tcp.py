@@ -157,10 +157,6 @@ class TcpPullServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def host(self) -> str:
-        return self._host
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             open_connections = len(self._connections)
@@ -424,7 +420,7 @@ class TcpPullClient:
                     conn.settimeout(max(1e-3, pulls[sent].deadline - time.monotonic()))
                     conn.sendall(pulls[sent].frame)
                 except OSError as exc:
-                    raise _ConnectionLost(self._transport_error(pull, exc), replied=False) from None
+                    raise _ConnectionLost(_transport_error(pull, exc), replied=False) from None
                 window += len(pulls[sent].frame)
                 sent += 1
             outcomes.append(self._reply(conn, pull, alive_check_s, replied=bool(outcomes)))
@@ -432,14 +428,9 @@ class TcpPullClient:
 
     def _reply(self, conn: socket.socket, pull: _TcpPull, alive_check_s: float, replied: bool) -> int | BaseException:
         status_buf = bytearray(_STATUS.size)
-        got = _Receiver(conn, pull, alive_check_s, self)
-        got.into(memoryview(status_buf), replied)
-        fields = _STATUS.unpack_from(status_buf)
-        body_len = fields[3]
-        if body_len > MAX_HEADER_NBYTES:
-            raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
-        frame = status_buf + bytearray(body_len)
-        got.into(memoryview(frame)[_STATUS.size:], True)
+        _receive(conn, pull, memoryview(status_buf), alive_check_s, replied)
+        frame = status_buf + bytearray(_STATUS.unpack_from(status_buf)[3])  # + its text or header (< 64 KiB)
+        _receive(conn, pull, memoryview(frame)[_STATUS.size:], alive_check_s, True)
         parsed = _parse_status(frame, pull.request_id)
         if parsed is None:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
@@ -449,7 +440,7 @@ class TcpPullClient:
         if nbytes > pull.out.nbytes:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: {nbytes} bytes for a "
                                                        f"{pull.out.nbytes}-byte buffer"), replied=True)
-        got.into(pull.out[:nbytes], True)
+        _receive(conn, pull, pull.out[:nbytes], alive_check_s, True)
         if pull.header_out is not None:
             if not body or len(body) > pull.header_room:
                 return self._failed(pull, errors.ProtocolError(f"{pull.label}: OK without a usable header"))
@@ -463,11 +454,6 @@ class TcpPullClient:
         self.timeouts += isinstance(exc, errors.KVTimeoutError)
         return exc
 
-    @staticmethod
-    def _transport_error(pull: _TcpPull, exc: BaseException) -> errors.KVPoolError:
-        if isinstance(exc, TimeoutError):
-            return errors.KVTimeoutError(f"{pull.label}: no reply within {pull.timeout_s}s")
-        return errors.TransferError(f"{pull.label}: {_describe(exc)}")
 
     def _checkout(self, where: tuple[str, int], pull: _TcpPull,
                   fresh: bool = False) -> tuple[socket.socket | OSError, bool]:
@@ -527,34 +513,35 @@ class _ConnectionLost(Exception):
         self.replied = replied  # some reply byte arrived on this connection before
 
 
-class _Receiver:
-    """Reads one reply's bytes by its pull's deadline, asking ``alive`` while it waits."""
+def _transport_error(pull: _TcpPull, exc: BaseException) -> errors.KVPoolError:
+    if isinstance(exc, TimeoutError):
+        return errors.KVTimeoutError(f"{pull.label}: no reply within {pull.timeout_s}s")
+    return errors.TransferError(f"{pull.label}: {_describe(exc)}")
 
-    def __init__(self, conn: socket.socket, pull: _TcpPull, alive_check_s: float, client: TcpPullClient) -> None:
-        self.conn, self.pull, self.alive_check_s, self.client = conn, pull, alive_check_s, client
 
-    def into(self, view: memoryview, replied: bool) -> None:
-        pull = self.pull
-        while view.nbytes:
-            remaining = pull.deadline - time.monotonic()
-            if remaining <= 0:
-                raise _ConnectionLost(errors.KVTimeoutError(f"{pull.label}: no reply within {pull.timeout_s}s"),
-                                      replied=True)  # not a stale connection: never repeated
-            try:
-                self.conn.settimeout(min(remaining, self.alive_check_s) if pull.alive else remaining)
-                n = self.conn.recv_into(view)
-            except TimeoutError:
-                if pull.alive is not None and not pull.alive():
-                    raise _ConnectionLost(errors.TransferError(f"{pull.label}: the holder is gone"),
-                                          replied=True) from None
-                continue
-            except OSError as exc:
-                raise _ConnectionLost(self.client._transport_error(pull, exc), replied=replied) from None
-            if n == 0:
-                raise _ConnectionLost(errors.TransferError(f"{pull.label}: the holder closed the connection"),
-                                      replied=replied)
-            replied = True
-            view = view[n:]
+def _receive(conn: socket.socket, pull: _TcpPull, view: memoryview, alive_check_s: float, replied: bool) -> None:
+    """Fill ``view`` with the next bytes of ``pull``'s reply by its deadline, asking its
+    ``alive`` every ``alive_check_s`` while it waits. ``replied``: some reply byte came on this
+    connection before (else a closed connection may be a stale idle one, see _pull_group)."""
+    while view.nbytes:
+        remaining = pull.deadline - time.monotonic()
+        if remaining <= 0:  # not a stale connection: never repeated
+            raise _ConnectionLost(_transport_error(pull, TimeoutError()), replied=True)
+        try:
+            conn.settimeout(min(remaining, alive_check_s) if pull.alive else remaining)
+            n = conn.recv_into(view)
+        except TimeoutError:
+            if pull.alive is not None and not pull.alive():
+                raise _ConnectionLost(errors.TransferError(f"{pull.label}: the holder is gone"),
+                                      replied=True) from None
+            continue
+        except OSError as exc:
+            raise _ConnectionLost(_transport_error(pull, exc), replied=replied) from None
+        if n == 0:
+            raise _ConnectionLost(errors.TransferError(f"{pull.label}: the holder closed the connection"),
+                                  replied=replied)
+        replied = True
+        view = view[n:]
 
 
 def _recv_exactly(conn: socket.socket, view: memoryview, at_boundary: bool = False) -> bool:
