@@ -125,8 +125,11 @@ class StatsCollector(Collector):
         remote_hits.add_metric([], remote.get("hits_remote", 0))
         yield remote_hits
         guesses = CounterMetricFamily("kvpool_speculative_pulls", "One-key gets that pulled from the last holder "
-                                      "while the master located the key, by outcome", labels=["outcome"])
-        guesses.add_metric(["confirmed"], remote.get("speculative_hits", 0))
+                                      "before the master said where the key is, by outcome: used as the holder "
+                                      "answered, used once the master confirmed it, or wasted", labels=["outcome"])
+        unconfirmed = remote.get("speculative_unconfirmed", 0)
+        guesses.add_metric(["used"], unconfirmed)
+        guesses.add_metric(["confirmed"], remote.get("speculative_hits", 0) - unconfirmed)
         guesses.add_metric(["wasted"], remote.get("speculative_wasted", 0))
         yield guesses
         for name, help_text, value in (

@@ -78,8 +78,11 @@ class Cluster:
     def alive_nodes(self) -> set[str]:
         return {nid for nid, n in self.client.stats()["nodes"].items() if n["alive"]}
 
-    def connect(self, name: str) -> kvpool.Pool:
+    def connect(self, name: str, **settings: object) -> kvpool.Pool:
+        """A client pool; ``settings``: dotted names with ``__`` for the dot (``node__port=0``)."""
         config = small_config(self.master_address, name, str(self.tmp_path / name), HEARTBEAT_MS)
+        for setting, value in settings.items():
+            config.set(setting.replace("__", "."), value, origin="test")
         return kvpool.connect(self.master_address, config=config)
 
 
@@ -171,15 +174,96 @@ def test_iter_layers_reads_local_and_remote_objects_through_one_pipeline(cluster
         reader.close()
 
 
-def test_a_get_pulls_from_the_last_holder_while_the_master_locates_and_keeps_only_what_it_confirms(
+def test_a_get_pulls_from_the_last_holder_and_uses_its_verified_answer_without_the_master(
         cluster: Cluster) -> None:
-    """Speculative pulls (node.speculative_pulls): while ``locate`` travels, a get pulls from
-    the node it last pulled from. The bytes count only when the master names that node with
-    the same header checksum; otherwise the get goes on as if nothing had been guessed."""
+    """Speculative pulls (node.speculative_pulls, by default unconfirmed): a one-key get first
+    pulls from the node it last pulled from, and uses that holder's answer when its header is
+    whole, names the key, has the guessed spec and every layer matches it; the master is not
+    asked. Anything else is a wasted guess, and the get locates the key as usual."""
     from kvpool.api import out_view
 
     cluster.start_master()
     a, b, reader = cluster.connect("holder-a"), cluster.connect("holder-b"), cluster.connect("reader")
+    guesser = reader.cluster.reader  # type: ignore[attr-defined]
+
+    def counter(name: str) -> int:
+        return int(reader.stats()["remote"].get(name, 0))
+
+    def master_hits() -> int:
+        return int(cluster.client.stats()["counters"]["key_hits"])
+
+    try:
+        for i in range(4):
+            a.put(key_of(i), content(i))
+        for i in (10, 11, 12):
+            b.put(key_of(i), content(i))
+        np.testing.assert_array_equal(reader.get(key_of(0)), content(0))  # nothing to guess yet: located
+        asked = master_hits()
+        np.testing.assert_array_equal(reader.get(key_of(1)), content(1))  # guessed a: used as a answered
+        out = np.empty((3,) + content(0).shape[1:], np.float16)
+        assert reader.get(key_of(3), layers=range(2, 5), out=out) is out
+        np.testing.assert_array_equal(out, content(3)[2:5])
+        assert master_hits() == asked  # neither get asked the master
+        assert counter("speculative_hits") == counter("speculative_unconfirmed") == 2
+        _, text = scrape(reader.serve_metrics().address, "/metrics")
+        assert sample(text, 'kvpool_speculative_pulls_total{outcome="used"}') == 2
+        assert sample(text, 'kvpool_speculative_pulls_total{outcome="confirmed"}') == 0
+
+        np.testing.assert_array_equal(reader.get(key_of(10)), content(10))  # on b only: a misses, located
+        assert counter("speculative_wasted") == 1
+        np.testing.assert_array_equal(reader.get(key_of(11)), content(11))  # b guessed now
+        assert counter("speculative_unconfirmed") == 3
+
+        # Put again on the guessed holder with other bytes: that holder's current version.
+        b.delete(key_of(11))
+        b.put(key_of(11), content(21))
+        np.testing.assert_array_equal(reader.get(key_of(11)), content(21))
+
+        # The holder's answer must be the asked key's, whole: pulled for key 10 but asked as key
+        # 11 (the header names key 10), or a flipped bit in a layer: wasted, never returned.
+        for damage in ("another key", "a flipped bit"):
+            guess = guesser.speculate(key_of(10), None, None, out_view)
+            assert guess is not None
+            guesser.run(guess, reader.cluster.node.cluster_key.mint_token(key_of(10), b.node_id))  # type: ignore[attr-defined]
+            assert guess.pulled
+            np.testing.assert_array_equal(guess.arr, content(10))
+            if damage == "another key":
+                guess.key = key_of(11)
+            else:
+                guess.arr.view(np.uint8).flat[LAYER_NBYTES + 5] ^= 1
+            assert guesser.accept(guess) is None, damage
+        assert counter("speculative_wasted") == 3
+
+        # Deleted through the reader itself while b still holds it: never guessed, a miss.
+        assert key_of(12) in b.local.manager  # type: ignore[attr-defined]
+        reader.delete(key_of(12))
+        assert guesser.speculate(key_of(12), None, None, out_view) is None
+        assert reader.get(key_of(12)) is None
+
+        # Deleted by another process: b's copy may answer until b's heartbeat drops it, then a miss.
+        assert cluster.client.delete([key_of(10)]) == [True]
+
+        def gone() -> bool:
+            got = reader.get(key_of(10))
+            assert got is None or np.array_equal(got, content(10))  # the key's bytes until then
+            return got is None
+
+        wait_for(gone, 10, "another process's delete to reach the holder")
+    finally:
+        for pool in (a, b, reader):
+            pool.close()
+
+
+def test_a_confirmed_speculative_pull_is_used_only_when_the_master_names_that_holder_and_version(
+        cluster: Cluster) -> None:
+    """node.confirm_speculative: while ``locate`` travels, a get pulls from the node it last
+    pulled from. The bytes count only when the master names that node with the same header
+    checksum; otherwise the get goes on as if nothing had been guessed."""
+    from kvpool.api import out_view
+
+    cluster.start_master()
+    a, b = cluster.connect("holder-a"), cluster.connect("holder-b")
+    reader = cluster.connect("reader", node__confirm_speculative=True)
 
     def counter(name: str) -> int:
         return int(reader.stats()["remote"].get(name, 0))

@@ -177,6 +177,7 @@ class Speculation:
 
 _SPECULATION_MAX_SCORE = 8
 _SPECULATION_RETRY_EVERY = 32  # with speculation off (guesses kept missing), still try this often
+_DELETED_REMEMBERED = 65536  # keys deleted through this process that are never guessed (LRU)
 
 
 def _check_same(header: ObjectHeader, same_as: ObjectHeader | None, layer_range: LayerRange) -> None:
@@ -248,6 +249,9 @@ class ReplicaReader:
         self._last_holder: LocatedReplica | None = None
         self._speculation_score = _SPECULATION_MAX_SCORE // 2
         self._speculation_skipped = 0
+        #: keys deleted through this process (LRU): never guessed, so this process's own delete
+        #: is a miss at once even with unconfirmed speculative pulls
+        self._deleted: OrderedDict[bytes, None] = OrderedDict()
 
     # -- same-host arenas, found by key without the master ----------------------------
 
@@ -415,6 +419,16 @@ class ReplicaReader:
     def forget(self, key: bytes) -> None:
         with self._lock:
             self._locations.pop(key, None)
+
+    def deleted(self, key: bytes) -> None:
+        """``key`` was deleted through this process: forget where it was, and never guess its
+        holder again (:meth:`speculate`), which may hold it until its next heartbeat."""
+        with self._lock:
+            self._locations.pop(key, None)
+            self._deleted[key] = None
+            self._deleted.move_to_end(key)
+            while len(self._deleted) > _DELETED_REMEMBERED:
+                self._deleted.popitem(last=False)
 
     def forget_nodes_except(self, alive: set[str]) -> None:
         """Remember which nodes are alive; drop remembered replicas on any other node."""
@@ -664,7 +678,7 @@ class ReplicaReader:
         node wrote) then pays max(locate, pull) instead of their sum.
         """
         replica = self._last_holder
-        if replica is None:
+        if replica is None or key in self._deleted:
             return None
         if self._speculation_score <= 0:
             self._speculation_skipped += 1
@@ -696,6 +710,44 @@ class ReplicaReader:
             log.debug("speculative pull of %s from %s: %s", guess.key.hex(), replica.get("node_id"), exc)
             guess.failure = "holder_gone"
 
+    def accept(self, guess: Speculation) -> np.ndarray | None:
+        """The guessed holder's own answer, without the master (``node.confirm_speculative =
+        false``): the pulled layers if its header is whole, names ``guess.key``, has the guessed
+        spec, and every layer matches it; else None (the guess is wasted: locate and read as
+        usual).
+
+        What this gives up against :meth:`confirm` is only how soon another process's delete
+        shows: a holder keeps a deleted key until its next heartbeat, as a remembered location
+        or a same-host arena does. The bytes are the key's, whole, in every case.
+        """
+        if guess.pulled:
+            spec: ObjectSpec = guess.replica["_spec"]  # type: ignore[typeddict-item]
+            try:
+                header = ObjectHeader.unpack(guess.raw_header, spec)
+                header.check_identity(guess.key)
+                if header.spec != spec:
+                    raise errors.WrongObjectError(f"the holder's object is {header.spec}, guessed {spec}")
+                header.verify(guess.layer_range, guess.buf)
+            except errors.KVPoolError as exc:  # another object or damaged: read as located
+                log.info("speculative pull of %s from %s not used: %s", guess.key.hex(),
+                         guess.replica.get("node_id"), exc)
+            else:
+                self.counters["speculative_unconfirmed"] += 1
+                self._pulled_from(guess.replica)
+                return self._guess_used(guess)
+        self._guess_wasted()
+        return None
+
+    def _guess_used(self, guess: Speculation) -> np.ndarray:
+        self._speculation_score = min(_SPECULATION_MAX_SCORE, self._speculation_score + 1)
+        self.counters["speculative_hits"] += 1
+        self._hit(len(guess.buf))
+        return guess.arr
+
+    def _guess_wasted(self) -> None:
+        self._speculation_score -= 2
+        self.counters["speculative_wasted"] += 1
+
     def confirm(self, guess: Speculation, located: Any) -> np.ndarray | None:
         """The speculatively pulled layers, if the master located ``guess.key`` on the guessed
         node with the same spec and header checksum and every layer matches that header;
@@ -713,14 +765,10 @@ class ReplicaReader:
             except errors.KVPoolError as exc:  # another version, or damaged: read as located
                 log.info("speculative pull of %s from %s not used: %s", guess.key.hex(), replica["node_id"], exc)
                 break
-            self._speculation_score = min(_SPECULATION_MAX_SCORE, self._speculation_score + 1)
-            self.counters["speculative_hits"] += 1
-            self._hit(len(guess.buf))
             self._pulled_from(replica)
             self._remember(guess.key, replicas)
-            return guess.arr
-        self._speculation_score -= 2
-        self.counters["speculative_wasted"] += 1
+            return self._guess_used(guess)
+        self._guess_wasted()
         return None
 
     def _cxl_reader(self, location: Mapping[str, Any]) -> Any:

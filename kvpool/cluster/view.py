@@ -8,12 +8,13 @@ client (:class:`kvpool.client.ClusterPool`) composes it with a local
 manager its node serves from.
 
 Reads go: same-host nodes' shared ``cxl`` indexes (no master), then the
-replicas this key was read from last time (no master), then the master's
-``locate`` under a lease, then a UCX pull or an in-place same-host read,
-verified layer by layer; a replica that fails is skipped for the next one.
-While ``locate`` travels, a single-key read pulls from the node it last pulled
-from (``node.speculative_pulls``); those bytes are used only when the master
-names that node with the same header checksum.
+replicas this key was read from last time (no master), then (a single-key
+read, ``node.speculative_pulls``) the node it last pulled from (no master),
+then the master's ``locate`` under a lease, then a pull or an in-place
+same-host read, verified layer by layer; a replica that fails is skipped for
+the next one. With ``node.confirm_speculative`` the guessed pull travels while
+``locate`` does, and its bytes are used only when the master names that node
+with the same header checksum.
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ from kvpool.cluster.control import control_call
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import Node, NodeAddress
 from kvpool.cluster.protocol import Located, LocatedReplica, Placement, ReplicaRecord
-from kvpool.cluster.reader import ReplicaReader, alive_nodes_of, replicas_at, shared_dirs_of
+from kvpool.cluster.reader import ReplicaReader, Speculation, alive_nodes_of, replicas_at, shared_dirs_of
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from tiers.manager import TierManager
 
 log = logging.getLogger("kvpool.client")
+
+
+def _failed(guess: Speculation) -> dict[str, str] | None:
+    """The guessed holder, if it just failed as a holder: the located read skips it rather
+    than wait on it a second time."""
+    return None if guess.failure is None else {guess.replica["node_id"]: guess.failure}
 
 
 class LeaseReleaser:
@@ -225,20 +232,28 @@ class ClusterView:
         remembered = self.reader.read_cached(key, layers, out, out_view)
         if remembered is not None:
             return remembered
-        # The master's answer is awaited while a guess (the holder last pulled from) is pulled:
-        # used only if the master confirms it, so a right guess hides the round trip.
-        guess = self.reader.speculate(key, layers, out, out_view) if self.config.node.speculative_pulls else None
+        # A guess: the holder last pulled from. Its verified answer is used at once, or (with
+        # node.confirm_speculative) pulled while the master locates the key and used only if the
+        # master names that holder and version, so a right guess hides the round trip.
+        node = self.config.node
+        guess = self.reader.speculate(key, layers, out, out_view) if node.speculative_pulls else None
+        skip = None
+        if guess is not None and not node.confirm_speculative:
+            self.reader.run(guess, self.node.cluster_key.mint_token(key, guess.replica["node_id"]))
+            used = self.reader.accept(guess)
+            if used is not None:
+                return used
+            skip = _failed(guess)
+            guess = None
         located = self.master.locate(key, lease=True, meanwhile=None if guess is None else lambda: self.reader.run(
             guess, self.node.cluster_key.mint_token(key, guess.replica["node_id"])))
         try:
             replicas = replicas_at(located, 0)
-            skip = None
             if guess is not None:
                 confirmed = self.reader.confirm(guess, replicas)
                 if confirmed is not None:
                     return confirmed
-                if guess.failure is not None:  # that holder just failed: not waited on again
-                    skip = {guess.replica["node_id"]: guess.failure}
+                skip = _failed(guess)
             return self.reader.read(key, replicas, layers, out, out_view, skip=skip)
         finally:
             self.releaser.release(located.lease_ids)
@@ -289,7 +304,7 @@ class ClusterView:
     def delete(self, key: bytes) -> bool:
         """Gone from lookups at once (holders drop it on their next heartbeat); whether the
         master knew the key."""
-        self.reader.forget(key)
+        self.reader.deleted(key)
         return self.master.delete([key], node_id=self.node.node_id)[0]
 
     def stats(self) -> dict[str, Any]:
