@@ -321,6 +321,26 @@ def test_a_confirmed_speculative_pull_is_used_only_when_the_master_names_that_ho
             pool.close()
 
 
+def test_a_guess_pulled_over_ucx_is_used_only_once_the_master_confirms_it(cluster: Cluster) -> None:
+    """A UCX endpoint proves nothing about who answers (a TCP pull server proves it holds the
+    cluster key): with every pull over UCX (node.tcp_pull_max = 0) a guess always waits for
+    the master's confirmation."""
+    cluster.start_master()
+    holder, reader = cluster.connect("holder"), cluster.connect("reader", node__tcp_pull_max=0)
+    try:
+        for i in range(3):
+            holder.put(key_of(i), content(i))
+        asked = cluster.client.stats()["counters"]["key_hits"]
+        for i in range(3):
+            np.testing.assert_array_equal(reader.get(key_of(i)), content(i))
+        remote = reader.stats()["remote"]
+        assert remote["speculative_hits"] == 2 and "speculative_unconfirmed" not in remote
+        assert cluster.client.stats()["counters"]["key_hits"] == asked + 3  # every get located
+    finally:
+        holder.close()
+        reader.close()
+
+
 def test_speculative_pulls_can_be_turned_off(cluster: Cluster) -> None:
     cluster.start_master()
     holder = cluster.connect("holder")

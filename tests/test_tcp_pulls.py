@@ -17,6 +17,7 @@ import pytest
 
 from kvpool import errors
 from kvpool.cluster.reader import SAME_HOST_TCP_PULL_MAX, ReplicaReader
+from kvpool.cluster.security import ClusterKey
 from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullRequest, ServeSource, local_host_id
 from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient, TcpPullServer
@@ -200,6 +201,30 @@ def test_garbage_and_too_many_connections_are_dropped_without_harm() -> None:
             assert bytes(out) == expected(b"b", 0, 1).tobytes()
             del idle
         assert server.stats()["errors"] >= 1
+
+
+def test_a_server_that_cannot_prove_the_cluster_key_gets_no_pull() -> None:
+    """Whatever took over a dead holder's port (here a full TCP pull server under another
+    cluster key, with the key asked for) sends its proof before any reply; the client checks
+    it first and takes nothing from a server that fails it."""
+    ours, theirs = ClusterKey(b"o" * 32), ClusterKey(b"t" * 32)
+    with TcpPullServer(_memory_provider, prove=theirs.holder_proof) as impostor, \
+            TcpPullServer(_memory_provider, prove=ours.holder_proof) as holder, \
+            TcpPullClient(check_proof=ours.check_holder_proof) as client:
+        out = bytearray(LAYER_NBYTES)
+        with pytest.raises(errors.AuthenticationError, match="cluster key"):
+            client.pull_into(PeerAddress("127.0.0.1", 0, tcp_port=impostor.port), b"a", (0, 1), out)
+        assert out == bytearray(LAYER_NBYTES) and impostor.stats()["connections"] <= 1
+        unproven = TcpPullServer(_memory_provider).start()  # no key: it answers zeros
+        try:
+            with pytest.raises(errors.AuthenticationError):
+                client.pull_into(PeerAddress("127.0.0.1", 0, tcp_port=unproven.port), b"a", (0, 1), out)
+        finally:
+            unproven.close()
+        assert client.pull_into(PeerAddress("127.0.0.1", 0, tcp_port=holder.port), b"a", (0, 1), out) == len(out)
+        assert bytes(out) == expected(b"a", 0, 1).tobytes()
+        assert ours.check_holder_proof(b"n" * 16, ours.holder_proof(b"n" * 16))
+        assert not ours.check_holder_proof(b"m" * 16, ours.holder_proof(b"n" * 16))
 
 
 def test_a_port_that_refuses_or_turns_connections_away_is_not_reachable_for_a_while() -> None:

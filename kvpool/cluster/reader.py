@@ -163,13 +163,14 @@ class Speculation:
     until then they are unverified, and they are thrown away (the read then goes on as if no
     guess had been made) when the master disagrees."""
 
-    __slots__ = ("arr", "buf", "failure", "key", "layer_range", "pulled", "raw_header", "replica")
+    __slots__ = ("arr", "buf", "failure", "key", "layer_range", "proven", "pulled", "raw_header", "replica")
 
     def __init__(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, arr: np.ndarray,
                  buf: memoryview) -> None:
         self.key, self.replica, self.layer_range, self.arr, self.buf = key, replica, layer_range, arr, buf
         self.raw_header = bytearray(replica["_spec"].header_nbytes)  # type: ignore[typeddict-item]
         self.pulled = False
+        self.proven = False  # pulled from a holder that proved it holds the cluster key
         #: why the guessed holder failed as a holder (dead, frozen, timed out), if it did: the
         #: located read then skips it rather than wait on it a second time
         self.failure: str | None = None
@@ -222,7 +223,8 @@ class ReplicaReader:
     def __init__(self, host_id: str, *, node_id: str | None = None, transport: str = "auto",
                  max_message: int = 16 << 20, pull_timeout_s: float = 10.0,
                  location_cache_size: int = 0, allowed_dirs: Sequence[str] | None = None,
-                 host: str = "127.0.0.1", engine: Engine | None = None, tcp_pull_max: int = 0) -> None:
+                 host: str = "127.0.0.1", engine: Engine | None = None, tcp_pull_max: int = 0,
+                 cluster_key: ClusterKey | None = None) -> None:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
@@ -234,7 +236,9 @@ class ReplicaReader:
         #: pulls of at most this many bytes from a holder with a TCP port go over plain TCP (at
         #: most SAME_HOST_TCP_PULL_MAX from a same-host holder that UCX reaches by shared memory)
         self.tcp_pull_max = tcp_pull_max
-        self.tcp_puller = TcpPullClient() if tcp_pull_max else None
+        # ``cluster_key``: TCP pulls go only to holders that prove they hold it
+        self.tcp_puller = TcpPullClient(check_proof=None if cluster_key is None else cluster_key.check_holder_proof) \
+            if tcp_pull_max else None
         self.counters: Counter[str] = Counter()
         self._cxl_readers: dict[tuple[str, str], Any] = {}
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
@@ -695,16 +699,37 @@ class ReplicaReader:
             return None
         return Speculation(key, replica, layer_range, arr, buf)
 
-    def run(self, guess: Speculation, token: bytes) -> None:
-        """Pull the guessed bytes (unverified until :meth:`confirm`); never raises a kvpool error."""
+    def provable(self, guess: Speculation) -> bool:
+        """Whether ``guess`` would be pulled over TCP from a holder that must first prove it holds
+        the cluster key: only such a pull may be used as the holder answers (:meth:`accept`).
+        (A UCX endpoint proves nothing: whatever took over a dead holder's address would be
+        believed.)"""
+        tcp = self.tcp_puller
+        return tcp is not None and tcp.check_proof is not None and \
+            self._client_for(guess.replica["_node"].peer, len(guess.buf)) is tcp  # type: ignore[typeddict-item]
+
+    def run(self, guess: Speculation, token: bytes, *, proven: bool = False) -> None:
+        """Pull the guessed bytes (unverified until :meth:`confirm` or :meth:`accept`); never
+        raises a kvpool error. ``proven``: only over TCP from a holder that proves itself (see
+        :meth:`provable`), else not at all."""
         replica = guess.replica
         try:
-            self._pull(guess.key, replica, guess.layer_range, guess.buf, guess.raw_header, token)
+            if proven:
+                assert self.tcp_puller is not None
+                (outcome,) = self.tcp_puller.pull_many([PullRequest(
+                    replica["_node"].peer, guess.key, guess.layer_range, guess.buf, token,  # type: ignore[typeddict-item]
+                    guess.raw_header, lambda: self.holder_alive(replica))], timeout_s=self.pull_timeout_s)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                guess.proven = True
+            else:
+                self._pull(guess.key, replica, guess.layer_range, guess.buf, guess.raw_header, token)
             guess.pulled = True
         except errors.KVTimeoutError:
             guess.failure = "timeout"
         except (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError, errors.ProtocolError,
-                errors.AuthenticationError) as exc:  # not there, or not the guessed spec: locate decides
+                errors.AuthenticationError, TcpPathUnusable) as exc:
+            # not there, not the guessed spec, or (proven) its TCP port unusable: locate decides
             log.debug("speculative pull of %s from %s: %s", guess.key.hex(), replica.get("node_id"), exc)
         except errors.KVPoolError as exc:  # the holder failed (gone, connection lost)
             log.debug("speculative pull of %s from %s: %s", guess.key.hex(), replica.get("node_id"), exc)
@@ -712,15 +737,15 @@ class ReplicaReader:
 
     def accept(self, guess: Speculation) -> np.ndarray | None:
         """The guessed holder's own answer, without the master (``node.confirm_speculative =
-        false``): the pulled layers if its header is whole, names ``guess.key``, has the guessed
-        spec, and every layer matches it; else None (the guess is wasted: locate and read as
-        usual).
+        false``): the pulled layers if a holder that proved itself sent them (``run(proven=
+        True)``), its header is whole, names ``guess.key``, has the guessed spec, and every layer
+        matches it; else None (the guess is wasted: locate and read as usual).
 
         What this gives up against :meth:`confirm` is only how soon another process's delete
         shows: a holder keeps a deleted key until its next heartbeat, as a remembered location
         or a same-host arena does. The bytes are the key's, whole, in every case.
         """
-        if guess.pulled:
+        if guess.pulled and guess.proven:
             spec: ObjectSpec = guess.replica["_spec"]  # type: ignore[typeddict-item]
             try:
                 header = ObjectHeader.unpack(guess.raw_header, spec)

@@ -17,10 +17,13 @@ trusted; any other local user or network peer is not. The key never travels.
   server key. A process with no key or another key cannot complete the
   handshake: its requests time out, which the client reports as
   :class:`~kvpool.errors.AuthenticationError`.
-* **Pulls** (UCX): the master issues, with every located replica, a token
+* **Pulls** (UCX and TCP): the master issues, with every located replica, a token
   ``expiry_ms (u64) ‖ HMAC-SHA256(token key, key ‖ node id ‖ expiry_ms)[:16]``;
   the holder checks it before it sends a byte. Tokens are short-lived
   (``security.token_ttl_s``) and name one key on one node.
+* **Holders** (TCP pulls): a reader opens each connection with a fresh nonce and
+  the holder answers ``HMAC-SHA256(holder key, nonce)[:16]`` before any reply, so
+  whatever listens on a dead holder's port cannot hand out bytes.
 
 With ``security.auth = false`` (documented as unsafe) nothing is derived and
 every check passes.
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 
 SECRET_NBYTES = 32
 TOKEN_NBYTES = 24  # expiry u64 + 16 bytes of HMAC-SHA256
+HOLDER_PROOF_NBYTES = 16  # of HMAC-SHA256 (ClusterKey.holder_proof)
 _EXPIRY = struct.Struct("<Q")
 _ZAP_DOMAIN = "kvpool"
 
@@ -143,6 +147,7 @@ class ClusterKey:
         #: where the secret came from (a key file path), for messages; never the secret
         self.source = source
         self._token_key = self._derive(b"pull-token") if secret else b""
+        self._holder_key = self._derive(b"tcp-holder") if secret else b""
 
     @classmethod
     def from_config(cls, config: Config) -> ClusterKey:
@@ -223,6 +228,20 @@ class ClusterKey:
             raise errors.AuthenticationError("pull refused: token not issued for this key and node")
         if expiry_ms < (time.time() if now is None else now) * 1000:
             raise errors.AuthenticationError("pull refused: token expired")
+
+    # -- holders proving themselves (TCP pulls) -----------------------------------------
+
+    def holder_proof(self, nonce: bytes) -> bytes:
+        """A pull server's answer to a reader's ``nonce``: proof that it holds the cluster key
+        (16 zero bytes without one)."""
+        if not self.enabled:
+            return bytes(HOLDER_PROOF_NBYTES)
+        return hmac.digest(self._holder_key, bytes(nonce), "sha256")[:HOLDER_PROOF_NBYTES]
+
+    def check_holder_proof(self, nonce: bytes, proof: bytes) -> bool:
+        """Whether ``proof`` answers ``nonce`` as only a holder of this key can (always true
+        without a key)."""
+        return not self.enabled or hmac.compare_digest(bytes(proof), self.holder_proof(nonce))
 
     @staticmethod
     def token_expiry_s(token: bytes) -> float:

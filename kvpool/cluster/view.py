@@ -147,7 +147,8 @@ class ClusterView:
                                         pull_timeout_s=config.node.pull_timeout_s,
                                         location_cache_size=config.node.location_cache,
                                         allowed_dirs=shared_dirs_of(config), host=self.node.host,
-                                        engine=self.node.engine, tcp_pull_max=config.node.tcp_pull_max)
+                                        engine=self.node.engine, tcp_pull_max=config.node.tcp_pull_max,
+                                        cluster_key=self.node.cluster_key)
             self._parts.append(self.reader)
             self._refresh_from_master()
             self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,
@@ -232,14 +233,15 @@ class ClusterView:
         remembered = self.reader.read_cached(key, layers, out, out_view)
         if remembered is not None:
             return remembered
-        # A guess: the holder last pulled from. Its verified answer is used at once, or (with
-        # node.confirm_speculative) pulled while the master locates the key and used only if the
-        # master names that holder and version, so a right guess hides the round trip.
+        # A guess: the holder last pulled from. Its verified answer is used at once when that
+        # holder proves itself (TCP pulls); else (or with node.confirm_speculative) it is pulled
+        # while the master locates the key and used only if the master names that holder and
+        # version, so a right guess hides the round trip.
         node = self.config.node
         guess = self.reader.speculate(key, layers, out, out_view) if node.speculative_pulls else None
         skip = None
-        if guess is not None and not node.confirm_speculative:
-            self.reader.run(guess, self.node.cluster_key.mint_token(key, guess.replica["node_id"]))
+        if guess is not None and not node.confirm_speculative and self.reader.provable(guess):
+            self.reader.run(guess, self.node.cluster_key.mint_token(key, guess.replica["node_id"]), proven=True)
             used = self.reader.accept(guess)
             if used is not None:
                 return used

@@ -25,16 +25,22 @@ Threads
     holder is still alive. Connections are kept per holder, one per concurrent caller.
 
 Security
-    The server binds ``host`` only (the node's address). Every request carries the pull
-    token that ``authorize(key, token)`` checks before the provider runs, as over UCX;
-    a refusal is ``STATUS_UNAUTHORIZED``, never data. The bytes are not encrypted.
+    The server binds ``host`` only (the node's address). A client opens every connection
+    with a hello carrying a fresh nonce, sent together with its first requests; the server
+    answers it with ``prove(nonce)`` before any reply, and the client reads no reply before
+    ``check_proof`` accepted that (:meth:`ClusterKey.holder_proof`): a process that took over
+    a dead holder's port cannot hand out bytes. Every request carries the pull token that
+    ``authorize(key, token)`` checks before the provider runs, as over UCX; a refusal is
+    ``STATUS_UNAUTHORIZED``, never data. The bytes are not encrypted.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +77,10 @@ log = logging.getLogger("kvpool.transport.tcp")
 
 _STAGING_NBYTES = 4 << 20  # nvme payloads are read and sent in pieces of at most this
 _WINDOW_NBYTES = 32 << 10  # request bytes a client writes ahead of the replies it has read
+# A connection's first frame each way: the client's nonce, then the server's proof for it.
+_HELLO = struct.Struct("<4sH16s")
+_HELLO_MAGIC = b"KVTH"
+_HELLO_VERSION = 1
 
 
 class TcpPathUnusable(errors.TransferError):
@@ -85,15 +95,18 @@ class TcpPullServer:
 
     ``provider`` and ``authorize`` are the node's, as for :class:`PullServer`; here they run
     on the connection's own thread, so a provider may block. ``release`` of a source runs
-    once its last byte is written (or the connection failed).
+    once its last byte is written (or the connection failed). ``prove``: the answer to a
+    client's hello nonce (16 bytes; zeros when None).
     """
 
     def __init__(self, provider: Provider, host: str = "127.0.0.1", *,
-                 authorize: Callable[[bytes, bytes], None] | None = None, max_connections: int = 1024,
+                 authorize: Callable[[bytes, bytes], None] | None = None,
+                 prove: Callable[[bytes], bytes] | None = None, max_connections: int = 1024,
                  send_timeout_s: float = 30.0, idle_timeout_s: float = 600.0,
                  staging_nbytes: int = _STAGING_NBYTES, name: str = "kvpool-tcp-pulls") -> None:
         self._provider = provider
         self._authorize = authorize
+        self._prove = prove
         self._host = host
         self.max_connections = max_connections
         self.send_timeout_s = send_timeout_s
@@ -194,6 +207,16 @@ class TcpPullServer:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            conn.settimeout(self.idle_timeout_s)
+            hello = bytearray(_HELLO.size)
+            if not _recv_exactly(conn, memoryview(hello), at_boundary=True):
+                return
+            magic, version, nonce = _HELLO.unpack(hello)
+            if magic != _HELLO_MAGIC or version != _HELLO_VERSION:
+                self.errors += 1
+                raise errors.ProtocolError(f"not a kvpool TCP pull hello ({bytes(hello[:6])!r})")
+            proof = self._prove(nonce) if self._prove is not None else bytes(16)
+            conn.sendall(_HELLO.pack(_HELLO_MAGIC, _HELLO_VERSION, proof))
             fixed = bytearray(_REQUEST.size)
             while True:
                 conn.settimeout(self.idle_timeout_s)
@@ -301,11 +324,14 @@ class TcpPullClient:
     afterwards, at most ``idle_per_peer`` per holder). Errors as :meth:`PullClient.pull_into`.
     A holder whose port cannot be connected to, or which closes a new connection unasked
     (over its connection limit), is :meth:`reachable` no more for ``retry_after_s``: callers
-    pull from it over UCX meanwhile.
+    pull from it over UCX meanwhile. ``check_proof(nonce, proof)``: whether a holder's answer
+    to a new connection's hello proves it is one (:meth:`ClusterKey.check_holder_proof`); a
+    holder that fails it gets no pull (AuthenticationError). None: holders are not checked.
     """
 
     def __init__(self, *, connect_timeout_s: float = 1.0, idle_per_peer: int = 8,
-                 retry_after_s: float = 30.0) -> None:
+                 retry_after_s: float = 30.0, check_proof: Callable[[bytes, bytes], bool] | None = None) -> None:
+        self.check_proof = check_proof
         self.connect_timeout_s = connect_timeout_s
         self.idle_per_peer = idle_per_peer
         self.retry_after_s = retry_after_s
@@ -382,7 +408,7 @@ class TcpPullClient:
                     alive_check_s: float) -> list[int | BaseException]:
         """Every pull to one holder over one connection. A reused connection that fails before
         its first reply byte (the holder closed it while idle) is replaced once: reads repeat."""
-        conn, reused = self._checkout(where, pulls[0])
+        conn, nonce = self._checkout(where, pulls[0])
         outcomes: list[int | BaseException] = []
         while True:
             if not isinstance(conn, socket.socket):
@@ -391,12 +417,12 @@ class TcpPullClient:
                 return [self._failed(pull, error(f"{pull.label}: TCP port unusable: {_describe(conn)}"))
                         for pull in pulls]
             try:
-                self._exchange(conn, pulls, outcomes, alive_check_s)
+                self._exchange(conn, pulls, outcomes, alive_check_s, nonce)
             except _ConnectionLost as lost:
                 conn.close()
                 if not lost.replied and not outcomes:
-                    if reused:  # closed by the holder while idle: once more on a new one
-                        conn, reused = self._checkout(where, pulls[0], fresh=True)
+                    if nonce is None:  # an idle one, closed by the holder meanwhile: once more on a new one
+                        conn, nonce = self._checkout(where, pulls[0], fresh=True)
                         continue
                     if type(lost.error) is errors.TransferError:  # a new one closed unasked: full
                         conn = ConnectionAbortedError("closed before its first reply")
@@ -409,9 +435,10 @@ class TcpPullClient:
             return outcomes
 
     def _exchange(self, conn: socket.socket, pulls: list[_TcpPull], outcomes: list[int | BaseException],
-                  alive_check_s: float) -> None:
+                  alive_check_s: float, nonce: bytes | None) -> None:
         """Write the requests (at most ``_WINDOW_NBYTES`` ahead of the replies read, so neither
-        side can block the other) and read each reply into its pull's buffer."""
+        side can block the other) and read each reply into its pull's buffer. ``nonce``: that
+        of a new connection's hello, whose answer is read and checked before any reply."""
         sent = 0
         window = 0
         for index, pull in enumerate(pulls):
@@ -423,8 +450,22 @@ class TcpPullClient:
                     raise _ConnectionLost(_transport_error(pull, exc), replied=False) from None
                 window += len(pulls[sent].frame)
                 sent += 1
+            if nonce is not None:
+                self._check_hello(conn, pull, nonce, alive_check_s)
+                nonce = None
             outcomes.append(self._reply(conn, pull, alive_check_s, replied=bool(outcomes)))
             window -= len(pull.frame)
+
+    def _check_hello(self, conn: socket.socket, pull: _TcpPull, nonce: bytes, alive_check_s: float) -> None:
+        """Read the holder's answer to a new connection's hello; a wrong one ends the connection."""
+        hello = bytearray(_HELLO.size)
+        _receive(conn, pull, memoryview(hello), alive_check_s, False)
+        magic, version, proof = _HELLO.unpack(hello)
+        if magic != _HELLO_MAGIC or version != _HELLO_VERSION:
+            raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: not a kvpool TCP pull server"), replied=True)
+        if self.check_proof is not None and not self.check_proof(nonce, proof):
+            raise _ConnectionLost(errors.AuthenticationError(
+                f"{pull.label}: the server there could not prove it holds the cluster key"), replied=True)
 
     def _reply(self, conn: socket.socket, pull: _TcpPull, alive_check_s: float, replied: bool) -> int | BaseException:
         status_buf = bytearray(_STATUS.size)
@@ -456,22 +497,28 @@ class TcpPullClient:
 
 
     def _checkout(self, where: tuple[str, int], pull: _TcpPull,
-                  fresh: bool = False) -> tuple[socket.socket | OSError, bool]:
-        """A connection to ``where`` (an idle one unless ``fresh``) and whether it was idle; or
-        why none could be made."""
+                  fresh: bool = False) -> tuple[socket.socket | OSError, bytes | None]:
+        """A connection to ``where`` (an idle one unless ``fresh``) and, for a new one, the
+        nonce of the hello sent on it; or why none could be made."""
         if not fresh:
             with self._lock:
                 idle = self._idle.get(where)
                 if idle:
-                    return idle.pop(), True
+                    return idle.pop(), None
+        nonce = os.urandom(16)
         try:
             conn = socket.create_connection(where, timeout=min(self.connect_timeout_s, pull.timeout_s))
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             log.debug("tcp pull connect to %s:%d failed: %s", *where, _describe(exc))
-            return exc, False
+            return exc, None
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(_HELLO.pack(_HELLO_MAGIC, _HELLO_VERSION, nonce))  # answered before the first reply
+        except OSError as exc:
+            conn.close()
+            return exc, None
         self.connects += 1
-        return conn, False
+        return conn, nonce
 
     def _checkin(self, where: tuple[str, int], conn: socket.socket) -> None:
         with self._lock:
