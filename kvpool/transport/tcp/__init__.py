@@ -1,0 +1,45 @@
+"""Pulls over a plain TCP connection (:class:`TcpPullServer`, :class:`TcpPullClient`): the data
+path for payloads up to ``node.tcp_pull_max``.
+
+Why a second data path
+    Where UCX itself runs over TCP or shared memory (no RDMA device), a small pull over it
+    from Python costs several wake-ups of each side's progress thread: a bare ucxx
+    request/reply measured 141 us at 4 KiB and 281 us at 64 KiB between two pinned processes
+    here, against 58 / 71 us for the same exchange over a blocking TCP socket (see
+    ``bench/transfer_bench.py``). From 16 MiB on, UCX over shared memory is faster than a
+    socket, and RDMA is what UCX is for: large payloads stay on UCX.
+
+Wire (the UCX protocol's frames over one byte stream, :mod:`..frames`)
+    A client keeps connections to a holder open. Each starts with a hello each way
+    (:mod:`.stream`, see Security); then the client writes requests (``_REQUEST`` + key +
+    token, no reply address) and the server answers each request, in the order sent, with
+    a status frame (``_STATUS`` + failure text, or for an OK the served object's header when
+    asked for) followed, for an OK, by exactly ``nbytes`` payload bytes. A read that fails
+    after its OK went out (nvme) closes the connection, so the client sees the stream end
+    short and fails that pull: nothing is ever taken for payload that was not. A client that
+    stops reading for ``send_timeout_s`` is dropped.
+
+Threads and system calls
+    The server (:mod:`.server`) has one thread accepting and one per open connection, each
+    blocked in ``recv`` or ``send`` (no polling). The client (:mod:`.client`) has none: the
+    calling thread writes its requests and reads the replies, waking every ``alive_check_s``
+    to ask whether the holder is still alive. Connections are kept per holder, one per
+    concurrent caller. Sockets are blocking with kernel timeouts, so each read or write is
+    one system call; a server reads every request that has arrived with one ``recv``, and a
+    usual reply (status, header, payload) lands with one ``recvmsg_into``.
+
+Security
+    The server binds ``host`` only (the node's address). A client opens every connection
+    with a hello carrying a fresh nonce, sent together with its first requests; the server
+    answers it with ``prove(nonce)`` before any reply, and the client reads no reply before
+    ``check_proof`` accepted that (:meth:`ClusterKey.holder_proof`): a process that took over
+    a dead holder's port cannot hand out bytes. Every request carries the pull token that
+    ``authorize(key, token)`` checks before the provider runs, as over UCX; a refusal is
+    ``STATUS_UNAUTHORIZED``, never data. The bytes are not encrypted.
+"""
+
+from kvpool.transport.tcp.client import TcpPullClient
+from kvpool.transport.tcp.server import TcpPullServer
+from kvpool.transport.tcp.stream import TcpPathUnusable
+
+__all__ = ["TcpPathUnusable", "TcpPullClient", "TcpPullServer"]

@@ -1,0 +1,396 @@
+"""The reader's end of TCP pulls (see :mod:`kvpool.transport.tcp`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool import errors
+from kvpool.transport.engine import _describe
+from kvpool.transport.frames import (
+    _MAX_STATUS_TEXT,
+    _STATUS,
+    _STATUS_MAGIC,
+    OK_STATUSES,
+    PROTOCOL_VERSION,
+    PeerAddress,
+    _pack_request,
+    status_error,
+)
+from kvpool.transport.pulls import PullRequest, checked_pull
+from kvpool.transport.tcp.stream import HELLO, HELLO_MAGIC, HELLO_VERSION, TcpPathUnusable, set_timeouts
+
+log = logging.getLogger("kvpool.transport.tcp")
+
+_WINDOW_NBYTES = 32 << 10  # request bytes a client writes ahead of the replies it has read
+
+
+class TcpPullClient:
+    """Pulls from :class:`TcpPullServer` peers into caller buffers, on the calling thread.
+
+    Thread-safe: each call takes its own connection to a holder (kept open for the next call
+    afterwards, at most ``idle_per_peer`` per holder). Errors as :meth:`PullClient.pull_into`.
+    A holder whose port cannot be connected to, or which closes a new connection unasked
+    (over its connection limit), is :meth:`reachable` no more for ``retry_after_s``: callers
+    pull from it over UCX meanwhile. ``check_proof(nonce, proof)``: whether a holder's answer
+    to a new connection's hello proves it is one (:meth:`ClusterKey.check_holder_proof`); a
+    holder that fails it gets no pull (AuthenticationError). None: holders are not checked.
+    """
+
+    def __init__(self, *, connect_timeout_s: float = 1.0, idle_per_peer: int = 8,
+                 retry_after_s: float = 30.0, check_proof: Callable[[bytes, bytes], bool] | None = None) -> None:
+        self.check_proof = check_proof
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_per_peer = idle_per_peer
+        self.retry_after_s = retry_after_s
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._unreachable: dict[tuple[str, int], float] = {}  # holder -> when to try it again
+        self._lock = threading.Lock()
+        self._closed = False
+        self.pulls = 0
+        self.failures = 0
+        self.timeouts = 0
+        self.bytes_received = 0
+        self.connects = 0
+
+    def pull_into(self, address: PeerAddress, key: bytes, layer_range: Any, out: Any, *,
+                  timeout_s: float = 10.0, alive: Callable[[], bool] | None = None,
+                  alive_check_s: float = 0.05, token: bytes = b"", header_out: bytearray | None = None) -> int:
+        """As :meth:`PullClient.pull_into`, over the holder's TCP port (``address.tcp_port``)."""
+        (outcome,) = self.pull_many([PullRequest(address, key, layer_range, out, token, header_out, alive)],
+                                    timeout_s=timeout_s, alive_check_s=alive_check_s)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def pull_many(self, requests: Sequence[PullRequest], *, timeout_s: float = 10.0,
+                  alive_check_s: float = 0.05) -> list[int | BaseException]:
+        """As :meth:`PullClient.pull_many`: one result per request, in order. The requests to one
+        holder go out on one connection, pipelined; holders are read one after another."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        results: list[int | BaseException | None] = [None] * len(requests)
+        groups: dict[tuple[str, int], list[tuple[int, _TcpPull]]] = {}
+        for i, request in enumerate(requests):
+            try:
+                if self._closed:
+                    raise errors.PoolClosedError("the TCP pull client is closed")
+                pull = _TcpPull(request, timeout_s)
+            except (errors.KVPoolError, ValueError, TypeError) as exc:
+                results[i] = exc
+                continue
+            groups.setdefault(pull.where, []).append((i, pull))
+        for where, group in groups.items():
+            for (i, _), outcome in zip(group, self._pull_group(where, [pull for _, pull in group], alive_check_s)):
+                results[i] = outcome
+        return results  # type: ignore[return-value]
+
+    def reachable(self, address: PeerAddress) -> bool:
+        """Whether ``address`` serves TCP pulls that this client can reach (see the class)."""
+        if not address.tcp_port:
+            return False
+        until = self._unreachable.get((address.host, address.tcp_port))
+        return until is None or time.monotonic() >= until
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+    def __enter__(self) -> TcpPullClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, int]:
+        return {"pulls": self.pulls, "failures": self.failures, "timeouts": self.timeouts,
+                "bytes_received": self.bytes_received, "connects": self.connects}
+
+    # -- one holder ------------------------------------------------------------------------------
+
+    def _pull_group(self, where: tuple[str, int], pulls: list[_TcpPull],
+                    alive_check_s: float) -> list[int | BaseException]:
+        """Every pull to one holder over one connection. A reused connection that fails before
+        its first reply byte (the holder closed it while idle) is replaced once: reads repeat."""
+        conn = self._checkout(where, pulls[0], alive_check_s)
+        outcomes: list[int | BaseException] = []
+        while True:
+            if not isinstance(conn, _Conn):
+                self._unreachable[where] = time.monotonic() + self.retry_after_s
+                error = (errors.TransferError if isinstance(conn, ConnectionRefusedError) else TcpPathUnusable)
+                return [self._failed(pull, error(f"{pull.label}: TCP port unusable: {_describe(conn)}"))
+                        for pull in pulls]
+            try:
+                self._exchange(conn, pulls, outcomes)
+            except _ConnectionLost as lost:
+                conn.close()
+                if not lost.replied and not outcomes:
+                    if conn.nonce is None:  # an idle one, closed by the holder meanwhile: once more on a new one
+                        conn = self._checkout(where, pulls[0], alive_check_s, fresh=True)
+                        continue
+                    if type(lost.error) is errors.TransferError:  # a new one closed unasked: full
+                        conn = ConnectionAbortedError("closed before its first reply")
+                        continue
+                failed = pulls[len(outcomes):]
+                outcomes += [self._failed(pull, lost.error if pull is failed[0] else errors.TransferError(
+                    f"{pull.label}: connection lost during an earlier pull on it")) for pull in failed]
+                return outcomes
+            self._checkin(where, conn)
+            return outcomes
+
+    def _exchange(self, conn: _Conn, pulls: list[_TcpPull], outcomes: list[int | BaseException]) -> None:
+        """Write the requests (at most ``_WINDOW_NBYTES`` ahead of the replies read, so neither
+        side can block the other) and read each reply into its pull's buffer. On a new
+        connection the holder's answer to its hello is read and checked before any reply."""
+        sent = 0
+        window = 0
+        for index, pull in enumerate(pulls):
+            while sent < len(pulls) and (sent == index or window + len(pulls[sent].frame) <= _WINDOW_NBYTES):
+                conn.send(pulls[sent], pulls[sent].frame)
+                window += len(pulls[sent].frame)
+                sent += 1
+            if conn.nonce is not None:
+                self._check_hello(conn, pull, conn.nonce)
+                conn.nonce = None
+            outcomes.append(self._reply(conn, pull, replied=bool(outcomes)))
+            window -= len(pull.frame)
+
+    def _check_hello(self, conn: _Conn, pull: _TcpPull, nonce: bytes) -> None:
+        """Read the holder's answer to a new connection's hello; a wrong one ends the connection."""
+        hello = bytearray(HELLO.size)
+        conn.receive(pull, memoryview(hello), False)
+        magic, version, proof = HELLO.unpack(hello)
+        if magic != HELLO_MAGIC or version != HELLO_VERSION:
+            raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: not a kvpool TCP pull server"), replied=True)
+        if self.check_proof is not None and not self.check_proof(nonce, proof):
+            raise _ConnectionLost(errors.AuthenticationError(
+                f"{pull.label}: the server there could not prove it holds the cluster key"), replied=True)
+
+    def _reply(self, conn: _Conn, pull: _TcpPull, replied: bool) -> int | BaseException:
+        """Read one reply: its status frame (with the header an OK carries), then its payload.
+
+        The usual reply (OK, a header of the size asked for) lands with one ``recvmsg_into``:
+        status and header in small buffers, the payload straight in ``out``. Any other is read
+        piece by piece, after the bytes already received are put back in front of the stream.
+        """
+        status_buf = bytearray(_STATUS.size)
+        header = memoryview(bytearray(pull.header_room)) if pull.header_out is not None else _EMPTY
+        views = [memoryview(status_buf), header, pull.out]
+        got = 0
+        while got < _STATUS.size:
+            got += conn.receive_some(pull, _skip(views, got), replied or got > 0)
+        magic, version, status, body_len, request_id, nbytes, _ = _STATUS.unpack_from(status_buf)
+        if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
+            raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
+        if status in OK_STATUSES and body_len == header.nbytes and (body_len or pull.header_out is None) \
+                and nbytes <= pull.out.nbytes:
+            end = _STATUS.size + body_len + nbytes
+            if got > end:  # the start of the next reply, received into the out buffer's tail
+                conn.unread(pull.out[nbytes:got - _STATUS.size - body_len])
+            views[2] = pull.out[:nbytes]
+            while got < end:
+                got += conn.receive_some(pull, _skip(views, got), True)
+            if pull.header_out is not None:
+                pull.header_out[:] = header
+        else:
+            received = got - _STATUS.size
+            conn.unread(bytes(header[:received]) + bytes(pull.out[:max(0, received - header.nbytes)]))
+            body = bytearray(body_len)
+            conn.receive(pull, memoryview(body), True)
+            if status not in OK_STATUSES:
+                if body_len > _MAX_STATUS_TEXT:
+                    raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
+                return self._failed(pull, status_error(status)(f"{pull.label}: {body.decode('utf-8', 'replace')}"))
+            if nbytes > pull.out.nbytes:
+                raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: {nbytes} bytes for a "
+                                                           f"{pull.out.nbytes}-byte buffer"), replied=True)
+            conn.receive(pull, pull.out[:nbytes], True)
+            if pull.header_out is not None:
+                if not body or len(body) > pull.header_room:
+                    return self._failed(pull, errors.ProtocolError(f"{pull.label}: OK without a usable header"))
+                pull.header_out[:] = body
+        self.pulls += 1
+        self.bytes_received += nbytes
+        return nbytes
+
+    def _failed(self, pull: _TcpPull, exc: BaseException) -> BaseException:
+        self.failures += 1
+        self.timeouts += isinstance(exc, errors.KVTimeoutError)
+        return exc
+
+    def _checkout(self, where: tuple[str, int], pull: _TcpPull, wait_s: float,
+                  fresh: bool = False) -> _Conn | OSError:
+        """A connection to ``where`` (an idle one unless ``fresh``; a new one has sent its
+        hello), waking every ``wait_s`` while it waits; or why none could be made."""
+        if not fresh:
+            with self._lock:
+                idle = self._idle.get(where)
+                conn = idle.pop() if idle else None
+            if conn is not None:
+                conn.wake_every(wait_s)
+                return conn
+        nonce = os.urandom(16)
+        try:
+            sock = socket.create_connection(where, timeout=min(self.connect_timeout_s, pull.timeout_s))
+        except OSError as exc:
+            log.debug("tcp pull connect to %s:%d failed: %s", *where, _describe(exc))
+            return exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(HELLO.pack(HELLO_MAGIC, HELLO_VERSION, nonce))  # answered before the first reply
+            conn = _Conn(sock, nonce)
+            conn.wake_every(wait_s)
+        except OSError as exc:
+            sock.close()
+            return exc
+        self.connects += 1
+        return conn
+
+    def _checkin(self, where: tuple[str, int], conn: _Conn) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(where, [])
+            if not self._closed and len(idle) < self.idle_per_peer and not conn.pending:
+                idle.append(conn)
+                return
+        conn.close()
+
+
+class _TcpPull:
+    """One request's checked arguments, its frame and its deadline."""
+
+    def __init__(self, request: PullRequest, timeout_s: float) -> None:
+        args = checked_pull(request.address, request.key, request.layer_range, request.out, request.token,
+                            request.header_out)
+        self.address, self.key, self.layer_range, self.out = args.address, args.key, args.layer_range, args.out
+        if not self.address.tcp_port:
+            raise errors.TransferError(f"{self.address.host} serves no TCP pulls")
+        self.where = (self.address.host, self.address.tcp_port)
+        self.token = args.token
+        self.header_out = request.header_out
+        self.header_room = args.header_room
+        self.alive = request.alive
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.request_id = 1
+        self.label = (f"{self.address.host}:{self.address.tcp_port}: pull of {self.key.hex()} layers "
+                      f"[{self.layer_range.start}, {self.layer_range.stop})")
+        self.frame = bytes(_pack_request(0, 0, self, max(1, self.out.nbytes), b""))
+
+
+class _Conn:
+    """A client connection: a blocking socket whose waits end every ``wait_s`` (so a pull
+    can check its deadline and its holder), and the bytes read ahead of the reply being read."""
+
+    def __init__(self, sock: socket.socket, nonce: bytes | None) -> None:
+        self.sock = sock
+        self.nonce = nonce  # of the hello sent, until the holder's answer to it was checked
+        self.pending = bytearray()  # received, not yet consumed: the stream goes on with these
+        self.wait_s = 0.0
+
+    def wake_every(self, wait_s: float) -> None:
+        if wait_s != self.wait_s:
+            set_timeouts(self.sock, wait_s, wait_s)
+            self.wait_s = wait_s
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def unread(self, data: bytes | memoryview) -> None:
+        """Put ``data`` back in front of the bytes still to be read."""
+        if len(data):
+            self.pending[:0] = data
+
+    def send(self, pull: _TcpPull, frame: bytes) -> None:
+        view = memoryview(frame)
+        while view.nbytes:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:  # the holder is not reading yet
+                self._waited(pull)
+            except OSError as exc:
+                raise _ConnectionLost(_transport_error(pull, exc), replied=False) from None
+
+    def receive(self, pull: _TcpPull, view: memoryview, replied: bool) -> None:
+        """Fill ``view`` with the next bytes of ``pull``'s reply (see :meth:`receive_some`)."""
+        while view.nbytes:
+            view = view[self.receive_some(pull, [view], replied):]
+            replied = True
+
+    def receive_some(self, pull: _TcpPull, views: list[memoryview], replied: bool) -> int:
+        """Receive the next bytes of the stream into ``views``, in order (at least one byte, at
+        most what they hold) by ``pull``'s deadline, asking its ``alive`` between waits.
+        ``replied``: some reply byte came on this connection before (else a closed connection
+        may be a stale idle one, see _pull_group)."""
+        if self.pending:
+            return self._from_pending(views)
+        while True:
+            try:
+                n = self.sock.recvmsg_into(views)[0] if len(views) > 1 else self.sock.recv_into(views[0])
+            except BlockingIOError:
+                self._waited(pull)
+                continue
+            except OSError as exc:
+                raise _ConnectionLost(_transport_error(pull, exc), replied=replied) from None
+            if n == 0:
+                raise _ConnectionLost(errors.TransferError(f"{pull.label}: the holder closed the connection"),
+                                      replied=replied)
+            return n
+
+    def _from_pending(self, views: list[memoryview]) -> int:
+        taken = 0
+        for view in views:
+            n = min(view.nbytes, len(self.pending) - taken)
+            view[:n] = self.pending[taken:taken + n]
+            taken += n
+            if taken == len(self.pending):
+                break
+        del self.pending[:taken]
+        return taken
+
+    @staticmethod
+    def _waited(pull: _TcpPull) -> None:
+        """A wait ended without bytes: past the deadline, or the holder known gone, ends the
+        pull (and the connection: never repeated)."""
+        if time.monotonic() >= pull.deadline:
+            raise _ConnectionLost(_transport_error(pull, TimeoutError()), replied=True)
+        if pull.alive is not None and not pull.alive():
+            raise _ConnectionLost(errors.TransferError(f"{pull.label}: the holder is gone"), replied=True)
+
+
+def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """``views`` without their first ``nbytes`` bytes (and without empty ones)."""
+    rest = []
+    for view in views:
+        if nbytes >= view.nbytes:
+            nbytes -= view.nbytes
+            continue
+        rest.append(view[nbytes:] if nbytes else view)
+        nbytes = 0
+    return rest
+
+
+_EMPTY = memoryview(b"")
+
+
+class _ConnectionLost(Exception):
+    """The connection cannot carry more replies: ``error`` for the pull being read."""
+
+    def __init__(self, error: BaseException, replied: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.replied = replied  # some reply byte arrived on this connection before
+
+
+def _transport_error(pull: _TcpPull, exc: BaseException) -> errors.KVPoolError:
+    if isinstance(exc, TimeoutError):
+        return errors.KVTimeoutError(f"{pull.label}: no reply within {pull.timeout_s}s")
+    return errors.TransferError(f"{pull.label}: {_describe(exc)}")

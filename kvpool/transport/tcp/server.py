@@ -1,0 +1,302 @@
+"""The holder's end of TCP pulls (see :mod:`kvpool.transport.tcp`)."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from kvpool import errors
+from kvpool.transport.engine import _describe
+from kvpool.transport.frames import (
+    _MAX_ADDRESS_BYTES,
+    _MAX_KEY_BYTES,
+    _MAX_TOKEN_BYTES,
+    _REQUEST,
+    MAX_HEADER_NBYTES,
+    STATUS_BAD_RANGE,
+    STATUS_ERROR,
+    STATUS_MISS,
+    STATUS_OK,
+    STATUS_OUT_TOO_SMALL,
+    STATUS_UNAUTHORIZED,
+    _pack_status,
+    _parse_request,
+    _Request,
+)
+from kvpool.transport.source import Provider, ServeSource
+from kvpool.transport.tcp.stream import (
+    HELLO,
+    HELLO_MAGIC,
+    HELLO_VERSION,
+    recv_exactly,
+    send_views,
+    set_timeouts,
+    shutdown,
+)
+
+log = logging.getLogger("kvpool.transport.tcp")
+
+_STAGING_NBYTES = 4 << 20  # nvme payloads are read and sent in pieces of at most this
+# Requests are read into a buffer of this size, as many as have arrived at once (pipelined
+# ones); it holds the largest request a client may send.
+_REQUESTS_NBYTES = 16 << 10
+assert _REQUESTS_NBYTES >= _REQUEST.size + _MAX_KEY_BYTES + _MAX_TOKEN_BYTES + _MAX_ADDRESS_BYTES
+
+
+class TcpPullServer:
+    """Serves ``(key, layer range)`` pulls over TCP on ``host`` (an ephemeral port).
+
+    ``provider`` and ``authorize`` are the node's, as for :class:`PullServer`; here they run
+    on the connection's own thread, so a provider may block. ``release`` of a source runs
+    once its last byte is written (or the connection failed). ``prove``: the answer to a
+    client's hello nonce (16 bytes; zeros when None).
+    """
+
+    def __init__(self, provider: Provider, host: str = "127.0.0.1", *,
+                 authorize: Callable[[bytes, bytes], None] | None = None,
+                 prove: Callable[[bytes], bytes] | None = None, max_connections: int = 1024,
+                 send_timeout_s: float = 30.0, idle_timeout_s: float = 600.0,
+                 staging_nbytes: int = _STAGING_NBYTES, name: str = "kvpool-tcp-pulls") -> None:
+        self._provider = provider
+        self._authorize = authorize
+        self._prove = prove
+        self._host = host
+        self.max_connections = max_connections
+        self.send_timeout_s = send_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.staging_nbytes = staging_nbytes  # an nvme payload is read and sent in pieces of this
+        self._name = name
+        self._listener: socket.socket | None = None
+        self._accepter: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()  # serving a connection
+        self._closing = False
+        self.port = 0
+        self.bytes_sent = 0
+        self.requests_served = 0
+        self.misses = 0
+        self.errors = 0
+        self.refused = 0
+        self.connections_refused = 0
+
+    def start(self) -> TcpPullServer:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((self._host, 0))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accepter = threading.Thread(target=self._accept_loop, name=f"{self._name}-accept", daemon=True)
+        self._accepter.start()
+        return self
+
+    def close(self) -> None:
+        """Stop accepting and cut every open connection (its pulls fail at the client)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            connections = list(self._connections)
+        if self._listener is not None:
+            shutdown(self._listener)
+            self._listener.close()
+        for conn in connections:
+            shutdown(conn)
+        if self._accepter is not None:
+            self._accepter.join(timeout=5.0)
+        # A connection's thread may be in the provider or a read: it releases what it pinned
+        # before the node's tiers close (bounded: a provider stuck longer is left behind).
+        deadline = time.monotonic() + 5.0
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> TcpPullServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            open_connections = len(self._connections)
+        return {"bytes_sent": self.bytes_sent, "requests_served": self.requests_served, "misses": self.misses,
+                "errors": self.errors, "refused": self.refused, "connections": open_connections,
+                "connections_refused": self.connections_refused}
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                time.sleep(0.01)  # out of descriptors, or an aborted handshake: go on
+                continue
+            with self._lock:
+                full = len(self._connections) >= self.max_connections
+                if not full and not self._closing:
+                    self._connections.add(conn)
+            if full or self._closing:
+                self.connections_refused += full
+                conn.close()
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        staging: list[mmap.mmap] = []
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            set_timeouts(conn, self.idle_timeout_s, self.send_timeout_s)
+            hello = bytearray(HELLO.size)
+            if not recv_exactly(conn, memoryview(hello), at_boundary=True):
+                return
+            magic, version, nonce = HELLO.unpack(hello)
+            if magic != HELLO_MAGIC or version != HELLO_VERSION:
+                raise errors.ProtocolError(f"not a kvpool TCP pull hello ({bytes(hello[:6])!r})")
+            proof = self._prove(nonce) if self._prove is not None else bytes(16)
+            conn.sendall(HELLO.pack(HELLO_MAGIC, HELLO_VERSION, proof))
+            requests = _Requests(conn)
+            while True:
+                request = requests.next()
+                if request is None:
+                    return  # the client closed between requests
+                self._answer(conn, request, staging)
+        except (OSError, errors.KVPoolError) as exc:  # BlockingIOError: idle or stuck past a timeout
+            if not self._closing:
+                log.debug("tcp pull connection dropped: %s", _describe(exc))
+            self.errors += isinstance(exc, errors.ProtocolError)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+            for buf in staging:
+                buf.close()
+
+    def _answer(self, conn: socket.socket, request: _Request, staging: list[mmap.mmap]) -> None:
+        def refuse(status: int, text: str) -> None:
+            conn.sendall(_pack_status(request.request_id, status, 0, 0, text))
+
+        try:
+            if self._authorize is not None:
+                self._authorize(request.key, request.token)
+            source = self._provider(request.key, request.layer_range)
+        except errors.AuthenticationError as exc:
+            self.refused += 1
+            return refuse(STATUS_UNAUTHORIZED, str(exc))
+        except Exception as exc:
+            self.errors += 1
+            return refuse(STATUS_BAD_RANGE if isinstance(exc, errors.LayerRangeError) else STATUS_ERROR,
+                          _describe(exc))
+        if source is None:
+            self.misses += 1
+            return refuse(STATUS_MISS, f"key {request.key.hex()} not held here")
+        if not isinstance(source, ServeSource):
+            self.errors += 1
+            return refuse(STATUS_ERROR, f"provider returned {type(source).__name__}")
+        try:
+            if source.nbytes > request.capacity:
+                return refuse(STATUS_OUT_TOO_SMALL,
+                              f"payload is {source.nbytes} bytes, out buffer holds {request.capacity}")
+            header = source.header if request.want_header else b""
+            if request.want_header and not 0 < len(header) <= MAX_HEADER_NBYTES:
+                self.errors += 1
+                return refuse(STATUS_ERROR, f"no header to send ({len(header)} bytes)")
+            status = _pack_status(request.request_id, STATUS_OK, source.nbytes, source.nbytes, "", body=header)
+            if source.read_into is None:
+                send_views(conn, [memoryview(status), *source.buffers])
+            else:
+                conn.sendall(status)
+                self._send_read(conn, source, staging)
+            self.requests_served += 1
+            self.bytes_sent += source.nbytes
+        finally:
+            if source.release is not None:
+                try:
+                    source.release()
+                except Exception:
+                    log.exception("releasing a served object failed")
+
+    def _send_read(self, conn: socket.socket, source: ServeSource, staging: list[mmap.mmap]) -> None:
+        """Send a payload read while it is sent; a failed or short read cuts the connection."""
+        assert source.read_into is not None
+        if not staging:
+            staging.append(mmap.mmap(-1, self.staging_nbytes))  # page-aligned, as direct I/O wants
+        view = memoryview(staging[0])
+        step = self.staging_nbytes
+        try:
+            for offset in range(0, source.nbytes, step):
+                piece = view[:min(step, source.nbytes - offset)]
+                try:
+                    got = source.read_into(offset, piece)
+                except Exception as exc:
+                    self.errors += 1
+                    raise errors.TransferError(f"read at {offset} failed: {_describe(exc)}") from None
+                if got is not None and got != len(piece):
+                    self.errors += 1
+                    raise errors.TransferError(f"short read at {offset}: {got} of {len(piece)} bytes")
+                conn.sendall(piece)
+        finally:
+            view.release()
+
+
+class _Requests:
+    """The requests arriving on one connection, read into one buffer: one ``recv`` brings
+    every request a client pipelined at once, and each is parsed from there."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buf = bytearray(_REQUESTS_NBYTES)
+        self.view = memoryview(self.buf)
+        self.start = 0  # the next request begins here
+        self.end = 0  # bytes received up to here
+
+    def next(self) -> _Request | None:
+        """The next request; None if the client closed the connection between requests."""
+        if not self._have(_REQUEST.size, at_boundary=True):
+            return None
+        fields = _REQUEST.unpack_from(self.buf, self.start)
+        key_len, addr_len, token_len = fields[3], fields[4], fields[13]
+        if key_len > _MAX_KEY_BYTES or token_len > _MAX_TOKEN_BYTES or addr_len > _MAX_ADDRESS_BYTES:
+            raise errors.ProtocolError("request key, token or address too long")
+        size = _REQUEST.size + key_len + token_len + addr_len
+        self._have(size)
+        request = _parse_request(self.buf[self.start:self.start + size])
+        self.start += size
+        if self.start == self.end:  # all read: the next recv fills the buffer from its start
+            self.start = self.end = 0
+        return request
+
+    def _have(self, nbytes: int, at_boundary: bool = False) -> bool:
+        """At least ``nbytes`` unread bytes in the buffer (moved to its front when the rest of
+        a request would not fit behind them)."""
+        while self.end - self.start < nbytes:
+            if self.start and self.start + nbytes > len(self.buf):
+                pending = self.end - self.start
+                self.buf[:pending] = self.buf[self.start:self.end]
+                self.start, self.end = 0, pending
+            got = self.conn.recv_into(self.view[self.end:])
+            if got == 0:
+                if at_boundary and self.end == self.start:
+                    return False
+                raise errors.ProtocolError("connection closed mid-request")
+            self.end += got
+        return True
