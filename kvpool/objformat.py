@@ -389,9 +389,12 @@ class ObjectHeader:
             raise errors.TruncatedObjectError(
                 f"{len(mv)} bytes for {layer_range.count} layers of {step} bytes"
             )
-        for i, layer in enumerate(range(layer_range.start, layer_range.stop)):
-            if xxhash.xxh3_64_intdigest(mv[i * step:(i + 1) * step]) != self.layer_checksums[layer]:
-                raise errors.ChecksumError(f"layer {layer} checksum mismatch")
+        digest = xxhash.xxh3_64_intdigest
+        expected = self.layer_checksums[layer_range.start:layer_range.stop]
+        got = tuple([digest(mv[offset:offset + step]) for offset in range(0, layer_range.count * step, step)])
+        if got != expected:
+            bad = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+            raise errors.ChecksumError(f"layer {layer_range.start + bad} checksum mismatch")
 
 
 def stored_header_checksum(blob: Any) -> int:

@@ -16,6 +16,7 @@ import kvpool
 from kvpool.cluster.control import control_call
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.reader import Speculation
 from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
@@ -219,20 +220,24 @@ def test_a_get_pulls_from_the_last_holder_and_uses_its_verified_answer_without_t
         b.put(key_of(11), content(21))
         np.testing.assert_array_equal(reader.get(key_of(11)), content(21))
 
-        # The holder's answer must be the asked key's, whole: pulled for key 10 but asked as key
-        # 11 (the header names key 10), or a flipped bit in a layer: wasted, never returned.
+        # The holder's answer must be the asked key's, whole. Key 10's answer taken as an answer
+        # for key 11 (its header names key 10), or with a flipped bit in a layer: wasted.
+        guess = guesser.speculate(key_of(10), None, None, out_view)
+        assert guess is not None
+        guesser.run(guess, reader.cluster.node.cluster_key.mint_token(key_of(10), b.node_id),  # type: ignore[attr-defined]
+                    proven=True)
+        assert guess.pulled and guess.proven
+        np.testing.assert_array_equal(guess.arr, content(10))
         for damage in ("another key", "a flipped bit"):
-            guess = guesser.speculate(key_of(10), None, None, out_view)
-            assert guess is not None
-            guesser.run(guess, reader.cluster.node.cluster_key.mint_token(key_of(10), b.node_id))  # type: ignore[attr-defined]
-            assert guess.pulled
-            np.testing.assert_array_equal(guess.arr, content(10))
-            if damage == "another key":
-                guess.key = key_of(11)
-            else:
-                guess.arr.view(np.uint8).flat[LAYER_NBYTES + 5] ^= 1
-            assert guesser.accept(guess) is None, damage
+            answer = Speculation(key_of(11) if damage == "another key" else key_of(10), guess.replica,
+                                 guess.layer_range, guess.arr.copy(), memoryview(bytearray(guess.buf)))
+            answer.raw_header[:] = guess.raw_header
+            answer.pulled = answer.proven = True
+            if damage == "a flipped bit":
+                answer.buf[LAYER_NBYTES + 5] ^= 1
+            assert guesser.accept(answer) is None, damage
         assert counter("speculative_wasted") == 3
+        np.testing.assert_array_equal(guesser.accept(guess), content(10))  # as it came: used
 
         # Deleted through the reader itself while b still holds it: never guessed, a miss.
         assert key_of(12) in b.local.manager  # type: ignore[attr-defined]

@@ -51,6 +51,20 @@ def test_pull_lands_exact_bytes_and_header(holder: ServerProcess, client: TcpPul
     assert np.array_equal(split, expected(b"split:x", 0, LAYERS))
 
 
+def test_progress_is_told_the_bytes_received_after_the_header_landed(holder: ServerProcess,
+                                                                    client: TcpPullClient) -> None:
+    """``PullRequest.progress`` (what lets a reader verify layers while later ones arrive)."""
+    out = np.zeros(LAYERS * LAYER_NBYTES, np.uint8)
+    header = bytearray(len(header_of(b"k5")))
+    seen: list[tuple[int, bytes]] = []
+    (got,) = client.pull_many([PullRequest(holder.peer, b"k5", (0, LAYERS), out, header_out=header,
+                                           progress=lambda n: seen.append((n, bytes(header))))])
+    assert got == out.nbytes and np.array_equal(out, expected(b"k5", 0, LAYERS))
+    assert seen and seen[-1][0] == out.nbytes
+    assert [n for n, _ in seen] == sorted(n for n, _ in seen)
+    assert all(h == header_of(b"k5") for _, h in seen)  # the header was there from the first call
+
+
 def test_failures_are_typed_and_keep_the_connection(holder: ServerProcess, client: TcpPullClient) -> None:
     def request(key: bytes, layers: tuple[int, int] = (0, 1), nbytes: int = LAYER_NBYTES) -> PullRequest:
         return PullRequest(holder.peer, key, layers, bytearray(nbytes))

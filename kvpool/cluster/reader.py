@@ -163,7 +163,8 @@ class Speculation:
     until then they are unverified, and they are thrown away (the read then goes on as if no
     guess had been made) when the master disagrees."""
 
-    __slots__ = ("arr", "buf", "failure", "key", "layer_range", "proven", "pulled", "raw_header", "replica")
+    __slots__ = ("arr", "buf", "check", "failure", "key", "layer_range", "proven", "pulled", "raw_header",
+                 "replica")
 
     def __init__(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, arr: np.ndarray,
                  buf: memoryview) -> None:
@@ -171,9 +172,62 @@ class Speculation:
         self.raw_header = bytearray(replica["_spec"].header_nbytes)  # type: ignore[typeddict-item]
         self.pulled = False
         self.proven = False  # pulled from a holder that proved it holds the cluster key
+        #: the holder's answer checked as it arrives, as :meth:`ReplicaReader.accept` takes it
+        self.check = ArrivalCheck(self._own_header, self.raw_header, layer_range, buf)
         #: why the guessed holder failed as a holder (dead, frozen, timed out), if it did: the
         #: located read then skips it rather than wait on it a second time
         self.failure: str | None = None
+
+    def _own_header(self, raw_header: bytearray) -> ObjectHeader:
+        """The holder's header, if whole, naming this key, with the guessed spec."""
+        spec: ObjectSpec = self.replica["_spec"]  # type: ignore[typeddict-item]
+        header = ObjectHeader.unpack(raw_header, spec)
+        header.check_identity(self.key)
+        if header.spec != spec:
+            raise errors.WrongObjectError(f"the holder's object is {header.spec}, guessed {spec}")
+        return header
+
+
+class ArrivalCheck:
+    """Checks a pull's bytes as they arrive: the TCP client calls it (``PullRequest.progress``)
+    with the payload bytes received so far, between its reads, so hashing layer *i* overlaps
+    receiving layer *i+1*. ``check_header`` turns the header the holder sent into the header to
+    verify against, or raises; :meth:`finish` checks what is left (everything, after a pull
+    that made no progress calls) and returns that header, or raises the first failure."""
+
+    __slots__ = ("buf", "check_header", "checked", "error", "header", "layer_range", "raw_header")
+
+    def __init__(self, check_header: Callable[[bytearray], ObjectHeader], raw_header: bytearray,
+                 layer_range: LayerRange, buf: memoryview) -> None:
+        self.check_header, self.raw_header, self.layer_range, self.buf = check_header, raw_header, layer_range, buf
+        self.header: ObjectHeader | None = None
+        self.error: errors.KVPoolError | None = None
+        self.checked = 0  # layers verified
+
+    def __call__(self, received: int) -> None:
+        if self.error is None:
+            try:
+                self._check(received)
+            except errors.KVPoolError as exc:  # raised by finish(); the pull reads on meanwhile
+                self.error = exc
+
+    def finish(self) -> ObjectHeader:
+        if self.error is not None:
+            raise self.error
+        self._check(len(self.buf))
+        assert self.header is not None
+        return self.header
+
+    def _check(self, received: int) -> None:
+        if self.header is None:
+            self.header = self.check_header(self.raw_header)
+        step = self.header.spec.layer_nbytes
+        ready = min(received // step, self.layer_range.count)
+        if ready > self.checked:
+            start = self.layer_range.start
+            self.header.verify(LayerRange(start + self.checked, start + ready),
+                               self.buf[self.checked * step:ready * step])
+            self.checked = ready
 
 
 _SPECULATION_MAX_SCORE = 8
@@ -501,7 +555,7 @@ class ReplicaReader:
         keys without a usable replica take the one-key path."""
         results: list[np.ndarray | None] = [None] * len(keys)
         alone: list[tuple[int, dict[str, str] | None]] = []  # read one by one, skipping these nodes
-        batch: list[tuple[int, LocatedReplica, LayerRange, np.ndarray, memoryview, bytearray]] = []
+        batch: list[tuple[int, LocatedReplica, np.ndarray, ArrivalCheck]] = []
         for i, (located, out) in enumerate(zip(replicas, outs)):
             first = self._first_to_pull(located)
             if first is None:
@@ -510,24 +564,24 @@ class ReplicaReader:
             spec: ObjectSpec = first["_spec"]  # type: ignore[typeddict-item]
             layer_range = LayerRange.resolve(layers, spec.layers)
             arr, buf = out_view(spec, layer_range, out)
-            batch.append((i, first, layer_range, arr, buf, bytearray(spec.header_nbytes)))
+            batch.append((i, first, arr, self._located_check(keys[i], first, layer_range, buf)))
         if batch:
             pulled = self._pull_many([
-                PullRequest(replica["_node"].peer, keys[i], layer_range, buf,  # type: ignore[typeddict-item]
-                            token=replica.get("token", b""), header_out=raw,
-                            alive=lambda replica=replica: self.holder_alive(replica))
-                for i, replica, layer_range, _, buf, raw in batch])
-            for (i, replica, layer_range, arr, buf, raw), outcome in zip(batch, pulled):
+                PullRequest(replica["_node"].peer, keys[i], check.layer_range, check.buf,  # type: ignore[typeddict-item]
+                            token=replica.get("token", b""), header_out=check.raw_header,
+                            alive=lambda replica=replica: self.holder_alive(replica), progress=check)
+                for i, replica, _, check in batch])
+            for (i, replica, arr, check), outcome in zip(batch, pulled):
                 try:
                     if isinstance(outcome, BaseException):
                         raise outcome
-                    self._verified(keys[i], replica, raw, layer_range, buf)
+                    check.finish()
                 except (errors.LayerRangeError, errors.OutBufferError):
                     raise
                 except Exception as exc:  # this replica failed: the others, one by one
                     alone.append((i, {replica["node_id"]: self._reason_of(keys[i], replica, exc)}))
                     continue
-                self._hit(len(buf))
+                self._hit(len(check.buf))
                 self._pulled_from(replica)
                 if not count_misses:
                     self.counters["location_cache_hits"] += 1
@@ -602,18 +656,20 @@ class ReplicaReader:
                 return header
             except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
                 log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
-        raw_header = bytearray(spec.header_nbytes)
-        self._pull(key, replica, layer_range, buf, raw_header, replica.get("token", b""))
-        header = self._verified(key, replica, raw_header, layer_range, buf, same_as)
+        check = self._located_check(key, replica, layer_range, buf, same_as)
+        self._pull(key, replica, layer_range, buf, check.raw_header, replica.get("token", b""), check)
+        header = check.finish()
         self._pulled_from(replica)
         return header
 
     def _pull(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
-              raw_header: bytearray, token: bytes) -> None:
+              raw_header: bytearray, token: bytes, check: ArrivalCheck | None = None) -> None:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
-        (unverified), abandoned as soon as the holder is known gone."""
+        (unverified, or checked as it arrives by ``check``), abandoned as soon as the holder is
+        known gone."""
         (outcome,) = self._pull_many([PullRequest(replica["_node"].peer, key, layer_range, buf,  # type: ignore[typeddict-item]
-                                                  token, raw_header, lambda: self.holder_alive(replica))])
+                                                  token, raw_header, lambda: self.holder_alive(replica),
+                                                  progress=check)])
         if isinstance(outcome, BaseException):
             raise outcome
 
@@ -651,15 +707,27 @@ class ReplicaReader:
         return results  # type: ignore[return-value]
 
     @staticmethod
-    def _verified(key: bytes, replica: LocatedReplica, raw_header: bytearray, layer_range: LayerRange,
-                  buf: memoryview, same_as: ObjectHeader | None = None) -> ObjectHeader:
-        """The header a holder sent with ``buf``, checked against what the master indexed for
-        ``replica``, and every layer in ``buf`` checked against it (see :meth:`read_into`)."""
-        header = ObjectHeader.unpack_expected(raw_header, key, replica["header_sum"],
-                                              replica["_spec"])  # type: ignore[typeddict-item]
-        _check_same(header, same_as, layer_range)
-        header.verify(layer_range, buf)
-        return header
+    def _located_check(key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
+                       same_as: ObjectHeader | None = None) -> ArrivalCheck:
+        """The check of a pull from ``replica``: the header the holder sends must be the one the
+        master indexed for it (and agree with ``same_as``), and every layer in ``buf`` must match
+        that header (see :meth:`read_into`)."""
+        spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
+
+        def indexed(raw_header: bytearray) -> ObjectHeader:
+            header = ObjectHeader.unpack_expected(raw_header, key, replica["header_sum"], spec)
+            _check_same(header, same_as, layer_range)
+            return header
+
+        return ArrivalCheck(indexed, bytearray(spec.header_nbytes), layer_range, buf)
+
+    def _verified(self, key: bytes, replica: LocatedReplica, raw_header: bytearray, layer_range: LayerRange,
+                  buf: memoryview) -> ObjectHeader:
+        """The header a holder sent with ``buf`` and the bytes in ``buf``, checked as
+        :meth:`_located_check` says, after the pull."""
+        check = self._located_check(key, replica, layer_range, buf)
+        check.raw_header = raw_header
+        return check.finish()
 
     def _pulled_from(self, replica: LocatedReplica) -> None:
         """Count a verified pull; its holder is the next speculative guess."""
@@ -718,7 +786,8 @@ class ReplicaReader:
                 assert self.tcp_puller is not None
                 (outcome,) = self.tcp_puller.pull_many([PullRequest(
                     replica["_node"].peer, guess.key, guess.layer_range, guess.buf, token,  # type: ignore[typeddict-item]
-                    guess.raw_header, lambda: self.holder_alive(replica))], timeout_s=self.pull_timeout_s)
+                    guess.raw_header, lambda: self.holder_alive(replica), progress=guess.check)],
+                    timeout_s=self.pull_timeout_s)
                 if isinstance(outcome, BaseException):
                     raise outcome
                 guess.proven = True
@@ -746,13 +815,8 @@ class ReplicaReader:
         or a same-host arena does. The bytes are the key's, whole, in every case.
         """
         if guess.pulled and guess.proven:
-            spec: ObjectSpec = guess.replica["_spec"]  # type: ignore[typeddict-item]
             try:
-                header = ObjectHeader.unpack(guess.raw_header, spec)
-                header.check_identity(guess.key)
-                if header.spec != spec:
-                    raise errors.WrongObjectError(f"the holder's object is {header.spec}, guessed {spec}")
-                header.verify(guess.layer_range, guess.buf)
+                guess.check.finish()
             except errors.KVPoolError as exc:  # another object or damaged: read as located
                 log.info("speculative pull of %s from %s not used: %s", guess.key.hex(),
                          guess.replica.get("node_id"), exc)

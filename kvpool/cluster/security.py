@@ -250,7 +250,7 @@ class ClusterKey:
 
     def _token_mac(self, key: bytes, node_id: str, expiry_ms: int) -> bytes:
         message = _EXPIRY.pack(expiry_ms) + len(key).to_bytes(2, "little") + bytes(key) + node_id.encode()
-        return hmac.new(self._token_key, message, hashlib.sha256).digest()[:16]
+        return hmac.digest(self._token_key, message, "sha256")[:16]
 
 
 _CACHE: dict[tuple[str, float], ClusterKey] = {}

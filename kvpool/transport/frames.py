@@ -42,6 +42,7 @@ _FLAG_WANT_HEADER = 0x4  # the OK status carries the served object's packed head
 _MAX_KEY_BYTES = 1024
 _MAX_ADDRESS_BYTES = 8192
 _MAX_TOKEN_BYTES = 64
+_EMPTY_ADDRESS_SUM = xxhash.xxh3_64_intdigest(b"")
 _REQUEST_BUFFER_NBYTES = _REQUEST.size + _MAX_KEY_BYTES + _MAX_TOKEN_BYTES + _MAX_ADDRESS_BYTES
 
 # magic, version, status, message length, request id, payload bytes, chunk bytes
@@ -198,7 +199,7 @@ def _pack_request(
         | (_FLAG_WANT_HEADER if pull.header_out is not None else 0),
         len(pull.key), len(reply_address), client_id, conn_id, pull.request_id,
         pull.layer_range.start, pull.layer_range.stop, pull.out.nbytes, max_chunk,
-        xxhash.xxh3_64_intdigest(reply_address), len(token),
+        xxhash.xxh3_64_intdigest(reply_address) if reply_address else _EMPTY_ADDRESS_SUM, len(token),
     )
     key_end = _REQUEST.size + len(pull.key)
     frame[_REQUEST.size:key_end] = pull.key

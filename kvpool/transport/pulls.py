@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool import errors
 from kvpool.objformat import LayerRange
@@ -69,10 +69,12 @@ class PullRequest:
     token: bytes = b""
     header_out: bytearray | None = None
     alive: Any = None  # Callable[[], bool] | None: asked while the pull waits, as in pull_into
+    #: Callable[[int], None] | None: told the payload bytes in ``out`` so far, after
+    #: ``header_out`` is filled and between reads (TCP pulls; over UCX it is never called)
+    progress: Any = None
 
 
-@dataclass(frozen=True)
-class CheckedPull:
+class CheckedPull(NamedTuple):
     """A pull's arguments, checked (:func:`checked_pull`)."""
 
     address: PeerAddress

@@ -193,14 +193,21 @@ class TcpPullClient:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
         if status in OK_STATUSES and body_len == header.nbytes and (body_len or pull.header_out is None) \
                 and nbytes <= pull.out.nbytes:
-            end = _STATUS.size + body_len + nbytes
+            head = _STATUS.size + body_len
+            end = head + nbytes
             if got > end:  # the start of the next reply, received into the out buffer's tail
-                conn.unread(pull.out[nbytes:got - _STATUS.size - body_len])
+                conn.unread(pull.out[nbytes:got - head])
             views[2] = pull.out[:nbytes]
-            while got < end:
+            while got < head:
                 got += conn.receive_some(pull, _skip(views, got), True)
             if pull.header_out is not None:
                 pull.header_out[:] = header
+            while True:
+                if pull.progress is not None:
+                    pull.progress(min(got, end) - head)
+                if got >= end:
+                    break
+                got += conn.receive_some(pull, _skip(views, got), True)
         else:
             received = got - _STATUS.size
             conn.unread(bytes(header[:received]) + bytes(pull.out[:max(0, received - header.nbytes)]))
@@ -278,12 +285,17 @@ class _TcpPull:
         self.header_out = request.header_out
         self.header_room = args.header_room
         self.alive = request.alive
+        self.progress = request.progress
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.request_id = 1
-        self.label = (f"{self.address.host}:{self.address.tcp_port}: pull of {self.key.hex()} layers "
-                      f"[{self.layer_range.start}, {self.layer_range.stop})")
-        self.frame = bytes(_pack_request(0, 0, self, max(1, self.out.nbytes), b""))
+        self.frame = _pack_request(0, 0, self, max(1, self.out.nbytes), b"")
+
+    @property
+    def label(self) -> str:
+        """For messages (built only when one is)."""
+        return (f"{self.address.host}:{self.address.tcp_port}: pull of {self.key.hex()} layers "
+                f"[{self.layer_range.start}, {self.layer_range.stop})")
 
 
 class _Conn:
@@ -309,7 +321,7 @@ class _Conn:
         if len(data):
             self.pending[:0] = data
 
-    def send(self, pull: _TcpPull, frame: bytes) -> None:
+    def send(self, pull: _TcpPull, frame: bytes | bytearray) -> None:
         view = memoryview(frame)
         while view.nbytes:
             try:
