@@ -157,11 +157,12 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
 
 
 class Speculation:
-    """A pull started from a guessed holder while the master's ``locate`` is on its way
-    (:meth:`ReplicaReader.speculate`). Its bytes count only once :meth:`ReplicaReader.confirm`
-    finds the guessed node among the located replicas with the same spec and header checksum:
-    until then they are unverified, and they are thrown away (the read then goes on as if no
-    guess had been made) when the master disagrees."""
+    """A pull from a guessed holder, before the master said where the key is
+    (:meth:`ReplicaReader.speculate`). Its bytes count only once :meth:`ReplicaReader.accept`
+    (a holder that proved itself sent them, whole and naming the key) or
+    :meth:`ReplicaReader.confirm` (the master's ``locate`` names the guessed node with the
+    same spec and header checksum) took them: until then they are unverified, and when
+    neither does they are thrown away (the read then goes on as if no guess had been made)."""
 
     __slots__ = ("arr", "buf", "check", "failure", "key", "layer_range", "proven", "pulled", "raw_header",
                  "replica")

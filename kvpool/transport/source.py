@@ -24,12 +24,16 @@ class ProviderWouldBlock(Exception):
     (e.g. for a lock): the server calls it again on a worker thread."""
 
 
-_INLINE = threading.local()
+class _Inline(threading.local):
+    active = False  # each thread's default: not inline (no AttributeError raised and caught per call)
+
+
+_INLINE = _Inline()
 
 
 def in_inline_provider() -> bool:
     """Whether the calling provider runs inline on a progress thread (must not block)."""
-    return bool(getattr(_INLINE, "active", False))
+    return _INLINE.active
 
 
 @dataclass
