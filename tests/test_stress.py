@@ -142,3 +142,34 @@ def test_owner_churn_vs_readers(tmp_path: Path, spawn_python: Callable[..., Chil
     assert sum(r["remote"].get("hits_same_host", 0) for r in readers) > 0, "no read through the same-host index"
     owner = next(r for r in results if r["name"] == "stress-owner")
     assert owner["puts"] > 100 and owner["deletes"] > 10, "the owner did not churn"
+
+
+def test_owner_churn_vs_readers_pulling_over_tcp(tmp_path: Path, spawn_python: Callable[..., ChildProcess]) -> None:
+    """The same churn with the owner's objects in dram and nvme (no cxl arena, so no same-host
+    index): every reader get is a pull over TCP, most of them a speculative pull from the owner
+    used as the owner answered, without the master (node.confirm_speculative = false), while
+    the owner overwrites, deletes and demotes those keys to nvme."""
+    keys, shapes, readers = 8, 1, 3
+    address = start_master(tmp_path, spawn_python)
+    go = tmp_path / "go"
+
+    def command(role: str, name: str, **options: Any) -> list[str]:
+        base = worker_command(sys.executable, address, name, tmp_path / name, seconds=SECONDS, keys=keys,
+                              shapes=shapes, versions=8, heartbeat_ms=HEARTBEAT_MS, go_file=str(go), **options)
+        return [base[0], "-m", "tests.stress_actor", role, *base[4:]]
+
+    commands = [("owner", command("owner", "stress-owner", seed=9, dram="384KiB", cxl="0", nvme="1MiB"))]
+    commands += [(f"reader{n}", command("reader", f"stress-reader{n}", seed=300 + n, dram="1MiB", cxl="0",
+                                        nvme="0", mix="get=4,get_many=1"))
+                 for n in range(readers)]
+    children = start_all(spawn_python, tmp_path, commands)
+    go.touch()
+    results = collect(children, SECONDS + 60)
+    total = report(results)
+    assert_exact(results, total)
+    readers = [r for r in results if r["name"].startswith("stress-reader")]
+    assert sum(r["hits"] for r in readers) > 0, "the readers never got a value"
+    assert sum(r["remote"].get("speculative_unconfirmed", 0) for r in readers) > 0, \
+        "no get used a speculative pull without the master"
+    owner = next(r for r in results if r["name"] == "stress-owner")
+    assert owner["puts"] > 100 and owner["deletes"] > 10, "the owner did not churn"
