@@ -208,6 +208,9 @@ class MasterSection:
         65536, "most keys/items/records in one request; more is RequestTooLargeError "
         "(MasterClient splits larger batches into several requests)")
     max_address_bytes: int = _size("64KiB", "longest node address a node may register with (RequestTooLargeError)")
+    tcp_queries: bool = _opt(True, "also answer exists / lookup / ping on a plain TCP port (ephemeral, on the "
+                                   "listen address, found through ping; both ends prove the cluster key, the "
+                                   "answers are not encrypted): a one-key exists without ZeroMQ's I/O threads")
     etcd: str = _opt("", "etcd client URLs (http://HOST:PORT, comma-separated) for a highly available master: "
                          "masters elect a leader there, clients and nodes find it there; empty: one master "
                          "at master.listen")

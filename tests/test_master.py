@@ -863,3 +863,68 @@ def test_holders_behave_like_a_dict_of_replicas_by_node() -> None:
     assert held.pop("a") is newer and not held and len(held) == 0
     with pytest.raises(KeyError):
         held["a"]
+
+
+# -- the query port (kvpool.cluster.query) -------------------------------------------------------
+
+
+def test_questions_are_answered_on_the_query_port_as_over_zeromq(make_node, client):
+    node = make_node()
+    keys = new_keys(3)
+    node.publish(keys[:2])
+    port = client.ping()["query_port"]
+    assert port > 0
+    before = client.query_calls
+    assert client.exists_many(keys) == [True, True, False]
+    assert client.exists(keys[0]) and not client.exists(keys[2])
+    assert client.lookup(keys) == 2
+    assert client.query_calls == before + 4  # all four answered on the query port
+    assert client.call(P.EXISTS, {"keys": keys}).exists == [True, True, False]  # as over ZeroMQ
+
+
+def test_the_query_port_answers_only_questions_and_only_to_holders_of_the_key(make_node, client):
+    from kvpool.cluster.query import QueryClient, query_host
+
+    node = make_node()
+    [key] = new_keys(1)
+    node.publish([key])
+    host, port = query_host(client.address), client.ping()["query_port"]
+    with pytest.raises(errors.AuthenticationError):  # another key: the port cannot prove ours
+        QueryClient(host, port, ClusterKey(os.urandom(32)), 2.0)
+
+    # Our key, a request that is not a question: refused, nothing done.
+    asker = QueryClient(host, port, client.cluster_key, 2.0)
+    try:
+        _, ok, reply = P.unpack_reply(asker.call(P.pack_request(1, P.DELETE, {"keys": [key]})))
+        assert not ok and reply["type"] == "ProtocolError" and "query port" in reply["message"]
+        _, ok, reply = P.unpack_reply(asker.call(P.pack_request(2, P.EXISTS, {"keys": [key]})), P.EXISTS)
+        assert ok and reply.exists == [True]
+    finally:
+        asker.close()
+    assert client.exists(key)
+
+    # A client that cannot prove the key: the connection ends before any question is read.
+    with socket.create_connection((host, port), timeout=2.0) as sock:
+        sock.sendall(b"KVMQ" + (1).to_bytes(2, "little") + os.urandom(16))
+        answer = b""
+        while len(answer) < 38:
+            chunk = sock.recv(64)
+            assert chunk, "the server sends its proof and nonce first"
+            answer += chunk
+        sock.sendall(os.urandom(16))  # not the proof for its nonce
+        frame = P.pack_request(3, P.EXISTS, {"keys": [key]})
+        try:
+            sock.sendall(len(frame).to_bytes(4, "little") + frame)
+            assert sock.recv(64) == b""
+        except ConnectionResetError:
+            pass
+
+
+def test_a_master_without_a_query_port_is_asked_over_zeromq(tmp_path):
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    with python_process(master_args(address, {**SETTINGS, "master.tcp_queries": "false"}),
+                        ready=answers_ping(address), log_path=tmp_path / "master.log"):
+        with MasterClient(address, request_timeout_s=2.0) as c:
+            assert c.ping()["query_port"] == 0
+            assert c.exists_many([b"a", b"b"]) == [False, False] and c.lookup([b"a"]) == 0
+            assert c.query_calls == 0

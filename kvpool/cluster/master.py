@@ -21,6 +21,7 @@ from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.etcd import Election, EtcdClient, check_address_for_etcd
 from kvpool.cluster.ops import MasterState
+from kvpool.cluster.query import QueryServer, query_host
 from kvpool.cluster.records import loggable
 from kvpool.cluster.rereplicate import Rereplicator
 from kvpool.cluster.security import ClusterKey, stop_authenticator
@@ -33,6 +34,7 @@ class MasterServer:
     """The ROUTER socket and the single thread that serves :class:`MasterState`."""
 
     election: Election | None = None  # with master.etcd: this master serves only while it leads
+    queries: QueryServer | None = None  # the query port (master.tcp_queries)
 
     def __init__(self, config: MasterSection, *, max_key_bytes: int = 256,
                  cluster_key: ClusterKey | None = None) -> None:
@@ -69,10 +71,21 @@ class MasterServer:
         # often; between requests the socket poll blocks for at most this long.
         heartbeat_s = config.heartbeat_ms / 1000
         self.tick_s = max(0.01, min(0.25, heartbeat_s / 2))
+        # One request at a time: the ZeroMQ loop holds this for each of its turns, the query
+        # port's threads for each of their questions.
+        self._turn = threading.Lock()
+        if config.tcp_queries:
+            try:
+                self.queries = QueryServer(self._answer_query, query_host(self.endpoint), self.cluster_key)
+            except OSError as exc:  # ZeroMQ alone still serves everything
+                log.warning("no query port on %s: %s", query_host(self.endpoint), exc)
+            else:
+                self.state.query_port = self.queries.port
 
     def _fresh_state(self) -> tuple[MasterState, Rereplicator]:
         state = MasterState(self.config, max_key_bytes=self.max_key_bytes)
         state.cluster_key = self.cluster_key
+        state.query_port = self.queries.port if self.queries is not None else 0
         return state, Rereplicator(state, self._context, self.config, self.cluster_key)
 
     def leading(self) -> bool:
@@ -101,21 +114,27 @@ class MasterServer:
             try:
                 frames = sock.recv_multipart()
             except zmq.Again:
-                pass
-            else:
-                try:
-                    sock.send_multipart(self.serve_frames(frames), zmq.NOBLOCK)
-                except zmq.Again:  # that peer's queue is full: it will time out and retry
-                    pass
-            now = time.monotonic()
-            state = self.state
-            # A turn longer than the receive timeout (a large request, a slow sweep, a GC
-            # pause) is time the nodes' heartbeats spent queued: not held against them.
-            state.note_turn(now, tick_s)
-            if now >= next_sweep and self.leading():
-                state.sweep(now)
-                self.rereplicator.round(now)
-                next_sweep = now + tick_s
+                frames = None
+            with self._turn:
+                if frames is not None:
+                    try:
+                        sock.send_multipart(self.serve_frames(frames), zmq.NOBLOCK)
+                    except zmq.Again:  # that peer's queue is full: it will time out and retry
+                        pass
+                now = time.monotonic()
+                state = self.state
+                # A turn longer than the receive timeout (a large request, a slow sweep, a GC
+                # pause) is time the nodes' heartbeats spent queued: not held against them.
+                state.note_turn(now, tick_s)
+                if now >= next_sweep and self.leading():
+                    state.sweep(now)
+                    self.rereplicator.round(now)
+                    next_sweep = now + tick_s
+
+    def _answer_query(self, frame: bytes) -> bytes:
+        """One request frame from the query port (already known to be a question), answered."""
+        with self._turn:
+            return self.serve_frames([b"query", frame])[1]
 
     def serve_frames(self, frames: list[bytes]) -> list[bytes]:
         """One routed request in, one routed reply out (errors become typed replies)."""
@@ -153,6 +172,8 @@ class MasterServer:
         return [*envelope, reply]
 
     def close(self) -> None:
+        if self.queries is not None:
+            self.queries.close()
         if self.election is not None:
             self.election.stop()  # the lease is revoked: a standby takes over at once
         self.rereplicator.close()

@@ -46,7 +46,7 @@ class MasterState(IndexState):
         return self.handlers[op](P.decode_body(op, body))
 
     def op_ping(self, body: S.Ping) -> Any:
-        return {"version": P.PROTOCOL_VERSION, "uptime_s": self.clock() - self.started}
+        return {"version": P.PROTOCOL_VERSION, "uptime_s": self.clock() - self.started, "query_port": self.query_port}
 
     def op_register(self, body: S.Register) -> Any:
         node_id, host_id, role, persistent = body.node_id, body.host_id, body.role, body.persistent_tiers

@@ -222,6 +222,7 @@ class ListKeys(Body):
 class PingReply(Body):
     version: int
     uptime_s: float
+    query_port: int = 0  # the master's query port (kvpool.cluster.query); 0: none
 
 
 class RegisterReply(Body):

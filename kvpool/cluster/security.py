@@ -24,6 +24,8 @@ trusted; any other local user or network peer is not. The key never travels.
 * **Holders** (TCP pulls): a reader opens each connection with a fresh nonce and
   the holder answers ``HMAC-SHA256(holder key, nonce)[:16]`` before any reply, so
   whatever listens on a dead holder's port cannot hand out bytes.
+* **Master queries** (:mod:`.query`): both ends of a query connection answer the
+  other's nonce with ``HMAC-SHA256(query key, side ‖ nonce)[:16]`` before any request.
 
 With ``security.auth = false`` (documented as unsafe) nothing is derived and
 every check passes.
@@ -148,6 +150,7 @@ class ClusterKey:
         self.source = source
         self._token_key = self._derive(b"pull-token") if secret else b""
         self._holder_key = self._derive(b"tcp-holder") if secret else b""
+        self._query_key = self._derive(b"master-query") if secret else b""
 
     @classmethod
     def from_config(cls, config: Config) -> ClusterKey:
@@ -242,6 +245,18 @@ class ClusterKey:
         """Whether ``proof`` answers ``nonce`` as only a holder of this key can (always true
         without a key)."""
         return not self.enabled or hmac.compare_digest(bytes(proof), self.holder_proof(nonce))
+
+    # -- the master's query port ------------------------------------------------------
+
+    def query_proof(self, side: bytes, nonce: bytes) -> bytes:
+        """One end's answer to the other's nonce on a master query connection (``side``:
+        ``b"server"`` or ``b"client"``, so neither answer can be replayed as the other)."""
+        if not self.enabled:
+            return bytes(HOLDER_PROOF_NBYTES)
+        return hmac.digest(self._query_key, side + bytes(nonce), "sha256")[:HOLDER_PROOF_NBYTES]
+
+    def check_query_proof(self, side: bytes, nonce: bytes, proof: bytes) -> bool:
+        return not self.enabled or hmac.compare_digest(bytes(proof), self.query_proof(side, nonce))
 
     @staticmethod
     def token_expiry_s(token: bytes) -> float:

@@ -144,6 +144,8 @@ class IndexState:
         self.cluster_key: ClusterKey | None = None
         #: with master.etcd: {"etcd", "prefix", "term", "endpoint"} of this leader's term (shown in stats)
         self.ha: dict[str, Any] | None = None
+        #: the master's query port (kvpool.cluster.query), told to clients by ping; 0: none
+        self.query_port = 0
 
     # -- helpers ----------------------------------------------------------------
 

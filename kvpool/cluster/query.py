@@ -1,0 +1,230 @@
+"""The master's query port: ``exists``, ``lookup`` and ``ping`` over a plain TCP connection.
+
+Why
+    Every ZeroMQ message passes through an I/O thread on each side: a bare pyzmq round trip
+    between two pinned processes measured ~142 us here, which is what a one-key ``exists``
+    cost. A blocking socket answered by a thread of the master's own is one wake-up each way.
+
+What it serves
+    Only questions (:data:`QUERY_OPS`): they change nothing on the master, and their answers
+    are booleans and counts about keys, never bytes or pull tokens. Everything else is
+    refused with a ProtocolError reply: writes stay on the CURVE-encrypted ZeroMQ socket.
+    Requests and replies are the master protocol's own frames (:mod:`.protocol`), each
+    behind a u32 length, answered by :meth:`MasterServer.serve_frames` under the lock the
+    ZeroMQ loop holds for each of its requests (one request at a time, as ever).
+
+Security
+    Both ends prove they hold the cluster key before any request: the client sends a nonce,
+    the server answers with an HMAC of it and a nonce of its own, and the client's HMAC of
+    that opens the connection (:meth:`ClusterKey.query_proof`). Past that, frames are neither
+    encrypted nor signed: an on-path observer learns which key hashes are asked about, and
+    one who rewrites packets can change an answer (a wrong ``exists``, never wrong bytes: a
+    get verifies what it reads).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from kvpool import errors
+from kvpool.cluster import protocol as P
+from kvpool.cluster.security import ClusterKey
+from kvpool.transport.tcp.stream import set_timeouts
+
+log = logging.getLogger("kvpool.master.query")
+
+QUERY_OPS = frozenset({P.EXISTS, P.LOOKUP, P.PING})
+_HELLO = struct.Struct("<4sH16s")  # magic, version, nonce
+_MAGIC = b"KVMQ"
+_VERSION = 1
+_PROOF = 16
+_LENGTH = struct.Struct("<I")
+MAX_QUERY_BYTES = 4 << 20  # a query or its answer larger than this ends the connection
+
+
+class QueryServer:
+    """Serves :data:`QUERY_OPS` on ``host`` (an ephemeral port): a thread accepting and one per
+    connection, each blocked in ``recv``. ``serve(frame)`` answers one request frame."""
+
+    def __init__(self, serve: Callable[[bytes], bytes], host: str, cluster_key: ClusterKey, *,
+                 max_connections: int = 256, idle_timeout_s: float = 600.0) -> None:
+        self._serve = serve
+        self._key = cluster_key
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.bind((host, 0))
+            self._listener.listen(64)
+        except OSError:
+            self._listener.close()
+            raise
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._closing = False
+        self.refused = 0
+        self._accepter = threading.Thread(target=self._accept_loop, name="kvpool-master-queries", daemon=True)
+        self._accepter.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            connections = list(self._connections)
+        for sock in [self._listener, *connections]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._listener.close()
+        self._accepter.join(timeout=5.0)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                time.sleep(0.01)
+                continue
+            with self._lock:
+                full = len(self._connections) >= self.max_connections or self._closing
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                conn.close()
+                continue
+            threading.Thread(target=self._connection, args=(conn,), name="kvpool-master-query",
+                             daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_timeouts(conn, self.idle_timeout_s, 30.0)  # BlockingIOError past either: dropped
+            if not self._handshake(conn):
+                self.refused += 1
+                return
+            while True:
+                frame = _read_frame(conn)
+                if frame is None:
+                    return
+                _write_frame(conn, self._answer(frame))
+        except (OSError, errors.KVPoolError) as exc:
+            if not self._closing:
+                log.debug("query connection dropped: %s", exc)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        hello = _recv_exactly(conn, _HELLO.size)
+        if hello is None:
+            return False
+        magic, version, client_nonce = _HELLO.unpack(hello)
+        if magic != _MAGIC or version != _VERSION:
+            return False
+        nonce = os.urandom(16)
+        conn.sendall(_HELLO.pack(_MAGIC, _VERSION, nonce) + self._key.query_proof(b"server", client_nonce))
+        proof = _recv_exactly(conn, _PROOF)
+        return proof is not None and self._key.check_query_proof(b"client", nonce, proof)
+
+    def _answer(self, frame: bytes) -> bytes:
+        try:
+            request = P.unpack_request(frame)
+        except P.MalformedRequest as exc:
+            return P.pack_error(exc.request_id, "ProtocolError", str(exc))
+        if request.op not in QUERY_OPS:
+            return P.pack_error(request.request_id, "ProtocolError",
+                                f"{request.op} is not answered on the query port (only {', '.join(sorted(QUERY_OPS))})")
+        return self._serve(frame)
+
+
+class QueryClient:
+    """One thread's connection to a master's query port (see the module); raises OSError or
+    a kvpool error when the port cannot be used, for the caller to ask over ZeroMQ instead."""
+
+    def __init__(self, host: str, port: int, cluster_key: ClusterKey, timeout_s: float) -> None:
+        self.where = (host, port)
+        self.address = ""  # the master's ZeroMQ address this port belongs to (the caller's to set)
+        self._key = cluster_key
+        self.timeout_s = timeout_s
+        self._sock = socket.create_connection(self.where, timeout=timeout_s)
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_timeouts(self._sock, timeout_s, timeout_s)  # BlockingIOError past it
+            nonce = os.urandom(16)
+            self._sock.sendall(_HELLO.pack(_MAGIC, _VERSION, nonce))
+            answer = _recv_exactly(self._sock, _HELLO.size + _PROOF)
+            if answer is None:
+                raise errors.TransferError("the query port closed the connection")
+            magic, version, server_nonce = _HELLO.unpack_from(answer)
+            if magic != _MAGIC or version != _VERSION:
+                raise errors.ProtocolError("not a kvpool master query port")
+            if not cluster_key.check_query_proof(b"server", nonce, answer[_HELLO.size:]):
+                raise errors.AuthenticationError("the query port could not prove it holds the cluster key")
+            self._sock.sendall(cluster_key.query_proof(b"client", server_nonce))
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def call(self, frame: bytes) -> bytes:
+        """Send one request frame and return the reply frame."""
+        _write_frame(self._sock, frame)
+        reply = _read_frame(self._sock)
+        if reply is None:
+            raise errors.TransferError("the query port closed the connection")
+        return reply
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _write_frame(sock: socket.socket, frame: bytes) -> None:
+    if len(frame) > MAX_QUERY_BYTES:
+        raise errors.RequestTooLargeError(f"{len(frame)}-byte query frame (at most {MAX_QUERY_BYTES})")
+    sock.sendall(_LENGTH.pack(len(frame)) + frame)
+
+
+def _read_frame(sock: socket.socket) -> bytes | None:
+    """The next length-prefixed frame; None if the stream ended cleanly before it."""
+    prefix = _recv_exactly(sock, _LENGTH.size)
+    if prefix is None:
+        return None
+    (length,) = _LENGTH.unpack(prefix)
+    if length > MAX_QUERY_BYTES:
+        raise errors.ProtocolError(f"{length}-byte query frame (at most {MAX_QUERY_BYTES})")
+    body = _recv_exactly(sock, length)
+    if body is None:
+        raise errors.ProtocolError("connection closed mid-frame")
+    return body
+
+
+def _recv_exactly(sock: socket.socket, nbytes: int) -> bytes | None:
+    """``nbytes`` from ``sock``; None if it ended before the first byte."""
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return None
+            raise errors.ProtocolError("connection closed mid-frame")
+        got += n
+    return bytes(buf)
+
+
+def query_host(endpoint: str) -> str:
+    """The host a master bound at ``endpoint`` (``tcp://HOST:PORT``) binds its query port on."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return "0.0.0.0" if host in ("*", "") else host
+
