@@ -550,6 +550,8 @@ def test_master_kill9_and_restart_nodes_reregister(spawn_python):
         spawn_python(master_args(address), ready=answers_ping(address))
         # The node's next beat is answered "reregister"; it sends all 3000 records.
         wait_for(lambda: client.lookup(keys) == 3000, 5, "objects found again after restart")
+        asked = client.query_calls
+        assert client.lookup(keys) == 3000 and client.query_calls == asked + 1  # on the new query port
         # (the counter moves after register returns, possibly after our lookup)
         wait_for(lambda: node.heartbeater.reregistrations >= 2, 2, "second registration counted")
         assert client.stats()["nodes"][node.node_id]["objects"] == 3000

@@ -32,7 +32,7 @@ from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.etcd import LeaderFinder
 from kvpool.cluster.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
-from kvpool.cluster.query import QueryClient, query_host
+from kvpool.cluster.query import MAX_QUERY_BYTES, QueryClient, query_host
 from kvpool.cluster.schema import LocateReply
 from kvpool.cluster.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
 from kvpool.config import Config, MasterSection, check_master_address
@@ -312,14 +312,19 @@ class MasterClient:
             if conn is None:
                 return None
         request_id = next(self._query_ids)
+        frame = P.pack_request(request_id, op, body)
+        if len(frame) > MAX_QUERY_BYTES:  # a batch this large is asked over ZeroMQ
+            return None
         try:
-            reply_id, ok, reply = P.unpack_reply(conn.call(P.pack_request(request_id, op, body)), op)
+            reply_id, ok, reply = P.unpack_reply(conn.call(frame), op)
             if reply_id != request_id:
                 raise errors.ProtocolError(f"query reply {reply_id!r:.40} to request {request_id}")
         except (OSError, errors.KVPoolError) as exc:
             conn.close()
             self._local.query = None
-            self._query_ports[address] = (0, time.monotonic() + _QUERY_RETRY_S)
+            # A connection that broke (the master restarted: a new port) is made again at the
+            # next question, its port asked for afresh.
+            self._query_ports[address] = (0, time.monotonic())
             self._unanswered(op, address, exc)
             log.debug("master query port %s:%d: %s; asking over ZeroMQ", *conn.where, exc)
             return None
