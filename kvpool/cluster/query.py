@@ -46,6 +46,7 @@ _VERSION = 1
 _PROOF = 16
 _LENGTH = struct.Struct("<I")
 MAX_QUERY_BYTES = 4 << 20  # a query or its answer larger than this ends the connection
+_FIRST_READ = 64 << 10  # a frame's first recv asks for this much
 
 
 class QueryServer:
@@ -139,12 +140,12 @@ class QueryServer:
 
     def _answer(self, frame: bytes) -> bytes:
         try:
-            request = P.unpack_request(frame)
+            _, request_id, op, _ = P._envelope(frame, "request")  # the body is decoded once, by serve
         except P.MalformedRequest as exc:
-            return P.pack_error(exc.request_id, "ProtocolError", str(exc))
-        if request.op not in QUERY_OPS:
-            return P.pack_error(request.request_id, "ProtocolError",
-                                f"{request.op} is not answered on the query port (only {', '.join(sorted(QUERY_OPS))})")
+            return P.pack_error(None, "ProtocolError", str(exc))
+        if not isinstance(op, str) or op not in QUERY_OPS:
+            return P.pack_error(request_id if isinstance(request_id, int) else None, "ProtocolError",
+                                f"{op!r:.80} is not answered on the query port (only {', '.join(sorted(QUERY_OPS))})")
         return self._serve(frame)
 
 
@@ -195,17 +196,29 @@ def _write_frame(sock: socket.socket, frame: bytes) -> None:
 
 
 def _read_frame(sock: socket.socket) -> bytes | None:
-    """The next length-prefixed frame; None if the stream ended cleanly before it."""
-    prefix = _recv_exactly(sock, _LENGTH.size)
-    if prefix is None:
+    """The next length-prefixed frame; None if the stream ended cleanly before it. One ``recv``
+    brings a small frame whole (neither end sends a second frame before the answer)."""
+    buf = bytearray(_FIRST_READ)
+    got = sock.recv_into(buf)
+    if got == 0:
         return None
-    (length,) = _LENGTH.unpack(prefix)
+    while got < _LENGTH.size:
+        n = sock.recv_into(memoryview(buf)[got:])
+        if n == 0:
+            raise errors.ProtocolError("connection closed mid-frame")
+        got += n
+    (length,) = _LENGTH.unpack_from(buf)
     if length > MAX_QUERY_BYTES:
         raise errors.ProtocolError(f"{length}-byte query frame (at most {MAX_QUERY_BYTES})")
-    body = _recv_exactly(sock, length)
-    if body is None:
+    end = _LENGTH.size + length
+    if got > end:
+        raise errors.ProtocolError("a second frame before the answer to the first")
+    if got == end:
+        return bytes(buf[_LENGTH.size:end])
+    rest = _recv_exactly(sock, end - got)
+    if rest is None:
         raise errors.ProtocolError("connection closed mid-frame")
-    return body
+    return bytes(buf[_LENGTH.size:got]) + rest
 
 
 def _recv_exactly(sock: socket.socket, nbytes: int) -> bytes | None:
