@@ -115,12 +115,13 @@ def test_mixed_workload_processes(tmp_path: Path, spawn_python: Callable[..., Ch
     assert total["located"] > 0, "no get was served from a replica located through the master"
 
 
-def test_owner_churn_vs_readers(tmp_path: Path, spawn_python: Callable[..., ChildProcess]) -> None:
-    # One size for every key: an extent freed by a delete or an overwrite is refilled by another key at
-    # the same offset, so a reader that trusts a header it did not check against its key gets that key's
-    # bytes. (24 keys of 3 sizes reproduced nothing in 15 s on 2 cores; 8 keys of one size did.)
+def owner_vs_readers(tmp_path: Path, spawn: Callable[..., ChildProcess], owner_tiers: dict[str, str],
+                     seed: int, reader_seed: int) -> list[dict[str, Any]]:
+    """One owner putting, overwriting and deleting 8 keys of one size (tiers ``owner_tiers``),
+    3 reader processes getting them (one-key and batched), for SECONDS: every value checked.
+    Returns the readers' results."""
     keys, shapes, readers = 8, 1, 3
-    address = start_master(tmp_path, spawn_python)
+    address = start_master(tmp_path, spawn)
     go = tmp_path / "go"
 
     def command(role: str, name: str, **options: Any) -> list[str]:
@@ -128,20 +129,29 @@ def test_owner_churn_vs_readers(tmp_path: Path, spawn_python: Callable[..., Chil
                               shapes=shapes, versions=8, heartbeat_ms=HEARTBEAT_MS, go_file=str(go), **options)
         return [base[0], "-m", "tests.stress_actor", role, *base[4:]]
 
-    commands = [("owner", command("owner", "stress-owner", seed=7, cxl="384KiB", nvme="1MiB"))]
-    commands += [(f"reader{n}", command("reader", f"stress-reader{n}", seed=200 + n, dram="1MiB", cxl="0",
+    commands = [("owner", command("owner", "stress-owner", seed=seed, **owner_tiers))]
+    commands += [(f"reader{n}", command("reader", f"stress-reader{n}", seed=reader_seed + n, dram="1MiB", cxl="0",
                                         nvme="0", mix="get=4,get_many=1"))
                  for n in range(readers)]
-    children = start_all(spawn_python, tmp_path, commands)
+    children = start_all(spawn, tmp_path, commands)
     go.touch()
     results = collect(children, SECONDS + 60)
     total = report(results)
     assert_exact(results, total)
-    readers = [r for r in results if r["name"].startswith("stress-reader")]
-    assert sum(r["hits"] for r in readers) > 0, "the readers never got a value"
-    assert sum(r["remote"].get("hits_same_host", 0) for r in readers) > 0, "no read through the same-host index"
     owner = next(r for r in results if r["name"] == "stress-owner")
     assert owner["puts"] > 100 and owner["deletes"] > 10, "the owner did not churn"
+    readers_results = [r for r in results if r["name"].startswith("stress-reader")]
+    assert sum(r["hits"] for r in readers_results) > 0, "the readers never got a value"
+    return readers_results
+
+
+def test_owner_churn_vs_readers(tmp_path: Path, spawn_python: Callable[..., ChildProcess]) -> None:
+    # One size for every key: an extent freed by a delete or an overwrite is refilled by another key at
+    # the same offset, so a reader that trusts a header it did not check against its key gets that key's
+    # bytes. (24 keys of 3 sizes reproduced nothing in 15 s on 2 cores; 8 keys of one size did.)
+    readers = owner_vs_readers(tmp_path, spawn_python, {"cxl": "384KiB", "nvme": "1MiB"}, seed=7,
+                                  reader_seed=200)
+    assert sum(r["remote"].get("hits_same_host", 0) for r in readers) > 0, "no read through the same-host index"
 
 
 def test_owner_churn_vs_readers_pulling_over_tcp(tmp_path: Path, spawn_python: Callable[..., ChildProcess]) -> None:
@@ -149,27 +159,7 @@ def test_owner_churn_vs_readers_pulling_over_tcp(tmp_path: Path, spawn_python: C
     index): every reader get is a pull over TCP, most of them a speculative pull from the owner
     used as the owner answered, without the master (node.confirm_speculative = false), while
     the owner overwrites, deletes and demotes those keys to nvme."""
-    keys, shapes, readers = 8, 1, 3
-    address = start_master(tmp_path, spawn_python)
-    go = tmp_path / "go"
-
-    def command(role: str, name: str, **options: Any) -> list[str]:
-        base = worker_command(sys.executable, address, name, tmp_path / name, seconds=SECONDS, keys=keys,
-                              shapes=shapes, versions=8, heartbeat_ms=HEARTBEAT_MS, go_file=str(go), **options)
-        return [base[0], "-m", "tests.stress_actor", role, *base[4:]]
-
-    commands = [("owner", command("owner", "stress-owner", seed=9, dram="384KiB", cxl="0", nvme="1MiB"))]
-    commands += [(f"reader{n}", command("reader", f"stress-reader{n}", seed=300 + n, dram="1MiB", cxl="0",
-                                        nvme="0", mix="get=4,get_many=1"))
-                 for n in range(readers)]
-    children = start_all(spawn_python, tmp_path, commands)
-    go.touch()
-    results = collect(children, SECONDS + 60)
-    total = report(results)
-    assert_exact(results, total)
-    readers = [r for r in results if r["name"].startswith("stress-reader")]
-    assert sum(r["hits"] for r in readers) > 0, "the readers never got a value"
+    readers = owner_vs_readers(tmp_path, spawn_python, {"dram": "384KiB", "cxl": "0", "nvme": "1MiB"},
+                                  seed=9, reader_seed=300)
     assert sum(r["remote"].get("speculative_unconfirmed", 0) for r in readers) > 0, \
         "no get used a speculative pull without the master"
-    owner = next(r for r in results if r["name"] == "stress-owner")
-    assert owner["puts"] > 100 and owner["deletes"] > 10, "the owner did not churn"

@@ -29,13 +29,12 @@ import os
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.security import ClusterKey
-from kvpool.transport.tcp.stream import set_timeouts
+from kvpool.transport.tcp.stream import accept_forever, set_timeouts
 
 log = logging.getLogger("kvpool.master.query")
 
@@ -88,23 +87,17 @@ class QueryServer:
         self._accepter.join(timeout=5.0)
 
     def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                if self._closing:
-                    return
-                time.sleep(0.01)
-                continue
-            with self._lock:
-                full = len(self._connections) >= self.max_connections or self._closing
-                if not full:
-                    self._connections.add(conn)
-            if full:
-                conn.close()
-                continue
-            threading.Thread(target=self._connection, args=(conn,), name="kvpool-master-query",
-                             daemon=True).start()
+        accept_forever(self._listener, lambda: self._closing, self._connected)
+
+    def _connected(self, conn: socket.socket) -> None:
+        with self._lock:
+            full = len(self._connections) >= self.max_connections or self._closing
+            if not full:
+                self._connections.add(conn)
+        if full:
+            conn.close()
+            return
+        threading.Thread(target=self._connection, args=(conn,), name="kvpool-master-query", daemon=True).start()
 
     def _connection(self, conn: socket.socket) -> None:
         try:

@@ -32,6 +32,7 @@ from kvpool.transport.tcp.stream import (
     HELLO,
     HELLO_MAGIC,
     HELLO_VERSION,
+    accept_forever,
     recv_exactly,
     send_views,
     set_timeouts,
@@ -138,26 +139,21 @@ class TcpPullServer:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                if self._closing:
-                    return
-                time.sleep(0.01)  # out of descriptors, or an aborted handshake: go on
-                continue
-            with self._lock:
-                full = len(self._connections) >= self.max_connections
-                if not full and not self._closing:
-                    self._connections.add(conn)
-            if full or self._closing:
-                self.connections_refused += full
-                conn.close()
-                continue
-            thread = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True)
-            with self._lock:
-                self._threads.add(thread)
-            thread.start()
+        accept_forever(self._listener, lambda: self._closing, self._connected)
+
+    def _connected(self, conn: socket.socket) -> None:
+        with self._lock:
+            full = len(self._connections) >= self.max_connections
+            if not full and not self._closing:
+                self._connections.add(conn)
+        if full or self._closing:
+            self.connections_refused += full
+            conn.close()
+            return
+        thread = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         staging: list[mmap.mmap] = []

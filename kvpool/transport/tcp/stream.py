@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
+from collections.abc import Callable
 
 from kvpool import errors
 
@@ -65,3 +67,18 @@ def shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def accept_forever(listener: socket.socket, closing: Callable[[], bool],
+                   connected: Callable[[socket.socket], None]) -> None:
+    """Hand every connection ``listener`` accepts to ``connected``, until ``closing()`` after the
+    listener was closed. A failed accept (out of descriptors, an aborted handshake) is retried."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            if closing():
+                return
+            time.sleep(0.01)
+            continue
+        connected(conn)
