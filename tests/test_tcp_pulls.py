@@ -241,6 +241,35 @@ def test_a_server_that_cannot_prove_the_cluster_key_gets_no_pull() -> None:
         assert not ours.check_holder_proof(b"m" * 16, ours.holder_proof(b"n" * 16))
 
 
+def test_a_holder_that_drops_every_connection_after_its_hello_is_tried_once() -> None:
+    """A new connection closed before its first reply is not retried (only an idle one is):
+    a holder that answers the hello and then hangs up fails the pull at once."""
+    accepted: list[int] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(5.0)
+
+        def hang_up_after_hello() -> None:
+            while len(accepted) < 3:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                accepted.append(1)
+                with conn:
+                    conn.recv(22)  # the hello
+                    conn.sendall(b"KVTH" + (1).to_bytes(2, "little") + bytes(16))
+
+        thread = threading.Thread(target=hang_up_after_hello, daemon=True)
+        thread.start()
+        with TcpPullClient() as client:
+            with pytest.raises(TcpPathUnusable):
+                client.pull_into(PeerAddress("127.0.0.1", 0, tcp_port=listener.getsockname()[1]), b"a", (0, 1),
+                                 bytearray(LAYER_NBYTES), timeout_s=5.0)
+        assert len(accepted) == 1
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        thread.join(timeout=10)
+
+
 def test_a_port_that_refuses_or_turns_connections_away_is_not_reachable_for_a_while() -> None:
     with TcpPullServer(_memory_provider, max_connections=0) as full, TcpPullClient() as client:
         nobody = PeerAddress("127.0.0.1", 0, tcp_port=full.port)

@@ -368,7 +368,7 @@ class MasterClient:
         """A query port that took the whole deadline: MasterUnreachableError, as the ZeroMQ call
         would raise after as long again (following a leader, the ZeroMQ call looks for a new one
         instead)."""
-        if isinstance(exc, BlockingIOError) and self._finder is None:
+        if isinstance(exc, (BlockingIOError, TimeoutError)) and self._finder is None:
             raise errors.MasterUnreachableError(
                 f"master at {address} did not answer {op} within {self.request_timeout_s:.3g} s") from None
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.security import ClusterKey
-from kvpool.transport.tcp.stream import accept_forever, set_timeouts
+from kvpool.transport.tcp.stream import accept_forever, listen_on, recv_exactly, set_timeouts, shutdown
 
 log = logging.getLogger("kvpool.master.query")
 
@@ -45,7 +45,7 @@ _VERSION = 1
 _PROOF = 16
 _LENGTH = struct.Struct("<I")
 MAX_QUERY_BYTES = 4 << 20  # a query or its answer larger than this ends the connection
-_FIRST_READ = 64 << 10  # a frame's first recv asks for this much
+_FIRST_READ = 4096  # a frame's first recv asks for this much (a one-key question is ~100 bytes)
 
 
 class QueryServer:
@@ -58,19 +58,11 @@ class QueryServer:
         self._key = cluster_key
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._listener.bind((host, 0))
-            self._listener.listen(64)
-        except OSError:
-            self._listener.close()
-            raise
+        self._listener = listen_on(host, 64)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closing = False
-        self.refused = 0
         self._accepter = threading.Thread(target=self._accept_loop, name="kvpool-master-queries", daemon=True)
         self._accepter.start()
 
@@ -79,10 +71,7 @@ class QueryServer:
             self._closing = True
             connections = list(self._connections)
         for sock in [self._listener, *connections]:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown(sock)
         self._listener.close()
         self._accepter.join(timeout=5.0)
 
@@ -104,7 +93,6 @@ class QueryServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_timeouts(conn, self.idle_timeout_s, 30.0)  # BlockingIOError past either: dropped
             if not self._handshake(conn):
-                self.refused += 1
                 return
             while True:
                 frame = _read_frame(conn)
@@ -137,7 +125,7 @@ class QueryServer:
         except P.MalformedRequest as exc:
             return P.pack_error(None, "ProtocolError", str(exc))
         if not isinstance(op, str) or op not in QUERY_OPS:
-            return P.pack_error(request_id if isinstance(request_id, int) else None, "ProtocolError",
+            return P.pack_error(request_id if isinstance(request_id, (int, str)) else None, "ProtocolError",
                                 f"{op!r:.80} is not answered on the query port (only {', '.join(sorted(QUERY_OPS))})")
         return self._serve(frame)
 
@@ -217,16 +205,7 @@ def _read_frame(sock: socket.socket) -> bytes | None:
 def _recv_exactly(sock: socket.socket, nbytes: int) -> bytes | None:
     """``nbytes`` from ``sock``; None if it ended before the first byte."""
     buf = bytearray(nbytes)
-    view = memoryview(buf)
-    got = 0
-    while got < nbytes:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if got == 0:
-                return None
-            raise errors.ProtocolError("connection closed mid-frame")
-        got += n
-    return bytes(buf)
+    return bytes(buf) if recv_exactly(sock, memoryview(buf), at_boundary=True) else None
 
 
 def query_host(endpoint: str) -> str:

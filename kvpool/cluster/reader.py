@@ -664,13 +664,14 @@ class ReplicaReader:
         return header
 
     def _pull(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
-              raw_header: bytearray, token: bytes, check: ArrivalCheck | None = None) -> None:
+              raw_header: bytearray, token: bytes, check: ArrivalCheck | None = None, *,
+              tcp_only: bool = False) -> None:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified, or checked as it arrives by ``check``), abandoned as soon as the holder is
-        known gone."""
+        known gone. ``tcp_only``: never over UCX (see :meth:`_pull_many`)."""
         (outcome,) = self._pull_many([PullRequest(replica["_node"].peer, key, layer_range, buf,  # type: ignore[typeddict-item]
                                                   token, raw_header, lambda: self.holder_alive(replica),
-                                                  progress=check)])
+                                                  progress=check)], tcp_only=tcp_only)
         if isinstance(outcome, BaseException):
             raise outcome
 
@@ -686,10 +687,11 @@ class ReplicaReader:
             limit = min(limit, SAME_HOST_TCP_PULL_MAX)
         return self.tcp_puller if nbytes <= limit and self.tcp_puller.reachable(peer) else self.puller
 
-    def _pull_many(self, requests: list[PullRequest]) -> list[int | BaseException]:
+    def _pull_many(self, requests: list[PullRequest], *, tcp_only: bool = False) -> list[int | BaseException]:
         """Pulls in flight together (:meth:`PullClient.pull_many`): one result per request, the
         bytes received or the error. The small ones go over TCP first; those whose holder's TCP
-        port proved unusable then go over UCX with the rest."""
+        port proved unusable then go over UCX with the rest (``tcp_only``: they fail with
+        TcpPathUnusable instead; the caller checked that every one goes over TCP)."""
         results: list[int | BaseException | None] = [None] * len(requests)
         over_ucx = list(range(len(requests)))
         if self.tcp_puller is not None:
@@ -701,7 +703,11 @@ class ReplicaReader:
                     results[i] = outcome
                     self.counters["tcp_fallbacks"] += isinstance(outcome, TcpPathUnusable)
                 over_ucx = [i for i in over_ucx if results[i] is None or isinstance(results[i], TcpPathUnusable)]
-        if over_ucx:
+        if tcp_only:
+            for i in over_ucx:
+                if results[i] is None:  # not over TCP after all (its port became unreachable meanwhile)
+                    results[i] = TcpPathUnusable(f"pull of {requests[i].key!r:.80} would go over UCX")
+        elif over_ucx:
             for i, outcome in zip(over_ucx, self.puller.pull_many([requests[i] for i in over_ucx],
                                                                   timeout_s=self.pull_timeout_s)):
                 results[i] = outcome
@@ -709,26 +715,19 @@ class ReplicaReader:
 
     @staticmethod
     def _located_check(key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
-                       same_as: ObjectHeader | None = None) -> ArrivalCheck:
-        """The check of a pull from ``replica``: the header the holder sends must be the one the
-        master indexed for it (and agree with ``same_as``), and every layer in ``buf`` must match
-        that header (see :meth:`read_into`)."""
+                       same_as: ObjectHeader | None = None, raw_header: bytearray | None = None) -> ArrivalCheck:
+        """The check of a pull from ``replica``: the header the holder sends (into ``raw_header``,
+        a new buffer by default) must be the one the master indexed for it (and agree with
+        ``same_as``), and every layer in ``buf`` must match that header (see :meth:`read_into`)."""
         spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
 
-        def indexed(raw_header: bytearray) -> ObjectHeader:
-            header = ObjectHeader.unpack_expected(raw_header, key, replica["header_sum"], spec)
+        def indexed(raw: bytearray) -> ObjectHeader:
+            header = ObjectHeader.unpack_expected(raw, key, replica["header_sum"], spec)
             _check_same(header, same_as, layer_range)
             return header
 
-        return ArrivalCheck(indexed, bytearray(spec.header_nbytes), layer_range, buf)
-
-    def _verified(self, key: bytes, replica: LocatedReplica, raw_header: bytearray, layer_range: LayerRange,
-                  buf: memoryview) -> ObjectHeader:
-        """The header a holder sent with ``buf`` and the bytes in ``buf``, checked as
-        :meth:`_located_check` says, after the pull."""
-        check = self._located_check(key, replica, layer_range, buf)
-        check.raw_header = raw_header
-        return check.finish()
+        return ArrivalCheck(indexed, bytearray(spec.header_nbytes) if raw_header is None else raw_header,
+                            layer_range, buf)
 
     def _pulled_from(self, replica: LocatedReplica) -> None:
         """Count a verified pull; its holder is the next speculative guess."""
@@ -783,18 +782,9 @@ class ReplicaReader:
         :meth:`provable`), else not at all."""
         replica = guess.replica
         try:
-            if proven:
-                assert self.tcp_puller is not None
-                (outcome,) = self.tcp_puller.pull_many([PullRequest(
-                    replica["_node"].peer, guess.key, guess.layer_range, guess.buf, token,  # type: ignore[typeddict-item]
-                    guess.raw_header, lambda: self.holder_alive(replica), progress=guess.check)],
-                    timeout_s=self.pull_timeout_s)
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                guess.proven = True
-            else:
-                self._pull(guess.key, replica, guess.layer_range, guess.buf, guess.raw_header, token)
-            guess.pulled = True
+            self._pull(guess.key, replica, guess.layer_range, guess.buf, guess.raw_header, token,
+                       guess.check if proven else None, tcp_only=proven)
+            guess.pulled, guess.proven = True, proven
         except errors.KVTimeoutError:
             guess.failure = "timeout"
         except (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError, errors.ProtocolError,
@@ -851,7 +841,8 @@ class ReplicaReader:
             if spec != guess.replica["_spec"]:  # type: ignore[typeddict-item]
                 break
             try:
-                self._verified(guess.key, replica, guess.raw_header, guess.layer_range, guess.buf)
+                self._located_check(guess.key, replica, guess.layer_range, guess.buf,
+                                    raw_header=guess.raw_header).finish()
             except errors.KVPoolError as exc:  # another version, or damaged: read as located
                 log.info("speculative pull of %s from %s not used: %s", guess.key.hex(), replica["node_id"], exc)
                 break

@@ -122,6 +122,7 @@ class TcpPullClient:
         """Every pull to one holder over one connection. A reused connection that fails before
         its first reply byte (the holder closed it while idle) is replaced once: reads repeat."""
         conn = self._checkout(where, pulls[0], alive_check_s)
+        reused = isinstance(conn, _Conn) and conn.nonce is None  # an idle one (a new one has its hello's nonce)
         outcomes: list[int | BaseException] = []
         while True:
             if not isinstance(conn, _Conn):
@@ -134,8 +135,9 @@ class TcpPullClient:
             except _ConnectionLost as lost:
                 conn.close()
                 if not lost.replied and not outcomes:
-                    if conn.nonce is None:  # an idle one, closed by the holder meanwhile: once more on a new one
+                    if reused:  # an idle one, closed by the holder meanwhile: once more on a new one
                         conn = self._checkout(where, pulls[0], alive_check_s, fresh=True)
+                        reused = False
                         continue
                     if type(lost.error) is errors.TransferError:  # a new one closed unasked: full
                         conn = ConnectionAbortedError("closed before its first reply")

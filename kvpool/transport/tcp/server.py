@@ -33,6 +33,7 @@ from kvpool.transport.tcp.stream import (
     HELLO_MAGIC,
     HELLO_VERSION,
     accept_forever,
+    listen_on,
     recv_exactly,
     send_views,
     set_timeouts,
@@ -86,15 +87,7 @@ class TcpPullServer:
         self.connections_refused = 0
 
     def start(self) -> TcpPullServer:
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.bind((self._host, 0))
-            listener.listen(128)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
+        self._listener = listener = listen_on(self._host)
         self.port = listener.getsockname()[1]
         self._accepter = threading.Thread(target=self._accept_loop, name=f"{self._name}-accept", daemon=True)
         self._accepter.start()

@@ -82,3 +82,15 @@ def accept_forever(listener: socket.socket, closing: Callable[[], bool],
             time.sleep(0.01)
             continue
         connected(conn)
+
+
+def listen_on(host: str, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``host`` at an ephemeral port (IPv6 for an address with a ``:``)."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(backlog)
+    except OSError:
+        listener.close()
+        raise
+    return listener
