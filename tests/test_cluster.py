@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import kvpool
+from kvpool.cluster.checks import Speculation
 from kvpool.cluster.control import control_call
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.reader import Speculation
 from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import ChildProcess, free_tcp_port, wait_for

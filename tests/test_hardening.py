@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from kvpool import errors
+from kvpool.cluster.located import alive_nodes_of
 from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.reader import ReplicaReader, alive_nodes_of
+from kvpool.cluster.reader import ReplicaReader
 from kvpool.cluster.security import ClusterKey
 from kvpool.config import Config
 from kvpool.objformat import ObjectHeader, encode
@@ -203,7 +204,7 @@ def test_garbage_from_the_master_is_a_miss_never_an_exception(reader: Any, tmp_p
                       *[{"nodes": {"n2": {"alive": True, "host_id": reader.host_id, "address": NodeAddress(
                           PeerAddress("127.0.0.1", 0), "", {"path": p, "instance": "00"}).encode()}}}
                         for p in (str(shared / "fifo"), str(shared / "link"), str(outside), "/etc/passwd")]):
-            reader.refresh_neighbours(stats)  # type: ignore[arg-type]
+            reader.arenas.refresh(stats)  # type: ignore[arg-type]
             results.append(alive_nodes_of(stats))
 
     thread = threading.Thread(target=run, daemon=True)
@@ -212,6 +213,6 @@ def test_garbage_from_the_master_is_a_miss_never_an_exception(reader: Any, tmp_p
     assert not thread.is_alive(), "a read hung on a crafted record"
     n = len(replicas) + 5
     assert len(results) == n + len(results[n:]) and all(r is None for r in results[:n]), results[:n]
-    assert not reader._neighbours and not reader._cxl_readers
+    assert not reader.arenas.mapped()
     assert reader.counters["bad_records"] > 0 and reader.counters["refused_paths"] > 0, reader.counters
     assert alive_nodes_of({"nodes": {"a": {"alive": True}, "b": {"alive": 1}, "c": 5}}) == {"a"}

@@ -145,7 +145,9 @@ def layer_arg(text: str) -> int | slice:
 
 
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
-    from kvpool.cluster.reader import ReplicaReader, replicas_at, shared_dirs_of
+    from kvpool.cluster.located import replicas_at
+    from kvpool.cluster.reader import ReplicaReader
+    from kvpool.cluster.same_host import shared_dirs_of
     from kvpool.pool import Pool
     from kvpool.transport import local_host_id
 

@@ -504,7 +504,7 @@ class MasterClient:
             nonlocal meanwhile
             work, meanwhile = meanwhile, None
             # The schema checks the reply's shape; each replica record is checked where it is used
-            # (kvpool.cluster.reader), so one bad record costs only that replica.
+            # (kvpool.cluster.located), so one bad record costs only that replica.
             return self.call(P.LOCATE, {"keys": list(batch), "lease": lease}, meanwhile=work)
 
         replies = self._batched(_keys(keys), locate)

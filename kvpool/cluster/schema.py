@@ -10,7 +10,7 @@ handlers' to check; the fixed ones are checked here. Unknown fields are ignored,
 peer may add optional fields without a version bump.
 
 A located replica in a ``locate`` reply stays a plain map: the reader checks each one on its
-own (:func:`kvpool.cluster.reader.clean_replica`), so one bad record from a wrong or hostile
+own (:func:`kvpool.cluster.located.clean_replica`), so one bad record from a wrong or hostile
 master costs that replica, not the whole answer.
 """
 

@@ -31,11 +31,14 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.api import out_view
+from kvpool.cluster.checks import Speculation
 from kvpool.cluster.control import control_call
+from kvpool.cluster.located import alive_nodes_of, replicas_at
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import Node, NodeAddress
 from kvpool.cluster.protocol import Located, LocatedReplica, Placement, ReplicaRecord
-from kvpool.cluster.reader import ReplicaReader, Speculation, alive_nodes_of, replicas_at, shared_dirs_of
+from kvpool.cluster.reader import ReplicaReader
+from kvpool.cluster.same_host import shared_dirs_of
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from tiers.manager import TierManager
@@ -168,7 +171,7 @@ class ClusterView:
         """Map same-host arenas and forget remembered holders that are no longer alive."""
         stats = self.master.stats()
         if self.config.node.same_host_index:
-            self.reader.refresh_neighbours(stats)
+            self.reader.arenas.refresh(stats)
         alive = alive_nodes_of(stats)  # None: the master's stats are unreadable, keep what we know
         if alive is not None:
             self.reader.forget_nodes_except(alive)
@@ -227,7 +230,7 @@ class ClusterView:
     def read(self, key: bytes, layers: Any, out: Any) -> np.ndarray | None:
         """The layers from another node (same-host index, remembered replicas, then the
         master), verified; None on a miss anywhere."""
-        nearby = self.reader.read_same_host(key, layers, out, out_view)
+        nearby = self.reader.arenas.read_key(key, layers, out, out_view)
         if nearby is not None:
             return nearby
         remembered = self.reader.read_cached(key, layers, out, out_view)
@@ -264,7 +267,7 @@ class ClusterView:
     def read_many(self, keys: Sequence[bytes], layers: Any, outs: Sequence[Any]) -> list[np.ndarray | None]:
         """``read`` of many keys: same-host arenas, then remembered replicas pulled concurrently,
         the rest located in one master round trip and pulled concurrently."""
-        results = [self.reader.read_same_host(key, layers, out, out_view) for key, out in zip(keys, outs)]
+        results = [self.reader.arenas.read_key(key, layers, out, out_view) for key, out in zip(keys, outs)]
         # Where keys were found last time, without the master; a replica no longer there (or a
         # token about to expire) is located again below.
         remembered = [(i, self.reader.remembered(keys[i])) for i, r in enumerate(results) if r is None]
