@@ -241,6 +241,37 @@ def test_a_server_that_cannot_prove_the_cluster_key_gets_no_pull() -> None:
         assert not ours.check_holder_proof(b"m" * 16, ours.holder_proof(b"n" * 16))
 
 
+def test_a_reader_that_proves_the_cluster_key_pulls_without_tokens_others_need_one() -> None:
+    """The holder answers a reader's proof of the cluster key with trust for that connection
+    (such a reader could mint any token); a reader without the key, or with another key, is
+    asked for a token on every pull."""
+    ours, theirs = ClusterKey(b"o" * 32), ClusterKey(b"t" * 32)
+    checked: list[bytes] = []
+
+    def authorize(key: bytes, token: bytes) -> None:
+        checked.append(key)
+        ours.check_token(token, key, "holder")
+
+    with TcpPullServer(_memory_provider, authorize=authorize, prove=ours.holder_proof,
+                       trust=ours.check_reader_proof) as holder:
+        peer = PeerAddress("127.0.0.1", 0, tcp_port=holder.port)
+        out = bytearray(LAYER_NBYTES)
+        with TcpPullClient(check_proof=ours.check_holder_proof, prove=ours.reader_proof) as member:
+            assert member.pull_into(peer, b"a", (0, 1), out) == LAYER_NBYTES
+            assert bytes(out) == expected(b"a", 0, 1).tobytes()
+        assert checked == [] and holder.stats()["connections_trusted"] == 1
+        for prove in (None, theirs.reader_proof):
+            with TcpPullClient(check_proof=ours.check_holder_proof, prove=prove) as stranger:
+                with pytest.raises(errors.AuthenticationError):
+                    stranger.pull_into(peer, b"b", (0, 1), out)
+                assert stranger.pull_into(peer, b"b", (0, 1), out, token=ours.mint_token(b"b", "holder")) == len(out)
+                assert bytes(out) == expected(b"b", 0, 1).tobytes()
+        assert checked == [b"b"] * 4 and holder.stats()["connections_trusted"] == 1
+        # one side's proof is never the other's
+        assert not ours.check_reader_proof(b"n" * 16, ours.holder_proof(b"n" * 16))
+        assert not ClusterKey(None).check_reader_proof(b"n" * 16, ClusterKey(None).reader_proof(b"n" * 16))
+
+
 def test_a_holder_that_drops_every_connection_after_its_hello_is_tried_once() -> None:
     """A new connection closed before its first reply is not retried (only an idle one is):
     a holder that answers the hello and then hangs up fails the pull at once."""
@@ -257,7 +288,7 @@ def test_a_holder_that_drops_every_connection_after_its_hello_is_tried_once() ->
                 accepted.append(1)
                 with conn:
                     conn.recv(22)  # the hello
-                    conn.sendall(b"KVTH" + (1).to_bytes(2, "little") + bytes(16))
+                    conn.sendall(b"KVTH" + (2).to_bytes(2, "little") + bytes(32))  # a proof and a nonce
 
         thread = threading.Thread(target=hang_up_after_hello, daemon=True)
         thread.start()

@@ -66,9 +66,11 @@ class ReplicaReader:
         #: pulls of at most this many bytes from a holder with a TCP port go over plain TCP (at
         #: most SAME_HOST_TCP_PULL_MAX from a same-host holder that UCX reaches by shared memory)
         self.tcp_pull_max = tcp_pull_max
-        # ``cluster_key``: TCP pulls go only to holders that prove they hold it
-        self.tcp_puller = TcpPullClient(check_proof=None if cluster_key is None else cluster_key.check_holder_proof) \
-            if tcp_pull_max else None
+        # ``cluster_key``: TCP pulls go only to holders that prove they hold it, and this reader
+        # proves it holds it too (its pulls there then need no token)
+        self.tcp_puller = TcpPullClient(
+            check_proof=None if cluster_key is None else cluster_key.check_holder_proof,
+            prove=None if cluster_key is None else cluster_key.reader_proof) if tcp_pull_max else None
         self.counters: Counter[str] = Counter()
         #: same-host nodes' cxl arenas, read in place (only inside ``allowed_dirs``)
         self.arenas = SameHostArenas(host_id, node_id, allowed_dirs, self.counters)
@@ -448,7 +450,7 @@ class ReplicaReader:
         """Whether ``guess`` would be pulled over TCP from a holder that must first prove it holds
         the cluster key: only such a pull may be used as the holder answers (:meth:`accept`).
         (A UCX endpoint proves nothing: whatever took over a dead holder's address would be
-        believed.)"""
+        believed.) This reader proves the key to that holder in turn, so the pull needs no token."""
         tcp = self.tcp_puller
         return tcp is not None and tcp.check_proof is not None and \
             self._client_for(guess.replica["_node"].peer, len(guess.buf)) is tcp  # type: ignore[typeddict-item]

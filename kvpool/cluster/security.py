@@ -246,6 +246,19 @@ class ClusterKey:
         without a key)."""
         return not self.enabled or hmac.compare_digest(bytes(proof), self.holder_proof(nonce))
 
+    def reader_proof(self, nonce: bytes) -> bytes:
+        """A reader's answer to a pull server's ``nonce``: proof that it holds the cluster key,
+        so the server may skip its pulls' tokens (16 zero bytes without one). Labelled, so a
+        holder's proof is never a reader's."""
+        if not self.enabled:
+            return bytes(HOLDER_PROOF_NBYTES)
+        return hmac.digest(self._holder_key, b"reader" + bytes(nonce), "sha256")[:HOLDER_PROOF_NBYTES]
+
+    def check_reader_proof(self, nonce: bytes, proof: bytes) -> bool:
+        """Whether ``proof`` answers ``nonce`` as only a holder of this key can (never true
+        without a key: then tokens are checked, and they check nothing)."""
+        return self.enabled and hmac.compare_digest(bytes(proof), self.reader_proof(nonce))
+
     # -- the master's query port ------------------------------------------------------
 
     def query_proof(self, side: bytes, nonce: bytes) -> bytes:

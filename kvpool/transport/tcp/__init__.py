@@ -30,12 +30,16 @@ Threads and system calls
 
 Security
     The server binds ``host`` only (the node's address). A client opens every connection
-    with a hello carrying a fresh nonce, sent together with its first requests; the server
-    answers it with ``prove(nonce)`` before any reply, and the client reads no reply before
-    ``check_proof`` accepted that (:meth:`ClusterKey.holder_proof`): a process that took over
-    a dead holder's port cannot hand out bytes. Every request carries the pull token that
-    ``authorize(key, token)`` checks before the provider runs, as over UCX; a refusal is
-    ``STATUS_UNAUTHORIZED``, never data. The bytes are not encrypted.
+    with a hello carrying a fresh nonce; the server answers it with ``prove(nonce)`` and a
+    nonce of its own, and the client sends nothing more before ``check_proof`` accepted that
+    (:meth:`ClusterKey.holder_proof`): a process that took over a dead holder's port cannot
+    hand out bytes. The client then answers the server's nonce (``prove``,
+    :meth:`ClusterKey.reader_proof`; zeros without the key) ahead of its first requests. A
+    client whose answer ``trust`` accepts holds the cluster key, so it could mint any pull
+    token: its requests are served without one. Any other client's requests each carry the
+    pull token that ``authorize(key, token)`` checks before the provider runs, as over UCX; a
+    refusal is ``STATUS_UNAUTHORIZED``, never data. Nonces are fresh per connection, so a
+    recorded hello cannot be replayed. The bytes are not encrypted.
 """
 
 from kvpool.transport.tcp.client import TcpPullClient

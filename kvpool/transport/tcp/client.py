@@ -23,7 +23,15 @@ from kvpool.transport.frames import (
     status_error,
 )
 from kvpool.transport.pulls import PullRequest, checked_pull
-from kvpool.transport.tcp.stream import HELLO, HELLO_MAGIC, HELLO_VERSION, TcpPathUnusable, set_timeouts
+from kvpool.transport.tcp.stream import (
+    HELLO,
+    HELLO_ANSWER,
+    HELLO_MAGIC,
+    HELLO_VERSION,
+    PROOF_NBYTES,
+    TcpPathUnusable,
+    set_timeouts,
+)
 
 log = logging.getLogger("kvpool.transport.tcp")
 
@@ -40,11 +48,16 @@ class TcpPullClient:
     pull from it over UCX meanwhile. ``check_proof(nonce, proof)``: whether a holder's answer
     to a new connection's hello proves it is one (:meth:`ClusterKey.check_holder_proof`); a
     holder that fails it gets no pull (AuthenticationError). None: holders are not checked.
+    ``prove(nonce)``: this client's answer to the holder's nonce (:meth:`ClusterKey.reader_proof`);
+    a holder that accepts it serves this connection's pulls without checking their tokens.
+    None: every pull's token is checked.
     """
 
     def __init__(self, *, connect_timeout_s: float = 1.0, idle_per_peer: int = 8,
-                 retry_after_s: float = 30.0, check_proof: Callable[[bytes, bytes], bool] | None = None) -> None:
+                 retry_after_s: float = 30.0, check_proof: Callable[[bytes, bytes], bool] | None = None,
+                 prove: Callable[[bytes], bytes] | None = None) -> None:
         self.check_proof = check_proof
+        self.prove = prove
         self.connect_timeout_s = connect_timeout_s
         self.idle_per_peer = idle_per_peer
         self.retry_after_s = retry_after_s
@@ -153,6 +166,9 @@ class TcpPullClient:
         """Write the requests (at most ``_WINDOW_NBYTES`` ahead of the replies read, so neither
         side can block the other) and read each reply into its pull's buffer. On a new
         connection the holder's answer to its hello is read and checked before any reply."""
+        if conn.nonce is not None:
+            self._check_hello(conn, pulls[0], conn.nonce)
+            conn.nonce = None
         sent = 0
         window = 0
         for index, pull in enumerate(pulls):
@@ -160,22 +176,21 @@ class TcpPullClient:
                 conn.send(pulls[sent], pulls[sent].frame)
                 window += len(pulls[sent].frame)
                 sent += 1
-            if conn.nonce is not None:
-                self._check_hello(conn, pull, conn.nonce)
-                conn.nonce = None
             outcomes.append(self._reply(conn, pull, replied=bool(outcomes)))
             window -= len(pull.frame)
 
     def _check_hello(self, conn: _Conn, pull: _TcpPull, nonce: bytes) -> None:
-        """Read the holder's answer to a new connection's hello; a wrong one ends the connection."""
-        hello = bytearray(HELLO.size)
+        """Read the holder's answer to a new connection's hello (a wrong one ends the
+        connection), then answer the holder's nonce."""
+        hello = bytearray(HELLO_ANSWER.size)
         conn.receive(pull, memoryview(hello), False)
-        magic, version, proof = HELLO.unpack(hello)
+        magic, version, proof, challenge = HELLO_ANSWER.unpack(hello)
         if magic != HELLO_MAGIC or version != HELLO_VERSION:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: not a kvpool TCP pull server"), replied=True)
         if self.check_proof is not None and not self.check_proof(nonce, proof):
             raise _ConnectionLost(errors.AuthenticationError(
                 f"{pull.label}: the server there could not prove it holds the cluster key"), replied=True)
+        conn.send(pull, self.prove(challenge) if self.prove is not None else bytes(PROOF_NBYTES))
 
     def _reply(self, conn: _Conn, pull: _TcpPull, replied: bool) -> int | BaseException:
         """Read one reply: its status frame (with the header an OK carries), then its payload.
@@ -255,7 +270,7 @@ class TcpPullClient:
             return exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(HELLO.pack(HELLO_MAGIC, HELLO_VERSION, nonce))  # answered before the first reply
+            sock.sendall(HELLO.pack(HELLO_MAGIC, HELLO_VERSION, nonce))  # answered before any request
             conn = _Conn(sock, nonce)
             conn.wake_every(wait_s)
         except OSError as exc:

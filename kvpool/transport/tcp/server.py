@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import socket
 import threading
 import time
@@ -30,8 +31,10 @@ from kvpool.transport.frames import (
 from kvpool.transport.source import Provider, ServeSource
 from kvpool.transport.tcp.stream import (
     HELLO,
+    HELLO_ANSWER,
     HELLO_MAGIC,
     HELLO_VERSION,
+    PROOF_NBYTES,
     accept_forever,
     listen_on,
     recv_exactly,
@@ -55,17 +58,23 @@ class TcpPullServer:
     ``provider`` and ``authorize`` are the node's, as for :class:`PullServer`; here they run
     on the connection's own thread, so a provider may block. ``release`` of a source runs
     once its last byte is written (or the connection failed). ``prove``: the answer to a
-    client's hello nonce (16 bytes; zeros when None).
+    client's hello nonce (16 bytes; zeros when None). ``trust(nonce, proof)``: whether a
+    client's answer to this server's nonce proves it holds the cluster key
+    (:meth:`ClusterKey.check_reader_proof`); such a client may mint tokens anyway, so its
+    requests are served without ``authorize``. Any other client's requests are authorized
+    one by one.
     """
 
     def __init__(self, provider: Provider, host: str = "127.0.0.1", *,
                  authorize: Callable[[bytes, bytes], None] | None = None,
-                 prove: Callable[[bytes], bytes] | None = None, max_connections: int = 1024,
+                 prove: Callable[[bytes], bytes] | None = None,
+                 trust: Callable[[bytes, bytes], bool] | None = None, max_connections: int = 1024,
                  send_timeout_s: float = 30.0, idle_timeout_s: float = 600.0,
                  staging_nbytes: int = _STAGING_NBYTES, name: str = "kvpool-tcp-pulls") -> None:
         self._provider = provider
         self._authorize = authorize
         self._prove = prove
+        self._trust = trust
         self._host = host
         self.max_connections = max_connections
         self.send_timeout_s = send_timeout_s
@@ -85,6 +94,7 @@ class TcpPullServer:
         self.errors = 0
         self.refused = 0
         self.connections_refused = 0
+        self.connections_trusted = 0  # whose client proved the cluster key
 
     def start(self) -> TcpPullServer:
         self._listener = listener = listen_on(self._host)
@@ -126,7 +136,7 @@ class TcpPullServer:
             open_connections = len(self._connections)
         return {"bytes_sent": self.bytes_sent, "requests_served": self.requests_served, "misses": self.misses,
                 "errors": self.errors, "refused": self.refused, "connections": open_connections,
-                "connections_refused": self.connections_refused}
+                "connections_refused": self.connections_refused, "connections_trusted": self.connections_trusted}
 
     # -- connections -------------------------------------------------------------------------
 
@@ -160,14 +170,21 @@ class TcpPullServer:
             magic, version, nonce = HELLO.unpack(hello)
             if magic != HELLO_MAGIC or version != HELLO_VERSION:
                 raise errors.ProtocolError(f"not a kvpool TCP pull hello ({bytes(hello[:6])!r})")
-            proof = self._prove(nonce) if self._prove is not None else bytes(16)
-            conn.sendall(HELLO.pack(HELLO_MAGIC, HELLO_VERSION, proof))
+            proof = self._prove(nonce) if self._prove is not None else bytes(PROOF_NBYTES)
+            challenge = os.urandom(16)
+            conn.sendall(HELLO_ANSWER.pack(HELLO_MAGIC, HELLO_VERSION, proof, challenge))
+            answer = bytearray(PROOF_NBYTES)
+            if not recv_exactly(conn, memoryview(answer), at_boundary=True):
+                return
+            trusted = self._trust is not None and self._trust(challenge, bytes(answer))
+            self.connections_trusted += trusted
+            authorize = None if trusted else self._authorize
             requests = _Requests(conn)
             while True:
                 request = requests.next()
                 if request is None:
                     return  # the client closed between requests
-                self._answer(conn, request, staging)
+                self._answer(conn, request, staging, authorize)
         except (OSError, errors.KVPoolError) as exc:  # BlockingIOError: idle or stuck past a timeout
             if not self._closing:
                 log.debug("tcp pull connection dropped: %s", _describe(exc))
@@ -180,13 +197,14 @@ class TcpPullServer:
             for buf in staging:
                 buf.close()
 
-    def _answer(self, conn: socket.socket, request: _Request, staging: list[mmap.mmap]) -> None:
+    def _answer(self, conn: socket.socket, request: _Request, staging: list[mmap.mmap],
+                authorize: Callable[[bytes, bytes], None] | None) -> None:
         def refuse(status: int, text: str) -> None:
             conn.sendall(_pack_status(request.request_id, status, 0, 0, text))
 
         try:
-            if self._authorize is not None:
-                self._authorize(request.key, request.token)
+            if authorize is not None:
+                authorize(request.key, request.token)
             source = self._provider(request.key, request.layer_range)
         except errors.AuthenticationError as exc:
             self.refused += 1

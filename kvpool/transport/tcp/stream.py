@@ -9,10 +9,14 @@ from collections.abc import Callable
 
 from kvpool import errors
 
-# A connection's first frame each way: the client's nonce, then the server's proof for it.
+# A connection opens with three frames: the client's hello (a nonce); the server's answer (its
+# proof for that nonce, then a nonce of its own); the client's proof for the server's nonce
+# (PROOF_NBYTES, zeros from a client without the cluster key), sent with its first requests.
 HELLO = struct.Struct("<4sH16s")
+HELLO_ANSWER = struct.Struct("<4sH16s16s")
 HELLO_MAGIC = b"KVTH"
-HELLO_VERSION = 1
+HELLO_VERSION = 2
+PROOF_NBYTES = 16
 
 
 class TcpPathUnusable(errors.TransferError):
