@@ -362,13 +362,32 @@ class ObjectHeader:
         return cls(spec, tuple(sums.tolist()), bytes(digest), generation)
 
     @classmethod
+    def unpack_exact(cls, data: Any, expected: ObjectSpec | None = None) -> ObjectHeader:
+        """:meth:`unpack` of exactly a header's bytes, remembered by those bytes (the last
+        :data:`_PARSED_MAX` distinct ones): reading an object again skips parsing and checking
+        its header. Safe because the same bytes always parse to the same (immutable) header,
+        and bytes that fail to parse are never remembered."""
+        blob = bytes(data)
+        header = _parsed.get(blob)
+        if header is None:
+            header = cls.unpack(blob, expected)
+            if len(_parsed) >= _PARSED_MAX:
+                try:
+                    del _parsed[next(iter(_parsed))]  # the oldest
+                except (KeyError, RuntimeError, StopIteration):  # another thread evicted meanwhile
+                    pass
+            _parsed[blob] = header
+        return header
+
+    @classmethod
     def unpack_expected(cls, data: Any, key: bytes, header_sum: int, spec: ObjectSpec) -> ObjectHeader:
         """The header a holder sent (or an arena holds), checked against what the master indexed:
         its own checksum equals ``header_sum`` (this very version of the object, not one put
         again or reused since it was located), it names ``key``, and its spec is ``spec`` (the
         one the reader sized its buffer by). Raises WrongObjectError for a different object or
-        version, the errors of :meth:`unpack` for a damaged one."""
-        header = cls.unpack(data, spec)
+        version, the errors of :meth:`unpack` for a damaged one. ``data``: exactly the header
+        (:meth:`unpack_exact`)."""
+        header = cls.unpack_exact(data, spec)
         if stored_header_checksum(data) != header_sum:
             raise errors.WrongObjectError(
                 "the holder's header is not the one indexed (the object was replaced since it was located)")
@@ -395,6 +414,10 @@ class ObjectHeader:
         if got != expected:
             bad = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
             raise errors.ChecksumError(f"layer {layer_range.start + bad} checksum mismatch")
+
+
+_PARSED_MAX = 8192
+_parsed: dict[bytes, ObjectHeader] = {}  # exact header bytes -> header (ObjectHeader.unpack_exact)
 
 
 def stored_header_checksum(blob: Any) -> int:

@@ -82,6 +82,22 @@ def test_header_pack_unpack_is_identity() -> None:
     assert spec.header_nbytes % 64 == 0
 
 
+def test_a_header_parsed_from_the_same_bytes_is_remembered_and_a_damaged_one_never_is() -> None:
+    spec, arr = spec_of(sample("float32"))
+    raw = bytearray(encode(arr, b"remembered")[:spec.header_nbytes])
+    first = ObjectHeader.unpack_exact(raw, spec)
+    assert ObjectHeader.unpack_exact(bytes(raw), spec) is first and first == ObjectHeader.unpack(raw)
+    raw[FIXED_HEADER_NBYTES] ^= 1  # a layer checksum flipped: the header's own checksum fails
+    for _ in range(2):
+        with pytest.raises(errors.ChecksumError):
+            ObjectHeader.unpack_exact(raw, spec)
+    raw[FIXED_HEADER_NBYTES] ^= 1
+    other = bytearray(encode(arr, b"another key")[:spec.header_nbytes])
+    assert not ObjectHeader.unpack_exact(other, spec).is_for(b"remembered")
+    with pytest.raises(errors.WrongObjectError):
+        ObjectHeader.unpack_expected(other, b"remembered", first.checksum(), spec)
+
+
 @pytest.mark.parametrize("bad, error", [
     (np.zeros((2, 2, 4, 4)), errors.ShapeError),
     (np.zeros((2, 3, 4, 4, 4), dtype=np.float16), errors.ShapeError),

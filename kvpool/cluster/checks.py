@@ -42,7 +42,7 @@ class Speculation:
     def _own_header(self, raw_header: bytearray) -> ObjectHeader:
         """The holder's header, if whole, naming this key, with the guessed spec."""
         spec: ObjectSpec = self.replica["_spec"]  # type: ignore[typeddict-item]
-        header = ObjectHeader.unpack(raw_header, spec)
+        header = ObjectHeader.unpack_exact(raw_header, spec)
         header.check_identity(self.key)
         if header.spec != spec:
             raise errors.WrongObjectError(f"the holder's object is {header.spec}, guessed {spec}")
