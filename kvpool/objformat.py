@@ -197,9 +197,10 @@ class ObjectSpec:
     tokens: int
     kv_heads: int
     head_dim: int
-    # Derived once (every get needs them): element and layer sizes in bytes.
+    # Derived once (every get needs them): element, layer and header sizes in bytes.
     itemsize: int = dataclasses.field(init=False, repr=False, compare=False)
     layer_nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
+    header_nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         info = dtype_info(self.dtype)
@@ -210,6 +211,7 @@ class ObjectSpec:
         itemsize = np.dtype(info.storage).itemsize
         object.__setattr__(self, "itemsize", itemsize)
         object.__setattr__(self, "layer_nbytes", 2 * self.tokens * self.kv_heads * self.head_dim * itemsize)
+        object.__setattr__(self, "header_nbytes", _round_up(FIXED_HEADER_NBYTES + 8 * self.layers, HEADER_ALIGN))
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -218,10 +220,6 @@ class ObjectSpec:
     @property
     def payload_nbytes(self) -> int:
         return self.layers * self.layer_nbytes
-
-    @property
-    def header_nbytes(self) -> int:
-        return _round_up(FIXED_HEADER_NBYTES + 8 * self.layers, HEADER_ALIGN)
 
     @property
     def total_nbytes(self) -> int:

@@ -75,7 +75,8 @@ class ArrivalCheck:
     def finish(self) -> ObjectHeader:
         if self.error is not None:
             raise self.error
-        self._check(len(self.buf))
+        if self.header is None or self.checked < self.layer_range.count:
+            self._check(len(self.buf))
         assert self.header is not None
         return self.header
 

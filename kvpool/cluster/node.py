@@ -390,8 +390,8 @@ class Node:
                 if not self.manager.unpin(obj, bytes_read=rng.nbytes, blocking=False):
                     self._unpinner.submit(self.manager.unpin, obj, bytes_read=rng.nbytes)
 
-            view = obj.view_layers(layer_range)
-            if view is not None:
+            if obj.tier.supports_views:  # in place (as obj.view_layers, with the range resolved once)
+                view = obj.tier.view(obj.extent, rng.offset, rng.nbytes)
                 return ServeSource(rng.nbytes, buffers=[view], release=release, header=obj.header.packed,
                                    release_nonblocking=True)
             tier, extent = obj.tier, obj.extent

@@ -114,6 +114,8 @@ class SameHostArenas:
     def read_key(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> np.ndarray | None:
         """The layers read in place from a neighbour's arena found through its shared index (no
         master round trip), verified layer by layer; None if no neighbour has it."""
+        if not self._neighbours:
+            return None
         with self._lock:
             neighbours = list(self._neighbours.values())
         for reader in neighbours:

@@ -69,6 +69,12 @@ class ServeSource:
         if self.nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {self.nbytes}")
         if self.read_into is None:
+            buffers = self.buffers
+            if len(buffers) == 1 and type(buffers[0]) is memoryview and buffers[0].format == "B" \
+                    and buffers[0].ndim == 1 and buffers[0].c_contiguous:  # a memory tier's view: cheaply
+                if buffers[0].nbytes != self.nbytes:
+                    raise ValueError(f"buffers hold {buffers[0].nbytes} bytes, nbytes says {self.nbytes}")
+                return
             views = []
             for buf in self.buffers:
                 view = memoryview(buf)

@@ -200,7 +200,13 @@ class TcpPullClient:
         piece by piece, after the bytes already received are put back in front of the stream.
         """
         status_buf = bytearray(_STATUS.size)
-        header = memoryview(bytearray(pull.header_room)) if pull.header_out is not None else _EMPTY
+        header_out = pull.header_out
+        if header_out is None:
+            header = _EMPTY
+        elif len(header_out) == pull.header_room:  # the usual case: received in place
+            header = memoryview(header_out)
+        else:
+            header = memoryview(bytearray(pull.header_room))
         views = [memoryview(status_buf), header, pull.out]
         got = 0
         while got < _STATUS.size:
@@ -217,8 +223,8 @@ class TcpPullClient:
             views[2] = pull.out[:nbytes]
             while got < head:
                 got += conn.receive_some(pull, _skip(views, got), True)
-            if pull.header_out is not None:
-                pull.header_out[:] = header
+            if header_out is not None and header.obj is not header_out:
+                header_out[:] = header
             while True:
                 if pull.progress is not None:
                     pull.progress(min(got, end) - head)
@@ -228,6 +234,8 @@ class TcpPullClient:
         else:
             received = got - _STATUS.size
             conn.unread(bytes(header[:received]) + bytes(pull.out[:max(0, received - header.nbytes)]))
+            if header is not _EMPTY:
+                header.release()  # header_out is free to take the header's own length below
             body = bytearray(body_len)
             conn.receive(pull, memoryview(body), True)
             if status not in OK_STATUSES:
