@@ -165,7 +165,8 @@ class TcpPullClient:
     def _exchange(self, conn: _Conn, pulls: list[_TcpPull], outcomes: list[int | BaseException]) -> None:
         """Write the requests (at most ``_WINDOW_NBYTES`` ahead of the replies read, so neither
         side can block the other) and read each reply into its pull's buffer. On a new
-        connection the holder's answer to its hello is read and checked before any reply."""
+        connection the holder's answer to its hello is read and checked (and its nonce
+        answered) before any request is sent."""
         if conn.nonce is not None:
             self._check_hello(conn, pulls[0], conn.nonce)
             conn.nonce = None
