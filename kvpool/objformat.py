@@ -414,7 +414,7 @@ class ObjectHeader:
             raise errors.ChecksumError(f"layer {layer_range.start + bad} checksum mismatch")
 
 
-_PARSED_MAX = 8192
+_PARSED_MAX = 4096  # ~2 KiB each for a 32-layer header (its bytes, the header, 32 checksums)
 _parsed: dict[bytes, ObjectHeader] = {}  # exact header bytes -> header (ObjectHeader.unpack_exact)
 
 
