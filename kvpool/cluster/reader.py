@@ -521,7 +521,7 @@ class ReplicaReader:
                 break
             try:
                 located_check(guess.key, replica, guess.layer_range, guess.buf,
-                                    raw_header=guess.raw_header).finish()
+                              raw_header=guess.raw_header).finish()
             except errors.KVPoolError as exc:  # another version, or damaged: read as located
                 log.info("speculative pull of %s from %s not used: %s", guess.key.hex(), replica["node_id"], exc)
                 break

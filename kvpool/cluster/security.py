@@ -237,9 +237,7 @@ class ClusterKey:
     def holder_proof(self, nonce: bytes) -> bytes:
         """A pull server's answer to a reader's ``nonce``: proof that it holds the cluster key
         (16 zero bytes without one)."""
-        if not self.enabled:
-            return bytes(HOLDER_PROOF_NBYTES)
-        return hmac.digest(self._holder_key, bytes(nonce), "sha256")[:HOLDER_PROOF_NBYTES]
+        return self._proof(self._holder_key, b"", nonce)
 
     def check_holder_proof(self, nonce: bytes, proof: bytes) -> bool:
         """Whether ``proof`` answers ``nonce`` as only a holder of this key can (always true
@@ -250,9 +248,7 @@ class ClusterKey:
         """A reader's answer to a pull server's ``nonce``: proof that it holds the cluster key,
         so the server may skip its pulls' tokens (16 zero bytes without one). Labelled, so a
         holder's proof is never a reader's."""
-        if not self.enabled:
-            return bytes(HOLDER_PROOF_NBYTES)
-        return hmac.digest(self._holder_key, b"reader" + bytes(nonce), "sha256")[:HOLDER_PROOF_NBYTES]
+        return self._proof(self._holder_key, b"reader", nonce)
 
     def check_reader_proof(self, nonce: bytes, proof: bytes) -> bool:
         """Whether ``proof`` answers ``nonce`` as only a holder of this key can (never true
@@ -264,12 +260,17 @@ class ClusterKey:
     def query_proof(self, side: bytes, nonce: bytes) -> bytes:
         """One end's answer to the other's nonce on a master query connection (``side``:
         ``b"server"`` or ``b"client"``, so neither answer can be replayed as the other)."""
-        if not self.enabled:
-            return bytes(HOLDER_PROOF_NBYTES)
-        return hmac.digest(self._query_key, side + bytes(nonce), "sha256")[:HOLDER_PROOF_NBYTES]
+        return self._proof(self._query_key, side, nonce)
 
     def check_query_proof(self, side: bytes, nonce: bytes, proof: bytes) -> bool:
         return not self.enabled or hmac.compare_digest(bytes(proof), self.query_proof(side, nonce))
+
+    def _proof(self, key: bytes, label: bytes, nonce: bytes) -> bytes:
+        """HMAC-SHA256 of ``label + nonce`` under a derived ``key``, cut to HOLDER_PROOF_NBYTES
+        (zeros without a cluster key): every nonce answer of the TCP pull and query ports."""
+        if not self.enabled:
+            return bytes(HOLDER_PROOF_NBYTES)
+        return hmac.digest(key, label + bytes(nonce), "sha256")[:HOLDER_PROOF_NBYTES]
 
     @staticmethod
     def token_expiry_s(token: bytes) -> float:
