@@ -560,6 +560,91 @@ def test_master_kill9_and_restart_nodes_reregister(spawn_python):
         client.close()
 
 
+def test_a_request_the_master_died_holding_fails_when_its_connection_drops_not_at_its_deadline(spawn_python):
+    """A request in flight when the master is killed can never be answered: the master that
+    replaces it at that address never saw it, and a reply could not reach this connection
+    anyway. The call fails with MasterUnreachableError once the connection drops (a node's
+    heartbeat then retries at its next beat), not after its whole deadline; the next call is
+    answered by the new master."""
+    import signal
+
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    first = spawn_python(master_args(address), ready=answers_ping(address))
+    client = MasterClient(address, request_timeout_s=120.0)
+    outcome: list[BaseException | object] = []
+    ready, go = threading.Event(), threading.Event()
+
+    def ask() -> None:  # connections are per thread: this one's has a session before the freeze
+        try:
+            client.ping()
+            ready.set()
+            go.wait(30)
+            outcome.append(client.ping())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+        ready.set()
+
+    asking = threading.Thread(target=ask, daemon=True)
+    try:
+        asking.start()
+        assert ready.wait(30) and not outcome, outcome
+        os.kill(first.pid, signal.SIGSTOP)  # the next request reaches the master, never its answer
+        go.set()
+        wait_for(lambda: _recv_queue_bytes(first.pid) > 0, 10, "the request in the frozen master's socket")
+        first.kill()
+        spawn_python(master_args(address), ready=answers_ping(address))
+        asking.join(60)  # half the request's deadline: it must not be waited out
+        assert not asking.is_alive(), "the call waited for a reply the dead master could never send"
+        assert isinstance(outcome[0], errors.MasterUnreachableError), outcome
+        assert "dropped the connection before answering ping" in str(outcome[0])  # not its deadline
+        assert client.ping()["query_port"]  # the same client, answered by the new master
+    finally:
+        go.set()
+        client.close()
+
+
+_DIES_ON_REQUEST = """
+import os, sys, zmq
+from kvpool.cluster.security import ClusterKey
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+ClusterKey.default().secure_server(sock)
+print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+sock.recv_multipart()  # a request, after a handshake that succeeded
+os._exit(1)  # dies holding it
+"""
+
+
+def test_a_node_control_call_the_node_died_holding_fails_at_once_not_at_its_deadline(spawn_python, tmp_path):
+    from kvpool.cluster.control import control_call
+
+    log = tmp_path / "node.log"
+    server = spawn_python(["-c", _DIES_ON_REQUEST], log_path=log, ready=lambda: log.read_text().strip())
+    port = int(log.read_text())
+    with pytest.raises(errors.TransferError, match="dropped the connection before answering 'stats'"):
+        control_call(f"tcp://127.0.0.1:{port}", "stats", {}, timeout_s=60.0)
+    assert server.popen.wait(10) == 1  # it did receive the request
+
+
+def _recv_queue_bytes(pid: int) -> int:
+    """Bytes waiting unread in the connected TCP sockets of process ``pid`` (no ``ss`` here)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes and fields[3] == "01":  # ESTABLISHED
+                    waiting += int(fields[4].split(":")[1], 16)
+    return waiting
+
+
 def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALER) -> list[Any]:
     ctx = zmq.Context.instance()
     sock = ctx.socket(socket_type)

@@ -37,7 +37,10 @@ def control_call(control: str, op: str, body: Mapping[str, Any], timeout_s: floa
     try:
         sock.connect(control)
         sock.send(P.pack_control_request(request_id, op, body))
-        frame = recv_or_refused(sock, watch, timeout_s, f"{op}: node control socket", control, key, check)
+        frame = recv_or_refused(sock, watch, timeout_s, f"{op}: node control socket", control, key, check,
+                                lost=0)
+        if frame is None and watch.sessions_lost:  # the node died or restarted holding the request
+            raise errors.TransferError(f"node {control} dropped the connection before answering {op!r}")
         if frame is None:
             raise errors.KVTimeoutError(f"node {control} did not answer {op!r} within {timeout_s:.3g} s")
     finally:

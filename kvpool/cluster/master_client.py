@@ -75,8 +75,8 @@ class _Connection:
         self.watch.close()
 
 
-# Following a leader (master.etcd): how long a reply may take before the client checks
-# whether the leader has moved.
+# How long a reply may take before the client checks whether its connection dropped (and,
+# following a leader in etcd, whether the leader has moved).
 LEADER_CHECK_S = 0.2
 # A master without a query port, or whose port failed, is asked for it again after this.
 _QUERY_RETRY_S = 30.0
@@ -245,6 +245,7 @@ class MasterClient:
             raise errors.RequestTooLargeError(
                 f"{op} request is {len(frame)} bytes; the master accepts at most master.max_request_bytes = "
                 f"{self.max_request_bytes}")
+        lost = conn.watch.lost()  # a connection that drops after the send takes the request with it
         try:
             conn.socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:  # the send queue is full: the master has been gone for a while
@@ -255,8 +256,7 @@ class MasterClient:
             meanwhile()
             deadline += time.monotonic() - began
         socket = conn.socket
-        # Following a leader: a reply slower than this makes the client look for a new leader.
-        slice_ms = int(LEADER_CHECK_S * 1000) if self._finder is not None else 1 << 30
+        slice_ms = int(LEADER_CHECK_S * 1000)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             try:
@@ -270,7 +270,7 @@ class MasterClient:
                 else:  # the first reply: also watch the handshake, so a refused key fails fast
                     try:
                         got = recv_or_refused(socket, conn.watch, wait_ms / 1000, "master", conn.address,
-                                              self.cluster_key)
+                                              self.cluster_key, lost=lost)
                     except errors.AuthenticationError:
                         self._discard(conn)
                         raise
@@ -278,7 +278,12 @@ class MasterClient:
                         raise zmq.Again
                     frame, conn.answered = got, True
             except zmq.Again:
-                if wait_ms < remaining_ms:  # a slice ended, not the deadline: has the leader moved?
+                if wait_ms < remaining_ms:  # a slice ended, not the deadline
+                    if conn.watch.lost() != lost:  # the master died holding the request, or restarted
+                        self._discard(conn)
+                        raise errors.MasterUnreachableError(
+                            f"master at {conn.address} dropped the connection before answering {op} (it "
+                            f"stopped or restarted); the request may or may not have taken effect") from None
                     if self._finder is not None and self._finder.refresh() not in (None, conn.address):
                         self._discard(conn)
                         raise _LeaderMoved from None

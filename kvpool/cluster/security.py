@@ -369,6 +369,7 @@ class HandshakeWatch:
         self._failed_mask = mask & ~zmq.EVENT_HANDSHAKE_SUCCEEDED
         self._denied = zmq.EVENT_HANDSHAKE_FAILED_AUTH
         self._protocol = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        self._disconnected = zmq.EVENT_DISCONNECTED
         # Protocol errors that mean "not our key / not our mechanism" (not a garbled stream).
         self._auth_protocol_errors = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH,
                                       zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC,
@@ -376,10 +377,13 @@ class HandshakeWatch:
         # A name of its own: pyzmq's default names the socket's fd, which a socket opened right
         # after this one closes may reuse before the old monitor endpoint is gone (EADDRINUSE).
         address = f"inproc://kvpool-handshake-{os.getpid()}-{next(_MONITOR_IDS)}"
-        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(mask, addr=address)
+        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(mask | zmq.EVENT_DISCONNECTED, addr=address)
         self.failures = 0       # handshakes failed since the last one that succeeded
         self.denied = False     # a decisive refusal: a ZAP denial or a mechanism/crypto mismatch
         self.succeeded = False  # the last handshake succeeded
+        self.sessions_lost = 0  # connections that dropped after their handshake succeeded
+        self._in_session = False
+        self._pending_events = (zmq.EVENTS, zmq.POLLIN)
 
     def update(self) -> None:
         import zmq
@@ -392,13 +396,25 @@ class HandshakeWatch:
                 return
             message = parse_monitor_message(frames)
             event = message["event"]
-            if event & self._failed_mask:
+            if event == self._disconnected:
+                self.sessions_lost += self._in_session
+                self._in_session = False
+            elif event & self._failed_mask:
                 self.failures += 1
-                self.succeeded = False
+                self.succeeded = self._in_session = False
                 self.denied = self.denied or bool(event & self._denied) or bool(
                     event & self._protocol and int(message["value"]) in self._auth_protocol_errors)
             else:
-                self.failures, self.denied, self.succeeded = 0, False, True
+                self.failures, self.denied, self.succeeded, self._in_session = 0, False, True, True
+
+    def lost(self) -> int:
+        """:attr:`sessions_lost`, counting the events already reported (one ``getsockopt`` when
+        there are none). A request sent while this was *n* can be answered only while it is
+        still *n*: a reply cannot reach a connection made after the one that carried it."""
+        option, readable = self._pending_events
+        if self.monitor.getsockopt(option) & readable:
+            self.update()
+        return self.sessions_lost
 
     def refused(self, *, settled: bool = False) -> bool:
         """True when the peer refuses our key: a decisive refusal, or failed handshakes and none
@@ -418,10 +434,13 @@ def refused_error(what: str, address: str, key: ClusterKey | None) -> errors.Aut
 
 
 def recv_or_refused(sock: zmq.Socket[Any], watch: HandshakeWatch, timeout_s: float, what: str, address: str,
-                    key: ClusterKey | None, check: Callable[[], None] | None = None) -> bytes | None:
+                    key: ClusterKey | None, check: Callable[[], None] | None = None,
+                    lost: int | None = None) -> bytes | None:
     """The next message on ``sock`` within ``timeout_s``, None at the deadline; raises
     AuthenticationError as soon as the peer is seen refusing our key (also at the deadline).
-    ``check()`` runs every 100 ms of waiting and may raise to give up early."""
+    ``check()`` runs every 100 ms of waiting and may raise to give up early. ``lost``: the
+    watch's :meth:`~HandshakeWatch.lost` when the request was sent; None is returned as soon as
+    it moves (the connection that carried the request dropped: no reply can come)."""
     import zmq
 
     deadline = time.monotonic() + timeout_s
@@ -439,5 +458,7 @@ def recv_or_refused(sock: zmq.Socket[Any], watch: HandshakeWatch, timeout_s: flo
             return sock.recv(zmq.NOBLOCK)
         if watch.refused():
             raise refused_error(what, address, key)
+        if lost is not None and watch.sessions_lost != lost:
+            return None
         if check is not None:
             check()
