@@ -412,7 +412,7 @@ class HandshakeWatch:
         there are none). A request sent while this was *n* can be answered only while it is
         still *n*: a reply cannot reach a connection made after the one that carried it."""
         option, readable = self._pending_events
-        if self.monitor.getsockopt(option) & readable:
+        if int(self.monitor.getsockopt(option)) & readable:
             self.update()
         return self.sessions_lost
 
