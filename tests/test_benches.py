@@ -9,12 +9,36 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUICK_SIZES = ("64K", "256K", "1M", "4M", "16M", "64M")
+
+
+def run_or_dump(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark (and whatever it starts, in a session of its own); one still running
+    after ``timeout_s`` fails the test with every thread's stack (faulthandler, on SIGABRT)."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"{args[0]} still running after {timeout_s} s; its output and threads:\n{out[-3000:]}\n"
+                    f"{err[-12000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its children (a master) too
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_tier_bench_quick_runs(tmp_path: Path) -> None:
@@ -97,11 +121,10 @@ def test_peers_bench_quick_kvpool_tcp_and_skipped_peers(tmp_path: Path) -> None:
 
 
 def test_scale_bench_small_run_reports_every_step_and_the_checks() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "scale_bench.py"), "--keys", "2000,6000", "--layers", "4",
+    proc = run_or_dump(
+        [str(REPO_ROOT / "bench" / "scale_bench.py"), "--keys", "2000,6000", "--layers", "4",
          "--nodes-with-keys", "2", "--lookup-seconds", "0.3", "--heartbeat-nodes", "5", "--heartbeat-seconds", "2"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
-    )
+        timeout_s=90)  # ~8 s here; the test's own limit is 120 s
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit() and "," in line.split()[0]]
     assert [row[0] for row in rows] == ["2,000", "6,000"]
