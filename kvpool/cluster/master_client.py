@@ -32,7 +32,7 @@ from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.etcd import LeaderFinder
 from kvpool.cluster.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
-from kvpool.cluster.query import MAX_QUERY_BYTES, QueryClient, query_host
+from kvpool.cluster.query import QueryPorts
 from kvpool.cluster.schema import LocateReply
 from kvpool.cluster.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
 from kvpool.config import Config, MasterSection, check_master_address
@@ -78,8 +78,6 @@ class _Connection:
 # How long a reply may take before the client checks whether its connection dropped (and,
 # following a leader in etcd, whether the leader has moved).
 LEADER_CHECK_S = 0.2
-# A master without a query port, or whose port failed, is asked for it again after this.
-_QUERY_RETRY_S = 30.0
 
 
 class _LeaderMoved(Exception):
@@ -141,11 +139,12 @@ class MasterClient:
         self._lock = threading.Lock()
         self._closed = False
         # The master's query port (kvpool.cluster.query): exists and lookup go there first.
-        # master address -> (its query port, 0: none; when to ask the master for it again)
-        self._query_ports: dict[str, tuple[int, float]] = {}
-        self._queries: weakref.WeakSet[QueryClient] = weakref.WeakSet()
-        self._query_ids = itertools.count(1)
-        self.query_calls = 0
+        # Following a leader, a frozen one costs at most a second there before the ZeroMQ
+        # call looks for a new one.
+        self._queries = QueryPorts(
+            self.cluster_key, lambda: self.call(P.PING, {}).query_port,
+            self.request_timeout_s if self._finder is None else min(self.request_timeout_s, 5 * LEADER_CHECK_S),
+            following=self._finder is not None)
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -302,81 +301,6 @@ class MasterClient:
                 return reply
             raise P.error_from_reply(reply)
 
-    def _query(self, op: str, body: Mapping[str, Any]) -> Any:
-        """``op`` answered on the master's query port, or None: ask over ZeroMQ (no port, or it
-        failed: a master that restarted, a standby, an error the ZeroMQ call will name)."""
-        address = self._fixed if self._finder is None else self._finder.current()
-        if address is None or self._closed:
-            return None
-        conn: QueryClient | None = getattr(self._local, "query", None)
-        if conn is not None and conn.address != address:
-            conn.close()
-            conn = self._local.query = None
-        if conn is None:
-            conn = self._open_query(address, op)
-            if conn is None:
-                return None
-        request_id = next(self._query_ids)
-        frame = P.pack_request(request_id, op, body)
-        if len(frame) > MAX_QUERY_BYTES:  # a batch this large is asked over ZeroMQ
-            return None
-        try:
-            reply_id, ok, reply = P.unpack_reply(conn.call(frame), op)
-            if reply_id != request_id:
-                raise errors.ProtocolError(f"query reply {reply_id!r:.40} to request {request_id}")
-        except (OSError, errors.KVPoolError) as exc:
-            conn.close()
-            self._local.query = None
-            # A connection that broke (the master restarted: a new port) is made again at the
-            # next question, its port asked for afresh.
-            self._query_ports[address] = (0, time.monotonic())
-            self._unanswered(op, address, exc)
-            log.debug("master query port %s:%d: %s; asking over ZeroMQ", *conn.where, exc)
-            return None
-        if not ok:
-            return None
-        self.query_calls += 1
-        return reply
-
-    def _open_query(self, address: str, op: str) -> QueryClient | None:
-        """A connection to ``address``'s query port for this thread (its port asked for over
-        ZeroMQ, once a while), or None."""
-        port, retry_at = self._query_ports.get(address, (0, 0.0))
-        if not port:
-            if time.monotonic() < retry_at:
-                return None
-            # Its errors (unreachable, refused key) are the ones the ZeroMQ call would raise.
-            try:
-                port = self.call(P.PING, {}).query_port
-            except errors.MasterUnreachableError as exc:
-                raise errors.MasterUnreachableError(str(exc).replace(f" answer {P.PING} ", f" answer {op} ")) from None
-            self._query_ports[address] = (port, time.monotonic() + _QUERY_RETRY_S)
-            if not port:
-                return None
-        try:
-            # Following a leader, a frozen one costs at most a second here before the ZeroMQ
-            # call looks for a new one.
-            timeout = self.request_timeout_s if self._finder is None else min(self.request_timeout_s,
-                                                                              5 * LEADER_CHECK_S)
-            conn = QueryClient(query_host(address), port, self.cluster_key, timeout)
-        except (OSError, errors.KVPoolError) as exc:
-            self._query_ports[address] = (0, time.monotonic() + _QUERY_RETRY_S)
-            self._unanswered(op, address, exc)
-            log.debug("master query port %s:%d unusable: %s", query_host(address), port, exc)
-            return None
-        conn.address = address
-        self._local.query = conn
-        self._queries.add(conn)
-        return conn
-
-    def _unanswered(self, op: str, address: str, exc: BaseException) -> None:
-        """A query port that took the whole deadline: MasterUnreachableError, as the ZeroMQ call
-        would raise after as long again (following a leader, the ZeroMQ call looks for a new one
-        instead)."""
-        if isinstance(exc, (BlockingIOError, TimeoutError)) and self._finder is None:
-            raise errors.MasterUnreachableError(
-                f"master at {address} did not answer {op} within {self.request_timeout_s:.3g} s") from None
-
     def close(self) -> None:
         """Close every socket. Call when no thread is inside a call."""
         with self._lock:
@@ -385,8 +309,7 @@ class MasterClient:
             self._closed = True
             for conn in list(self._connections):
                 conn.close()
-            for query in list(self._queries):
-                query.close()
+            self._queries.close()
         self._local = threading.local()
         if self._owns_context:
             # destroy(): a socket still open in some thread is closed rather than waited for forever.
@@ -482,9 +405,15 @@ class MasterClient:
             body["tiers"] = tiers
         return self.call(P.HEARTBEAT, body)
 
+    @property
+    def query_calls(self) -> int:
+        """Questions answered on a query port."""
+        return self._queries.calls
+
     def _question(self, op: str, body: Mapping[str, Any]) -> Any:
         """A question (exists, lookup): on the query port if it answers, else over ZeroMQ."""
-        reply = self._query(op, body)
+        address = self._fixed if self._finder is None else self._finder.current()
+        reply = None if address is None or self._closed else self._queries.ask(address, op, body)
         return reply if reply is not None else self.call(op, body)
 
     def lookup(self, hashes: Iterable[KeyLike]) -> int:

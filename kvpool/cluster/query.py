@@ -24,12 +24,16 @@ Security
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
@@ -45,6 +49,7 @@ _VERSION = 1
 _PROOF = 16
 _LENGTH = struct.Struct("<I")
 MAX_QUERY_BYTES = 4 << 20  # a query or its answer larger than this ends the connection
+_RETRY_S = 30.0  # a master without a query port, or whose port failed, is asked for it again after this
 _FIRST_READ = 4096  # a frame's first recv asks for this much (a one-key question is ~100 bytes)
 
 
@@ -168,6 +173,99 @@ class QueryClient:
 
     def close(self) -> None:
         self._sock.close()
+
+
+class QueryPorts:
+    """A master client's questions on masters' query ports: one :class:`QueryClient` per calling
+    thread, for the master it last asked. A master's port is learned with ``port_of()`` (a
+    ping over ZeroMQ to the master being asked; 0: it has none), and asked for again
+    :data:`_RETRY_S` after it was missing or unusable, or at once after a connection broke (a
+    master that restarted has a new port). ``following``: the client follows a leader in
+    etcd, so a port that does not answer in ``timeout_s`` is left for the ZeroMQ call (which
+    looks for a new leader) instead of raising MasterUnreachableError."""
+
+    def __init__(self, cluster_key: ClusterKey, port_of: Callable[[], int], timeout_s: float, *,
+                 following: bool = False) -> None:
+        self.cluster_key = cluster_key
+        self.port_of = port_of
+        self.timeout_s = timeout_s
+        self.following = following
+        self.calls = 0  # questions answered here
+        self._local = threading.local()
+        self._ports: dict[str, tuple[int, float]] = {}  # master -> (its port, 0: none; when to ask again)
+        self._clients: weakref.WeakSet[QueryClient] = weakref.WeakSet()
+        self._ids = itertools.count(1)
+
+    def ask(self, address: str, op: str, body: Mapping[str, Any]) -> Any:
+        """``op`` answered on the query port of the master at ``address``, or None: ask over
+        ZeroMQ (no port, or it failed: a master that restarted, a standby, an error the ZeroMQ
+        call will name)."""
+        conn: QueryClient | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.address != address:
+            conn.close()
+            conn = self._local.conn = None
+        if conn is None:
+            conn = self._open(address, op)
+            if conn is None:
+                return None
+        request_id = next(self._ids)
+        frame = P.pack_request(request_id, op, body)
+        if len(frame) > MAX_QUERY_BYTES:  # a batch this large is asked over ZeroMQ
+            return None
+        try:
+            reply_id, ok, reply = P.unpack_reply(conn.call(frame), op)
+            if reply_id != request_id:
+                raise errors.ProtocolError(f"query reply {reply_id!r:.40} to request {request_id}")
+        except (OSError, errors.KVPoolError) as exc:
+            conn.close()
+            self._local.conn = None
+            self._ports[address] = (0, time.monotonic())  # asked for afresh at the next question
+            self._unanswered(op, address, exc)
+            log.debug("master query port %s:%d: %s; asking over ZeroMQ", *conn.where, exc)
+            return None
+        if not ok:
+            return None
+        self.calls += 1
+        return reply
+
+    def close(self) -> None:
+        for conn in list(self._clients):
+            conn.close()
+        self._local = threading.local()
+
+    def _open(self, address: str, op: str) -> QueryClient | None:
+        """A connection to ``address``'s query port for this thread, or None."""
+        port, retry_at = self._ports.get(address, (0, 0.0))
+        if not port:
+            if time.monotonic() < retry_at:
+                return None
+            # Its errors (unreachable, refused key) are the ones the ZeroMQ call would raise.
+            try:
+                port = self.port_of()
+            except errors.MasterUnreachableError as exc:
+                raise errors.MasterUnreachableError(str(exc).replace(f" answer {P.PING} ", f" answer {op} ")) from None
+            self._ports[address] = (port, time.monotonic() + _RETRY_S)
+            if not port:
+                return None
+        try:
+            conn = QueryClient(query_host(address), port, self.cluster_key, self.timeout_s)
+        except (OSError, errors.KVPoolError) as exc:
+            self._ports[address] = (0, time.monotonic() + _RETRY_S)
+            self._unanswered(op, address, exc)
+            log.debug("master query port %s:%d unusable: %s", query_host(address), port, exc)
+            return None
+        conn.address = address
+        self._local.conn = conn
+        self._clients.add(conn)
+        return conn
+
+    def _unanswered(self, op: str, address: str, exc: BaseException) -> None:
+        """A query port that took the whole deadline: MasterUnreachableError, as the ZeroMQ call
+        would raise after as long again (following a leader, the ZeroMQ call looks for a new one
+        instead)."""
+        if isinstance(exc, (BlockingIOError, TimeoutError)) and not self.following:
+            raise errors.MasterUnreachableError(
+                f"master at {address} did not answer {op} within {self.timeout_s:.3g} s") from None
 
 
 def _write_frame(sock: socket.socket, frame: bytes) -> None:
