@@ -142,7 +142,7 @@ class MasterClient:
         # Following a leader, a frozen one costs at most a second there before the ZeroMQ
         # call looks for a new one.
         self._queries = QueryPorts(
-            self.cluster_key, lambda: self.call(P.PING, {}).query_port,
+            self.cluster_key,
             self.request_timeout_s if self._finder is None else min(self.request_timeout_s, 5 * LEADER_CHECK_S),
             following=self._finder is not None)
 
@@ -410,10 +410,14 @@ class MasterClient:
         """Questions answered on a query port."""
         return self._queries.calls
 
+    def _query_port(self) -> int:
+        """The query port of the master a call goes to (0: none), asked over ZeroMQ."""
+        return self.call(P.PING, {}).query_port
+
     def _question(self, op: str, body: Mapping[str, Any]) -> Any:
         """A question (exists, lookup): on the query port if it answers, else over ZeroMQ."""
         address = self._fixed if self._finder is None else self._finder.current()
-        reply = None if address is None or self._closed else self._queries.ask(address, op, body)
+        reply = None if address is None or self._closed else self._queries.ask(address, op, body, self._query_port)
         return reply if reply is not None else self.call(op, body)
 
     def lookup(self, hashes: Iterable[KeyLike]) -> int:

@@ -177,17 +177,16 @@ class QueryClient:
 
 class QueryPorts:
     """A master client's questions on masters' query ports: one :class:`QueryClient` per calling
-    thread, for the master it last asked. A master's port is learned with ``port_of()`` (a
-    ping over ZeroMQ to the master being asked; 0: it has none), and asked for again
+    thread, for the master it last asked. A master's port is learned with the ``port_of()`` a
+    question brings (a ping over ZeroMQ to the master being asked; 0: it has none; passed with
+    each question, so this object holds no reference back to its client), and asked for again
     :data:`_RETRY_S` after it was missing or unusable, or at once after a connection broke (a
     master that restarted has a new port). ``following``: the client follows a leader in
     etcd, so a port that does not answer in ``timeout_s`` is left for the ZeroMQ call (which
     looks for a new leader) instead of raising MasterUnreachableError."""
 
-    def __init__(self, cluster_key: ClusterKey, port_of: Callable[[], int], timeout_s: float, *,
-                 following: bool = False) -> None:
+    def __init__(self, cluster_key: ClusterKey, timeout_s: float, *, following: bool = False) -> None:
         self.cluster_key = cluster_key
-        self.port_of = port_of
         self.timeout_s = timeout_s
         self.following = following
         self.calls = 0  # questions answered here
@@ -196,7 +195,7 @@ class QueryPorts:
         self._clients: weakref.WeakSet[QueryClient] = weakref.WeakSet()
         self._ids = itertools.count(1)
 
-    def ask(self, address: str, op: str, body: Mapping[str, Any]) -> Any:
+    def ask(self, address: str, op: str, body: Mapping[str, Any], port_of: Callable[[], int]) -> Any:
         """``op`` answered on the query port of the master at ``address``, or None: ask over
         ZeroMQ (no port, or it failed: a master that restarted, a standby, an error the ZeroMQ
         call will name)."""
@@ -205,7 +204,7 @@ class QueryPorts:
             conn.close()
             conn = self._local.conn = None
         if conn is None:
-            conn = self._open(address, op)
+            conn = self._open(address, op, port_of)
             if conn is None:
                 return None
         request_id = next(self._ids)
@@ -233,7 +232,7 @@ class QueryPorts:
             conn.close()
         self._local = threading.local()
 
-    def _open(self, address: str, op: str) -> QueryClient | None:
+    def _open(self, address: str, op: str, port_of: Callable[[], int]) -> QueryClient | None:
         """A connection to ``address``'s query port for this thread, or None."""
         port, retry_at = self._ports.get(address, (0, 0.0))
         if not port:
@@ -241,7 +240,7 @@ class QueryPorts:
                 return None
             # Its errors (unreachable, refused key) are the ones the ZeroMQ call would raise.
             try:
-                port = self.port_of()
+                port = port_of()
             except errors.MasterUnreachableError as exc:
                 raise errors.MasterUnreachableError(str(exc).replace(f" answer {P.PING} ", f" answer {op} ")) from None
             self._ports[address] = (port, time.monotonic() + _RETRY_S)
