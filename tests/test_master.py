@@ -970,7 +970,7 @@ def test_questions_are_answered_on_the_query_port_as_over_zeromq(make_node, clie
 
 
 def test_the_query_port_answers_only_questions_and_only_to_holders_of_the_key(make_node, client):
-    from kvpool.cluster.query import QueryClient, query_host
+    from kvpool.cluster.query import QUERY_HELLO, QueryClient, query_host
 
     node = make_node()
     [key] = new_keys(1)
@@ -990,11 +990,16 @@ def test_the_query_port_answers_only_questions_and_only_to_holders_of_the_key(ma
         asker.close()
     assert client.exists(key)
 
-    # A client that cannot prove the key: the connection ends before any question is read.
+    # Another protocol (here the first version of this one): the connection ends unanswered.
     with socket.create_connection((host, port), timeout=2.0) as sock:
         sock.sendall(b"KVMQ" + (1).to_bytes(2, "little") + os.urandom(16))
+        assert sock.recv(64) == b""
+
+    # A client that cannot prove the key: the connection ends before any question is read.
+    with socket.create_connection((host, port), timeout=2.0) as sock:
+        sock.sendall(QUERY_HELLO.opening()[1])
         answer = b""
-        while len(answer) < 38:
+        while len(answer) < QUERY_HELLO.ANSWER.size:
             chunk = sock.recv(64)
             assert chunk, "the server sends its proof and nonce first"
             answer += chunk

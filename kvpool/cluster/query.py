@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import socket
 import struct
 import threading
@@ -38,15 +37,12 @@ from typing import Any
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.security import ClusterKey
-from kvpool.transport.tcp.stream import accept_forever, listen_on, recv_exactly, set_timeouts, shutdown
+from kvpool.transport.tcp.stream import MutualHello, accept_forever, listen_on, recv_exactly, set_timeouts, shutdown
 
 log = logging.getLogger("kvpool.master.query")
 
 QUERY_OPS = frozenset({P.EXISTS, P.LOOKUP, P.PING})
-_HELLO = struct.Struct("<4sH16s")  # magic, version, nonce
-_MAGIC = b"KVMQ"
-_VERSION = 1
-_PROOF = 16
+QUERY_HELLO = MutualHello(b"KVMQ", 2, "kvpool master query port")  # 1: the answer's nonce before its proof
 _LENGTH = struct.Struct("<I")
 MAX_QUERY_BYTES = 4 << 20  # a query or its answer larger than this ends the connection
 _RETRY_S = 30.0  # a master without a query port, or whose port failed, is asked for it again after this
@@ -113,16 +109,8 @@ class QueryServer:
             conn.close()
 
     def _handshake(self, conn: socket.socket) -> bool:
-        hello = _recv_exactly(conn, _HELLO.size)
-        if hello is None:
-            return False
-        magic, version, client_nonce = _HELLO.unpack(hello)
-        if magic != _MAGIC or version != _VERSION:
-            return False
-        nonce = os.urandom(16)
-        conn.sendall(_HELLO.pack(_MAGIC, _VERSION, nonce) + self._key.query_proof(b"server", client_nonce))
-        proof = _recv_exactly(conn, _PROOF)
-        return proof is not None and self._key.check_query_proof(b"client", nonce, proof)
+        opened = QUERY_HELLO.server_open(conn, lambda nonce: self._key.query_proof(b"server", nonce))
+        return opened is not None and self._key.check_query_proof(b"client", *opened)
 
     def _answer(self, frame: bytes) -> bytes:
         try:
@@ -148,17 +136,14 @@ class QueryClient:
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_timeouts(self._sock, timeout_s, timeout_s)  # BlockingIOError past it
-            nonce = os.urandom(16)
-            self._sock.sendall(_HELLO.pack(_MAGIC, _VERSION, nonce))
-            answer = _recv_exactly(self._sock, _HELLO.size + _PROOF)
+            nonce, hello = QUERY_HELLO.opening()
+            self._sock.sendall(hello)
+            answer = _recv_exactly(self._sock, QUERY_HELLO.ANSWER.size)
             if answer is None:
                 raise errors.TransferError("the query port closed the connection")
-            magic, version, server_nonce = _HELLO.unpack_from(answer)
-            if magic != _MAGIC or version != _VERSION:
-                raise errors.ProtocolError("not a kvpool master query port")
-            if not cluster_key.check_query_proof(b"server", nonce, answer[_HELLO.size:]):
-                raise errors.AuthenticationError("the query port could not prove it holds the cluster key")
-            self._sock.sendall(cluster_key.query_proof(b"client", server_nonce))
+            challenge = QUERY_HELLO.check_answer(
+                answer, nonce, lambda nonce, proof: cluster_key.check_query_proof(b"server", nonce, proof))
+            self._sock.sendall(cluster_key.query_proof(b"client", challenge))
         except BaseException:
             self._sock.close()
             raise

@@ -30,7 +30,7 @@ Threads and system calls
 
 Security
     The server binds ``host`` only (the node's address). A client opens every connection
-    with a hello carrying a fresh nonce; the server answers it with ``prove(nonce)`` and a
+    (:data:`.stream.PULL_HELLO`) with a hello carrying a fresh nonce; the server answers it with ``prove(nonce)`` and a
     nonce of its own, and the client sends nothing more before ``check_proof`` accepted that
     (:meth:`ClusterKey.holder_proof`): a process that took over a dead holder's port cannot
     hand out bytes. The client then answers the server's nonce (``prove``,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -24,11 +23,8 @@ from kvpool.transport.frames import (
 )
 from kvpool.transport.pulls import PullRequest, checked_pull
 from kvpool.transport.tcp.stream import (
-    HELLO,
-    HELLO_ANSWER,
-    HELLO_MAGIC,
-    HELLO_VERSION,
     PROOF_NBYTES,
+    PULL_HELLO,
     TcpPathUnusable,
     set_timeouts,
 )
@@ -183,14 +179,12 @@ class TcpPullClient:
     def _check_hello(self, conn: _Conn, pull: _TcpPull, nonce: bytes) -> None:
         """Read the holder's answer to a new connection's hello (a wrong one ends the
         connection), then answer the holder's nonce."""
-        hello = bytearray(HELLO_ANSWER.size)
-        conn.receive(pull, memoryview(hello), False)
-        magic, version, proof, challenge = HELLO_ANSWER.unpack(hello)
-        if magic != HELLO_MAGIC or version != HELLO_VERSION:
-            raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: not a kvpool TCP pull server"), replied=True)
-        if self.check_proof is not None and not self.check_proof(nonce, proof):
-            raise _ConnectionLost(errors.AuthenticationError(
-                f"{pull.label}: the server there could not prove it holds the cluster key"), replied=True)
+        answer = bytearray(PULL_HELLO.ANSWER.size)
+        conn.receive(pull, memoryview(answer), False)
+        try:
+            challenge = PULL_HELLO.check_answer(answer, nonce, self.check_proof)
+        except (errors.ProtocolError, errors.AuthenticationError) as exc:
+            raise _ConnectionLost(type(exc)(f"{pull.label}: {exc}"), replied=True) from None
         conn.send(pull, self.prove(challenge) if self.prove is not None else bytes(PROOF_NBYTES))
 
     def _reply(self, conn: _Conn, pull: _TcpPull, replied: bool) -> int | BaseException:
@@ -271,7 +265,7 @@ class TcpPullClient:
             if conn is not None:
                 conn.wake_every(wait_s)
                 return conn
-        nonce = os.urandom(16)
+        nonce, hello = PULL_HELLO.opening()
         try:
             sock = socket.create_connection(where, timeout=min(self.connect_timeout_s, pull.timeout_s))
         except OSError as exc:
@@ -279,7 +273,7 @@ class TcpPullClient:
             return exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(HELLO.pack(HELLO_MAGIC, HELLO_VERSION, nonce))  # answered before any request
+            sock.sendall(hello)  # answered before any request
             conn = _Conn(sock, nonce)
             conn.wake_every(wait_s)
         except OSError as exc:

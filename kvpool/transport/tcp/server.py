@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import socket
 import threading
 import time
@@ -30,14 +29,9 @@ from kvpool.transport.frames import (
 )
 from kvpool.transport.source import Provider, ServeSource
 from kvpool.transport.tcp.stream import (
-    HELLO,
-    HELLO_ANSWER,
-    HELLO_MAGIC,
-    HELLO_VERSION,
-    PROOF_NBYTES,
+    PULL_HELLO,
     accept_forever,
     listen_on,
-    recv_exactly,
     send_views,
     set_timeouts,
     shutdown,
@@ -164,19 +158,10 @@ class TcpPullServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             set_timeouts(conn, self.idle_timeout_s, self.send_timeout_s)
-            hello = bytearray(HELLO.size)
-            if not recv_exactly(conn, memoryview(hello), at_boundary=True):
+            opened = PULL_HELLO.server_open(conn, self._prove)
+            if opened is None:
                 return
-            magic, version, nonce = HELLO.unpack(hello)
-            if magic != HELLO_MAGIC or version != HELLO_VERSION:
-                raise errors.ProtocolError(f"not a kvpool TCP pull hello ({bytes(hello[:6])!r})")
-            proof = self._prove(nonce) if self._prove is not None else bytes(PROOF_NBYTES)
-            challenge = os.urandom(16)
-            conn.sendall(HELLO_ANSWER.pack(HELLO_MAGIC, HELLO_VERSION, proof, challenge))
-            answer = bytearray(PROOF_NBYTES)
-            if not recv_exactly(conn, memoryview(answer), at_boundary=True):
-                return
-            trusted = self._trust is not None and self._trust(challenge, bytes(answer))
+            trusted = self._trust is not None and self._trust(*opened)
             self.connections_trusted += trusted
             authorize = None if trusted else self._authorize
             requests = _Requests(conn)

@@ -1,7 +1,9 @@
-"""What both ends of a TCP pull connection share: the hello, socket set-up, writing views."""
+"""What both ends of a TCP connection share: the opening both ends prove a key in (the pull
+port's and the master query port's), socket set-up, writing views."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -9,14 +11,63 @@ from collections.abc import Callable
 
 from kvpool import errors
 
-# A connection opens with three frames: the client's hello (a nonce); the server's answer (its
-# proof for that nonce, then a nonce of its own); the client's proof for the server's nonce
-# (PROOF_NBYTES, zeros from a client without the cluster key), sent with its first requests.
-HELLO = struct.Struct("<4sH16s")
-HELLO_ANSWER = struct.Struct("<4sH16s16s")
-HELLO_MAGIC = b"KVTH"
-HELLO_VERSION = 2
 PROOF_NBYTES = 16
+
+
+class MutualHello:
+    """How a connection opens when each end proves to the other that it holds a key (the TCP
+    pull port and the master's query port, each with a ``magic`` of its own), in three frames:
+
+    1. the client's HELLO: magic, version, a nonce;
+    2. the server's ANSWER: magic, version, its proof of that nonce, a nonce of its own;
+    3. the client's proof of the server's nonce (PROOF_NBYTES; zeros from a client without
+       the key), sent before its first request.
+
+    Proofs are the callers' (:class:`~kvpool.cluster.security.ClusterKey`, labelled per side,
+    so neither end's answer can be replayed as the other's). Fresh nonces on both ends: a
+    recorded opening cannot be replayed. ``what`` names the server in errors."""
+
+    HELLO = struct.Struct("<4sH16s")
+    ANSWER = struct.Struct("<4sH16s16s")
+
+    def __init__(self, magic: bytes, version: int, what: str) -> None:
+        self.magic, self.version, self.what = magic, version, what
+
+    def opening(self) -> tuple[bytes, bytes]:
+        """(the nonce, the HELLO frame) of a new client connection."""
+        nonce = os.urandom(16)
+        return nonce, self.HELLO.pack(self.magic, self.version, nonce)
+
+    def check_answer(self, answer: bytes | bytearray, nonce: bytes,
+                     check_proof: Callable[[bytes, bytes], bool] | None) -> bytes:
+        """The server's nonce, from its ANSWER to ``nonce``; ProtocolError from another
+        protocol, AuthenticationError when ``check_proof(nonce, proof)`` fails."""
+        magic, version, proof, challenge = self.ANSWER.unpack(answer)
+        if magic != self.magic or version != self.version:
+            raise errors.ProtocolError(f"not a {self.what}")
+        if check_proof is not None and not check_proof(nonce, proof):
+            raise errors.AuthenticationError(f"the {self.what} could not prove it holds the cluster key")
+        return bytes(challenge)
+
+    def server_open(self, conn: socket.socket, prove: Callable[[bytes], bytes] | None) -> tuple[bytes, bytes] | None:
+        """The server's end, on a blocking socket: (the nonce it sent, the client's proof of
+        it), or None if the client closed first; ProtocolError for another protocol."""
+        hello = bytearray(self.HELLO.size)
+        if not recv_exactly(conn, memoryview(hello), at_boundary=True):
+            return None
+        magic, version, nonce = self.HELLO.unpack(hello)
+        if magic != self.magic or version != self.version:
+            raise errors.ProtocolError(f"not a {self.what} hello ({bytes(hello[:6])!r})")
+        challenge = os.urandom(16)
+        proof = prove(nonce) if prove is not None else bytes(PROOF_NBYTES)
+        conn.sendall(self.ANSWER.pack(self.magic, self.version, proof, challenge))
+        answer = bytearray(PROOF_NBYTES)
+        if not recv_exactly(conn, memoryview(answer), at_boundary=True):
+            return None
+        return challenge, bytes(answer)
+
+
+PULL_HELLO = MutualHello(b"KVTH", 2, "kvpool TCP pull server")
 
 
 class TcpPathUnusable(errors.TransferError):
