@@ -227,6 +227,23 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def pyplot_or_none(path: str | None) -> Any:
+    """matplotlib.pyplot (drawing to files only) for ``--plot path``; None when no plot was
+    asked for, or matplotlib is not installed (said on stderr: the table is the result)."""
+    if not path:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: never needs a display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed (pip install matplotlib); "
+              "no plot drawn, the table above has the numbers", file=sys.stderr)
+        return None
+    return plt
+
+
 def plot_series(path: str, series: Sequence[dict[str, Any]], *, title: str,
                 ylabel: str = "throughput (GB/s)", xlabel: str = "object size") -> bool:
     """Draw lines of GB/s against size (log2 x axis with size labels) into ``path``.
@@ -239,14 +256,8 @@ def plot_series(path: str, series: Sequence[dict[str, Any]], *, title: str,
     why on stderr) when matplotlib is not installed; the benchmark's table is
     the result either way.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: never needs a display
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--plot {path}: matplotlib is not installed (pip install matplotlib); "
-              "no plot drawn, the table above has the numbers", file=sys.stderr)
+    plt = pyplot_or_none(path)
+    if plt is None:
         return False
     panels = list(dict.fromkeys(s.get("panel", "") for s in series)) or [""]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)

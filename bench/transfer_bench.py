@@ -74,6 +74,7 @@ from kvpool.transport.engine import _effective_ucx_options
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import pyplot_or_none  # noqa: E402
 from bench.ucx_floor import BareRequester, BareResponder  # noqa: E402
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
@@ -527,14 +528,8 @@ def print_report(args: argparse.Namespace, results: Results) -> None:
 
 
 def plot(path: str, args: argparse.Namespace, results: Results) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--plot {path}: matplotlib is not installed (pip install matplotlib, "
-              "or the project's 'bench' extra); the tables above have the same numbers.")
+    plt = pyplot_or_none(path)
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     ax = axes[0]

@@ -46,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import format_table, percentile  # noqa: E402
+from bench.common import format_table, percentile, pyplot_or_none  # noqa: E402
 
 _PLAN_RE = re.compile(r"kvpool plan: request \S+ (loads|recomputes) (\d+) held blocks")
 _LOAD_RE = re.compile(r"kvpool load: (\d+) blocks of (\d+) layers in ([\d.]+) ms, the model waited ([\d.]+) ms")
@@ -158,12 +158,8 @@ def main() -> None:
                          "yes" if tokens == reference else "NO"])
         print(format_table(["configuration", "TTFT p50", "TTFT p99", f"{args.docs} requests", "tokens loaded",
                             "model waited / loads in flight", "planner (blocks)", "same tokens"], rows))
-        if args.plot:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
+        plt = pyplot_or_none(args.plot)
+        if plt is not None:
             fig, ax = plt.subplots(figsize=(7, 3.5))
             labels = list(results)
             ax.barh(labels, [percentile(v, 50) * 1e3 for v in results.values()])
