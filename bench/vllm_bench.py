@@ -12,7 +12,7 @@ prefix cache:
    the planner has a measured prefill rate; left out of the numbers), then serves one request
    per stored document (the document + a 16-token tail), one at a time, ``max_tokens=1``: the
    call's time is the TTFT; "requests" is their sum. Rows: no connector (recompute),
-   ExampleConnector, kvpool same host (``transport=auto``), kvpool over UCX TCP
+   ExampleConnector, kvpool same host (``transport=auto``), kvpool over TCP
    (``transport=tcp``). Every row's tokens are checked against the first's;
 3. from the kvpool engines' logs: the time the model waited for layers against the time loads
    were in flight (``kvpool load: ... in X ms, the model waited Y ms``), and the planner's
@@ -137,7 +137,7 @@ def main() -> None:
         engine(work, "warm-kvpool", model, warm, *kv, "--durable")
         runs = [("no connector (recompute)", []), ("vLLM ExampleConnector (disk)", ["--connector", "example",
                                                                                     "--store", str(store)]),
-                ("kvpool, same host", kv), ("kvpool, UCX TCP", [*kv, "--transport", "tcp"])]
+                ("kvpool, same host", kv), ("kvpool, TCP", [*kv, "--transport", "tcp"])]
         rows, reference, results = [], None, {}
         for label, extra in runs:
             result, log = engine(work, label.split()[0] + str(len(rows)), model, asked, *extra)
