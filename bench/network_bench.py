@@ -3,8 +3,9 @@ trips and where by bandwidth, page-by-page vs aggregated, and k of L layers.
 
 For each ``--rates`` value it builds two network namespaces joined by a bridge
 (bench/netlab.py; needs root and iproute2), shapes each host's link with ``tc tbf`` at
-that rate, and runs a master and a writer on host 1 and a reader on host 2 (UCX over
-TCP between their own addresses). The writer holds one ``--layers``-layer object per
+that rate, and runs a master and a writer on host 1 and a reader on host 2 (``transport =
+"tcp"`` between their own addresses: pulls up to ``node.tcp_pull_max``, 4 MiB, on the
+holder's plain TCP port, larger ones over UCX's TCP transport). The writer holds one ``--layers``-layer object per
 size; the reader measures, per size (median of ``--iters``):
 
 * aggregated: the whole object in one get (one pull, split into ``node.max_message``
@@ -177,7 +178,8 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print(format_table(["link", "object", "whole ms", "whole GB/s", "per-layer ms", "per-layer/whole",
                         "k/L", "k of L ms", "time ratio"], rows))
-    print("\n(two network namespaces on one VM, UCX over TCP on veth + bridge, tbf on each host's egress; "
+    print("\n(two network namespaces on one VM, veth + bridge, tbf on each host's egress; pulls up to 4 MiB over "
+          "plain TCP, larger ones over UCX over TCP; "
           "median of --iters; the time ratio of k of L vs the whole object is k/L when bandwidth-bound)")
     return 0
 

@@ -136,8 +136,6 @@ def test_network_bench_one_link_one_size() -> None:
     from bench.netlab import unavailable
 
     if unavailable():
-        import pytest
-
         pytest.skip(unavailable())
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / "network_bench.py"), "--rates", "1gbit", "--sizes", "1M",
