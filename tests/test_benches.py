@@ -20,11 +20,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 QUICK_SIZES = ("64K", "256K", "1M", "4M", "16M", "64M")
 
 
-def run_or_dump(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run a benchmark (and whatever it starts, in a session of its own); one still running
-    after ``timeout_s`` fails the test with every thread's stack (faulthandler, on SIGABRT)."""
+def run_or_dump(args: list[str], timeout_s: float, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark (and whatever it starts, in a session of its own, all killed after); one
+    still running after ``timeout_s`` fails the test with every thread's stack (faulthandler,
+    on SIGABRT). Each test's own limit is 120 s (pyproject), so ``timeout_s`` stays below it."""
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            text=True, start_new_session=True,
+                            env={**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1"})
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -44,11 +47,9 @@ def run_or_dump(args: list[str], timeout_s: float) -> subprocess.CompletedProces
 def test_tier_bench_quick_runs(tmp_path: Path) -> None:
     plot = tmp_path / "tiers.png"
     rows_json = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "tier_bench.py"), "--quick", "--tiers", "dram",
-         "--data-dir", str(tmp_path), "--plot", str(plot), "--json", str(rows_json)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-    )
+    proc = run_or_dump(
+        [str(REPO_ROOT / "bench" / "tier_bench.py"), "--quick", "--tiers", "dram",
+         "--data-dir", str(tmp_path), "--plot", str(plot), "--json", str(rows_json)], timeout_s=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.startswith("tier "))
@@ -81,14 +82,12 @@ def test_peers_bench_quick_kvpool_tcp_and_skipped_peers(tmp_path: Path) -> None:
     rows_json, plot = tmp_path / "peers.json", tmp_path / "peers.png"
     nowhere = str(tmp_path / "not-installed")
     peers = ("redis", "mooncake-tcp", "mooncake-standalone", "lmcache")
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "peers.py"), "--quick", "--sizes", "64K,1M",
+    proc = run_or_dump(
+        [str(REPO_ROOT / "bench" / "peers.py"), "--quick", "--sizes", "64K,1M",
          "--total", "8M", "--total-small", "2M", "--exists-keys", "400",
          "--systems", ",".join(("kvpool-tcp",) + peers), "--redis-server", nowhere,
          "--mooncake-master", nowhere, "--mooncake-client", nowhere, "--lmcache-python", nowhere,
-         "--json", str(rows_json), "--plot", str(plot)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=90, env={**os.environ, "TMPDIR": str(tmp_path)},
-    )
+         "--json", str(rows_json), "--plot", str(plot)], timeout_s=90, env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     tables = out.split("\n== ")[1:]
@@ -137,11 +136,9 @@ def test_network_bench_one_link_one_size() -> None:
 
     if unavailable():
         pytest.skip(unavailable())
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "network_bench.py"), "--rates", "1gbit", "--sizes", "1M",
-         "--iters", "2"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
-    )
+    proc = run_or_dump(
+        [str(REPO_ROOT / "bench" / "network_bench.py"), "--rates", "1gbit", "--sizes", "1M", "--iters", "2"],
+        timeout_s=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("1gbit"))
     assert row[1] == "1M" and row[6] == "8/32" and float(row[3]) > 0  # whole GB/s measured
