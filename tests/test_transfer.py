@@ -407,6 +407,13 @@ def test_bad_local_input_is_rejected_before_sending(server: ServerProcess, clien
         client.pull_into(server.peer, b"obj-a", (0, 1), bytes(LAYER_NBYTES), timeout_s=5)  # read-only
     with pytest.raises(errors.OutBufferError):
         client.pull_into(server.peer, b"obj-a", (0, 1), np.zeros((LAYER_NBYTES, 2), np.uint8)[:, 0], timeout_s=5)
+    # byte views as the reader passes them are taken as they are, but only when they may be
+    with pytest.raises(errors.OutBufferError):  # strided
+        client.pull_into(server.peer, b"obj-a", (0, 1), memoryview(bytearray(2 * LAYER_NBYTES))[::2], timeout_s=5)
+    with pytest.raises(errors.OutBufferError):  # read-only
+        client.pull_into(server.peer, b"obj-a", (0, 1), memoryview(bytes(LAYER_NBYTES)), timeout_s=5)
+    with pytest.raises(errors.LayerRangeError):  # as a LayerRange too
+        client.pull_into(server.peer, b"obj-a", LayerRange(3, 3), bytearray(10), timeout_s=5)
     with pytest.raises(errors.InvalidKeyError):
         client.pull_into(server.peer, b"", (0, 1), bytearray(10), timeout_s=5)
     with pytest.raises(errors.LayerRangeError):

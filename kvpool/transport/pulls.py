@@ -113,6 +113,8 @@ def _as_peer_address(address: PeerAddress | tuple[str, int]) -> PeerAddress:
 
 def _as_layer_range(layers: LayerRange | tuple[int, int] | range) -> LayerRange:
     if isinstance(layers, LayerRange):
+        if 0 <= layers.start < layers.stop < 2**32:
+            return layers  # immutable: used as it is
         start, stop = layers.start, layers.stop
     elif isinstance(layers, range) and layers.step == 1:
         start, stop = layers.start, layers.stop
@@ -126,6 +128,9 @@ def _as_layer_range(layers: LayerRange | tuple[int, int] | range) -> LayerRange:
 
 
 def _as_out_view(out: Any) -> memoryview:
+    if type(out) is memoryview and out.format == "B" and out.ndim == 1 and out.nbytes and out.c_contiguous \
+            and not out.readonly:  # what the reader passes: used as it is
+        return out
     try:
         view = memoryview(out)
     except TypeError:

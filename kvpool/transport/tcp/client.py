@@ -83,6 +83,8 @@ class TcpPullClient:
         holder go out on one connection, pipelined; holders are read one after another."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if len(requests) == 1:  # the usual one-key get: no grouping
+            return [self.pull_one(requests[0], timeout_s, alive_check_s)]
         results: list[int | BaseException | None] = [None] * len(requests)
         groups: dict[tuple[str, int], list[tuple[int, _TcpPull]]] = {}
         for i, request in enumerate(requests):
@@ -98,6 +100,16 @@ class TcpPullClient:
             for (i, _), outcome in zip(group, self._pull_group(where, [pull for _, pull in group], alive_check_s)):
                 results[i] = outcome
         return results  # type: ignore[return-value]
+
+    def pull_one(self, request: PullRequest, timeout_s: float, alive_check_s: float = 0.05) -> int | BaseException:
+        """:meth:`pull_many` of one request: the bytes received, or the error."""
+        try:
+            if self._closed:
+                raise errors.PoolClosedError("the TCP pull client is closed")
+            pull = _TcpPull(request, timeout_s)
+        except (errors.KVPoolError, ValueError, TypeError) as exc:
+            return exc
+        return self._pull_group(pull.where, [pull], alive_check_s)[0]
 
     def reachable(self, address: PeerAddress) -> bool:
         """Whether ``address`` serves TCP pulls that this client can reach (see the class)."""
