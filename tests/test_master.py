@@ -603,6 +603,22 @@ def test_a_request_the_master_died_holding_fails_when_its_connection_drops_not_a
         client.close()
 
 
+def test_a_client_refused_once_is_refused_again_at_every_call_never_left_waiting(spawn_python):
+    """Each refusal closes the client's connection (and its handshake monitor), and the next
+    call opens another. Closing them in the wrong order stalled the ZeroMQ context's I/O
+    thread (libzmq reported the closing connection's DISCONNECTED to a monitor already
+    closed), and every later call waited out its deadline: seen in test_auth's attacker, and
+    in 2 of 10 runs of this sequence under CPU load. A guard, not a reproduction: the race
+    depends on timing, and this test did not catch it on demand."""
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    spawn_python(master_args(address), ready=answers_ping(address))
+    with MasterClient(address, request_timeout_s=3.0, cluster_key=ClusterKey(os.urandom(32))) as stranger:
+        for call in [stranger.ping, stranger.stats, lambda: stranger.exists(b"k"), lambda: stranger.lookup([b"k"]),
+                     lambda: stranger.locate(b"k")] * 3:
+            with pytest.raises(errors.AuthenticationError):
+                call()
+
+
 _DIES_ON_REQUEST = """
 import os, sys, zmq
 from kvpool.cluster.security import ClusterKey

@@ -44,8 +44,8 @@ def control_call(control: str, op: str, body: Mapping[str, Any], timeout_s: floa
         if frame is None:
             raise errors.KVTimeoutError(f"node {control} did not answer {op!r} within {timeout_s:.3g} s")
     finally:
+        watch.close()  # first: see HandshakeWatch.close
         sock.close(0)
-        watch.close()
     try:
         return P.unpack_control_reply(frame, request_id)  # the node's typed error; TransferError if not ours
     except errors.KVPoolError as exc:

@@ -71,8 +71,12 @@ class _Connection:
         self.answered = False  # a reply arrived: the handshake is done, later calls take the fast path
 
     def close(self) -> None:
-        self.socket.close(0)
-        self.watch.close()
+        _close(self.socket, self.watch)
+
+
+def _close(socket: zmq.Socket, watch: HandshakeWatch) -> None:
+    watch.close()  # first: see HandshakeWatch.close
+    socket.close(0)
 
 
 # How long a reply may take before the client checks whether its connection dropped (and,
@@ -192,15 +196,14 @@ class MasterClient:
             try:
                 socket.connect(address)
             except zmq.ZMQError as exc:  # an open socket would make close() hang in term()
-                socket.close(0)
                 watch.close()
+                socket.close(0)
                 raise errors.ConfigError(f"master address {address!r}: {exc}") from None
             conn = _Connection(socket, address, watch)
             self._connections.add(conn)
             # When the thread ends its connection is collected; close the socket then. Not at
             # exit: pools close their clients then (kvpool.api), and still need the sockets.
-            for close in (socket.close, watch.monitor.close):
-                weakref.finalize(conn, close, 0).atexit = False
+            weakref.finalize(conn, _close, socket, watch).atexit = False
         self._local.conn = conn
         return conn
 

@@ -377,6 +377,7 @@ class HandshakeWatch:
         # A name of its own: pyzmq's default names the socket's fd, which a socket opened right
         # after this one closes may reuse before the old monitor endpoint is gone (EADDRINUSE).
         address = f"inproc://kvpool-handshake-{os.getpid()}-{next(_MONITOR_IDS)}"
+        self._sock = sock
         self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(mask | zmq.EVENT_DISCONNECTED, addr=address)
         self.failures = 0       # handshakes failed since the last one that succeeded
         self.denied = False     # a decisive refusal: a ZAP denial or a mechanism/crypto mismatch
@@ -423,6 +424,18 @@ class HandshakeWatch:
         return self.denied or self.failures >= (1 if settled else 2)
 
     def close(self) -> None:
+        """Stop watching, then close the monitor; call before the watched socket closes. libzmq
+        reports a closing socket's events (its connections' DISCONNECTED) with a blocking send
+        to the monitor: with the monitor closed first, that send waits forever in the
+        context's I/O thread, and every socket of the context stops (seen: a client refused
+        once, then every later call to the master timed out)."""
+        import zmq
+
+        if not self._sock.closed:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
         self.monitor.close(0)
 
 
