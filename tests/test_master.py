@@ -619,6 +619,62 @@ def test_a_client_refused_once_is_refused_again_at_every_call_never_left_waiting
                 call()
 
 
+def test_a_handshake_monitor_left_unread_never_stops_its_context() -> None:
+    """An idle connection to a server that keeps refusing its key queues two monitor events
+    per reconnect that nobody reads. libzmq sends them from the context's I/O thread with a
+    blocking send: with the monitor's default limit (1000) that thread stopped, and every
+    socket of the context with it (seen with a script before the limit was lifted)."""
+    from kvpool.cluster.security import HandshakeWatch, stop_authenticator
+
+    server_ctx, ctx = zmq.Context(), zmq.Context()
+    server = server_ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    ClusterKey(os.urandom(32)).secure_server(server)
+    accepted = server.get_monitor_socket(zmq.EVENT_ACCEPTED)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    refused = ctx.socket(zmq.DEALER)
+    refused.setsockopt(zmq.LINGER, 0)
+    refused.setsockopt(zmq.RECONNECT_IVL, 1)
+    refused.setsockopt(zmq.RECONNECT_IVL_MAX, 1)
+    ClusterKey(os.urandom(32)).secure_client(refused)  # another key: every handshake fails
+    watch = HandshakeWatch(refused)
+    sockets = [refused]
+    stuck = True
+    try:
+        refused.connect(f"tcp://127.0.0.1:{port}")
+        attempts = 0
+        while attempts < 1200 and accepted.poll(10_000):  # the server's monitor, read as it goes
+            accepted.recv_multipart()
+            attempts += 1
+        assert attempts >= 1200, f"its reconnects stopped after {attempts}: the context's I/O thread is stuck"
+        # The watch was never read, yet the context still moves messages.
+        reply, ask = ctx.socket(zmq.REP), ctx.socket(zmq.REQ)
+        sockets += [reply, ask]
+        for sock in (reply, ask):
+            sock.setsockopt(zmq.LINGER, 0)
+        ask.connect(f"tcp://127.0.0.1:{reply.bind_to_random_port('tcp://127.0.0.1')}")
+        ask.send(b"still there?")
+        stuck = not reply.poll(10_000)
+        assert not stuck, "the context's I/O thread is stuck"
+        assert watch.refused()  # and the events are all there to read
+    finally:
+        server.disable_monitor()
+        accepted.close(0)
+        server.close(0)
+        stop_authenticator(server_ctx)
+        server_ctx.term()
+        if stuck:  # closing any of it would wait for the stuck thread forever: left behind
+            _STUCK.append((ctx, watch, sockets))
+        else:
+            watch.close()
+            for sock in sockets:
+                sock.close(0)
+            ctx.term()
+
+
+_STUCK: list[Any] = []
+
+
 _DIES_ON_REQUEST = """
 import os, sys, zmq
 from kvpool.cluster.security import ClusterKey

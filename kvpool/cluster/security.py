@@ -378,7 +378,13 @@ class HandshakeWatch:
         # after this one closes may reuse before the old monitor endpoint is gone (EADDRINUSE).
         address = f"inproc://kvpool-handshake-{os.getpid()}-{next(_MONITOR_IDS)}"
         self._sock = sock
-        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(mask | zmq.EVENT_DISCONNECTED, addr=address)
+        sock.monitor(address, mask | zmq.EVENT_DISCONNECTED)
+        # Unbounded: libzmq sends events with a blocking send from the context's I/O thread,
+        # so a monitor left unread with 1000 queued (an idle connection to a peer that keeps
+        # refusing it) would stop every socket of the context.
+        self.monitor: zmq.Socket[Any] = sock.context.socket(zmq.PAIR)
+        self.monitor.setsockopt(zmq.RCVHWM, 0)
+        self.monitor.connect(address)
         self.failures = 0       # handshakes failed since the last one that succeeded
         self.denied = False     # a decisive refusal: a ZAP denial or a mechanism/crypto mismatch
         self.succeeded = False  # the last handshake succeeded
