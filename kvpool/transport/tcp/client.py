@@ -88,12 +88,9 @@ class TcpPullClient:
         results: list[int | BaseException | None] = [None] * len(requests)
         groups: dict[tuple[str, int], list[tuple[int, _TcpPull]]] = {}
         for i, request in enumerate(requests):
-            try:
-                if self._closed:
-                    raise errors.PoolClosedError("the TCP pull client is closed")
-                pull = _TcpPull(request, timeout_s)
-            except (errors.KVPoolError, ValueError, TypeError) as exc:
-                results[i] = exc
+            pull = self._new_pull(request, timeout_s)
+            if isinstance(pull, BaseException):
+                results[i] = pull
                 continue
             groups.setdefault(pull.where, []).append((i, pull))
         for where, group in groups.items():
@@ -103,13 +100,17 @@ class TcpPullClient:
 
     def pull_one(self, request: PullRequest, timeout_s: float, alive_check_s: float = 0.05) -> int | BaseException:
         """:meth:`pull_many` of one request: the bytes received, or the error."""
+        pull = self._new_pull(request, timeout_s)
+        return pull if isinstance(pull, BaseException) else self._pull_group(pull.where, [pull], alive_check_s)[0]
+
+    def _new_pull(self, request: PullRequest, timeout_s: float) -> _TcpPull | BaseException:
+        """``request`` checked and framed, or why it cannot be sent."""
         try:
             if self._closed:
                 raise errors.PoolClosedError("the TCP pull client is closed")
-            pull = _TcpPull(request, timeout_s)
+            return _TcpPull(request, timeout_s)
         except (errors.KVPoolError, ValueError, TypeError) as exc:
             return exc
-        return self._pull_group(pull.where, [pull], alive_check_s)[0]
 
     def reachable(self, address: PeerAddress) -> bool:
         """Whether ``address`` serves TCP pulls that this client can reach (see the class)."""
