@@ -5,8 +5,8 @@ For each ``--rates`` value it builds two network namespaces joined by a bridge
 (bench/netlab.py; needs root and iproute2), shapes each host's link with ``tc tbf`` at
 that rate, and runs a master and a writer on host 1 and a reader on host 2 (``transport =
 "tcp"`` between their own addresses: pulls up to ``node.tcp_pull_max``, 4 MiB, on the
-holder's plain TCP port, larger ones over UCX's TCP transport). The writer holds one ``--layers``-layer object per
-size; the reader measures, per size (median of ``--iters``):
+holder's plain TCP port, larger ones over UCX's TCP transport). The writer holds one
+``--layers``-layer object per size; the reader measures, per size (median of ``--iters``):
 
 * aggregated: the whole object in one get (one pull, split into ``node.max_message``
   messages);

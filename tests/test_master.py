@@ -589,6 +589,7 @@ def test_a_request_the_master_died_holding_fails_when_its_connection_drops_not_a
         asking.start()
         assert ready.wait(30) and not outcome, outcome
         os.kill(first.pid, signal.SIGSTOP)  # the next request reaches the master, never its answer
+        wait_for(lambda: _all_threads_stopped(first.pid), 10, "the master stopped")  # none reads it now
         go.set()
         wait_for(lambda: _recv_queue_bytes(first.pid) > 0, 10, "the request in the frozen master's socket")
         first.kill()
@@ -695,6 +696,15 @@ def test_a_node_control_call_the_node_died_holding_fails_at_once_not_at_its_dead
     with pytest.raises(errors.TransferError, match="dropped the connection before answering 'stats'"):
         control_call(f"tcp://127.0.0.1:{port}", "stats", {}, timeout_s=60.0)
     assert server.popen.wait(10) == 1  # it did receive the request
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` in the stopped state (SIGSTOP takes effect after kill returns)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as fh:
+            states.append(fh.read().rsplit(")", 1)[1].split()[0])
+    return all(state == "T" for state in states)
 
 
 def _recv_queue_bytes(pid: int) -> int:

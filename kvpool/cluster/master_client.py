@@ -196,8 +196,7 @@ class MasterClient:
             try:
                 socket.connect(address)
             except zmq.ZMQError as exc:  # an open socket would make close() hang in term()
-                watch.close()
-                socket.close(0)
+                _close(socket, watch)
                 raise errors.ConfigError(f"master address {address!r}: {exc}") from None
             conn = _Connection(socket, address, watch)
             self._connections.add(conn)

@@ -387,16 +387,6 @@ class ReplicaReader:
         bytes received or the error. The small ones go over TCP first; those whose holder's TCP
         port proved unusable then go over UCX with the rest (``tcp_only``: they fail with
         TcpPathUnusable instead; the caller checked that every one goes over TCP)."""
-        if len(requests) == 1 and self.tcp_puller is not None:  # the usual one-key get
-            request = requests[0]
-            if self._client_for(request.address, request.out.nbytes) is self.tcp_puller:
-                outcome = self.tcp_puller.pull_one(request, self.pull_timeout_s)
-                if not isinstance(outcome, TcpPathUnusable):
-                    return [outcome]
-                self.counters["tcp_fallbacks"] += 1
-                if tcp_only:
-                    return [outcome]
-                return self.puller.pull_many(requests, timeout_s=self.pull_timeout_s)
         results: list[int | BaseException | None] = [None] * len(requests)
         over_ucx = list(range(len(requests)))
         if self.tcp_puller is not None:

@@ -387,9 +387,8 @@ class HandshakeWatch:
         self.monitor.connect(address)
         self.failures = 0       # handshakes failed since the last one that succeeded
         self.denied = False     # a decisive refusal: a ZAP denial or a mechanism/crypto mismatch
-        self.succeeded = False  # the last handshake succeeded
         self.sessions_lost = 0  # connections that dropped after their handshake succeeded
-        self._in_session = False
+        self._in_session = False  # the last handshake succeeded, and its connection is up
         self._pending_events = (zmq.EVENTS, zmq.POLLIN)
 
     def update(self) -> None:
@@ -408,11 +407,11 @@ class HandshakeWatch:
                 self._in_session = False
             elif event & self._failed_mask:
                 self.failures += 1
-                self.succeeded = self._in_session = False
+                self._in_session = False
                 self.denied = self.denied or bool(event & self._denied) or bool(
                     event & self._protocol and int(message["value"]) in self._auth_protocol_errors)
             else:
-                self.failures, self.denied, self.succeeded, self._in_session = 0, False, True, True
+                self.failures, self.denied, self._in_session = 0, False, True
 
     def lost(self) -> int:
         """:attr:`sessions_lost`, counting the events already reported (one ``getsockopt`` when

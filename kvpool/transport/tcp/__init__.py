@@ -30,12 +30,12 @@ Threads and system calls
 
 Security
     The server binds ``host`` only (the node's address). A client opens every connection
-    (:data:`.stream.PULL_HELLO`) with a hello carrying a fresh nonce; the server answers it with ``prove(nonce)`` and a
-    nonce of its own, and the client sends nothing more before ``check_proof`` accepted that
-    (:meth:`ClusterKey.holder_proof`): a process that took over a dead holder's port cannot
-    hand out bytes. The client then answers the server's nonce (``prove``,
-    :meth:`ClusterKey.reader_proof`; zeros without the key) ahead of its first requests. A
-    client whose answer ``trust`` accepts holds the cluster key, so it could mint any pull
+    (:data:`.stream.PULL_HELLO`) with a hello carrying a fresh nonce; the server answers it
+    with ``prove(nonce)`` and a nonce of its own, and the client sends nothing more before
+    ``check_proof`` accepted that (:meth:`ClusterKey.holder_proof`): a process that took
+    over a dead holder's port cannot hand out bytes. The client then answers the server's
+    nonce (``prove``, :meth:`ClusterKey.reader_proof`; zeros without the key) ahead of its
+    first requests. A client whose answer ``trust`` accepts holds the cluster key, so it could mint any pull
     token: its requests are served without one. Any other client's requests each carry the
     pull token that ``authorize(key, token)`` checks before the provider runs, as over UCX; a
     refusal is ``STATUS_UNAUTHORIZED``, never data. Nonces are fresh per connection, so a

@@ -84,7 +84,8 @@ class TcpPullClient:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if len(requests) == 1:  # the usual one-key get: no grouping
-            return [self.pull_one(requests[0], timeout_s, alive_check_s)]
+            pull = self._new_pull(requests[0], timeout_s)
+            return [pull if isinstance(pull, BaseException) else self._pull_group(pull.where, [pull], alive_check_s)[0]]
         results: list[int | BaseException | None] = [None] * len(requests)
         groups: dict[tuple[str, int], list[tuple[int, _TcpPull]]] = {}
         for i, request in enumerate(requests):
@@ -97,11 +98,6 @@ class TcpPullClient:
             for (i, _), outcome in zip(group, self._pull_group(where, [pull for _, pull in group], alive_check_s)):
                 results[i] = outcome
         return results  # type: ignore[return-value]
-
-    def pull_one(self, request: PullRequest, timeout_s: float, alive_check_s: float = 0.05) -> int | BaseException:
-        """:meth:`pull_many` of one request: the bytes received, or the error."""
-        pull = self._new_pull(request, timeout_s)
-        return pull if isinstance(pull, BaseException) else self._pull_group(pull.where, [pull], alive_check_s)[0]
 
     def _new_pull(self, request: PullRequest, timeout_s: float) -> _TcpPull | BaseException:
         """``request`` checked and framed, or why it cannot be sent."""
