@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kvpool
+from kvpool import errors
 from kvpool.cluster.checks import Speculation
 from kvpool.cluster.control import control_call
 from kvpool.cluster.master_client import MasterClient
@@ -222,15 +223,16 @@ def test_a_get_pulls_from_the_last_holder_and_uses_its_verified_answer_without_t
 
         # The holder's answer must be the asked key's, whole. Key 10's answer taken as an answer
         # for key 11 (its header names key 10), or with a flipped bit in a layer: wasted.
-        guess = guesser.speculate(key_of(10), None, None, out_view)
+        guess = guesser.speculate(key_of(10), None, None)
         assert guess is not None
-        guesser.run(guess, reader.cluster.node.cluster_key.mint_token(key_of(10), b.node_id),  # type: ignore[attr-defined]
-                    proven=True)
+        guesser.run_proven(guess, None, out_view)
         assert guess.pulled and guess.proven
         np.testing.assert_array_equal(guess.arr, content(10))
         for damage in ("another key", "a flipped bit"):
             answer = Speculation(key_of(11) if damage == "another key" else key_of(10), guess.replica,
-                                 guess.layer_range, guess.arr.copy(), memoryview(bytearray(guess.buf)))
+                                 guess.layer_range)
+            assert answer.bind(guess.arr.copy(), out_view)
+            answer.buf[:] = guess.buf
             answer.raw_header[:] = guess.raw_header
             answer.pulled = answer.proven = True
             if damage == "a flipped bit":
@@ -239,10 +241,20 @@ def test_a_get_pulls_from_the_last_holder_and_uses_its_verified_answer_without_t
         assert counter("speculative_wasted") == 3
         np.testing.assert_array_equal(guesser.accept(guess), content(10))  # as it came: used
 
+        # An out of the guessed size but another shape: the guess's request went out before out
+        # was checked; its reply is dropped unread (the connection closed), and the get says
+        # what is wrong with out.
+        connects = guesser.tcp_puller.connects
+        with pytest.raises(errors.OutBufferError):
+            reader.get(key_of(11), out=np.empty(content(11).shape[::-1], np.float16))
+        assert counter("speculative_wasted") == 4
+        np.testing.assert_array_equal(reader.get(key_of(11)), content(21))
+        assert guesser.tcp_puller.connects == connects + 1
+
         # Deleted through the reader itself while b still holds it: never guessed, a miss.
         assert key_of(12) in b.local.manager  # type: ignore[attr-defined]
         reader.delete(key_of(12))
-        assert guesser.speculate(key_of(12), None, None, out_view) is None
+        assert guesser.speculate(key_of(12), None, None) is None
         assert reader.get(key_of(12)) is None
 
         # Deleted by another process: b's copy may answer until b's heartbeat drops it, then a miss.
@@ -308,8 +320,8 @@ def test_a_confirmed_speculative_pull_is_used_only_when_the_master_names_that_ho
         [[located]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         a.delete(key)
         a.put(key, content(20))
-        guess = reader.cluster.reader.speculate(key, None, None, out_view)
-        assert guess is not None and guess.replica["node_id"] == a.node_id
+        guess = reader.cluster.reader.speculate(key, None, None)
+        assert guess is not None and guess.replica["node_id"] == a.node_id and guess.bind(None, out_view)
         reader.cluster.reader.run(guess, reader.cluster.node.cluster_key.mint_token(key, a.node_id))
         assert guess.pulled
         np.testing.assert_array_equal(guess.arr, content(20))  # the holder's bytes, unverified
@@ -537,8 +549,6 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
 
 
 def test_unreachable_master_is_a_typed_error_and_local_puts_reappear_after_its_restart(cluster: Cluster) -> None:
-    from kvpool import errors
-
     master = cluster.start_master()
     client = cluster.connect("client")
     try:

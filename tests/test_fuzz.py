@@ -264,9 +264,8 @@ def test_control_reply_errors_map_to_kvpool_types() -> None:
 def _valid_request_frame(key: bytes = b"some-key", with_address: bool = False,
                          header_out: bytearray | None = None) -> bytearray:
     address = bytes([0x01]) + b"\x05" * 40 if with_address else b""
-    pull = SimpleNamespace(key=key, request_id=5, layer_range=LayerRange(0, 4), out=SimpleNamespace(nbytes=1 << 20),
-                           token=b"t" * 48, header_out=header_out)
-    frame = T._pack_request(1, 2, pull, 1 << 20, address)  # type: ignore[arg-type]
+    frame = T._pack_request(key, b"t" * 48, LayerRange(0, 4), 1 << 20, want_header=header_out is not None,
+                            max_chunk=1 << 20, request_id=5, client_id=1, conn_id=2, reply_address=address)
     buf = bytearray(T._REQUEST_BUFFER_NBYTES)  # what the server receives into: a fixed-size buffer
     buf[:len(frame)] = frame[:T._REQUEST_BUFFER_NBYTES]
     return buf

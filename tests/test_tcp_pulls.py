@@ -192,6 +192,64 @@ def test_an_idle_connection_the_holder_closed_is_replaced_once() -> None:
         assert client.connects == 2 and client.failures == 0
 
 
+def test_a_pull_sent_first_lands_in_the_buffer_bound_after_it_went_out(holder: ServerProcess,
+                                                                      client: TcpPullClient) -> None:
+    """start() sends on an idle connection; finish() reads into a buffer prepared meanwhile."""
+    client.pull_into(holder.peer, b"k1", (0, 1), bytearray(LAYER_NBYTES))  # an idle connection
+    pull = client.start(holder.peer, b"k7", LayerRange(1, 4), 3 * LAYER_NBYTES)
+    assert pull.sent_on is not None  # out on the wire before any buffer exists
+    out, header = np.zeros(3 * LAYER_NBYTES, np.uint8), bytearray(len(header_of(b"k7")))
+    seen: list[int] = []
+    assert client.finish(pull, out, header, progress=seen.append) == out.nbytes
+    assert np.array_equal(out, expected(b"k7", 1, 4)) and bytes(header) == header_of(b"k7")
+    assert seen and seen[-1] == out.nbytes
+    # a miss and a bad range are raised by finish, and the connection stays in step
+    with pytest.raises(errors.RemoteMissError):
+        client.finish(client.start(holder.peer, b"miss:2", LayerRange(0, 1), LAYER_NBYTES), bytearray(LAYER_NBYTES))
+    with pytest.raises(errors.LayerRangeError):
+        client.finish(client.start(holder.peer, b"k7", LayerRange(0, LAYERS + 1), (LAYERS + 1) * LAYER_NBYTES),
+                      bytearray((LAYERS + 1) * LAYER_NBYTES))
+    out2 = bytearray(LAYER_NBYTES)
+    assert client.finish(client.start(holder.peer, b"k8", LayerRange(2, 3), LAYER_NBYTES), out2) == LAYER_NBYTES
+    assert bytes(out2) == expected(b"k8", 2, 3).tobytes()
+    assert client.connects == 1 and client.failures == 2
+
+
+def test_a_pull_sent_first_whose_buffer_does_not_fit_is_dropped_unread(holder: ServerProcess,
+                                                                        client: TcpPullClient) -> None:
+    """A buffer smaller than asked for, read-only or strided never takes the reply: finish
+    raises OutBufferError and closes that connection (its reply is never read into anything);
+    cancel() does the same; the next pull gets exact bytes on a new connection."""
+    wrong = [bytearray(LAYER_NBYTES - 1), bytes(LAYER_NBYTES), np.zeros(2 * LAYER_NBYTES, np.uint8)[::2]]
+    for n, out in enumerate(wrong):
+        pull = client.start(holder.peer, f"k{n}".encode(), LayerRange(0, 1), LAYER_NBYTES)
+        with pytest.raises(errors.OutBufferError):
+            client.finish(pull, out)
+    client.cancel(client.start(holder.peer, b"k4", LayerRange(0, 1), LAYER_NBYTES))
+    right = bytearray(LAYER_NBYTES)
+    assert client.pull_into(holder.peer, b"k5", (3, 4), right) == LAYER_NBYTES
+    assert bytes(right) == expected(b"k5", 3, 4).tobytes()
+    for bad in (0, -1):
+        with pytest.raises(errors.OutBufferError):
+            client.start(holder.peer, b"k5", LayerRange(0, 1), bad)
+    with pytest.raises(errors.InvalidKeyError):
+        client.start(holder.peer, b"", LayerRange(0, 1), LAYER_NBYTES)
+
+
+def test_a_pull_sent_first_on_an_idle_connection_the_holder_closed_is_sent_again() -> None:
+    with TcpPullServer(_memory_provider, idle_timeout_s=0.2) as server, TcpPullClient() as client:
+        peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
+        out = bytearray(LAYER_NBYTES)
+        assert client.pull_into(peer, b"a", (0, 1), out) == LAYER_NBYTES
+        deadline = time.monotonic() + 10
+        while server.stats()["connections"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server drops the idle connection
+        pull = client.start(peer, b"b", LayerRange(0, 1), LAYER_NBYTES)
+        assert client.finish(pull, out) == LAYER_NBYTES
+        assert bytes(out) == expected(b"b", 0, 1).tobytes()
+        assert client.connects == 2 and client.failures == 0
+
+
 def _closed_by_peer(sock: socket.socket) -> bool:
     try:
         return sock.recv(100) == b""

@@ -8,11 +8,13 @@ master's ``locate``) vouches for them. See :class:`kvpool.cluster.reader.Replica
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from kvpool import errors
 from kvpool.cluster.protocol import LocatedReplica
+from kvpool.cluster.same_host import OutView
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 
 
@@ -24,20 +26,35 @@ class Speculation:
     same spec and header checksum) took them: until then they are unverified, and when
     neither does they are thrown away (the read then goes on as if no guess had been made)."""
 
-    __slots__ = ("arr", "buf", "check", "failure", "key", "layer_range", "proven", "pulled", "raw_header",
+    __slots__ = ("arr", "buf", "check", "failure", "key", "layer_range", "nbytes", "proven", "pulled", "raw_header",
                  "replica")
 
-    def __init__(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, arr: np.ndarray,
-                 buf: memoryview) -> None:
-        self.key, self.replica, self.layer_range, self.arr, self.buf = key, replica, layer_range, arr, buf
-        self.raw_header = bytearray(replica["_spec"].header_nbytes)  # type: ignore[typeddict-item]
+    arr: np.ndarray
+    buf: memoryview
+    raw_header: bytearray
+    check: ArrivalCheck
+
+    def __init__(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange) -> None:
+        self.key, self.replica, self.layer_range = key, replica, layer_range
+        self.nbytes = layer_range.count * replica["_spec"].layer_nbytes  # type: ignore[typeddict-item]
         self.pulled = False
         self.proven = False  # pulled from a holder that proved it holds the cluster key
-        #: the holder's answer checked as it arrives, as :meth:`ReplicaReader.accept` takes it
-        self.check = ArrivalCheck(self._own_header, self.raw_header, layer_range, buf)
         #: why the guessed holder failed as a holder (dead, frozen, timed out), if it did: the
         #: located read then skips it rather than wait on it a second time
         self.failure: str | None = None
+
+    def bind(self, out: Any, out_view: OutView) -> bool:
+        """Take the caller's ``out`` for the guessed bytes (``arr``, ``buf``; ``check`` checks
+        the holder's answer as it arrives, as :meth:`ReplicaReader.accept` takes it), or False
+        when it does not fit the guessed spec (the located read says what is wrong)."""
+        spec: ObjectSpec = self.replica["_spec"]  # type: ignore[typeddict-item]
+        try:
+            self.arr, self.buf = out_view(spec, self.layer_range, out)
+        except errors.KVPoolError:
+            return False
+        self.raw_header = bytearray(spec.header_nbytes)
+        self.check = ArrivalCheck(self._own_header, self.raw_header, self.layer_range, self.buf)
+        return True
 
     def _own_header(self, raw_header: bytearray) -> ObjectHeader:
         """The holder's header, if whole, naming this key, with the guessed spec."""

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -359,14 +359,13 @@ class ReplicaReader:
         return header
 
     def _pull(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
-              raw_header: bytearray, token: bytes, check: ArrivalCheck | None = None, *,
-              tcp_only: bool = False) -> None:
+              raw_header: bytearray, token: bytes, check: ArrivalCheck | None = None) -> None:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified, or checked as it arrives by ``check``), abandoned as soon as the holder is
-        known gone. ``tcp_only``: never over UCX (see :meth:`_pull_many`)."""
+        known gone."""
         (outcome,) = self._pull_many([PullRequest(replica["_node"].peer, key, layer_range, buf,  # type: ignore[typeddict-item]
                                                   token, raw_header, lambda: self.holder_alive(replica),
-                                                  progress=check)], tcp_only=tcp_only)
+                                                  progress=check)])
         if isinstance(outcome, BaseException):
             raise outcome
 
@@ -382,11 +381,10 @@ class ReplicaReader:
             limit = min(limit, SAME_HOST_TCP_PULL_MAX)
         return self.tcp_puller if nbytes <= limit and self.tcp_puller.reachable(peer) else self.puller
 
-    def _pull_many(self, requests: list[PullRequest], *, tcp_only: bool = False) -> list[int | BaseException]:
+    def _pull_many(self, requests: list[PullRequest]) -> list[int | BaseException]:
         """Pulls in flight together (:meth:`PullClient.pull_many`): one result per request, the
         bytes received or the error. The small ones go over TCP first; those whose holder's TCP
-        port proved unusable then go over UCX with the rest (``tcp_only``: they fail with
-        TcpPathUnusable instead; the caller checked that every one goes over TCP)."""
+        port proved unusable then go over UCX with the rest."""
         results: list[int | BaseException | None] = [None] * len(requests)
         over_ucx = list(range(len(requests)))
         if self.tcp_puller is not None:
@@ -398,11 +396,7 @@ class ReplicaReader:
                     results[i] = outcome
                     self.counters["tcp_fallbacks"] += isinstance(outcome, TcpPathUnusable)
                 over_ucx = [i for i in over_ucx if results[i] is None or isinstance(results[i], TcpPathUnusable)]
-        if tcp_only:
-            for i in over_ucx:
-                if results[i] is None:  # not over TCP after all (its port became unreachable meanwhile)
-                    results[i] = TcpPathUnusable(f"pull of {requests[i].key!r:.80} would go over UCX")
-        elif over_ucx:
+        if over_ucx:
             for i, outcome in zip(over_ucx, self.puller.pull_many([requests[i] for i in over_ucx],
                                                                   timeout_s=self.pull_timeout_s)):
                 results[i] = outcome
@@ -419,11 +413,12 @@ class ReplicaReader:
 
     # -- speculative pulls -------------------------------------------------------------------
 
-    def speculate(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> Speculation | None:
+    def speculate(self, key: bytes, layers: Any, out: Any) -> Speculation | None:
         """A pull of ``key`` to start from the node this reader last pulled from, before the
-        master has said where ``key`` is (:meth:`run`, then :meth:`confirm`), or None: nothing
-        pulled yet, the guesses have kept missing lately, that node is gone, or ``layers`` /
-        ``out`` do not fit the last object's spec (the guess is that ``key`` has the same one).
+        master has said where ``key`` is (:meth:`run`, then :meth:`confirm` or :meth:`accept`),
+        or None: nothing pulled yet, the guesses have kept missing lately, that node is gone, or
+        ``layers`` (or ``out``'s size) do not fit the last object's spec (the guess is that
+        ``key`` has the same one). ``out`` is taken by :meth:`Speculation.bind`.
 
         A reader that keeps reading from one holder (a decode node reading what its prefill
         node wrote) then pays max(locate, pull) instead of their sum.
@@ -441,10 +436,12 @@ class ReplicaReader:
         spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
         try:
             layer_range = LayerRange.resolve(layers, spec.layers)
-            arr, buf = out_view(spec, layer_range, out)
         except errors.KVPoolError:  # not this spec: the located read will say what is wrong
             return None
-        return Speculation(key, replica, layer_range, arr, buf)
+        guess = Speculation(key, replica, layer_range)
+        if out is not None and getattr(out, "nbytes", guess.nbytes) != guess.nbytes:
+            return None  # (out is checked in full by bind)
+        return guess
 
     def provable(self, guess: Speculation) -> bool:
         """Whether ``guess`` would be pulled over TCP from a holder that must first prove it holds
@@ -453,17 +450,41 @@ class ReplicaReader:
         believed.) This reader proves the key to that holder in turn, so the pull needs no token."""
         tcp = self.tcp_puller
         return tcp is not None and tcp.check_proof is not None and \
-            self._client_for(guess.replica["_node"].peer, len(guess.buf)) is tcp  # type: ignore[typeddict-item]
+            self._client_for(guess.replica["_node"].peer, guess.nbytes) is tcp  # type: ignore[typeddict-item]
 
-    def run(self, guess: Speculation, token: bytes, *, proven: bool = False) -> None:
-        """Pull the guessed bytes (unverified until :meth:`confirm` or :meth:`accept`); never
-        raises a kvpool error. ``proven``: only over TCP from a holder that proves itself (see
-        :meth:`provable`), else not at all."""
+    def run(self, guess: Speculation, token: bytes) -> None:
+        """Pull the guessed bytes into the buffer :meth:`Speculation.bind` took (unverified until
+        :meth:`confirm`); never raises a kvpool error."""
+        self._guessed(guess, lambda: self._pull(guess.key, guess.replica, guess.layer_range, guess.buf,
+                                                guess.raw_header, token))
+
+    def run_proven(self, guess: Speculation, out: Any, out_view: OutView) -> None:
+        """Pull the guessed bytes over TCP from a holder that proves itself (see :meth:`provable`;
+        no token), checked as they arrive, for :meth:`accept`; never raises a kvpool error. The
+        request goes out first: ``out`` is bound (:meth:`Speculation.bind`) while the holder
+        answers. Not pulled at all if its TCP port is unusable or ``out`` does not fit."""
+        tcp = self.tcp_puller
+        assert tcp is not None
+        replica = guess.replica
+
+        def pull() -> None:
+            sent = tcp.start(replica["_node"].peer, guess.key, guess.layer_range, guess.nbytes,  # type: ignore[typeddict-item]
+                             timeout_s=self.pull_timeout_s)
+            if not guess.bind(out, out_view):
+                tcp.cancel(sent)
+                raise errors.OutBufferError("out does not fit the guessed spec")
+            tcp.finish(sent, guess.buf, guess.raw_header, progress=guess.check,
+                       alive=lambda: self.holder_alive(replica))
+            guess.proven = True
+
+        self._guessed(guess, pull)
+
+    def _guessed(self, guess: Speculation, pull: Callable[[], None]) -> None:
+        """Run a guessed pull; a failure is kept on the guess (or not pulled, for locate to decide)."""
         replica = guess.replica
         try:
-            self._pull(guess.key, replica, guess.layer_range, guess.buf, guess.raw_header, token,
-                       guess.check if proven else None, tcp_only=proven)
-            guess.pulled, guess.proven = True, proven
+            pull()
+            guess.pulled = True
         except errors.KVTimeoutError:
             guess.failure = "timeout"
         except (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError, errors.ProtocolError,
@@ -476,9 +497,9 @@ class ReplicaReader:
 
     def accept(self, guess: Speculation) -> np.ndarray | None:
         """The guessed holder's own answer, without the master (``node.confirm_speculative =
-        false``): the pulled layers if a holder that proved itself sent them (``run(proven=
-        True)``), its header is whole, names ``guess.key``, has the guessed spec, and every layer
-        matches it; else None (the guess is wasted: locate and read as usual).
+        false``): the pulled layers if a holder that proved itself sent them (:meth:`run_proven`),
+        its header is whole, names ``guess.key``, has the guessed spec, and every layer matches
+        it; else None (the guess is wasted: locate and read as usual).
 
         What this gives up against :meth:`confirm` is only how soon another process's delete
         shows: a holder keeps a deleted key until its next heartbeat, as a remembered location

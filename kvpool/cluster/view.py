@@ -241,15 +241,17 @@ class ClusterView:
         # while the master locates the key and used only if the master names that holder and
         # version, so a right guess hides the round trip.
         node = self.config.node
-        guess = self.reader.speculate(key, layers, out, out_view) if node.speculative_pulls else None
+        guess = self.reader.speculate(key, layers, out) if node.speculative_pulls else None
         skip = None
         if guess is not None and not node.confirm_speculative and self.reader.provable(guess):
             # over TCP, where this reader proved the cluster key to the holder: no token needed
-            self.reader.run(guess, b"", proven=True)
+            self.reader.run_proven(guess, out, out_view)
             used = self.reader.accept(guess)
             if used is not None:
                 return used
             skip = _failed(guess)
+            guess = None
+        elif guess is not None and not guess.bind(out, out_view):
             guess = None
         token = b"" if guess is None else self.node.cluster_key.mint_token(key, guess.replica["node_id"])
         located = self.master.locate(key, lease=True, meanwhile=None if guess is None else lambda: self.reader.run(

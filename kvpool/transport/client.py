@@ -322,8 +322,10 @@ class PullClient:
         peer.pulls.add(pull)
         pull.request_id = next(self._engine.request_ids) & _MAX_REQUEST_ID
         reply_address = self._worker_address if peer.by_worker_address else b""
-        frame = _pack_request(self._client_id, peer.conn_id, pull, self.max_message, reply_address,
-                              peer.error_handling)
+        frame = _pack_request(pull.key, pull.token, pull.layer_range, pull.out.nbytes,
+                              want_header=pull.header_out is not None, max_chunk=self.max_message,
+                              request_id=pull.request_id, client_id=self._client_id, conn_id=peer.conn_id,
+                              reply_address=reply_address, reply_error_handling=peer.error_handling)
         status_array, frame_array = Array(pull.status_buf), Array(frame)
         # The first chunk's receive is posted before the request goes out, straight into
         # `out` (the server's chunk is at most our max_message; a shorter message fits): the

@@ -187,22 +187,23 @@ def _pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: st
 
 
 def _pack_request(
-    client_id: int, conn_id: int, pull: Any, max_chunk: int, reply_address: bytes,
+    key: bytes, token: bytes, layer_range: LayerRange, capacity: int, *, want_header: bool, max_chunk: int,
+    request_id: int, client_id: int = 0, conn_id: int = 0, reply_address: bytes = b"",
     reply_error_handling: bool = False,
 ) -> bytearray:
-    token = pull.token
-    frame = bytearray(_REQUEST.size + len(pull.key) + len(token) + len(reply_address))
+    """A request frame: ``layer_range`` of ``key`` into a buffer of ``capacity`` bytes."""
+    frame = bytearray(_REQUEST.size + len(key) + len(token) + len(reply_address))
     _REQUEST.pack_into(
         frame, 0, _REQUEST_MAGIC, PROTOCOL_VERSION,
         (_FLAG_REPLY_TO_ADDRESS if reply_address else 0)
         | (_FLAG_REPLY_ERROR_HANDLING if reply_address and reply_error_handling else 0)
-        | (_FLAG_WANT_HEADER if pull.header_out is not None else 0),
-        len(pull.key), len(reply_address), client_id, conn_id, pull.request_id,
-        pull.layer_range.start, pull.layer_range.stop, pull.out.nbytes, max_chunk,
+        | (_FLAG_WANT_HEADER if want_header else 0),
+        len(key), len(reply_address), client_id, conn_id, request_id,
+        layer_range.start, layer_range.stop, capacity, max_chunk,
         xxhash.xxh3_64_intdigest(reply_address) if reply_address else _EMPTY_ADDRESS_SUM, len(token),
     )
-    key_end = _REQUEST.size + len(pull.key)
-    frame[_REQUEST.size:key_end] = pull.key
+    key_end = _REQUEST.size + len(key)
+    frame[_REQUEST.size:key_end] = key
     frame[key_end:key_end + len(token)] = token
     frame[key_end + len(token):] = reply_address
     return frame

@@ -88,17 +88,28 @@ class CheckedPull(NamedTuple):
 def checked_pull(address: PeerAddress | tuple[str, int], key: Any, layer_range: Any, out: Any,
                  token: Any, header_out: Any) -> CheckedPull:
     """The arguments of one pull, checked as every client checks them, or a typed error."""
+    peer, key, layers, token = checked_request(address, key, layer_range, token)
+    return CheckedPull(peer, key, layers, checked_out(out), token, header_room(header_out))
+
+
+def checked_request(address: PeerAddress | tuple[str, int], key: Any, layer_range: Any,
+                    token: Any) -> tuple[PeerAddress, bytes, LayerRange, bytes]:
+    """What a pull asks for (its reply's buffers aside), checked, or a typed error."""
     peer = _as_peer_address(address)
     if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= _MAX_KEY_BYTES:
         raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")
     if not isinstance(token, (bytes, bytearray, memoryview)) or len(token) > _MAX_TOKEN_BYTES:
         raise errors.AuthenticationError(f"pull token must be at most {_MAX_TOKEN_BYTES} bytes")
-    room = 0
-    if header_out is not None:
-        if not isinstance(header_out, bytearray):
-            raise TypeError(f"header_out must be a bytearray, got {type(header_out).__name__}")
-        room = len(header_out) if 0 < len(header_out) <= MAX_HEADER_NBYTES else MAX_HEADER_NBYTES
-    return CheckedPull(peer, bytes(key), _as_layer_range(layer_range), _as_out_view(out), bytes(token), room)
+    return peer, bytes(key), _as_layer_range(layer_range), bytes(token)
+
+
+def header_room(header_out: Any) -> int:
+    """The most header bytes ``header_out`` takes (0: None, no header asked for)."""
+    if header_out is None:
+        return 0
+    if not isinstance(header_out, bytearray):
+        raise TypeError(f"header_out must be a bytearray, got {type(header_out).__name__}")
+    return len(header_out) if 0 < len(header_out) <= MAX_HEADER_NBYTES else MAX_HEADER_NBYTES
 
 
 def _as_peer_address(address: PeerAddress | tuple[str, int]) -> PeerAddress:
@@ -127,7 +138,8 @@ def _as_layer_range(layers: LayerRange | tuple[int, int] | range) -> LayerRange:
     return LayerRange(start, stop)
 
 
-def _as_out_view(out: Any) -> memoryview:
+def checked_out(out: Any) -> memoryview:
+    """``out`` as a writable, contiguous, non-empty byte view, or OutBufferError."""
     if type(out) is memoryview and out.format == "B" and out.ndim == 1 and out.nbytes and out.c_contiguous \
             and not out.readonly:  # what the reader passes: used as it is
         return out

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool import errors
+from kvpool.objformat import LayerRange
 from kvpool.transport.engine import _describe
 from kvpool.transport.frames import (
     _MAX_STATUS_TEXT,
@@ -21,7 +22,7 @@ from kvpool.transport.frames import (
     _pack_request,
     status_error,
 )
-from kvpool.transport.pulls import PullRequest, checked_pull
+from kvpool.transport.pulls import PullRequest, checked_out, checked_pull, checked_request, header_room
 from kvpool.transport.tcp.stream import (
     PROOF_NBYTES,
     PULL_HELLO,
@@ -83,7 +84,7 @@ class TcpPullClient:
         holder go out on one connection, pipelined; holders are read one after another."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if len(requests) == 1:  # the usual one-key get: no grouping
+        if len(requests) == 1:  # no grouping
             pull = self._new_pull(requests[0], timeout_s)
             return [pull if isinstance(pull, BaseException) else self._pull_group(pull.where, [pull], alive_check_s)[0]]
         results: list[int | BaseException | None] = [None] * len(requests)
@@ -104,9 +105,69 @@ class TcpPullClient:
         try:
             if self._closed:
                 raise errors.PoolClosedError("the TCP pull client is closed")
-            return _TcpPull(request, timeout_s)
+            args = checked_pull(request.address, request.key, request.layer_range, request.out, request.token,
+                                request.header_out)
+            pull = _TcpPull(args.address, args.key, args.layer_range, args.out.nbytes, args.token,
+                            request.header_out is not None, timeout_s)
+            pull.bind(args.out, request.header_out, args.header_room, request.progress, request.alive)
+            return pull
         except (errors.KVPoolError, ValueError, TypeError) as exc:
             return exc
+
+    # -- one pull in two steps -----------------------------------------------------------------
+
+    def start(self, address: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, *, token: bytes = b"",
+              want_header: bool = True, timeout_s: float = 10.0, alive_check_s: float = 0.05) -> _TcpPull:
+        """Send one pull's request now, over an idle connection (a new one sends it in
+        :meth:`finish`, after the holder's answer to its hello), and return the pull: the caller
+        prepares the buffer its reply lands in while the holder answers, then calls
+        :meth:`finish` (or :meth:`cancel`, exactly one of them). ``nbytes``: the payload bytes
+        that buffer takes. Raises the argument errors of :meth:`pull_into`; every other failure
+        is :meth:`finish`'s."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if self._closed:
+            raise errors.PoolClosedError("the TCP pull client is closed")
+        if not 0 < nbytes < 2**63:
+            raise errors.OutBufferError(f"a pull needs room for at least one byte, got {nbytes}")
+        peer, key, layer_range, token = checked_request(address, key, layer_range, token)
+        pull = _TcpPull(peer, key, layer_range, nbytes, token, want_header, timeout_s)
+        conn = pull.conn = self._checkout(pull.where, pull, alive_check_s)
+        if isinstance(conn, _Conn) and conn.nonce is None:
+            try:
+                conn.send(pull, pull.frame)
+                pull.sent_on = conn
+            except _ConnectionLost:  # closed while idle: finish connects again
+                conn.close()
+                pull.conn = None
+        return pull
+
+    def finish(self, pull: _TcpPull, out: Any, header_out: bytearray | None = None, *,
+               progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None,
+               alive_check_s: float = 0.05) -> int:
+        """Read the reply of a pull :meth:`start` sent: its payload into ``out`` (at least the
+        ``nbytes`` asked for), the header it carries into ``header_out``, as :meth:`pull_into`
+        does and with its errors. A reply that cannot land in ``out`` is never read: the
+        connection is closed instead."""
+        try:
+            view = checked_out(out)
+            if view.nbytes < pull.nbytes:
+                raise errors.OutBufferError(f"out holds {view.nbytes} bytes, the pull asked for {pull.nbytes}")
+            pull.bind(view[:pull.nbytes], header_out, header_room(header_out), progress, alive)
+        except BaseException:
+            self.cancel(pull)
+            raise
+        conn, pull.conn = pull.conn, None
+        (outcome,) = self._pull_group(pull.where, [pull], alive_check_s, conn)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def cancel(self, pull: _TcpPull) -> None:
+        """Drop a pull :meth:`start` sent, unread (its connection is closed)."""
+        conn, pull.conn = pull.conn, None
+        if isinstance(conn, _Conn):
+            conn.close()
 
     def reachable(self, address: PeerAddress) -> bool:
         """Whether ``address`` serves TCP pulls that this client can reach (see the class)."""
@@ -135,11 +196,13 @@ class TcpPullClient:
 
     # -- one holder ------------------------------------------------------------------------------
 
-    def _pull_group(self, where: tuple[str, int], pulls: list[_TcpPull],
-                    alive_check_s: float) -> list[int | BaseException]:
-        """Every pull to one holder over one connection. A reused connection that fails before
-        its first reply byte (the holder closed it while idle) is replaced once: reads repeat."""
-        conn = self._checkout(where, pulls[0], alive_check_s)
+    def _pull_group(self, where: tuple[str, int], pulls: list[_TcpPull], alive_check_s: float,
+                    conn: _Conn | OSError | None = None) -> list[int | BaseException]:
+        """Every pull to one holder over one connection (``conn``, else one checked out). A
+        reused connection that fails before its first reply byte (the holder closed it while
+        idle) is replaced once: requests go out again on the new one, reads repeat."""
+        if conn is None:
+            conn = self._checkout(where, pulls[0], alive_check_s)
         reused = isinstance(conn, _Conn) and conn.nonce is None  # an idle one (a new one has its hello's nonce)
         outcomes: list[int | BaseException] = []
         while True:
@@ -179,7 +242,8 @@ class TcpPullClient:
         window = 0
         for index, pull in enumerate(pulls):
             while sent < len(pulls) and (sent == index or window + len(pulls[sent].frame) <= _WINDOW_NBYTES):
-                conn.send(pulls[sent], pulls[sent].frame)
+                if pulls[sent].sent_on is not conn:  # (start sent it already)
+                    conn.send(pulls[sent], pulls[sent].frame)
                 window += len(pulls[sent].frame)
                 sent += 1
             outcomes.append(self._reply(conn, pull, replied=bool(outcomes)))
@@ -301,24 +365,32 @@ class TcpPullClient:
 
 
 class _TcpPull:
-    """One request's checked arguments, its frame and its deadline."""
+    """One pull: its checked request, frame and deadline, where the request went (:meth:`start`),
+    and the buffers its reply lands in (:meth:`bind`)."""
 
-    def __init__(self, request: PullRequest, timeout_s: float) -> None:
-        args = checked_pull(request.address, request.key, request.layer_range, request.out, request.token,
-                            request.header_out)
-        self.address, self.key, self.layer_range, self.out = args.address, args.key, args.layer_range, args.out
-        if not self.address.tcp_port:
-            raise errors.TransferError(f"{self.address.host} serves no TCP pulls")
-        self.where = (self.address.host, self.address.tcp_port)
-        self.token = args.token
-        self.header_out = request.header_out
-        self.header_room = args.header_room
-        self.alive = request.alive
-        self.progress = request.progress
+    def __init__(self, address: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, token: bytes,
+                 want_header: bool, timeout_s: float) -> None:
+        if not address.tcp_port:
+            raise errors.TransferError(f"{address.host} serves no TCP pulls")
+        self.address, self.key, self.layer_range, self.nbytes, self.token = address, key, layer_range, nbytes, token
+        self.where = (address.host, address.tcp_port)
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.request_id = 1
-        self.frame = _pack_request(0, 0, self, max(1, self.out.nbytes), b"")
+        self.frame = _pack_request(key, token, layer_range, nbytes, want_header=want_header,
+                                   max_chunk=max(1, nbytes), request_id=self.request_id)
+        self.sent_on: _Conn | None = None  # the connection its request went out on
+        self.conn: _Conn | OSError | None = None  # (start) the connection to read the reply from
+        self.out = _EMPTY
+        self.header_out: bytearray | None = None
+        self.header_room = 0
+        self.alive: Callable[[], bool] | None = None
+        self.progress: Callable[[int], None] | None = None
+
+    def bind(self, out: memoryview, header_out: bytearray | None, room: int,
+             progress: Callable[[int], None] | None, alive: Callable[[], bool] | None) -> None:
+        """Where the reply lands (checked by the caller)."""
+        self.out, self.header_out, self.header_room, self.progress, self.alive = out, header_out, room, progress, alive
 
     @property
     def label(self) -> str:
