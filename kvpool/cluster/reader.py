@@ -470,9 +470,12 @@ class ReplicaReader:
         def pull() -> None:
             sent = tcp.start(replica["_node"].peer, guess.key, guess.layer_range, guess.nbytes,  # type: ignore[typeddict-item]
                              timeout_s=self.pull_timeout_s)
-            if not guess.bind(out, out_view):
-                tcp.cancel(sent)
-                raise errors.OutBufferError("out does not fit the guessed spec")
+            try:
+                if not guess.bind(out, out_view):
+                    raise errors.OutBufferError("out does not fit the guessed spec")
+            except BaseException:
+                tcp.cancel(sent)  # its reply is never read
+                raise
             tcp.finish(sent, guess.buf, guess.raw_header, progress=guess.check,
                        alive=lambda: self.holder_alive(replica))
             guess.proven = True
