@@ -179,7 +179,9 @@ def _memory_provider(key: bytes, layer_range: LayerRange) -> ServeSource | None:
     return ServeSource(data.nbytes, buffers=[memoryview(data)], header=b"h" * 16)
 
 
-def test_an_idle_connection_the_holder_closed_is_replaced_once() -> None:
+@pytest.mark.parametrize("sent_first", [False, True])
+def test_an_idle_connection_the_holder_closed_is_replaced_once(sent_first: bool) -> None:
+    """``sent_first``: start() sent the request on it; finish() sends it again on the new one."""
     with TcpPullServer(_memory_provider, idle_timeout_s=0.2) as server, TcpPullClient() as client:
         peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
         out = bytearray(LAYER_NBYTES)
@@ -187,7 +189,11 @@ def test_an_idle_connection_the_holder_closed_is_replaced_once() -> None:
         deadline = time.monotonic() + 10
         while server.stats()["connections"] and time.monotonic() < deadline:
             time.sleep(0.05)  # the server drops the idle connection
-        assert client.pull_into(peer, b"b", (0, 1), out) == LAYER_NBYTES
+        if sent_first:
+            got = client.finish(client.start(peer, b"b", LayerRange(0, 1), LAYER_NBYTES), out)
+        else:
+            got = client.pull_into(peer, b"b", (0, 1), out)
+        assert got == LAYER_NBYTES
         assert bytes(out) == expected(b"b", 0, 1).tobytes()
         assert client.connects == 2 and client.failures == 0
 
@@ -234,20 +240,6 @@ def test_a_pull_sent_first_whose_buffer_does_not_fit_is_dropped_unread(holder: S
             client.start(holder.peer, b"k5", LayerRange(0, 1), bad)
     with pytest.raises(errors.InvalidKeyError):
         client.start(holder.peer, b"", LayerRange(0, 1), LAYER_NBYTES)
-
-
-def test_a_pull_sent_first_on_an_idle_connection_the_holder_closed_is_sent_again() -> None:
-    with TcpPullServer(_memory_provider, idle_timeout_s=0.2) as server, TcpPullClient() as client:
-        peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
-        out = bytearray(LAYER_NBYTES)
-        assert client.pull_into(peer, b"a", (0, 1), out) == LAYER_NBYTES
-        deadline = time.monotonic() + 10
-        while server.stats()["connections"] and time.monotonic() < deadline:
-            time.sleep(0.05)  # the server drops the idle connection
-        pull = client.start(peer, b"b", LayerRange(0, 1), LAYER_NBYTES)
-        assert client.finish(pull, out) == LAYER_NBYTES
-        assert bytes(out) == expected(b"b", 0, 1).tobytes()
-        assert client.connects == 2 and client.failures == 0
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
