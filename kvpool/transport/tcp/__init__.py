@@ -26,7 +26,9 @@ Threads and system calls
     to ask whether the holder is still alive. Connections are kept per holder, one per
     concurrent caller. Sockets are blocking with kernel timeouts, so each read or write is
     one system call; a server reads every request that has arrived with one ``recv``, and a
-    usual reply (status, header, payload) lands with one ``recvmsg_into``.
+    usual reply (status, header, payload) lands with one ``recvmsg_into``. One pull can go in
+    two steps (``start``, then ``finish``): its request goes out first, and the caller
+    prepares the buffer its reply lands in while the holder answers.
 
 Security
     The server binds ``host`` only (the node's address). A client opens every connection
@@ -35,11 +37,11 @@ Security
     ``check_proof`` accepted that (:meth:`ClusterKey.holder_proof`): a process that took
     over a dead holder's port cannot hand out bytes. The client then answers the server's
     nonce (``prove``, :meth:`ClusterKey.reader_proof`; zeros without the key) ahead of its
-    first requests. A client whose answer ``trust`` accepts holds the cluster key, so it could mint any pull
-    token: its requests are served without one. Any other client's requests each carry the
-    pull token that ``authorize(key, token)`` checks before the provider runs, as over UCX; a
-    refusal is ``STATUS_UNAUTHORIZED``, never data. Nonces are fresh per connection, so a
-    recorded hello cannot be replayed. The bytes are not encrypted.
+    first requests. A client whose answer ``trust`` accepts holds the cluster key, so it
+    could mint any pull token: its requests are served without one. Any other client's
+    requests each carry the pull token that ``authorize(key, token)`` checks before the
+    provider runs, as over UCX; a refusal is ``STATUS_UNAUTHORIZED``, never data. Nonces are
+    fresh per connection, so a recorded hello cannot be replayed. The bytes are not encrypted.
 """
 
 from kvpool.transport.tcp.client import TcpPullClient

@@ -84,9 +84,6 @@ class TcpPullClient:
         holder go out on one connection, pipelined; holders are read one after another."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if len(requests) == 1:  # no grouping
-            pull = self._new_pull(requests[0], timeout_s)
-            return [pull if isinstance(pull, BaseException) else self._pull_group(pull.where, [pull], alive_check_s)[0]]
         results: list[int | BaseException | None] = [None] * len(requests)
         groups: dict[tuple[str, int], list[tuple[int, _TcpPull]]] = {}
         for i, request in enumerate(requests):
