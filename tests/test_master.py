@@ -1068,6 +1068,17 @@ def test_the_query_port_answers_only_questions_and_only_to_holders_of_the_key(ma
         assert not ok and reply["type"] == "ProtocolError" and "query port" in reply["message"]
         _, ok, reply = P.unpack_reply(asker.call(P.pack_request(2, P.EXISTS, {"keys": [key]})), P.EXISTS)
         assert ok and reply.exists == [True]
+        # Questions that do not fit their one-step decoding are named as the general path names them.
+        for frame, request_id, says in (
+                (P.pack_request(3, P.EXISTS, {"keys": "k"}), 3, "does not fit its schema"),
+                (msgpack.packb([1, 4, P.LOOKUP, {"keys": [key]}]), 4, "protocol version 1"),
+                (msgpack.packb([P.PROTOCOL_VERSION, True, P.EXISTS, {"keys": [key]}]), None, "request_id"),
+                (msgpack.packb([P.PROTOCOL_VERSION, "r" * 300, P.EXISTS, {"keys": [key]}]), None, "request_id")):
+            reply_id, ok, reply = P.unpack_reply(asker.call(frame))
+            assert not ok and reply["type"] == "ProtocolError" and says in reply["message"]
+            assert reply_id == request_id
+        _, ok, reply = P.unpack_reply(asker.call(P.pack_request(5, P.LOOKUP, {"keys": [key, key]})), P.LOOKUP)
+        assert ok and reply.prefix == 2  # the connection is still in step
     finally:
         asker.close()
     assert client.exists(key)

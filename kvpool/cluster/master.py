@@ -21,7 +21,7 @@ from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.etcd import Election, EtcdClient, check_address_for_etcd
 from kvpool.cluster.ops import MasterState
-from kvpool.cluster.query import QueryServer, query_host
+from kvpool.cluster.query import QUERY_OPS, QueryServer, query_host
 from kvpool.cluster.records import loggable
 from kvpool.cluster.rereplicate import Rereplicator
 from kvpool.cluster.security import ClusterKey, stop_authenticator
@@ -132,44 +132,60 @@ class MasterServer:
                     next_sweep = now + tick_s
 
     def _answer_query(self, frame: bytes) -> bytes:
-        """One request frame from the query port (already known to be a question), answered."""
+        """One request frame from the query port, answered if it is a question. An exists or
+        lookup is decoded in one step, outside the turn; anything else the general way."""
+        request = P.unpack_question(frame)
         with self._turn:
-            return self.serve_frames([b"query", frame])[1]
+            return self.answer(frame, request, questions_only=True)
 
     def serve_frames(self, frames: list[bytes]) -> list[bytes]:
         """One routed request in, one routed reply out (errors become typed replies)."""
         # REQ peers put an empty delimiter after their identity; DEALER peers need not.
         split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
         envelope, payload = frames[:split], frames[split:]
+        if len(payload) != 1:
+            malformed = P.MalformedRequest(f"expected one message frame after the envelope, got {len(payload)}")
+            return [*envelope, self._refused(malformed, None)]
+        return [*envelope, self.answer(payload[0])]
+
+    def answer(self, frame: bytes, request: P.Request | None = None, *, questions_only: bool = False) -> bytes:
+        """The reply frame to one request frame (``request``: the frame already parsed); errors
+        become typed replies. ``questions_only``: anything but :data:`QUERY_OPS` is refused."""
         request_id: Any = None
         op = "?"
         try:
-            if len(payload) != 1:
-                raise P.MalformedRequest(f"expected one message frame after the envelope, got {len(payload)}")
-            request = P.unpack_request(payload[0])
+            if request is None:
+                request = P.unpack_request(frame)
             request_id, op = request.request_id, request.op
+            if questions_only and op not in QUERY_OPS:
+                raise P.MalformedRequest(
+                    f"{op} is not answered on the query port (only {', '.join(sorted(QUERY_OPS))})", request_id)
             if not self.leading():
                 leader = self.election.leader if self.election is not None else None
                 raise errors.NotLeaderError(
                     f"master {self.endpoint} is a standby; the leader is {leader or '(being elected)'}")
-            reply = P.pack_reply(request_id, self.state.handle(op, request.body))
-        except P.MalformedRequest as exc:
-            self.state.counters["protocol_errors"] += 1
-            rid = exc.request_id if exc.request_id is not None else request_id
-            reply = P.pack_error(rid, "ProtocolError", str(exc))
+            return P.pack_reply(request_id, self.state.handle(op, request.body))
         except errors.KVPoolError as exc:
-            self.state.counters["errors"] += 1
-            reply = P.pack_error(request_id, type(exc).__name__, str(exc.args[0]) if exc.args else "")
+            return self._refused(exc, request_id)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             # A body shaped wrong in a way the validators did not name.
             self.state.counters["protocol_errors"] += 1
-            reply = P.pack_error(request_id, "ProtocolError",
-                                 f"malformed {op} body: {type(exc).__name__}: {loggable(str(exc))}")
+            return P.pack_error(request_id, "ProtocolError",
+                                f"malformed {op} body: {type(exc).__name__}: {loggable(str(exc))}")
         except Exception as exc:  # keep serving: one bad request must not take the master down
             log.exception("internal error serving %s", op)
             self.state.counters["errors"] += 1
-            reply = P.pack_error(request_id, "KVPoolError", f"internal master error in {op}: {loggable(repr(exc))}")
-        return [*envelope, reply]
+            return P.pack_error(request_id, "KVPoolError", f"internal master error in {op}: {loggable(repr(exc))}")
+
+    def _refused(self, exc: errors.KVPoolError, request_id: Any) -> bytes:
+        """The error reply to a request refused with ``exc`` (a MalformedRequest: a ProtocolError
+        echoing the id it read, if any)."""
+        if isinstance(exc, P.MalformedRequest):
+            self.state.counters["protocol_errors"] += 1
+            return P.pack_error(exc.request_id if exc.request_id is not None else request_id, "ProtocolError",
+                                str(exc))
+        self.state.counters["errors"] += 1
+        return P.pack_error(request_id, type(exc).__name__, str(exc.args[0]) if exc.args else "")
 
     def close(self) -> None:
         if self.queries is not None:

@@ -86,7 +86,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Annotated, Any, TypedDict
 
 import msgpack
 import msgspec
@@ -304,6 +304,23 @@ def unpack_request(frame: bytes | memoryview) -> Request:
     if not isinstance(op, str) or op not in OPS:
         raise MalformedRequest(f"unknown op {op!r:.80}; known: {', '.join(sorted(OPS))}", request_id)
     return Request(request_id, op, decode_body(op, body, request_id))
+
+
+# A question (exists, lookup) as the master's query port receives it, checked in one decode;
+# one that does not fit goes the general way (unpack_request), which names what is wrong.
+_QUESTION = msgspec.msgpack.Decoder(tuple[
+    Annotated[int, msgspec.Meta(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)],
+    int | Annotated[str, msgspec.Meta(max_length=256)], str, S.Keys])
+
+
+def unpack_question(frame: bytes | memoryview) -> Request | None:
+    """An ``exists`` or ``lookup`` request frame parsed as :func:`unpack_request` would, or
+    None if it is anything else (another op, or malformed)."""
+    try:
+        _, request_id, op, body = _QUESTION.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return Request(request_id, op, body) if op == EXISTS or op == LOOKUP else None
 
 
 def pack_reply(request_id: Any, body: Any) -> bytes:

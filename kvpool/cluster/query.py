@@ -10,7 +10,7 @@ What it serves
     are booleans and counts about keys, never bytes or pull tokens. Everything else is
     refused with a ProtocolError reply: writes stay on the CURVE-encrypted ZeroMQ socket.
     Requests and replies are the master protocol's own frames (:mod:`.protocol`), each
-    behind a u32 length, answered by :meth:`MasterServer.serve_frames` under the lock the
+    behind a u32 length, answered by :meth:`MasterServer._answer_query` under the lock the
     ZeroMQ loop holds for each of its requests (one request at a time, as ever).
 
 Security
@@ -99,7 +99,7 @@ class QueryServer:
                 frame = _read_frame(conn)
                 if frame is None:
                     return
-                _write_frame(conn, self._answer(frame))
+                _write_frame(conn, self._serve(frame))
         except (OSError, errors.KVPoolError) as exc:
             if not self._closing:
                 log.debug("query connection dropped: %s", exc)
@@ -111,16 +111,6 @@ class QueryServer:
     def _handshake(self, conn: socket.socket) -> bool:
         opened = QUERY_HELLO.server_open(conn, lambda nonce: self._key.query_proof(b"server", nonce))
         return opened is not None and self._key.check_query_proof(b"client", *opened)
-
-    def _answer(self, frame: bytes) -> bytes:
-        try:
-            _, request_id, op, _ = P._envelope(frame, "request")  # the body is decoded once, by serve
-        except P.MalformedRequest as exc:
-            return P.pack_error(None, "ProtocolError", str(exc))
-        if not isinstance(op, str) or op not in QUERY_OPS:
-            return P.pack_error(request_id if isinstance(request_id, (int, str)) else None, "ProtocolError",
-                                f"{op!r:.80} is not answered on the query port (only {', '.join(sorted(QUERY_OPS))})")
-        return self._serve(frame)
 
 
 class QueryClient:
