@@ -192,7 +192,7 @@ class ClusterPool(PoolAPI):
     def exists(self, prefix_hash: Key) -> bool:
         self._check_open()
         key = self._key(prefix_hash)
-        return key in self.local.manager or self.cluster.exists_many([key])[0]
+        return key in self.local.manager or self.cluster.exists(key)
 
     def exists_many(self, prefix_hashes: Sequence[Key]) -> list[bool]:
         """One master round trip for the whole batch."""

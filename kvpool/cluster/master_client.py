@@ -433,7 +433,7 @@ class MasterClient:
             _keys(keys), lambda b: self._question(P.EXISTS, {"keys": list(b)}).exists) for hit in reply]
 
     def exists(self, key: KeyLike) -> bool:
-        return self.exists_many([key])[0]
+        return bool(self._question(P.EXISTS, {"keys": [as_key(key)]}).exists[0])
 
     def locate_many(self, keys: Iterable[KeyLike], lease: bool = True,
                     meanwhile: Callable[[], None] | None = None) -> Located:

@@ -304,6 +304,9 @@ class ClusterView:
 
     # -- metadata ---------------------------------------------------------------------------
 
+    def exists(self, key: bytes) -> bool:
+        return self.master.exists(key)
+
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.master.exists_many(keys)
 
