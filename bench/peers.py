@@ -13,7 +13,13 @@ client and servers in separate processes:
 3. ``exists`` on ``--exists-keys`` keys (half stored, half never stored),
    one per call and ``--exists-batch`` per call, every answer checked
    (measured with the smallest size);
-4. RSS (``/proc/<pid>/status`` VmRSS) of every server process after the puts.
+4. RSS (``/proc/<pid>/status`` VmRSS) of every server process after the puts;
+5. side by side (``--side-by-side``, on by default; the smallest size): every
+   system up at once, taking turns: each of ``--side-rounds`` rounds gives
+   each system (in an order rotated every round) ``--side-gets`` one-key gets
+   and ``--side-exists`` one-key exists. kvpool's ratio to each peer is taken
+   round by round (median and range): a slow minute of the host lands on every
+   system alike, which runs minutes apart cannot promise.
 
 Systems (``--systems``; a peer that is not installed is a "skipped" row):
 
@@ -56,7 +62,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,60 +135,90 @@ def holder_capacity(size: int, count: int, batch: int) -> int:
 # -- running one system ------------------------------------------------------------------
 
 
+class Running:
+    """One system at one size: its servers and actor processes, from :meth:`start` to :meth:`stop`."""
+
+    def __init__(self, system: str, size: int, args: argparse.Namespace, cpus: CpuPlan, work_dir: Path) -> None:
+        self.system, self.size, self.args, self.cpus = system, size, args, cpus
+        self.count, self.batch = objects_for(size, args)
+        self.work_dir = work_dir
+        work_dir.mkdir(parents=True)
+        plan = Plan(size, self.count, self.batch, args.seed, holder_capacity(size, self.count, self.batch), work_dir)
+        self.peer: Peer = peer_class(system)(plan, cpus, vars(args))
+        self.actors: dict[str, ActorProcess] = {}
+        self.server_actors: list[str] = []
+
+    def start(self) -> None:
+        self.peer.start()
+        for role, (spec, on_server) in self.peer.actors().items():
+            self.actors[role] = ActorProcess(spec, self.cpus.server if on_server else self.cpus.client,
+                                             self.work_dir / f"actor-{role}.log", self.args.actor_timeout)
+            if on_server:
+                self.server_actors.append(role)
+        for actor in self.actors.values():
+            actor.call({"op": "setup", "size": self.size, "count": self.count, "batch": self.batch,
+                        "seed": self.args.seed})
+
+    @property
+    def putter(self) -> ActorProcess:
+        return self.actors[self.peer.put_role]
+
+    @property
+    def getter(self) -> ActorProcess:
+        return self.actors[self.peer.get_role]
+
+    def timed(self, actor: ActorProcess, op: str, kind: str, per_call: int, rounds: int,
+              **window: int) -> list[list[float]]:
+        """``op`` over key set ``kind`` (``window``: ``first``/``calls``, a slice of it): per-call
+        seconds, in ``rounds`` groups; PeerError if a get missed a key that was put."""
+        reply = actor.call({"op": op, "set": kind, "batch": per_call, "rounds": rounds, **window})
+        if reply.get("misses"):
+            raise PeerError(f"{op}: {reply['misses']} keys missed (they were put)")
+        return list(reply["rounds"])
+
+    def stop(self) -> None:
+        for role in sorted(self.actors, key=lambda r: r in self.server_actors):  # clients first, holders last
+            self.actors[role].stop()
+        self.peer.stop()
+
+
 def run_one(system: str, size: int, args: argparse.Namespace, cpus: CpuPlan, work_root: Path,
             with_exists: bool, progress: Progress) -> Result:
-    cls = peer_class(system)
-    result = Result(system, cls.label, size)
-    count, batch = objects_for(size, args)
-    work_dir = work_root / f"{system}-{size_label(size)}"
-    work_dir.mkdir(parents=True)
-    plan = Plan(size, count, batch, args.seed, holder_capacity(size, count, batch), work_dir)
-    peer: Peer = cls(plan, cpus, vars(args))
-    actors: dict[str, ActorProcess] = {}
-    server_actors: list[str] = []
+    run = Running(system, size, args, cpus, work_root / f"{system}-{size_label(size)}")
+    result = Result(system, run.peer.label, size)
+    batch = run.batch
     tag = f"{system} {size_label(size)}"
     try:
         progress.show(f"{tag}: starting servers")
-        peer.start()
-        for role, (spec, on_server) in peer.actors().items():
-            actors[role] = ActorProcess(spec, cpus.server if on_server else cpus.client,
-                                        work_dir / f"actor-{role}.log", args.actor_timeout)
-            if on_server:
-                server_actors.append(role)
-        for actor in actors.values():
-            actor.call({"op": "setup", "size": size, "count": count, "batch": batch, "seed": args.seed})
-        putter, getter = actors[peer.put_role], actors[peer.get_role]
-        rounds = args.iters
+        run.start()
+        putter, getter = run.putter, run.getter
 
         def timed(actor: ActorProcess, op: str, kind: str, per_call: int) -> Timing:
             progress.show(f"{tag}: {op} x{per_call}")
-            reply = actor.call({"op": op, "set": kind, "batch": per_call, "rounds": rounds})
-            if reply.get("misses"):
-                raise PeerError(f"{op}: {reply['misses']} of {count} keys missed (they were put)")
             timing = Timing(size * per_call)
-            for samples in reply["rounds"]:
+            for samples in run.timed(actor, op, kind, per_call, args.iters):
                 timing.add_round(samples)
             return timing
 
         result.put = timed(putter, "put", "s", 1)
         result.get = timed(getter, "get", "s", 1)
         sets = ["s"]
-        if peer.has_batch:
+        if run.peer.has_batch:
             result.bget = timed(getter, "get", "s", batch)
             result.bput = timed(putter, "put", "b", batch)
             sets.append("b")
         else:
             result.note = "no batch API;"
-        pids = dict(peer.server_pids())
-        for role in server_actors:
-            pids[f"{system} {role}"] = actors[role].pid
+        pids = dict(run.peer.server_pids())
+        for role in run.server_actors:
+            pids[f"{system} {role}"] = run.actors[role].pid
         result.rss = {name: rss for name, pid in pids.items() if (rss := rss_bytes(pid)) is not None}
         check = getter.call({"op": "verify", "sets": sets, "sample": args.verify_sample})
         result.verified = f"{check['checked'] - check['bad'] - check['missing']}/{check['checked']} exact"
         if check["bad"] or check["missing"]:
             result.note += f" WRONG DATA: {check['bad']} differ, {check['missing']} missing"
         if with_exists:
-            for per_call in (1, args.exists_batch) if peer.has_batch else (1,):
+            for per_call in (1, args.exists_batch) if run.peer.has_batch else (1,):
                 progress.show(f"{tag}: exists x{per_call}")
                 reply = getter.call({"op": "exists", "sets": sets, "total": args.exists_keys,
                                      "batch": per_call})
@@ -195,13 +231,108 @@ def run_one(system: str, size: int, args: argparse.Namespace, cpus: CpuPlan, wor
                     result.bexists_rate = rate
         result.info = getter.call({"op": "info"})["info"]
     except PeerError as exc:
-        result.note += f" failed: {_first_line(str(exc))} (logs: {work_dir})"
+        result.note += f" failed: {_first_line(str(exc))} (logs: {run.work_dir})"
         print(f"\n{tag} failed:\n{exc}", file=sys.stderr)
     finally:
-        for role in sorted(actors, key=lambda r: r in server_actors):  # clients first, holders last
-            actors[role].stop()
-        peer.stop()
+        run.stop()
     return result
+
+
+# -- side by side -------------------------------------------------------------------------------
+
+
+@dataclass
+class SideBySide:
+    """One system in the side-by-side round: a p50 and an exists rate per turn."""
+
+    system: str
+    label: str
+    size: int
+    get_p50_s: list[float] = field(default_factory=list)
+    exists_per_s: list[float] = field(default_factory=list)
+    exists_wrong: int = 0
+    note: str = ""
+
+    def median(self, values: Sequence[float]) -> float | None:
+        return float(np.median(values)) if values else None
+
+
+def side_by_side(systems: Sequence[str], size: int, args: argparse.Namespace, cpus: CpuPlan, work_root: Path,
+                 progress: Progress) -> list[SideBySide]:
+    """Every system up at once, taking turns: in each of ``--side-rounds`` rounds each system
+    (in an order rotated every round) does ``--side-gets`` one-key gets and ``--side-exists``
+    one-key exists. A slow phase of the host then lands on every system alike, which sequential
+    runs (minutes apart) cannot promise; each turn's p50 is compared with the same round's."""
+    runs: dict[str, Running] = {}
+    out = {s: SideBySide(s, peer_class(s).label, size) for s in systems}
+    try:
+        for system in systems:
+            progress.show(f"side by side: starting {system}")
+            run = runs[system] = Running(system, size, args, cpus, work_root / f"side-{system}-{size_label(size)}")
+            try:
+                run.start()
+                run.timed(run.putter, "put", "s", 1, 1)
+            except PeerError as exc:
+                out[system].note = f"failed: {_first_line(str(exc))} (logs: {run.work_dir})"
+                print(f"\nside by side, {system} failed:\n{exc}", file=sys.stderr)
+                run.stop()
+                del runs[system]
+        order = list(runs)
+        for r in range(args.side_rounds):
+            progress.show(f"side by side: round {r + 1}/{args.side_rounds}")
+            for system in order[r % len(order):] + order[:r % len(order)] if order else []:
+                run, row = runs[system], out[system]
+                try:
+                    [samples] = run.timed(run.getter, "get", "s", 1, 1, first=r * args.side_gets,
+                                          calls=args.side_gets)
+                    row.get_p50_s.append(float(np.median(samples)))
+                    reply = run.getter.call({"op": "exists", "sets": ["s"], "total": args.side_exists, "batch": 1})
+                    row.exists_wrong += reply["wrong"]
+                    row.exists_per_s.append(reply["keys"] / reply["seconds"])
+                except PeerError as exc:
+                    row.note += f" failed: {_first_line(str(exc))} (logs: {run.work_dir})"
+                    order.remove(system)
+    finally:
+        for run in runs.values():
+            run.stop()
+    for row in out.values():
+        if row.exists_wrong:
+            row.note += f" exists answered {row.exists_wrong} keys wrong;"
+    return list(out.values())
+
+
+def side_by_side_lines(rows: Sequence[SideBySide]) -> list[str]:
+    """The table, then kvpool's ratios to its peers taken round by round (median and range)."""
+    by = {r.system: r for r in rows}
+    table = [[r.label, _scaled(r.median(r.get_p50_s), 1e6),
+              f"{min(r.get_p50_s) * 1e6:.0f}-{max(r.get_p50_s) * 1e6:.0f}" if r.get_p50_s else None,
+              _kilo(r.median(r.exists_per_s)), len(r.get_p50_s), r.note.strip()] for r in rows]
+    lines = [format_table(("system / mode", "get p50 us", "round p50s us", "exists/s", "rounds", "note"), table,
+                          align="lrrrrl"), "",
+             "kvpool / peer, round by round (median of the rounds' ratios, lowest-highest):"]
+
+    def ratio(what: str, ours: list[float], theirs: list[float], target: str = "",
+              met: Callable[[float], bool] | None = None) -> None:
+        pairs = [o / t for o, t in zip(ours, theirs) if t]
+        if not pairs:
+            lines.append(f"  {what:<62} n/a (not measured)")
+            return
+        mid = float(np.median(pairs))
+        verdict = f"  target {target}: {'MET' if met(mid) else 'MISSED'}" if met is not None else ""
+        lines.append(f"  {what:<62} {mid:5.2f}x ({min(pairs):.2f}-{max(pairs):.2f}){verdict}")
+
+    kv, redis, mooncake = (by.get(s) for s in ("kvpool-tcp", "redis", "mooncake-tcp"))
+    if kv is not None:
+        ratio("one-key get p50: kvpool-tcp / redis", kv.get_p50_s, redis.get_p50_s if redis else [],
+              "<= 1x", lambda x: x <= 1.0)
+        ratio("one-key get p50: kvpool-tcp / mooncake-tcp", kv.get_p50_s, mooncake.get_p50_s if mooncake else [])
+        ratio("one-key exists/s: kvpool-tcp / mooncake-tcp", kv.exists_per_s,
+              mooncake.exists_per_s if mooncake else [], ">= 1x", lambda x: x >= 1.0)
+    return lines
+
+
+def _scaled(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale
 
 
 def _first_line(text: str) -> str:
@@ -352,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--large-from", type=parse_size, default=parse_size("16M"), metavar="BYTES")
     parser.add_argument("--exists-keys", type=int, default=10_000, help="keys asked per exists run (10000)")
     parser.add_argument("--exists-batch", type=int, default=100, help="keys per batched exists call (100)")
+    side = parser.add_argument_group("side by side (the smallest size; every system up at once, taking turns)")
+    side.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=True,
+                      help="run the side-by-side round after the tables (default: yes)")
+    side.add_argument("--side-rounds", type=int, default=12, help="rounds; each system takes one turn per round (12)")
+    side.add_argument("--side-gets", type=int, default=256, help="one-key gets per turn (256)")
+    side.add_argument("--side-exists", type=int, default=500, help="one-key exists per turn (500)")
     parser.add_argument("--verify-sample", type=int, default=16, help="keys per key set checked byte for byte")
     parser.add_argument("--pin", choices=("split", "none"), default="split",
                         help="split: benchmark client on the first half of the CPUs, servers on the rest "
@@ -381,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.total, args.total_small = min(args.total, 16 * MiB), min(args.total_small, 4 * MiB)
         args.exists_keys, args.iters, args.verify_sample = min(args.exists_keys, 2000), min(args.iters, 2), 4
+        args.side_rounds, args.side_gets, args.side_exists = min(args.side_rounds, 2), 32, 100
     systems = list(SYSTEMS) if args.systems == "all" else [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -402,7 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_root = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvpool-peers-"))
     work_root.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
-    progress = Progress(len(args.sizes) * (len(runnable) + 1))
+    progress = Progress(len(args.sizes) * (len(runnable) + 1) + bool(args.side_by_side and runnable))
+    side: list[SideBySide] = []
     try:
         for size in args.sizes:
             results.append(memcpy_reference(size, args))
@@ -411,9 +550,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with_exists = size == min(args.sizes)
                 results.append(run_one(system, size, args, cpus, work_root, with_exists, progress))
                 progress.advance(f"{system} {size_label(size)}")
+        if args.side_by_side and runnable:
+            side = side_by_side(runnable, min(args.sizes), args, cpus, work_root, progress)
+            progress.advance("side by side")
         progress.done()
     finally:
-        if not args.work_dir and not any("failed:" in r.note for r in results):
+        if not args.work_dir and not any("failed:" in r.note for r in [*results, *side]):
             shutil.rmtree(work_root, ignore_errors=True)
 
     for s in systems:
@@ -445,11 +587,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     for comparison in comparisons(results, args.sizes):
         print(comparison.line())
 
+    if side:
+        first = min(args.sizes)
+        print(f"\n== side by side: {size_label(first)} values, one key per call; {args.side_rounds} rounds, each "
+              f"system in turn ({args.side_gets} gets, then {args.side_exists} exists), the order rotated each "
+              f"round ==")
+        for line in side_by_side_lines(side):
+            print(line)
+        print("get p50 us: median of the rounds' p50s; exists/s: median of the rounds' rates. Sequential runs "
+              "are minutes apart and this host's speed swings by tens of percent between minutes; here every "
+              "system meets the same minutes.")
+
     if args.json:
-        Path(args.json).write_text(json.dumps([_as_record(r) for r in results], indent=1))
+        records = [_as_record(r) for r in results] + [
+            {"system": r.system, "label": r.label, "size": r.size, "skipped": False, "mode": "side-by-side",
+             "get_p50_us": [v * 1e6 for v in r.get_p50_s], "exists_per_s": r.exists_per_s, "note": r.note}
+            for r in side]
+        Path(args.json).write_text(json.dumps(records, indent=1))
     if args.plot:
         plot(args.plot, results)
-    failed = [r for r in results if "failed:" in r.note or "WRONG" in r.note]
+    failed = [r for r in [*results, *side] if "failed:" in r.note or "WRONG" in r.note or "wrong" in r.note]
     return 1 if failed else 0
 
 
@@ -459,7 +616,8 @@ def _as_record(r: Result) -> dict[str, Any]:
             return None
         return {"gbps": t.gbps, "p50_us": t.p(50) * 1e6, "p99_us": t.p(99) * 1e6, "calls": t.count}
 
-    return {"system": r.system, "label": r.label, "size": r.size, "skipped": r.skipped, "note": r.note,
+    return {"system": r.system, "label": r.label, "size": r.size, "skipped": r.skipped, "mode": "sequential",
+            "note": r.note,
             "put": timing(r.put), "get": timing(r.get), "bput": timing(r.bput), "bget": timing(r.bget),
             "exists_per_s": r.exists_rate, "bexists_per_s": r.bexists_rate, "rss": r.rss,
             "verified": r.verified, "info": r.info}

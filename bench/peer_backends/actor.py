@@ -8,7 +8,9 @@ then answers one JSON request per line (one JSON reply per line):
   same bytes in every process) and the get buffers;
 * ``put {set, batch, rounds}`` / ``get {set, batch, rounds}``: every key of a
   key set, ``batch`` keys per call, timed per call (``perf_counter``), split
-  into ``rounds``; one untimed warm-up call first (connections, first touch);
+  into ``rounds``; one untimed warm-up call first (connections, first touch).
+  ``first`` and ``calls`` (optional): only that many calls, from call ``first``
+  on (wrapping around the set);
 * ``verify {sets, sample}``: get a sample of keys (untimed) and compare bytes;
 * ``exists {sets, total, batch}``: ``total`` keys, half stored and half
   never stored, interleaved; checks every answer;
@@ -88,6 +90,9 @@ class Actor:
         prefix = f"warm{kind}" if request["op"] == "put" else kind
         call([key_name(prefix, size, j) for j in warm], warm)
         calls = [list(range(start, min(start + batch, count))) for start in range(0, count, batch)]
+        if "calls" in request:  # a slice of the set's calls, wrapping around
+            first = request.get("first", 0)
+            calls = [calls[(first + j) % len(calls)] for j in range(request["calls"])]
         per_round = max(1, -(-len(calls) // rounds))
         out: list[list[float]] = []
         perf = time.perf_counter
