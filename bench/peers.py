@@ -14,12 +14,14 @@ client and servers in separate processes:
    one per call and ``--exists-batch`` per call, every answer checked
    (measured with the smallest size);
 4. RSS (``/proc/<pid>/status`` VmRSS) of every server process after the puts;
-5. side by side (``--side-by-side``, on by default; the smallest size): every
-   system up at once, taking turns: each of ``--side-rounds`` rounds gives
-   each system (in an order rotated every round) ``--side-gets`` one-key gets
-   and ``--side-exists`` one-key exists. kvpool's ratio to each peer is taken
-   round by round (median and range): a slow minute of the host lands on every
-   system alike, which runs minutes apart cannot promise.
+5. side by side (``--side-by-side``, on by default), at every size: every
+   system up at once holding ``--side-total`` bytes, taking turns: each of
+   ``--side-rounds`` rounds gives each system (in an order rotated every
+   round) ``--side-turn`` bytes of one-key gets, as many again batched, and at
+   the smallest size ``--side-exists`` one-key exists. kvpool's ratio to each
+   peer (the issue's targets) is taken round by round, median and range: a
+   slow minute of the host lands on every system alike, which runs minutes
+   apart cannot promise.
 
 Systems (``--systems``; a peer that is not installed is a "skipped" row):
 
@@ -138,9 +140,11 @@ def holder_capacity(size: int, count: int, batch: int) -> int:
 class Running:
     """One system at one size: its servers and actor processes, from :meth:`start` to :meth:`stop`."""
 
-    def __init__(self, system: str, size: int, args: argparse.Namespace, cpus: CpuPlan, work_dir: Path) -> None:
+    def __init__(self, system: str, size: int, args: argparse.Namespace, cpus: CpuPlan, work_dir: Path, *,
+                 count: int | None = None, batch: int | None = None) -> None:
         self.system, self.size, self.args, self.cpus = system, size, args, cpus
         self.count, self.batch = objects_for(size, args)
+        self.count, self.batch = count or self.count, batch or self.batch
         self.work_dir = work_dir
         work_dir.mkdir(parents=True)
         plan = Plan(size, self.count, self.batch, args.seed, holder_capacity(size, self.count, self.batch), work_dir)
@@ -243,52 +247,72 @@ def run_one(system: str, size: int, args: argparse.Namespace, cpus: CpuPlan, wor
 
 @dataclass
 class SideBySide:
-    """One system in the side-by-side round: a p50 and an exists rate per turn."""
+    """One system at one size in the side-by-side rounds: what each of its turns measured."""
 
     system: str
     label: str
     size: int
-    get_p50_s: list[float] = field(default_factory=list)
-    exists_per_s: list[float] = field(default_factory=list)
+    get_p50_s: list[float] = field(default_factory=list)  # one-key gets: p50 per turn
+    get_gbps: list[float] = field(default_factory=list)   # one-key gets: bytes / summed call time, per turn
+    bget_gbps: list[float] = field(default_factory=list)  # batched gets, the same
+    exists_per_s: list[float] = field(default_factory=list)  # one-key exists (the smallest size only)
     exists_wrong: int = 0
     note: str = ""
 
-    def median(self, values: Sequence[float]) -> float | None:
-        return float(np.median(values)) if values else None
+
+def side_plan(size: int, args: argparse.Namespace) -> tuple[int, int, int]:
+    """(values in the key set, keys per batched call, keys per turn) at ``size`` for the
+    side-by-side rounds: ``--side-total`` bytes per system, ``--side-turn`` bytes per turn."""
+    batch = args.batch_large if size >= args.large_from else args.batch
+    per_turn = max(math.ceil(args.side_turn / size / batch) * batch, 2 * batch)
+    count = max(math.ceil(args.side_total / size / per_turn) * per_turn, per_turn)
+    return count, batch, per_turn
 
 
 def side_by_side(systems: Sequence[str], size: int, args: argparse.Namespace, cpus: CpuPlan, work_root: Path,
-                 progress: Progress) -> list[SideBySide]:
+                 with_exists: bool, progress: Progress) -> list[SideBySide]:
     """Every system up at once, taking turns: in each of ``--side-rounds`` rounds each system
-    (in an order rotated every round) does ``--side-gets`` one-key gets and ``--side-exists``
-    one-key exists. A slow phase of the host then lands on every system alike, which sequential
-    runs (minutes apart) cannot promise; each turn's p50 is compared with the same round's."""
+    (in an order rotated every round) gets a turn's keys one per call, then the next turn's
+    keys batched, then (``with_exists``) asks ``--side-exists`` one-key exists. A slow phase of
+    the host then lands on every system alike, which runs minutes apart cannot promise; each
+    turn is compared with the same round's turns of the others."""
+    count, batch, per_turn = side_plan(size, args)
     runs: dict[str, Running] = {}
     out = {s: SideBySide(s, peer_class(s).label, size) for s in systems}
+    tag = f"side by side {size_label(size)}"
     try:
         for system in systems:
-            progress.show(f"side by side: starting {system}")
-            run = runs[system] = Running(system, size, args, cpus, work_root / f"side-{system}-{size_label(size)}")
+            progress.show(f"{tag}: starting {system}")
+            run = runs[system] = Running(system, size, args, cpus, work_root / f"side-{system}-{size_label(size)}",
+                                         count=count, batch=batch)
             try:
                 run.start()
                 run.timed(run.putter, "put", "s", 1, 1)
             except PeerError as exc:
                 out[system].note = f"failed: {_first_line(str(exc))} (logs: {run.work_dir})"
-                print(f"\nside by side, {system} failed:\n{exc}", file=sys.stderr)
+                print(f"\n{tag}, {system} failed:\n{exc}", file=sys.stderr)
                 run.stop()
                 del runs[system]
         order = list(runs)
         for r in range(args.side_rounds):
-            progress.show(f"side by side: round {r + 1}/{args.side_rounds}")
+            progress.show(f"{tag}: round {r + 1}/{args.side_rounds}")
             for system in order[r % len(order):] + order[:r % len(order)] if order else []:
                 run, row = runs[system], out[system]
                 try:
-                    [samples] = run.timed(run.getter, "get", "s", 1, 1, first=r * args.side_gets,
-                                          calls=args.side_gets)
+                    first = (2 * r * per_turn) % count  # each turn its own keys, as far as the set goes
+                    [samples] = run.timed(run.getter, "get", "s", 1, 1, first=first, calls=per_turn)
                     row.get_p50_s.append(float(np.median(samples)))
-                    reply = run.getter.call({"op": "exists", "sets": ["s"], "total": args.side_exists, "batch": 1})
-                    row.exists_wrong += reply["wrong"]
-                    row.exists_per_s.append(reply["keys"] / reply["seconds"])
+                    row.get_gbps.append(size * len(samples) / sum(samples) / 1e9)
+                    if run.peer.has_batch:
+                        first = ((2 * r + 1) * per_turn) % count // batch
+                        [samples] = run.timed(run.getter, "get", "s", batch, 1, first=first,
+                                              calls=per_turn // batch)
+                        row.bget_gbps.append(size * batch * len(samples) / sum(samples) / 1e9)
+                    if with_exists:
+                        reply = run.getter.call({"op": "exists", "sets": ["s"], "total": args.side_exists,
+                                                 "batch": 1})
+                        row.exists_wrong += reply["wrong"]
+                        row.exists_per_s.append(reply["keys"] / reply["seconds"])
                 except PeerError as exc:
                     row.note += f" failed: {_first_line(str(exc))} (logs: {run.work_dir})"
                     order.remove(system)
@@ -301,38 +325,63 @@ def side_by_side(systems: Sequence[str], size: int, args: argparse.Namespace, cp
     return list(out.values())
 
 
-def side_by_side_lines(rows: Sequence[SideBySide]) -> list[str]:
-    """The table, then kvpool's ratios to its peers taken round by round (median and range)."""
-    by = {r.system: r for r in rows}
-    table = [[r.label, _scaled(r.median(r.get_p50_s), 1e6),
-              f"{min(r.get_p50_s) * 1e6:.0f}-{max(r.get_p50_s) * 1e6:.0f}" if r.get_p50_s else None,
-              _kilo(r.median(r.exists_per_s)), len(r.get_p50_s), r.note.strip()] for r in rows]
-    lines = [format_table(("system / mode", "get p50 us", "round p50s us", "exists/s", "rounds", "note"), table,
-                          align="lrrrrl"), "",
-             "kvpool / peer, round by round (median of the rounds' ratios, lowest-highest):"]
+SIDE_HEADERS = ("system / mode", "get p50 us", "round p50s us", "get GB/s", "bget GB/s", "exists/s", "rounds",
+                "note")
+
+
+def side_rows(rows: Sequence[SideBySide]) -> list[list[Any]]:
+    def med(values: Sequence[float], scale: float = 1.0) -> float | None:
+        return float(np.median(values)) * scale if values else None
+
+    return [[r.label, med(r.get_p50_s, 1e6),
+             f"{min(r.get_p50_s) * 1e6:.0f}-{max(r.get_p50_s) * 1e6:.0f}" if r.get_p50_s else None,
+             med(r.get_gbps), med(r.bget_gbps), _kilo(med(r.exists_per_s)), len(r.get_p50_s), r.note.strip()]
+            for r in rows]
+
+
+def side_comparisons(rows: Sequence[SideBySide], sizes: Sequence[int]) -> list[str]:
+    """The issue's targets, each taken round by round: the median of the rounds' ratios and
+    their range (kvpool / peer; for a p50, lower is better)."""
+    def series(system: str, size: int, what: str) -> list[float]:
+        row = next((r for r in rows if r.system == system and r.size == size), None)
+        return list(getattr(row, what)) if row else []
+
+    lines: list[str] = []
 
     def ratio(what: str, ours: list[float], theirs: list[float], target: str = "",
               met: Callable[[float], bool] | None = None) -> None:
         pairs = [o / t for o, t in zip(ours, theirs) if t]
         if not pairs:
-            lines.append(f"  {what:<62} n/a (not measured)")
+            lines.append(f"  {what:<68} n/a (not measured)")
             return
         mid = float(np.median(pairs))
         verdict = f"  target {target}: {'MET' if met(mid) else 'MISSED'}" if met is not None else ""
-        lines.append(f"  {what:<62} {mid:5.2f}x ({min(pairs):.2f}-{max(pairs):.2f}){verdict}")
+        lines.append(f"  {what:<68} {mid:5.2f}x ({min(pairs):.2f}-{max(pairs):.2f}){verdict}")
 
-    kv, redis, mooncake = (by.get(s) for s in ("kvpool-tcp", "redis", "mooncake-tcp"))
-    if kv is not None:
-        ratio("one-key get p50: kvpool-tcp / redis", kv.get_p50_s, redis.get_p50_s if redis else [],
-              "<= 1x", lambda x: x <= 1.0)
-        ratio("one-key get p50: kvpool-tcp / mooncake-tcp", kv.get_p50_s, mooncake.get_p50_s if mooncake else [])
-        ratio("one-key exists/s: kvpool-tcp / mooncake-tcp", kv.exists_per_s,
-              mooncake.exists_per_s if mooncake else [], ">= 1x", lambda x: x >= 1.0)
+    small, big = min(sizes), [s for s in sizes if s >= MiB]
+    label = size_label(small)
+    ratio(f"one-key get p50 {label}: kvpool-tcp / redis", series("kvpool-tcp", small, "get_p50_s"),
+          series("redis", small, "get_p50_s"), "<= 1x", lambda x: x <= 1.0)
+    ratio(f"one-key get p50 {label}: kvpool-tcp / mooncake-tcp", series("kvpool-tcp", small, "get_p50_s"),
+          series("mooncake-tcp", small, "get_p50_s"))
+    ratio("one-key exists/s: kvpool-tcp / mooncake-tcp", series("kvpool-tcp", small, "exists_per_s"),
+          series("mooncake-tcp", small, "exists_per_s"), ">= 1x", lambda x: x >= 1.0)
+    for size in big:  # the issue's targets: 1 MB against Redis; 16 MB against Mooncake (TCP; standalone batched)
+        label = size_label(size)
+        at_1m, at_16m = size == MiB, size >= 16 * MiB
+        ratio(f"one-key get {label}: kvpool-tcp / redis", series("kvpool-tcp", size, "get_gbps"),
+              series("redis", size, "get_gbps"), ">= 1x", (lambda x: x >= 1.0) if at_1m else None)
+        ratio(f"one-key get {label}: kvpool-tcp / mooncake-tcp", series("kvpool-tcp", size, "get_gbps"),
+              series("mooncake-tcp", size, "get_gbps"), ">= 2x", (lambda x: x >= 2.0) if at_16m else None)
+        shm, cxl = series("kvpool-shm", size, "get_gbps"), series("kvpool-cxl", size, "get_gbps")
+        best = [max(pair) for pair in zip(shm, cxl)] if shm and cxl else shm or cxl
+        ratio(f"same host, one-key get {label}: kvpool / mooncake-standalone batched", best,
+              series("mooncake-standalone", size, "bget_gbps"), ">= 1x", (lambda x: x >= 1.0) if at_16m else None)
     return lines
 
 
-def _scaled(value: float | None, scale: float) -> float | None:
-    return None if value is None else value * scale
+def _kilo(rate: float | None) -> str | None:
+    return None if rate is None else f"{rate / 1000:.1f}k"
 
 
 def _first_line(text: str) -> str:
@@ -391,10 +440,6 @@ def table_rows(results: Sequence[Result]) -> list[list[Any]]:
             None if rss is None else rss / MiB, " ".join(filter(None, [r.verified, r.note.strip()])),
         ])
     return rows
-
-
-def _kilo(rate: float | None) -> str | None:
-    return None if rate is None else f"{rate / 1000:.1f}k"
 
 
 def _get(results: Sequence[Result], system: str, size: int) -> Result | None:
@@ -483,12 +528,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--large-from", type=parse_size, default=parse_size("16M"), metavar="BYTES")
     parser.add_argument("--exists-keys", type=int, default=10_000, help="keys asked per exists run (10000)")
     parser.add_argument("--exists-batch", type=int, default=100, help="keys per batched exists call (100)")
-    side = parser.add_argument_group("side by side (the smallest size; every system up at once, taking turns)")
+    side = parser.add_argument_group("side by side (every system up at once, taking turns; after the tables)")
     side.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=True,
-                      help="run the side-by-side round after the tables (default: yes)")
+                      help="run the side-by-side rounds at every size (default: yes)")
     side.add_argument("--side-rounds", type=int, default=12, help="rounds; each system takes one turn per round (12)")
-    side.add_argument("--side-gets", type=int, default=256, help="one-key gets per turn (256)")
-    side.add_argument("--side-exists", type=int, default=500, help="one-key exists per turn (500)")
+    side.add_argument("--side-total", type=parse_size, default=parse_size("256M"), metavar="BYTES",
+                      help="bytes each system holds per size (256M)")
+    side.add_argument("--side-turn", type=parse_size, default=parse_size("16M"), metavar="BYTES",
+                      help="bytes got one key per call in a turn, and as much again batched (16M; at least "
+                           "two batches)")
+    side.add_argument("--side-exists", type=int, default=500, help="one-key exists per turn, smallest size (500)")
     parser.add_argument("--verify-sample", type=int, default=16, help="keys per key set checked byte for byte")
     parser.add_argument("--pin", choices=("split", "none"), default="split",
                         help="split: benchmark client on the first half of the CPUs, servers on the rest "
@@ -518,7 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.total, args.total_small = min(args.total, 16 * MiB), min(args.total_small, 4 * MiB)
         args.exists_keys, args.iters, args.verify_sample = min(args.exists_keys, 2000), min(args.iters, 2), 4
-        args.side_rounds, args.side_gets, args.side_exists = min(args.side_rounds, 2), 32, 100
+        args.side_rounds, args.side_exists = min(args.side_rounds, 2), 100
+        args.side_total, args.side_turn = min(args.side_total, 4 * MiB), min(args.side_turn, 2 * MiB)
     systems = list(SYSTEMS) if args.systems == "all" else [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -540,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_root = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvpool-peers-"))
     work_root.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
-    progress = Progress(len(args.sizes) * (len(runnable) + 1) + bool(args.side_by_side and runnable))
+    progress = Progress(len(args.sizes) * (len(runnable) + 1 + bool(args.side_by_side and runnable)))
     side: list[SideBySide] = []
     try:
         for size in args.sizes:
@@ -550,9 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with_exists = size == min(args.sizes)
                 results.append(run_one(system, size, args, cpus, work_root, with_exists, progress))
                 progress.advance(f"{system} {size_label(size)}")
-        if args.side_by_side and runnable:
-            side = side_by_side(runnable, min(args.sizes), args, cpus, work_root, progress)
-            progress.advance("side by side")
+        for size in args.sizes if args.side_by_side and runnable else []:
+            side += side_by_side(runnable, size, args, cpus, work_root, size == min(args.sizes), progress)
+            progress.advance(f"side by side {size_label(size)}")
         progress.done()
     finally:
         if not args.work_dir and not any("failed:" in r.note for r in [*results, *side]):
@@ -588,20 +638,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(comparison.line())
 
     if side:
-        first = min(args.sizes)
-        print(f"\n== side by side: {size_label(first)} values, one key per call; {args.side_rounds} rounds, each "
-              f"system in turn ({args.side_gets} gets, then {args.side_exists} exists), the order rotated each "
-              f"round ==")
-        for line in side_by_side_lines(side):
+        for size in args.sizes:
+            count, batch, per_turn = side_plan(size, args)
+            print(f"\n== side by side: {size_label(size)} values, {count} per system; {args.side_rounds} rounds, "
+                  f"each system in turn ({per_turn} keys one per call, {per_turn} more in batches of {batch}"
+                  + (f", {args.side_exists} exists" if size == min(args.sizes) else "")
+                  + "), the order rotated each round ==")
+            print(format_table(SIDE_HEADERS, side_rows([r for r in side if r.size == size]), align="lrrrrrrl"))
+        print("\nget p50 us, GB/s, exists/s: the median of the rounds (round p50s: lowest-highest). Runs minutes "
+              "apart meet different minutes of a host whose speed swings by tens of percent; here every system "
+              "meets the same minutes.")
+        print("\nkvpool / peer side by side, round by round (median of the rounds' ratios, lowest-highest; "
+              "reported, not asserted):")
+        for line in side_comparisons(side, args.sizes):
             print(line)
-        print("get p50 us: median of the rounds' p50s; exists/s: median of the rounds' rates. Sequential runs "
-              "are minutes apart and this host's speed swings by tens of percent between minutes; here every "
-              "system meets the same minutes.")
 
     if args.json:
         records = [_as_record(r) for r in results] + [
             {"system": r.system, "label": r.label, "size": r.size, "skipped": False, "mode": "side-by-side",
-             "get_p50_us": [v * 1e6 for v in r.get_p50_s], "exists_per_s": r.exists_per_s, "note": r.note}
+             "get_p50_us": [v * 1e6 for v in r.get_p50_s], "get_gbps": r.get_gbps, "bget_gbps": r.bget_gbps,
+             "exists_per_s": r.exists_per_s, "note": r.note}
             for r in side]
         Path(args.json).write_text(json.dumps(records, indent=1))
     if args.plot:

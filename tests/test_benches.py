@@ -90,7 +90,7 @@ def test_peers_bench_quick_kvpool_tcp_and_skipped_peers(tmp_path: Path) -> None:
          "--json", str(rows_json), "--plot", str(plot)], timeout_s=90, env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    out, side = out.split("\n== side by side: ")
+    out, *sides = out.split("\n== side by side: ")
     tables = out.split("\n== ")[1:]
     assert [t.split()[0] for t in tables] == ["64K", "1M"]
     for table in tables:
@@ -106,17 +106,22 @@ def test_peers_bench_quick_kvpool_tcp_and_skipped_peers(tmp_path: Path) -> None:
     assert "kvpool / peer" in out and "n/a (not measured)" in out
     assert "[" in proc.stderr and "/" in proc.stderr  # progress on stderr, not in the tables
 
-    # The side-by-side round (the smallest size): kvpool took its turns; the skipped peers are not in it.
-    assert side.startswith("64K values") and "2 rounds" in side
-    row = next(line for line in side.splitlines() if line.startswith("kvpool  TCP"))
-    p50, spread, exists, rounds = row.split("cross-process", 1)[1].split()[:4]
-    assert float(p50) > 0 and "-" in spread and exists.endswith("k") and rounds == "2", row
-    assert "one-key get p50: kvpool-tcp / redis" in side and "n/a (not measured)" in side
+    # The side-by-side rounds, at each size: kvpool took its turns; the skipped peers are not in them.
+    assert [side.split()[0] for side in sides] == ["64K", "1M"] and all("2 rounds" in side for side in sides)
+    for side in sides:
+        row = next(line for line in side.splitlines() if line.startswith("kvpool  TCP"))
+        p50, spread, gbps, bgbps, exists, rounds = row.split("cross-process", 1)[1].split()[:6]
+        assert float(p50) > 0 and "-" in spread and float(gbps) > 0 and float(bgbps) > 0 and rounds == "2", row
+        assert exists.endswith("k") if side.startswith("64K") else exists == "-", row
+    assert "one-key get p50 64K: kvpool-tcp / redis" in sides[-1] and "n/a (not measured)" in sides[-1]
 
     records = json.loads(rows_json.read_text())
     sides = [r for r in records if r["mode"] == "side-by-side"]
-    assert [r["system"] for r in sides] == ["kvpool-tcp"] and len(sides[0]["get_p50_us"]) == 2
-    assert all(v > 0 for v in sides[0]["get_p50_us"] + sides[0]["exists_per_s"])
+    assert [(r["system"], r["size"]) for r in sides] == [("kvpool-tcp", 65536), ("kvpool-tcp", 1 << 20)]
+    for r in sides:
+        assert len(r["get_p50_us"]) == len(r["get_gbps"]) == len(r["bget_gbps"]) == 2
+        assert all(v > 0 for v in r["get_p50_us"] + r["get_gbps"] + r["bget_gbps"] + r["exists_per_s"])
+    assert len(sides[0]["exists_per_s"]) == 2 and not sides[1]["exists_per_s"]
     records = [r for r in records if r["mode"] == "sequential"]
     ours = [r for r in records if r["system"] == "kvpool-tcp"]
     assert sorted(r["size"] for r in ours) == [65536, 1 << 20]
