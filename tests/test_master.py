@@ -1077,6 +1077,9 @@ def test_the_query_port_answers_only_questions_and_only_to_holders_of_the_key(ma
             reply_id, ok, reply = P.unpack_reply(asker.call(frame))
             assert not ok and reply["type"] == "ProtocolError" and says in reply["message"]
             assert reply_id == request_id
+        # A well-formed question over master.max_batch keys: the limit's typed error, as over ZeroMQ.
+        reply_id, ok, reply = P.unpack_reply(asker.call(P.pack_request(4, P.EXISTS, {"keys": [b"k"] * 65537})))
+        assert (reply_id, ok, reply["type"]) == (4, False, "RequestTooLargeError") and "max_batch" in reply["message"]
         _, ok, reply = P.unpack_reply(asker.call(P.pack_request(5, P.LOOKUP, {"keys": [key, key]})), P.LOOKUP)
         assert ok and reply.prefix == 2  # the connection is still in step
     finally:
