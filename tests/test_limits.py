@@ -108,6 +108,24 @@ def test_oversized_fields_are_refused_and_never_echoed(server: MasterServer) -> 
     assert server.state.nodes["n1"].address == "tcp://127.0.0.1:1"
 
 
+def test_an_unforeseen_error_in_a_question_is_a_typed_reply_on_the_query_port(server: MasterServer) -> None:
+    from kvpool.cluster.query import QueryClient, query_host
+
+    def broken(body: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    server.state.handlers[P.EXISTS] = broken
+    asker = QueryClient(query_host(server.endpoint), server.queries.port, server.cluster_key, 2.0)
+    try:
+        reply_id, ok, reply = P.unpack_reply(asker.call(P.pack_request(1, P.EXISTS, {"keys": [b"k"]})))
+        assert (reply_id, ok, reply["type"]) == (1, False, "KVPoolError")
+        assert "internal master error in exists" in reply["message"]
+        _, ok, reply = P.unpack_reply(asker.call(P.pack_request(2, P.LOOKUP, {"keys": [b"k"]})), P.LOOKUP)
+        assert ok and reply.prefix == 0  # the port answers on, on the same connection
+    finally:
+        asker.close()
+
+
 def test_client_splits_large_batches_transparently(server: MasterServer) -> None:
     stop = threading.Event()
     thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)

@@ -146,6 +146,8 @@ class MasterServer:
                 return P.pack_reply(request.request_id, state.handlers[request.op](request.body))
             except errors.KVPoolError as exc:  # more keys than master.max_batch
                 return self._refused(exc, request.request_id)
+            except Exception:  # unforeseen: a question changes nothing, so the general path may name it
+                return self.answer(frame, request, questions_only=True)
 
     def serve_frames(self, frames: list[bytes]) -> list[bytes]:
         """One routed request in, one routed reply out (errors become typed replies)."""
