@@ -72,6 +72,9 @@ def test_a_reply_that_does_not_fit_its_struct_is_a_protocol_error() -> None:
     assert (rid, ok, body) == (4, False, {"type": "NotLeaderError", "message": "m"})
     # stats is free-form
     assert P.unpack_reply(P.pack_reply(5, {"nodes": {}}), P.STATS)[2] == {"nodes": {}}
+    # an OK reply that fits the struct but speaks another protocol version is refused, naming it
+    with pytest.raises(errors.ProtocolError, match="protocol version 1"):
+        P.unpack_reply(msgspec.msgpack.encode([1, 6, P.OK, {"prefix": 2}]), P.LOOKUP)
 
 
 def test_control_requests_decode_into_their_structs() -> None:

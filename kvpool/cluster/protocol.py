@@ -86,7 +86,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 import msgpack
 import msgspec
@@ -308,9 +308,8 @@ def unpack_request(frame: bytes | memoryview) -> Request:
 
 # A question (exists, lookup) as the master's query port receives it, checked in one decode;
 # one that does not fit goes the general way (unpack_request), which names what is wrong.
-_QUESTION = msgspec.msgpack.Decoder(tuple[
-    Annotated[int, msgspec.Meta(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)],
-    int | Annotated[str, msgspec.Meta(max_length=256)], str, S.Keys])
+_VERSION = Annotated[int, msgspec.Meta(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
+_QUESTION = msgspec.msgpack.Decoder(tuple[_VERSION, int | Annotated[str, msgspec.Meta(max_length=256)], str, S.Keys])
 
 
 def unpack_question(frame: bytes | memoryview) -> Request | None:
@@ -331,9 +330,22 @@ def pack_error(request_id: Any, error_type: str, message: str) -> bytes:
     return _ENCODER.encode([PROTOCOL_VERSION, request_id, ERROR, {"type": error_type, "message": message}])
 
 
+# An OK reply to each op that has a reply struct, as one msgspec type (unpack_reply's usual case).
+_ANSWERS: dict[str, msgspec.msgpack.Decoder[Any]] = {
+    op: msgspec.msgpack.Decoder(tuple.__class_getitem__((_VERSION, Any, Literal["ok"], reply)))
+    for op, (_, reply) in SCHEMA.items() if reply is not None}
+
+
 def unpack_reply(frame: bytes | memoryview, op: str | None = None) -> tuple[Any, bool, Any]:
     """(request_id, ok, body) of one reply frame: an OK body as ``op``'s reply struct (free-form
     without an op, or for ``stats``), an error body as a map. ProtocolError if it does not fit."""
+    answer = _ANSWERS.get(op) if op is not None else None
+    if answer is not None:  # the usual case, checked in one decode
+        try:
+            _, request_id, _, body = answer.decode(frame)
+            return request_id, True, body
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # an error reply, or one that does not fit: taken apart below, to say which
     try:
         version, request_id, status, raw = _envelope(frame, "master reply")
     except MalformedRequest as exc:
