@@ -119,9 +119,14 @@ class Result:
 # -- plan -----------------------------------------------------------------------------
 
 
+def batch_for(size: int, args: argparse.Namespace) -> int:
+    """Keys per batched call for values of ``size``."""
+    return args.batch_large if size >= args.large_from else args.batch
+
+
 def objects_for(size: int, args: argparse.Namespace) -> tuple[int, int]:
     """(values per key set, keys per batched call) for ``size``."""
-    batch = args.batch_large if size >= args.large_from else args.batch
+    batch = batch_for(size, args)
     total = args.total_small if size < MiB else args.total
     count = max(math.ceil(total / size), batch)
     return math.ceil(count / batch) * batch, batch
@@ -143,8 +148,8 @@ class Running:
     def __init__(self, system: str, size: int, args: argparse.Namespace, cpus: CpuPlan, work_dir: Path, *,
                  count: int | None = None, batch: int | None = None) -> None:
         self.system, self.size, self.args, self.cpus = system, size, args, cpus
-        self.count, self.batch = objects_for(size, args)
-        self.count, self.batch = count or self.count, batch or self.batch
+        default_count, default_batch = objects_for(size, args)
+        self.count, self.batch = count or default_count, batch or default_batch
         self.work_dir = work_dir
         work_dir.mkdir(parents=True)
         plan = Plan(size, self.count, self.batch, args.seed, holder_capacity(size, self.count, self.batch), work_dir)
@@ -263,7 +268,7 @@ class SideBySide:
 def side_plan(size: int, args: argparse.Namespace) -> tuple[int, int, int]:
     """(values in the key set, keys per batched call, keys per turn) at ``size`` for the
     side-by-side rounds: ``--side-total`` bytes per system, ``--side-turn`` bytes per turn."""
-    batch = args.batch_large if size >= args.large_from else args.batch
+    batch = batch_for(size, args)
     per_turn = max(math.ceil(args.side_turn / size / batch) * batch, 2 * batch)
     count = max(math.ceil(args.side_total / size / per_turn) * per_turn, per_turn)
     return count, batch, per_turn

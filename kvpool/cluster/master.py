@@ -136,18 +136,7 @@ class MasterServer:
         lookup is decoded in one step, outside the turn; anything else the general way."""
         request = P.unpack_question(frame)
         with self._turn:
-            if request is None or self.election is not None:
-                return self.answer(frame, request, questions_only=True)
-            # The common case, answered without the general path's steps: a master without
-            # etcd always leads, and the question's struct is already checked.
-            state = self.state
-            state.counters["requests"] += 1
-            try:
-                return P.pack_reply(request.request_id, state.handlers[request.op](request.body))
-            except errors.KVPoolError as exc:  # more keys than master.max_batch
-                return self._refused(exc, request.request_id)
-            except Exception:  # unforeseen: a question changes nothing, so the general path may name it
-                return self.answer(frame, request, questions_only=True)
+            return self.answer(frame, request, questions_only=True)
 
     def serve_frames(self, frames: list[bytes]) -> list[bytes]:
         """One routed request in, one routed reply out (errors become typed replies)."""
