@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool import errors
-from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, layer_checksums
+from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, copy_layer_checksums, layer_checksums
 from tiers.base import Extent, Tier
 from tiers.entries import LockBusy, ManagerListener, PinnedObject, _Entry, _largest_fit, _NeedsApproval
 from tiers.policy import make_policy
@@ -177,11 +177,10 @@ class TierManager:
     @staticmethod
     def _write_new(tier: Tier, extent: Extent, key: bytes, spec: ObjectSpec, payload: memoryview) -> ObjectHeader:
         if tier.supports_views:
-            # Copy once into tier memory, then hash the copy: the checksums then
-            # describe exactly the bytes stored, and no staging buffer is needed.
+            # Copy once into tier memory, hashing the copy as it is made: the checksums
+            # then describe exactly the bytes stored, and no staging buffer is needed.
             dest = tier.view(extent, spec.header_nbytes, spec.payload_nbytes)
-            dest[:] = payload
-            header = ObjectHeader.for_key(key, spec, layer_checksums(dest, spec.layer_nbytes))
+            header = ObjectHeader.for_key(key, spec, copy_layer_checksums(dest, payload, spec.layer_nbytes))
             tier.write(extent, 0, header.pack())
             return header
         header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))

@@ -20,8 +20,6 @@ from tiers.cxl.index import SharedIndexReader, index_path
 
 log = logging.getLogger("tiers.cxl")
 
-_FUSED_FROM = 4 << 20  # reads at least this large copy and verify layer by layer
-
 # -- same-host readers --------------------------------------------------------------------
 
 
@@ -237,18 +235,10 @@ class CxlArenaReader:
             raise errors.FormatError(f"cxl: layers at {first}..{first + rng.nbytes} outside the arena")
         self._check_size()
         src = self.arena[first:first + rng.nbytes].data
-        if verify and rng.nbytes >= _FUSED_FROM:
-            # Large reads: each layer is hashed right after its copy, while it is still in cache
-            # (16 MiB: 14.8 GB/s here, against 11.7 GB/s copying all, then hashing from memory).
-            step = header.spec.layer_nbytes
-            for i, layer in enumerate(range(layer_range.start, layer_range.stop)):
-                part = dst[i * step:(i + 1) * step]
-                part[:] = src[i * step:(i + 1) * step]
-                header.verify(LayerRange(layer, layer + 1), part)
+        if verify:
+            header.copy_verified(layer_range, dst, src)  # the copy is hashed as it is made
         else:
             dst[:] = src
-            if verify:
-                header.verify(layer_range, dst)
         if self.model.enabled:
             self.model.charge(rng.nbytes, time.perf_counter() - start)
 

@@ -1,0 +1,105 @@
+"""kvpool._layersum (per-layer xxh3-64 in C, optionally while copying) against xxhash itself,
+and the Python path objformat takes where the extension is not built."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvpool import errors, objformat
+from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, copy_layer_checksums, layer_checksums
+
+native = pytest.importorskip("kvpool._layersum", reason="the C extension is not built here")
+
+
+def reference(data: np.ndarray, step: int) -> tuple[int, ...]:
+    mv = memoryview(data).cast("B")
+    return tuple(xxhash.xxh3_64_intdigest(mv[i:i + step]) for i in range(0, len(mv), step))
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def variant(request: pytest.FixtureRequest):
+    try:
+        before = native.use_variant(request.param)
+    except ValueError:
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    native.use_variant(before)
+
+
+def test_digests_equal_xxhash_on_every_length_class(variant: str) -> None:
+    """Lengths around the block (1024) and stripe (64) edges and random ones, random bytes: the
+    digests are xxhash's, hashed in place and as copied, and the copy is exact."""
+    rng = np.random.default_rng(7)
+    chooser = random.Random(7)
+    edges = [241, 255, 256, 319, 320, 1023, 1024, 1025, 1087, 1088, 2047, 2048, 4096, 4097, 65536, 65599]
+    steps = edges + [chooser.randint(native.MIN_STEP, 70_000) for _ in range(300)]
+    for step in steps:
+        count = chooser.randint(1, 3)
+        src = rng.integers(0, 256, step * count, dtype=np.uint8)
+        expected = reference(src, step)
+        assert native.layer_digests(src, step) == expected, step
+        dst = np.zeros_like(src)
+        assert native.copy_layer_digests(dst, src, step) == expected, step
+        assert np.array_equal(dst, src)
+
+
+def test_large_object_and_flipped_bit(variant: str) -> None:
+    src = np.random.default_rng(1).integers(0, 256, 32 * (512 << 10), dtype=np.uint8)
+    dst = np.empty_like(src)
+    expected = reference(src, 512 << 10)
+    assert native.copy_layer_digests(dst, src, 512 << 10) == expected
+    src[5 * (512 << 10) + 77] ^= 1
+    got = native.layer_digests(src, 512 << 10)
+    assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == [5]
+
+
+def test_bad_arguments_are_refused() -> None:
+    data = np.zeros(4096, np.uint8)
+    with pytest.raises(ValueError, match="at least"):
+        native.layer_digests(data, 128)
+    with pytest.raises(ValueError, match="whole number"):
+        native.layer_digests(data, 1000)
+    with pytest.raises(ValueError, match="dst holds"):
+        native.copy_layer_digests(np.zeros(2048, np.uint8), data, 1024)
+    with pytest.raises(ValueError, match="overlap"):
+        native.copy_layer_digests(data[1024:3072], data[:2048], 1024)
+    with pytest.raises(TypeError):
+        native.copy_layer_digests(bytes(4096), data, 1024)  # read-only dst
+
+
+@pytest.mark.parametrize("nbytes", [64 << 10, 8 << 20])  # below and above the Python path's fused size
+def test_python_path_gives_the_same_checksums(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    step = nbytes // 16
+    src = np.random.default_rng(3).integers(0, 256, nbytes, dtype=np.uint8)
+    native_sums = copy_layer_checksums(memoryview(np.empty_like(src)), memoryview(src), step)
+    monkeypatch.setattr(objformat, "_NATIVE_MIN_STEP", 1 << 62)
+    dst = np.empty_like(src)
+    assert copy_layer_checksums(memoryview(dst), memoryview(src), step) == native_sums
+    assert np.array_equal(dst, src)
+    assert layer_checksums(src, step) == native_sums == reference(src, step)
+
+
+@pytest.mark.parametrize("python_path", [False, True])
+def test_copy_verified_names_the_bad_layer(monkeypatch: pytest.MonkeyPatch, python_path: bool) -> None:
+    if python_path:
+        monkeypatch.setattr(objformat, "_NATIVE_MIN_STEP", 1 << 62)
+    spec = ObjectSpec("float16", 8, 16, 2, 64)  # 8 KiB layers
+    payload = np.random.default_rng(5).integers(0, 256, spec.payload_nbytes, dtype=np.uint8)
+    header = ObjectHeader.for_key(b"k", spec, layer_checksums(payload, spec.layer_nbytes))
+    whole = LayerRange(0, 8)
+    out = np.zeros_like(payload)
+    header.copy_verified(whole, out, payload)
+    assert np.array_equal(out, payload)
+    part = LayerRange(2, 5)
+    source = payload[2 * spec.layer_nbytes:5 * spec.layer_nbytes].copy()
+    source[spec.layer_nbytes + 9] ^= 0xFF  # layer 3
+    with pytest.raises(errors.ChecksumError, match="layer 3"):
+        header.copy_verified(part, np.zeros_like(source), source)
+    with pytest.raises(errors.OutBufferError):
+        header.copy_verified(part, np.zeros(10, np.uint8), source)
+    with pytest.raises(errors.OutBufferError, match="read-only"):
+        header.copy_verified(part, bytes(source.nbytes), source)
