@@ -159,3 +159,16 @@ def test_network_bench_one_link_one_size() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("1gbit"))
     assert row[1] == "1M" and row[6] == "8/32" and float(row[3]) > 0  # whole GB/s measured
+
+
+def test_checksum_bench_reports_every_way_at_each_size() -> None:
+    result = run_or_dump(["bench/checksum_bench.py", "--sizes", "64K,1M", "--iters", "2", "--warmup", "0"], 100)
+    assert result.returncode == 0, result.stderr
+    ways = ["memcpy", "copy, then hash", "copy+hash per layer", "hash only (xxhash)"]
+    if importlib.util.find_spec("kvpool._layersum") is not None:
+        ways += ["one pass (C)", "hash only (C)"]
+    for size in ("64K", "1M"):
+        for way in ways:
+            assert any(line.startswith(size) and f" {way} " in line for line in result.stdout.splitlines()), \
+                (size, way, result.stdout)
+    assert "time / memcpy" in result.stdout
