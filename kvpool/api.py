@@ -56,7 +56,8 @@ def out_view(spec: ObjectSpec, layer_range: LayerRange, out: Any) -> tuple[np.nd
             raise errors.OutBufferError(f"out has shape {out.shape}, layers need {shape}")
         if out.dtype != numpy_dtype(spec.dtype) and out.dtype != storage_dtype(spec.dtype):
             raise errors.OutBufferError(f"out has dtype {out.dtype}, object is {spec.dtype}")
-        if not out.flags.c_contiguous or not out.flags.writeable:
+        flags = out.flags
+        if not flags.c_contiguous or not flags.writeable:
             raise errors.OutBufferError("out must be C-contiguous and writable")
         return out, byte_view(out)
     try:

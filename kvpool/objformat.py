@@ -409,13 +409,17 @@ class ObjectHeader:
         Raises TruncatedObjectError on a short buffer, ChecksumError naming the
         first bad layer.
         """
-        mv = memoryview(data).cast("B")
-        nbytes = layer_range.count * self.spec.layer_nbytes
-        if len(mv) < nbytes:
-            raise errors.TruncatedObjectError(
-                f"{len(mv)} bytes for {layer_range.count} layers of {self.spec.layer_nbytes} bytes"
-            )
-        self._compare(layer_range, layer_checksums(mv[:nbytes], self.spec.layer_nbytes))
+        step = self.spec.layer_nbytes
+        nbytes = (layer_range.stop - layer_range.start) * step
+        mv = data if type(data) is memoryview and data.format == "B" and data.ndim == 1 and data.c_contiguous \
+            else memoryview(data).cast("B")
+        if mv.nbytes != nbytes:
+            if mv.nbytes < nbytes:
+                raise errors.TruncatedObjectError(
+                    f"{len(mv)} bytes for {layer_range.count} layers of {step} bytes"
+                )
+            mv = mv[:nbytes]
+        self._compare(layer_range, layer_checksums(mv, step))
 
     def copy_verified(self, layer_range: LayerRange, out: Any, source: Any) -> None:
         """Copy ``source`` (exactly the layers of ``layer_range``) into ``out`` and verify the
@@ -455,7 +459,8 @@ def header_nbytes_at(blob: Any) -> int:
 
 def layer_checksums(payload: Any, layer_nbytes: int) -> tuple[int, ...]:
     """xxh3-64 of each ``layer_nbytes`` slice of ``payload`` (in C, in one call, where built)."""
-    mv = memoryview(payload).cast("B")
+    mv = payload if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1 \
+        and payload.c_contiguous else memoryview(payload).cast("B")
     if layer_nbytes >= _NATIVE_MIN_STEP and len(mv) % layer_nbytes == 0:
         return _layersum.layer_digests(mv, layer_nbytes)
     return tuple(
@@ -559,7 +564,10 @@ def spec_of(kv: Any, dtype: str | None = None) -> tuple[ObjectSpec, np.ndarray]:
 
 def byte_view(arr: np.ndarray) -> memoryview:
     """Flat, writable-if-possible byte view of a C-contiguous array."""
-    return arr.reshape(-1).view(np.uint8).data
+    try:
+        return arr.data.cast("B")  # the quick way, for dtypes the buffer protocol knows
+    except (TypeError, ValueError, BufferError):  # e.g. ml_dtypes' bfloat16
+        return arr.reshape(-1).view(np.uint8).data
 
 
 def encode(kv: Any, key: bytes, dtype: str | None = None) -> bytes:

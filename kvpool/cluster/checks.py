@@ -61,7 +61,7 @@ class Speculation:
         spec: ObjectSpec = self.replica["_spec"]  # type: ignore[typeddict-item]
         header = ObjectHeader.unpack_exact(raw_header, spec)
         header.check_identity(self.key)
-        if header.spec != spec:
+        if header.spec is not spec and header.spec != spec:
             raise errors.WrongObjectError(f"the holder's object is {header.spec}, guessed {spec}")
         return header
 
@@ -101,8 +101,12 @@ class ArrivalCheck:
         if self.header is None:
             self.header = self.check_header(self.raw_header)
         step = self.header.spec.layer_nbytes
-        ready = min(received // step, self.layer_range.count)
-        if ready > self.checked:
+        count = self.layer_range.count
+        ready = min(received // step, count)
+        if ready == count and not self.checked:  # all at once (the usual small pull)
+            self.header.verify(self.layer_range, self.buf)
+            self.checked = ready
+        elif ready > self.checked:
             start = self.layer_range.start
             self.header.verify(LayerRange(start + self.checked, start + ready),
                                self.buf[self.checked * step:ready * step])

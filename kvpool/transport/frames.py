@@ -192,9 +192,8 @@ def _pack_request(
     reply_error_handling: bool = False,
 ) -> bytearray:
     """A request frame: ``layer_range`` of ``key`` into a buffer of ``capacity`` bytes."""
-    frame = bytearray(_REQUEST.size + len(key) + len(token) + len(reply_address))
-    _REQUEST.pack_into(
-        frame, 0, _REQUEST_MAGIC, PROTOCOL_VERSION,
+    head = _REQUEST.pack(
+        _REQUEST_MAGIC, PROTOCOL_VERSION,
         (_FLAG_REPLY_TO_ADDRESS if reply_address else 0)
         | (_FLAG_REPLY_ERROR_HANDLING if reply_address and reply_error_handling else 0)
         | (_FLAG_WANT_HEADER if want_header else 0),
@@ -202,10 +201,6 @@ def _pack_request(
         layer_range.start, layer_range.stop, capacity, max_chunk,
         xxhash.xxh3_64_intdigest(reply_address) if reply_address else _EMPTY_ADDRESS_SUM, len(token),
     )
-    key_end = _REQUEST.size + len(key)
-    frame[_REQUEST.size:key_end] = key
-    frame[key_end:key_end + len(token)] = token
-    frame[key_end + len(token):] = reply_address
-    return frame
+    return bytearray(b"".join((head, key, token, reply_address)))
 
 

@@ -95,6 +95,10 @@ def checked_pull(address: PeerAddress | tuple[str, int], key: Any, layer_range: 
 def checked_request(address: PeerAddress | tuple[str, int], key: Any, layer_range: Any,
                     token: Any) -> tuple[PeerAddress, bytes, LayerRange, bytes]:
     """What a pull asks for (its reply's buffers aside), checked, or a typed error."""
+    if type(address) is PeerAddress and type(key) is bytes and type(token) is bytes \
+            and type(layer_range) is LayerRange and 0 < len(key) <= _MAX_KEY_BYTES \
+            and len(token) <= _MAX_TOKEN_BYTES and 0 <= layer_range.start < layer_range.stop < 2**32:
+        return address, key, layer_range, token  # what the reader passes: used as it is
     peer = _as_peer_address(address)
     if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= _MAX_KEY_BYTES:
         raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")

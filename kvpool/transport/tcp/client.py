@@ -150,12 +150,27 @@ class TcpPullClient:
             view = checked_out(out)
             if view.nbytes < pull.nbytes:
                 raise errors.OutBufferError(f"out holds {view.nbytes} bytes, the pull asked for {pull.nbytes}")
-            pull.bind(view[:pull.nbytes], header_out, header_room(header_out), progress, alive)
+            pull.bind(view if view.nbytes == pull.nbytes else view[:pull.nbytes], header_out,
+                      header_room(header_out), progress, alive)
         except BaseException:
             self.cancel(pull)
             raise
         conn, pull.conn = pull.conn, None
-        (outcome,) = self._pull_group(pull.where, [pull], alive_check_s, conn)
+        if isinstance(conn, _Conn) and pull.sent_on is conn:  # the usual: sent on an idle connection
+            try:
+                outcome = self._reply(conn, pull, replied=False)
+            except _ConnectionLost as lost:
+                conn.close()
+                if lost.replied:
+                    outcome = self._failed(pull, lost.error)
+                else:  # closed by the holder while idle: once more, on a new connection
+                    pull.sent_on = None
+                    fresh = self._checkout(pull.where, pull, alive_check_s, fresh=True)
+                    (outcome,) = self._pull_group(pull.where, [pull], alive_check_s, fresh)
+            else:
+                self._checkin(pull.where, conn)
+        else:
+            (outcome,) = self._pull_group(pull.where, [pull], alive_check_s, conn)
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
