@@ -219,6 +219,56 @@ def test_reopen_finds_every_committed_object_bit_exact(disk_dir: Path) -> None:
         tier.close()
 
 
+def test_reopen_with_a_smaller_capacity_keeps_what_fits_and_nothing_else_ever_returns(
+        disk_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Restarted with a smaller capacity: the objects within it are read bit-exact, the index is
+    trusted (no rescan), the ones past it are misses, and their space is given back (segment
+    files past the capacity removed, the last one cut to its share). Raised again afterwards,
+    even a rescan of the segments never brings a dropped object back."""
+    tier = NvmeTier(disk_dir, 8 * MiB, segment_size=1 * MiB, io_chunk=64 * KiB)
+    originals = {}
+    try:
+        for seed in range(12):  # ~300 KiB each: three to a segment, four segments
+            originals[b"key-%d" % seed] = put(tier, b"key-%d" % seed, seed, layers=4, tokens=300)
+        assert tier.stats()["segments_created"] == 4
+    finally:
+        tier.close()
+    smaller = 2 * MiB + 512 * KiB  # two segments and half of the third
+    kept = {key: found for key, found in originals.items()
+            if found[0].segment < 2 or found[0].segment == 2
+            and found[0].offset + tier.allocated_size(found[0].nbytes) <= 512 * KiB}
+    assert 6 <= len(kept) < len(originals)
+    with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+        tier = NvmeTier(disk_dir, smaller, segment_size=1 * MiB)
+    try:
+        recovered = {key: (extent, header) for key, extent, header in tier.recover()}
+        assert set(recovered) == set(kept)
+        for key, (extent, header) in recovered.items():
+            np.testing.assert_array_equal(read_all(tier, extent, header), kept[key][1])
+        stats = tier.stats()
+        assert stats["index_rebuilt"] == ""  # not a damaged index
+        assert stats["dropped_records"] == len(originals) - len(kept)
+        assert sorted(p.name for p in disk_dir.glob("seg-*.kvs")) == [f"seg-{i:05d}.kvs" for i in range(3)]
+        assert (disk_dir / "seg-00002.kvs").stat().st_size == 512 * KiB
+        assert any(f"dropped {len(originals) - len(kept)} objects stored beyond" in r.message for r in caplog.records)
+        put(tier, b"while-small", seed=40, layers=4, tokens=100)
+    finally:
+        tier.close()
+    expected = set(kept) | {b"while-small"}
+    for rescan in (False, True):
+        if rescan:
+            shutil.rmtree(disk_dir / INDEX_DIR)
+        tier = NvmeTier(disk_dir, 8 * MiB, segment_size=1 * MiB)
+        try:
+            assert {key for key, _, _ in tier.recover()} == expected
+            assert ("missing" in tier.stats()["index_rebuilt"]) == rescan
+            for seed in range(6):  # the space past the cut is usable again
+                put(tier, b"after-%d-%d" % (rescan, seed), seed=41 + seed, layers=4, tokens=300)
+                expected.add(b"after-%d-%d" % (rescan, seed))
+        finally:
+            tier.close()
+
+
 def test_reopen_reads_nearby_prefixes_together_and_still_checks_each(disk_dir: Path) -> None:
     """Opening reads the record prefixes of neighbouring objects in one window; every prefix
     in the window is still compared with its index record: one damaged in the middle of a

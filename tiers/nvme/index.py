@@ -50,6 +50,13 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("tiers.nvme")
+_MAX_SEGMENTS = 100_000  # segment files are named with five digits
+
+
+class _BeyondCapacity(errors.TierError):
+    """An index record of an object stored past this tier's capacity: written when
+    ``tiers.nvme.capacity`` was larger (its segment file is there). Dropped, not a
+    sign of a damaged index."""
 
 
 class IndexedSegments(SegmentFiles):
@@ -255,10 +262,13 @@ class IndexedSegments(SegmentFiles):
         if len(raws) != entries:
             return f"it lists {len(raws)} records but counts {entries}"
         bad: list[tuple[bytes, str]] = []
+        outside: list[bytes] = []  # records of objects past the capacity (see _BeyondCapacity)
         parsed = []
         for key, raw in raws:
             try:
                 parsed.append((key, *self._parse_record(raw)))
+            except _BeyondCapacity:
+                outside.append(key)
             except (errors.FormatError, errors.TierError, ValueError, TypeError, msgpack.UnpackException) as exc:
                 bad.append((key, str(exc)))
         parsed.sort(key=lambda item: (item[1].segment, item[1].offset))  # sequential prefix reads
@@ -292,12 +302,46 @@ class IndexedSegments(SegmentFiles):
             self.recovered_objects = 0
             self._reset_allocators()
             return f"{len(bad)} of its {len(raws)} records are unreadable or disagree with the segment files"
+        if stale or outside:
+            self._index_write(lambda txn: [txn.delete(key) for key in stale + outside])
+            self.dropped_records = len(stale) + len(outside)
         if stale:
-            self._index_write(lambda txn: [txn.delete(key) for key in stale])
-            self.dropped_records = len(stale)
             log.info("nvme tier at %s: dropped %d index records of objects already tombstoned", self.path, len(stale))
+        if outside:
+            log.warning("nvme tier at %s: dropped %d objects stored beyond tiers.nvme.capacity (%d bytes; they "
+                        "were put with a larger one)", self.path, len(outside), self.configured_capacity_bytes)
+        self._trim_to_capacity()
         self._loaded = loaded
         return None
+
+    def _trim_to_capacity(self) -> None:
+        """Delete the segment files wholly past the capacity and cut a longer last segment to
+        its share, once no index record names what lies there (the capacity is the bytes of
+        segment files this tier keeps). Nothing put with a larger capacity can come back then,
+        not even in a later rescan after the capacity was raised again (it may have been
+        deleted meanwhile, where this tier could not mark it so)."""
+        beyond = sorted(i for i in self._segment_files() if i >= len(self._segments))
+        for index in beyond:
+            try:
+                self._segment_path(index).unlink()
+            except OSError as exc:
+                log.warning("nvme tier at %s: cannot remove %s beyond the capacity: %s", self.path,
+                            self._segment_path(index).name, exc)
+        if beyond:
+            log.warning("nvme tier at %s: removed %d segment file(s) beyond tiers.nvme.capacity (%s .. %s)",
+                        self.path, len(beyond), self._segment_path(beyond[0]).name,
+                        self._segment_path(beyond[-1]).name)
+        if self._segments:
+            last = len(self._segments) - 1
+            share = self._segments[last].capacity // ALIGN * ALIGN
+            path = self._segment_path(last)
+            try:
+                if path.exists() and path.stat().st_size > share:
+                    os.truncate(path, share)
+                    log.warning("nvme tier at %s: cut %s to %d bytes, its share of tiers.nvme.capacity",
+                                self.path, path.name, share)
+            except OSError as exc:
+                log.warning("nvme tier at %s: cannot cut %s to the capacity: %s", self.path, path.name, exc)
 
     def _recovered_prefixes(
         self, parsed: list[tuple[bytes, Extent, ObjectHeader]],
@@ -361,11 +405,14 @@ class IndexedSegments(SegmentFiles):
         header = ObjectHeader.unpack(header_bytes)
         if header.spec.total_nbytes != nbytes:
             raise errors.FormatError(f"record says {nbytes} bytes, its header {header.spec.total_nbytes}")
-        if not 0 <= segment < len(self._segments):
-            raise errors.TierError(f"segment {segment} is beyond this tier's capacity")
         start = offset - PREFIX_NBYTES
-        if start < 0 or start % ALIGN or start + self.allocated_size(nbytes) > self._segments[segment].capacity:
+        if start < 0 or start % ALIGN or start + self.allocated_size(nbytes) > self.segment_bytes \
+                or not 0 <= segment < _MAX_SEGMENTS:
             raise errors.TierError(f"extent at {offset} (+{nbytes}) does not fit segment {segment}")
+        if segment >= len(self._segments) or start + self.allocated_size(nbytes) > self._segments[segment].capacity:
+            if self._segment_path(segment).exists():  # written with a larger capacity
+                raise _BeyondCapacity(f"segment {segment} is beyond this tier's capacity")
+            raise errors.TierError(f"segment {segment} is beyond this tier's capacity and its file is missing")
         return Extent(segment, offset, nbytes), header
 
     def _open_segment_fd(self, index: int) -> None:
@@ -437,6 +484,7 @@ class IndexedSegments(SegmentFiles):
             for fd in self._fds.values():
                 os.fdatasync(fd)
         self._env.sync(True)
+        self._trim_to_capacity()
         self.recovered_objects = len(winners)
         self.dropped_records += dropped + len(superseded)
         log.warning("nvme tier at %s: index rebuilt from %d segment files: recovered %d objects, dropped %d "
