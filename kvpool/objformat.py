@@ -43,7 +43,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -161,8 +161,13 @@ class LayerRange:
         Raises LayerRangeError if empty, stepped, or outside ``[0, num_layers)``.
         """
         if layers is None:
+            whole = _WHOLE.get(num_layers)
+            if whole is not None and cls is LayerRange:
+                return whole
             start, stop = 0, num_layers
         elif isinstance(layers, LayerRange):
+            if 0 <= layers.start < layers.stop <= num_layers and type(layers) is cls:
+                return layers  # immutable: used as it is
             start, stop = layers.start, layers.stop
         elif isinstance(layers, (int, np.integer)):
             start, stop = int(layers), int(layers) + 1
@@ -182,12 +187,19 @@ class LayerRange:
             raise errors.LayerRangeError(
                 f"layers [{start}, {stop}) outside the object's {num_layers} layers"
             )
-        return cls(start, stop)
+        resolved = cls(start, stop)
+        if layers is None and cls is LayerRange and len(_WHOLE) < _WHOLE_MAX:
+            _WHOLE[num_layers] = resolved
+        return resolved
 
 
-@dataclass(frozen=True, slots=True)
-class ByteRange:
-    """``nbytes`` bytes starting at ``offset`` (relative to the object's first byte)."""
+_WHOLE_MAX = 1024
+_WHOLE: dict[int, LayerRange] = {}  # num_layers -> LayerRange(0, num_layers), shared (immutable)
+
+
+class ByteRange(NamedTuple):
+    """``nbytes`` bytes starting at ``offset`` (relative to the object's first byte). (A tuple:
+    every get and served pull makes one, and a frozen dataclass takes ~4x as long to build.)"""
 
     offset: int
     nbytes: int

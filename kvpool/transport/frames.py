@@ -120,7 +120,7 @@ class PeerAddress:
 
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Request:
     client_id: int
     conn_id: int
@@ -135,10 +135,11 @@ class _Request:
     want_header: bool = False
 
 
-def _parse_request(buf: bytearray) -> _Request:
+def _parse_request(buf: bytearray, at: int = 0) -> _Request:
+    """The request frame at ``buf[at:]`` (ProtocolError if malformed)."""
     try:
         (magic, version, flags, key_len, addr_len, client_id, conn_id, request_id, start, stop,
-         capacity, max_chunk, address_sum, token_len) = _REQUEST.unpack_from(buf, 0)
+         capacity, max_chunk, address_sum, token_len) = _REQUEST.unpack_from(buf, at)
     except struct.error as exc:
         raise errors.ProtocolError(f"request too short: {exc}") from None
     if magic != _REQUEST_MAGIC:
@@ -150,14 +151,16 @@ def _parse_request(buf: bytearray) -> _Request:
         raise errors.ProtocolError("request key empty, or key, token or address too long")
     if not start < stop or request_id > _MAX_REQUEST_ID or max_chunk <= 0:
         raise errors.ProtocolError("request fields out of range")
-    key_end = _REQUEST.size + key_len
+    key_end = at + _REQUEST.size + key_len
     token_end = key_end + token_len
+    if token_end + addr_len > len(buf):
+        raise errors.ProtocolError("request shorter than its key, token and address")
     address = bytes(buf[token_end:token_end + addr_len]) if flags & _FLAG_REPLY_TO_ADDRESS else b""
     # UCX aborts the process on a malformed worker address: check before use.
     if address and (xxhash.xxh3_64_intdigest(address) != address_sum
                     or not plausible_worker_address(address)):
         raise errors.ProtocolError("request carries a corrupt reply address")
-    return _Request(client_id, conn_id, request_id, bytes(buf[_REQUEST.size:key_end]),
+    return _Request(client_id, conn_id, request_id, bytes(buf[at + _REQUEST.size:key_end]),
                     LayerRange(start, stop), capacity, max_chunk, address, bytes(buf[key_end:token_end]),
                     bool(flags & _FLAG_REPLY_ERROR_HANDLING), bool(flags & _FLAG_WANT_HEADER))
 

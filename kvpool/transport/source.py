@@ -36,7 +36,7 @@ def in_inline_provider() -> bool:
     return _INLINE.active
 
 
-@dataclass
+@dataclass(slots=True)
 class ServeSource:
     """What a provider hands the server for one pull.
 

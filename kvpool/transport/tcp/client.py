@@ -288,9 +288,9 @@ class TcpPullClient:
         else:
             header = memoryview(bytearray(pull.header_room))
         views = [memoryview(status_buf), header, pull.out]
-        got = 0
+        got = conn.receive_some(pull, views if header.nbytes else [views[0], views[2]], replied)
         while got < _STATUS.size:
-            got += conn.receive_some(pull, _skip(views, got), replied or got > 0)
+            got += conn.receive_some(pull, _skip(views, got), True)
         magic, version, status, body_len, request_id, nbytes, _ = _STATUS.unpack_from(status_buf)
         if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
@@ -379,6 +379,9 @@ class TcpPullClient:
 class _TcpPull:
     """One pull: its checked request, frame and deadline, where the request went (:meth:`start`),
     and the buffers its reply lands in (:meth:`bind`)."""
+
+    __slots__ = ("address", "alive", "conn", "deadline", "frame", "header_out", "header_room", "key",
+                 "layer_range", "nbytes", "out", "progress", "request_id", "sent_on", "timeout_s", "token", "where")
 
     def __init__(self, address: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, token: bytes,
                  want_header: bool, timeout_s: float) -> None:

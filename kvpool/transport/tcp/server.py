@@ -16,7 +16,10 @@ from kvpool.transport.frames import (
     _MAX_KEY_BYTES,
     _MAX_TOKEN_BYTES,
     _REQUEST,
+    _STATUS,
+    _STATUS_MAGIC,
     MAX_HEADER_NBYTES,
+    PROTOCOL_VERSION,
     STATUS_BAD_RANGE,
     STATUS_ERROR,
     STATUS_MISS,
@@ -184,7 +187,7 @@ class TcpPullServer:
 
     def _answer(self, conn: socket.socket, request: _Request, staging: list[mmap.mmap],
                 authorize: Callable[[bytes, bytes], None] | None) -> None:
-        def refuse(status: int, text: str) -> None:
+        def refuse(status: int, text: str) -> None:  # (defined for the failures only)
             conn.sendall(_pack_status(request.request_id, status, 0, 0, text))
 
         try:
@@ -212,11 +215,12 @@ class TcpPullServer:
             if request.want_header and not 0 < len(header) <= MAX_HEADER_NBYTES:
                 self.errors += 1
                 return refuse(STATUS_ERROR, f"no header to send ({len(header)} bytes)")
-            status = _pack_status(request.request_id, STATUS_OK, source.nbytes, source.nbytes, "", body=header)
+            status = _STATUS.pack(_STATUS_MAGIC, PROTOCOL_VERSION, STATUS_OK, len(header), request.request_id,
+                                  source.nbytes, source.nbytes)
             if source.read_into is None:
-                send_views(conn, [memoryview(status), *source.buffers])
+                send_views(conn, [memoryview(status), memoryview(header), *source.buffers])
             else:
-                conn.sendall(status)
+                conn.sendall(status + header)
                 self._send_read(conn, source, staging)
             self.requests_served += 1
             self.bytes_sent += source.nbytes
@@ -271,7 +275,7 @@ class _Requests:
             raise errors.ProtocolError("request key, token or address too long")
         size = _REQUEST.size + key_len + token_len + addr_len
         self._have(size)
-        request = _parse_request(self.buf[self.start:self.start + size])
+        request = _parse_request(self.buf, self.start)
         self.start += size
         if self.start == self.end:  # all read: the next recv fills the buffer from its start
             self.start = self.end = 0
