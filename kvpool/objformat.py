@@ -41,6 +41,7 @@ import functools
 import itertools
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -358,9 +359,9 @@ class ObjectHeader:
         end = FIXED_HEADER_NBYTES + 8 * layers
         if len(mv) < end:
             raise errors.TruncatedObjectError(f"header needs {end} bytes, got {len(mv)}")
-        fixed = bytearray(mv[:end])
-        struct.pack_into("<Q", fixed, _CHECKSUM_OFFSET, 0)
-        if xxhash.xxh3_64_intdigest(bytes(fixed)) != header_sum:
+        # the checksum covers the header with its own field zeroed
+        if xxhash.xxh3_64_intdigest(b"".join((mv[:_CHECKSUM_OFFSET], _ZERO_SUM,
+                                              mv[_CHECKSUM_OFFSET + 8:end]))) != header_sum:
             raise errors.ChecksumError("object header checksum mismatch")
         info = _DTYPE_BY_CODE.get(code)
         if info is None:
@@ -372,13 +373,12 @@ class ObjectHeader:
             spec = expected
         else:
             try:
-                spec = ObjectSpec(info.name, layers, tokens, kv_heads, head_dim)
+                spec = _spec_of_dims(info.name, layers, tokens, kv_heads, head_dim)
             except errors.ShapeError as exc:
                 raise errors.FormatError(f"impossible dims in header: {exc}") from None
         if spec.header_nbytes != header_nbytes or spec.layer_nbytes != layer_nbytes:
             raise errors.FormatError("header sizes disagree with its dims")
-        sums = np.frombuffer(mv[FIXED_HEADER_NBYTES:end], dtype="<u8")
-        return cls(spec, tuple(sums.tolist()), bytes(digest), generation)
+        return cls(spec, _sums_struct(layers).unpack_from(mv, FIXED_HEADER_NBYTES), bytes(digest), generation)
 
     @classmethod
     def unpack_exact(cls, data: Any, expected: ObjectSpec | None = None) -> ObjectHeader:
@@ -391,9 +391,9 @@ class ObjectHeader:
         if header is None:
             header = cls.unpack(blob, expected)
             if len(_parsed) >= _PARSED_MAX:
-                try:
-                    del _parsed[next(iter(_parsed))]  # the oldest
-                except (KeyError, RuntimeError, StopIteration):  # another thread evicted meanwhile
+                try:  # the oldest, in O(1) (next(iter(dict)) walks every slot deleted before it: ~4 us)
+                    _parsed.popitem(last=False)
+                except KeyError:  # another thread emptied it meanwhile
                     pass
             _parsed[blob] = header
         return header
@@ -453,8 +453,23 @@ class ObjectHeader:
             raise errors.ChecksumError(f"layer {layer_range.start + bad} checksum mismatch")
 
 
+_ZERO_SUM = bytes(8)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_of_dims(dtype: str, layers: int, tokens: int, kv_heads: int, head_dim: int) -> ObjectSpec:
+    """One shared (immutable) spec per set of dims a header names (building one costs ~2 us)."""
+    return ObjectSpec(dtype, layers, tokens, kv_heads, head_dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _sums_struct(layers: int) -> struct.Struct:
+    """The layer checksums of a ``layers``-layer header, as one struct (little-endian u64s)."""
+    return struct.Struct(f"<{layers}Q")
+
+
 _PARSED_MAX = 4096  # ~2 KiB each for a 32-layer header (its bytes, the header, 32 checksums)
-_parsed: dict[bytes, ObjectHeader] = {}  # exact header bytes -> header (ObjectHeader.unpack_exact)
+_parsed: OrderedDict[bytes, ObjectHeader] = OrderedDict()  # exact header bytes -> header (unpack_exact)
 
 
 def stored_header_checksum(blob: Any) -> int:
