@@ -319,8 +319,8 @@ class ObjectHeader:
             spec.head_dim, 0, spec.layer_nbytes, self.key_digest, self.generation, 0,
         )
         end = FIXED_HEADER_NBYTES + 8 * spec.layers
-        buf[FIXED_HEADER_NBYTES:end] = np.asarray(self.layer_checksums, dtype="<u8").tobytes()
-        struct.pack_into("<Q", buf, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf[:end])))
+        _sums_struct(spec.layers).pack_into(buf, FIXED_HEADER_NBYTES, *self.layer_checksums)
+        struct.pack_into("<Q", buf, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(memoryview(buf)[:end]))
         return bytes(buf)
 
     @functools.cached_property

@@ -217,7 +217,7 @@ class Tier(ABC):
 
     def write_object(self, extent: Extent, header: ObjectHeader, payload: Any) -> None:
         """Write a whole object (header + payload) into ``extent``."""
-        self.write(extent, 0, header.pack())
+        self.write(extent, 0, header.packed)
         self.write(extent, header.nbytes, payload)
 
     def read_layers(self, extent: Extent, header: ObjectHeader, layer_range: LayerRange, out: Any) -> None:

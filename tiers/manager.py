@@ -181,7 +181,7 @@ class TierManager:
             # then describe exactly the bytes stored, and no staging buffer is needed.
             dest = tier.view(extent, spec.header_nbytes, spec.payload_nbytes)
             header = ObjectHeader.for_key(key, spec, copy_layer_checksums(dest, payload, spec.layer_nbytes))
-            tier.write(extent, 0, header.pack())
+            tier.write(extent, 0, header.packed)
             return header
         header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))
         tier.write_object(extent, header, payload)

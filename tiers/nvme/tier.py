@@ -241,7 +241,7 @@ class NvmeTier(IndexedSegments):
         TierError otherwise.
         """
         self._check_open()
-        head = np.frombuffer(header.pack(), dtype=np.uint8)
+        head = np.frombuffer(header.packed, dtype=np.uint8)
         body = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
         total = len(head) + len(body)
         self._check_range(extent, 0, total)
@@ -383,7 +383,7 @@ class NvmeTier(IndexedSegments):
         # The prefix names the key and a rescan checks the header's digest against it:
         # a header for another key would be an object no rescan could ever find.
         header.check_identity(key)
-        header_sum = stored_header_checksum(header.pack())
+        header_sum = stored_header_checksum(header.packed)
         try:
             self._write_prefix(extent, pack_prefix(_LIVE, key, extent.nbytes, header.generation, header_sum))
             if self.fsync:
@@ -393,7 +393,7 @@ class NvmeTier(IndexedSegments):
                 self._disk_full_on_write(exc, extent)
                 raise
             raise self._io_error(exc, "fdatasync before commit") from exc
-        record = msgpack.packb([extent.segment, extent.offset, extent.nbytes, header.pack()])
+        record = msgpack.packb([extent.segment, extent.offset, extent.nbytes, header.packed])
 
         def replace(txn: Any) -> bytes | None:
             old = txn.get(key)
