@@ -187,7 +187,7 @@ class TcpPullServer:
 
     def _answer(self, conn: socket.socket, request: _Request, staging: list[mmap.mmap],
                 authorize: Callable[[bytes, bytes], None] | None) -> None:
-        def refuse(status: int, text: str) -> None:  # (defined for the failures only)
+        def refuse(status: int, text: str) -> None:
             conn.sendall(_pack_status(request.request_id, status, 0, 0, text))
 
         try:
