@@ -221,6 +221,41 @@ def test_a_pull_sent_first_lands_in_the_buffer_bound_after_it_went_out(holder: S
     assert client.connects == 1 and client.failures == 2
 
 
+def _slow_provider(key: bytes, layer_range: LayerRange) -> ServeSource | None:
+    """The payload is read while it is sent, after a pause: the status and header arrive first."""
+    if key.startswith(b"miss:"):
+        return None
+    data = expected(key, layer_range.start, layer_range.stop)
+
+    def read_into(offset: int, out: memoryview) -> int:
+        time.sleep(0.05)
+        out[:] = memoryview(data)[offset:offset + len(out)]
+        return len(out)
+
+    return ServeSource(data.nbytes, read_into=read_into, header=key.ljust(16, b"."))
+
+
+def test_a_reply_that_does_not_come_whole_in_one_receive_is_read_the_general_way() -> None:
+    """finish() first tries to take the whole reply with one receive (the usual small pull); a
+    reply arriving in pieces, a miss, and a header of another size than the buffer given for it
+    go on the general way, the connection staying in step for the next pull."""
+    with TcpPullServer(_slow_provider) as server, TcpPullClient() as client:
+        peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
+        out = memoryview(bytearray(2 * LAYER_NBYTES))
+        for key in (b"a", b"bb", b"ccc"):  # the first connects; the others are sent on the idle connection
+            header = bytearray(16)
+            pull = client.start(peer, key, LayerRange(1, 3), out.nbytes)
+            assert client.finish(pull, out, header) == out.nbytes
+            assert bytes(out) == expected(key, 1, 3).tobytes() and bytes(header) == key.ljust(16, b".")
+        with pytest.raises(errors.RemoteMissError):
+            client.finish(client.start(peer, b"miss:1", LayerRange(0, 1), LAYER_NBYTES), out[:LAYER_NBYTES],
+                          bytearray(16))
+        long_header = bytearray(64)  # room for more than the holder's 16 bytes
+        assert client.finish(client.start(peer, b"dd", LayerRange(0, 2), out.nbytes), out, long_header) == out.nbytes
+        assert bytes(out) == expected(b"dd", 0, 2).tobytes() and bytes(long_header[:16]) == b"dd".ljust(16, b".")
+        assert client.connects == 1 and client.pulls == 4 and client.failures == 1
+
+
 def test_a_pull_sent_first_whose_buffer_does_not_fit_is_dropped_unread(holder: ServerProcess,
                                                                         client: TcpPullClient) -> None:
     """A buffer smaller than asked for, read-only or strided never takes the reply: finish

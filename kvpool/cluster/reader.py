@@ -108,11 +108,16 @@ class ReplicaReader:
             good.append(replica)
         return good
 
-    def ordered(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
+    def ordered(self, replicas: Any) -> list[LocatedReplica]:
         """Same-host replicas first (no network), ``cxl`` first among them; never this node's own."""
-        replicas = self.clean(replicas)
-        others = [r for r in replicas if self.node_id is None or r.get("node_id") != self.node_id]
-        return sorted(others, key=lambda r: (r.get("host_id") != self.host_id, r.get("tier") != "cxl"))
+        return self._order(self.clean(replicas))
+
+    def _order(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
+        """:meth:`ordered` of replicas already checked."""
+        others = [r for r in replicas if self.node_id is None or r["node_id"] != self.node_id]
+        if len(others) < 2:
+            return others
+        return sorted(others, key=lambda r: (r["host_id"] != self.host_id, r["tier"] != "cxl"))
 
     def read(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any, out: Any,
              out_view: OutView, count_misses: bool = True,
@@ -131,25 +136,31 @@ class ReplicaReader:
         if not replicas:
             self.counters["miss_malformed"] += count_misses
             return None
+        return self._read_ordered(key, self._order(replicas), layers, out, out_view, count_misses, skip)
+
+    def _read_ordered(self, key: bytes, replicas: list[LocatedReplica], layers: Any, out: Any,
+                      out_view: OutView, count_misses: bool, skip: Mapping[str, str] | None) -> np.ndarray | None:
+        """:meth:`read` of checked replicas in the order :meth:`ordered` gives."""
         failed: set[str] = set()
-        arr = self._first_intact(key, self.ordered(replicas), layers, out, out_view, count_misses=count_misses,
-                                 failed=failed, skip=skip)  # ordered() keeps the checked records as they are
+        arr = self._first_intact(key, replicas, layers, out, out_view, count_misses=count_misses,
+                                 failed=failed, skip=skip)
         if not count_misses:  # a remembered location: counted as such, forgotten when it failed
             self.counters["location_cache_hits" if arr is not None else "location_cache_stale"] += 1
             if arr is None:
                 self.forget(key)
         if arr is not None:
-            self._remember(key, [r for r in replicas if r.get("node_id") not in failed])
+            self._remember(key, [r for r in replicas if r["node_id"] not in failed] if failed else replicas)
         return arr
 
     def _remember(self, key: bytes, replicas: list[LocatedReplica]) -> None:
-        """Where ``key`` was read from, for :meth:`read_cached` (LRU, ``location_cache_size``)."""
+        """Where ``key`` was read from, for :meth:`read_cached` (LRU, ``location_cache_size``):
+        checked replicas, in :meth:`ordered`'s order."""
         if not self.location_cache_size:
             return
         with self._lock:
             self._locations[key] = replicas
             self._locations.move_to_end(key)
-            while len(self._locations) > self.location_cache_size:
+            if len(self._locations) > self.location_cache_size:
                 self._locations.popitem(last=False)
 
     def remembered(self, key: bytes) -> list[LocatedReplica] | None:
@@ -161,7 +172,7 @@ class ReplicaReader:
             return None
         # A replica whose token is about to expire would be refused: ask the master again.
         soon = time.time() + _TOKEN_MARGIN_S
-        current = [r for r in replicas if ClusterKey.token_expiry_s(r.get("token", b"")) > soon]
+        current = [r for r in replicas if ClusterKey.token_expiry_s(r["token"]) > soon]
         if not current:
             with self._lock:
                 if self._locations.get(key) is replicas:  # not one a concurrent read stored since
@@ -174,7 +185,7 @@ class ReplicaReader:
         """Read from where ``key`` was found last time, without asking the master; None if
         it is not remembered or no longer there (the entry is then forgotten)."""
         current = self.remembered(key)
-        return None if current is None else self.read(key, current, layers, out, out_view, count_misses=False)
+        return None if current is None else self._read_ordered(key, current, layers, out, out_view, False, None)
 
     def forget(self, key: bytes) -> None:
         with self._lock:
@@ -281,7 +292,7 @@ class ReplicaReader:
                 self._pulled_from(replica)
                 if not count_misses:
                     self.counters["location_cache_hits"] += 1
-                self._remember(keys[i], self.clean(replicas[i]))
+                self._remember(keys[i], self.ordered(replicas[i]))
                 results[i] = arr
         for i, skip in sorted(alone, key=lambda item: item[0]):
             results[i] = self.read(keys[i], replicas[i], layers, outs[i], out_view, count_misses, skip=skip)
@@ -363,9 +374,18 @@ class ReplicaReader:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified, or checked as it arrives by ``check``), abandoned as soon as the holder is
         known gone."""
-        (outcome,) = self._pull_many([PullRequest(replica["_node"].peer, key, layer_range, buf,  # type: ignore[typeddict-item]
-                                                  token, raw_header, lambda: self.holder_alive(replica),
-                                                  progress=check)])
+        peer = replica["_node"].peer  # type: ignore[typeddict-item]
+        tcp = self.tcp_puller
+        if tcp is not None and self._client_for(peer, buf.nbytes) is tcp:  # one pull: no batch machinery
+            try:
+                sent = tcp.start(peer, key, layer_range, buf.nbytes, token=token, timeout_s=self.pull_timeout_s)
+                tcp.finish(sent, buf, raw_header, progress=check, alive=lambda: self.holder_alive(replica))
+                return
+            except TcpPathUnusable:  # its TCP port is unusable: over UCX, as _pull_many would
+                self.counters["tcp_fallbacks"] += 1
+        (outcome,) = self.puller.pull_many([PullRequest(peer, key, layer_range, buf, token, raw_header,
+                                                        lambda: self.holder_alive(replica))],
+                                           timeout_s=self.pull_timeout_s)
         if isinstance(outcome, BaseException):
             raise outcome
 
@@ -550,7 +570,7 @@ class ReplicaReader:
                 log.info("speculative pull of %s from %s not used: %s", guess.key.hex(), replica["node_id"], exc)
                 break
             self._pulled_from(replica)
-            self._remember(guess.key, replicas)
+            self._remember(guess.key, self._order(replicas))
             return self._guess_used(guess)
         self._guess_wasted()
         return None

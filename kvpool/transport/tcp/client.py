@@ -146,6 +146,12 @@ class TcpPullClient:
         ``nbytes`` asked for), the header it carries into ``header_out``, as :meth:`pull_into`
         does and with its errors. A reply that cannot land in ``out`` is never read: the
         connection is closed instead."""
+        conn = pull.conn
+        if pull.sent_on is conn and type(out) is memoryview and out.nbytes == pull.nbytes \
+                and header_out is not None and conn is not None and not conn.pending:
+            done = self._whole_reply(conn, pull, out, header_out)  # the usual: all of it in one receive
+            if done:
+                return done
         try:
             view = checked_out(out)
             if view.nbytes < pull.nbytes:
@@ -174,6 +180,33 @@ class TcpPullClient:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+
+    def _whole_reply(self, conn: _Conn, pull: _TcpPull, out: memoryview, header_out: bytearray) -> int:
+        """The payload bytes of ``pull``'s reply if one receive brought all of it, an OK with a
+        header of exactly ``header_out``'s size for exactly ``out`` (the usual small pull); else
+        0, with what was received put back in front of the stream for :meth:`finish` to read
+        the general way."""
+        status = bytearray(_STATUS.size)
+        try:
+            got = conn.sock.recvmsg_into([status, header_out, out])[0]
+        except OSError:  # nothing came within the wait, or the connection failed: finish decides
+            return 0
+        nbytes = out.nbytes
+        if got == _STATUS.size + len(header_out) + nbytes:
+            magic, version, code, body_len, request_id, sent, _ = _STATUS.unpack_from(status)
+            if magic == _STATUS_MAGIC and version == PROTOCOL_VERSION and request_id == pull.request_id \
+                    and code in OK_STATUSES and body_len == len(header_out) and sent == nbytes:
+                pull.conn = None
+                self._checkin(pull.where, conn)
+                self.pulls += 1
+                self.bytes_received += nbytes
+                return nbytes
+        pieces = []
+        for piece in (status, header_out, out):  # (nothing, when the holder closed the connection)
+            pieces.append(bytes(piece[:got]))
+            got -= min(got, len(piece))
+        conn.unread(b"".join(pieces))
+        return 0
 
     def cancel(self, pull: _TcpPull) -> None:
         """Drop a pull :meth:`start` sent, unread (its connection is closed)."""
