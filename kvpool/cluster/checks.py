@@ -92,10 +92,15 @@ class ArrivalCheck:
     def finish(self) -> ObjectHeader:
         if self.error is not None:
             raise self.error
-        if self.header is None or self.checked < self.layer_range.count:
+        header = self.header
+        if header is None:
+            header = self.header = self.check_header(self.raw_header)
+        if not self.checked:  # all at once (a pull without progress calls)
+            header.verify(self.layer_range, self.buf)
+            self.checked = self.layer_range.count
+        elif self.checked < self.layer_range.count:
             self._check(len(self.buf))
-        assert self.header is not None
-        return self.header
+        return header
 
     def _check(self, received: int) -> None:
         if self.header is None:

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -475,8 +475,11 @@ class ReplicaReader:
     def run(self, guess: Speculation, token: bytes) -> None:
         """Pull the guessed bytes into the buffer :meth:`Speculation.bind` took (unverified until
         :meth:`confirm`); never raises a kvpool error."""
-        self._guessed(guess, lambda: self._pull(guess.key, guess.replica, guess.layer_range, guess.buf,
-                                                guess.raw_header, token))
+        try:
+            self._pull(guess.key, guess.replica, guess.layer_range, guess.buf, guess.raw_header, token)
+            guess.pulled = True
+        except errors.KVPoolError as exc:
+            self._guess_failed(guess, exc)
 
     def run_proven(self, guess: Speculation, out: Any, out_view: OutView) -> None:
         """Pull the guessed bytes over TCP from a holder that proves itself (see :meth:`provable`;
@@ -486,8 +489,7 @@ class ReplicaReader:
         tcp = self.tcp_puller
         assert tcp is not None
         replica = guess.replica
-
-        def pull() -> None:
+        try:
             sent = tcp.start(replica["_node"].peer, guess.key, guess.layer_range, guess.nbytes,  # type: ignore[typeddict-item]
                              timeout_s=self.pull_timeout_s)
             try:
@@ -498,25 +500,20 @@ class ReplicaReader:
                 raise
             tcp.finish(sent, guess.buf, guess.raw_header, progress=guess.check,
                        alive=lambda: self.holder_alive(replica))
-            guess.proven = True
+            guess.pulled = guess.proven = True
+        except errors.KVPoolError as exc:
+            self._guess_failed(guess, exc)
 
-        self._guessed(guess, pull)
-
-    def _guessed(self, guess: Speculation, pull: Callable[[], None]) -> None:
-        """Run a guessed pull; a failure is kept on the guess (or not pulled, for locate to decide)."""
-        replica = guess.replica
-        try:
-            pull()
-            guess.pulled = True
-        except errors.KVTimeoutError:
+    def _guess_failed(self, guess: Speculation, exc: errors.KVPoolError) -> None:
+        """Keep why a guessed pull failed on the guess (or nothing, for locate to decide)."""
+        node_id = guess.replica.get("node_id")
+        log.debug("speculative pull of %s from %s: %s", guess.key.hex(), node_id, exc)
+        if isinstance(exc, errors.KVTimeoutError):
             guess.failure = "timeout"
-        except (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError, errors.ProtocolError,
-                errors.AuthenticationError, TcpPathUnusable) as exc:
-            # not there, not the guessed spec, or (proven) its TCP port unusable: locate decides
-            log.debug("speculative pull of %s from %s: %s", guess.key.hex(), replica.get("node_id"), exc)
-        except errors.KVPoolError as exc:  # the holder failed (gone, connection lost)
-            log.debug("speculative pull of %s from %s: %s", guess.key.hex(), replica.get("node_id"), exc)
-            guess.failure = "holder_gone"
+        elif not isinstance(exc, (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError,
+                                  errors.ProtocolError, errors.AuthenticationError, TcpPathUnusable)):
+            guess.failure = "holder_gone"  # gone, connection lost
+        # else: not there, not the guessed spec, or (proven) its TCP port unusable: locate decides
 
     def accept(self, guess: Speculation) -> np.ndarray | None:
         """The guessed holder's own answer, without the master (``node.confirm_speculative =
@@ -542,9 +539,12 @@ class ReplicaReader:
         return None
 
     def _guess_used(self, guess: Speculation) -> np.ndarray:
-        self._speculation_score = min(_SPECULATION_MAX_SCORE, self._speculation_score + 1)
-        self.counters["speculative_hits"] += 1
-        self._hit(len(guess.buf))
+        if self._speculation_score < _SPECULATION_MAX_SCORE:
+            self._speculation_score += 1
+        counters = self.counters
+        counters["speculative_hits"] += 1
+        counters["hits_remote"] += 1
+        counters["bytes_pulled"] += guess.nbytes
         return guess.arr
 
     def _guess_wasted(self) -> None:

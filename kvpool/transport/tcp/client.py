@@ -33,6 +33,7 @@ from kvpool.transport.tcp.stream import (
 log = logging.getLogger("kvpool.transport.tcp")
 
 _WINDOW_NBYTES = 32 << 10  # request bytes a client writes ahead of the replies it has read
+_REQUEST_ID = 1
 
 
 class TcpPullClient:
@@ -414,7 +415,7 @@ class _TcpPull:
     and the buffers its reply lands in (:meth:`bind`)."""
 
     __slots__ = ("address", "alive", "conn", "deadline", "frame", "header_out", "header_room", "key",
-                 "layer_range", "nbytes", "out", "progress", "request_id", "sent_on", "timeout_s", "token", "where")
+                 "layer_range", "nbytes", "out", "progress", "sent_on", "timeout_s", "token", "where")
 
     def __init__(self, address: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, token: bytes,
                  want_header: bool, timeout_s: float) -> None:
@@ -424,9 +425,8 @@ class _TcpPull:
         self.where = (address.host, address.tcp_port)
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self.request_id = 1
         self.frame = _pack_request(key, token, layer_range, nbytes, want_header=want_header,
-                                   max_chunk=max(1, nbytes), request_id=self.request_id)
+                                   max_chunk=max(1, nbytes), request_id=_REQUEST_ID)
         self.sent_on: _Conn | None = None  # the connection its request went out on
         self.conn: _Conn | OSError | None = None  # (start) the connection to read the reply from
         self.out = _EMPTY
@@ -434,6 +434,10 @@ class _TcpPull:
         self.header_room = 0
         self.alive: Callable[[], bool] | None = None
         self.progress: Callable[[int], None] | None = None
+
+    #: every request on a connection has this id: replies come back in order, one per request,
+    #: and the id only confirms the stream is in step
+    request_id = _REQUEST_ID
 
     def bind(self, out: memoryview, header_out: bytearray | None, room: int,
              progress: Callable[[int], None] | None, alive: Callable[[], bool] | None) -> None:
