@@ -261,11 +261,15 @@ def test_a_pull_sent_first_whose_buffer_does_not_fit_is_dropped_unread(holder: S
     """A buffer smaller than asked for, read-only or strided never takes the reply: finish
     raises OutBufferError and closes that connection (its reply is never read into anything);
     cancel() does the same; the next pull gets exact bytes on a new connection."""
-    wrong = [bytearray(LAYER_NBYTES - 1), bytes(LAYER_NBYTES), np.zeros(2 * LAYER_NBYTES, np.uint8)[::2]]
+    wrong = [bytearray(LAYER_NBYTES - 1), bytes(LAYER_NBYTES), np.zeros(2 * LAYER_NBYTES, np.uint8)[::2],
+             memoryview(bytes(LAYER_NBYTES)), memoryview(np.zeros(2 * LAYER_NBYTES, np.uint8))[::2]]
     for n, out in enumerate(wrong):
-        pull = client.start(holder.peer, f"k{n}".encode(), LayerRange(0, 1), LAYER_NBYTES)
-        with pytest.raises(errors.OutBufferError):
-            client.finish(pull, out)
+        for header in (None, bytearray(len(header_of(b"k0")))):  # (with a header: as the reader asks)
+            client.pull_into(holder.peer, b"k1", (0, 1), bytearray(LAYER_NBYTES))  # an idle connection
+            pull = client.start(holder.peer, f"k{n}".encode(), LayerRange(0, 1), LAYER_NBYTES)
+            assert pull.sent_on is not None
+            with pytest.raises(errors.OutBufferError):
+                client.finish(pull, out, header)
     client.cancel(client.start(holder.peer, b"k4", LayerRange(0, 1), LAYER_NBYTES))
     right = bytearray(LAYER_NBYTES)
     assert client.pull_into(holder.peer, b"k5", (3, 4), right) == LAYER_NBYTES

@@ -148,8 +148,9 @@ class TcpPullClient:
         does and with its errors. A reply that cannot land in ``out`` is never read: the
         connection is closed instead."""
         conn = pull.conn
-        if pull.sent_on is conn and type(out) is memoryview and out.nbytes == pull.nbytes \
-                and header_out is not None and conn is not None and not conn.pending:
+        if pull.sent_on is conn and conn is not None and not conn.pending and type(header_out) is bytearray \
+                and type(out) is memoryview and out.nbytes == pull.nbytes and out.format == "B" and out.ndim == 1 \
+                and out.c_contiguous and not out.readonly:  # what the reader passes
             done = self._whole_reply(conn, pull, out, header_out)  # the usual: all of it in one receive
             if done:
                 return done
