@@ -4,7 +4,7 @@ trips and where by bandwidth, page-by-page vs aggregated, and k of L layers.
 For each ``--rates`` value it builds two network namespaces joined by a bridge
 (bench/netlab.py; needs root and iproute2), shapes each host's link with ``tc tbf`` at
 that rate, and runs a master and a writer on host 1 and a reader on host 2 (``transport =
-"tcp"`` between their own addresses: pulls up to ``node.tcp_pull_max``, 4 MiB, on the
+"tcp"`` between their own addresses: pulls up to ``node.tcp_pull_max``, 16 MiB, on the
 holder's plain TCP port, larger ones over UCX's TCP transport). The writer holds one
 ``--layers``-layer object per size; the reader measures, per size (median of ``--iters``):
 

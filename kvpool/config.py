@@ -239,7 +239,7 @@ class NodeSection:
                                             "another process is a miss at once; false: the holder's verified "
                                             "answer is used with no master round trip, as a remembered "
                                             "location's is")
-    tcp_pull_max: int = _size("4MiB", "pulls of at most this many bytes go over a plain TCP connection to the "
+    tcp_pull_max: int = _size("16MiB", "pulls of at most this many bytes go over a plain TCP connection to the "
                                       "holder (node.host, an ephemeral port), larger ones over UCX (from a "
                                       "same-host holder over UCX shared memory: above 1 MiB); 0: every pull "
                                       "over UCX and no TCP port (set 0 where UCX has RDMA)")

@@ -96,7 +96,7 @@ def test_peers_bench_quick_kvpool_tcp_and_skipped_peers(tmp_path: Path) -> None:
     for table in tables:
         lines = table.splitlines()
         assert lines[1].startswith("system / mode") and "bexists/s" in lines[1] and "server RSS MiB" in lines[1]
-        kvpool = next(line for line in lines if line.startswith("kvpool  TCP (UCX > 4 MiB)"))
+        kvpool = next(line for line in lines if line.startswith("kvpool  TCP (UCX > 16 MiB)"))
         numbers = kvpool.split("cross-process", 1)[1].split()
         assert all(float(v) > 0 for v in numbers[:8]), kvpool  # put/get/bput/bget GB/s, p50/p99 us
         assert "exact" in kvpool and "/" in kvpool and "WRONG" not in kvpool and "failed" not in kvpool

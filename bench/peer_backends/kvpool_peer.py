@@ -10,7 +10,7 @@ The master runs as ``kvpool-server --role master`` in its own process.
 
 Modes (the reader's transport and the writer's tier):
 
-Pulls of at most ``node.tcp_pull_max`` (4 MiB by default; 1 MiB from a same-host holder over
+Pulls of at most ``node.tcp_pull_max`` (16 MiB by default; 1 MiB from a same-host holder over
 UCX shared memory) go over a plain TCP connection to the writer; larger ones over UCX as below.
 
 * ``kvpool-tcp``: reader ``transport="tcp"`` (UCX listener endpoints over TCP),
@@ -97,7 +97,7 @@ class KvpoolPeer(Peer):
 
 class KvpoolTcp(KvpoolPeer):
     system = "kvpool-tcp"
-    label = "kvpool  TCP (UCX > 4 MiB), cross-process"
+    label = "kvpool  TCP (UCX > 16 MiB), cross-process"
 
 
 class KvpoolShm(KvpoolPeer):
