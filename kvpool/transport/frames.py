@@ -195,11 +195,6 @@ def _pack_request(
     reply_error_handling: bool = False,
 ) -> bytearray:
     """A request frame: ``layer_range`` of ``key`` into a buffer of ``capacity`` bytes."""
-    if not reply_address:  # (a TCP pull's: the reply comes back on the request's connection)
-        return bytearray(b"".join((_REQUEST.pack(
-            _REQUEST_MAGIC, PROTOCOL_VERSION, _FLAG_WANT_HEADER if want_header else 0, len(key), 0, client_id,
-            conn_id, request_id, layer_range.start, layer_range.stop, capacity, max_chunk, _EMPTY_ADDRESS_SUM,
-            len(token)), key, token)))
     head = _REQUEST.pack(
         _REQUEST_MAGIC, PROTOCOL_VERSION,
         (_FLAG_REPLY_TO_ADDRESS if reply_address else 0)
