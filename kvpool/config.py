@@ -243,6 +243,10 @@ class NodeSection:
                                       "holder (node.host, an ephemeral port), larger ones over UCX (from a "
                                       "same-host holder over UCX shared memory: above 1 MiB); 0: every pull "
                                       "over UCX and no TCP port (set 0 where UCX has RDMA)")
+    reply_poll_us: int = _opt(200, "a reader polls for the reply to a small TCP pull or a master query this "
+                                   "long before it blocks (a blocked thread's idle vCPU is slow to wake); "
+                                   "one thread at a time, and not while polls keep running out; 0: block "
+                                   "at once")
 
 
 @dataclass
@@ -347,6 +351,8 @@ class Config:
             raise bad("node.location_cache", "must be >= 0")
         if self.node.tcp_pull_max < 0:
             raise bad("node.tcp_pull_max", "must be >= 0")
+        if not 0 <= self.node.reply_poll_us <= 10_000:
+            raise bad("node.reply_poll_us", "must be between 0 and 10000 (10 ms): a longer poll only burns a CPU")
         if self.node.max_message < 4096:
             raise bad("node.max_message", "must be at least 4096 bytes")
         if self.security.token_ttl_s <= 0:
@@ -377,17 +383,17 @@ def _apply(obj: Any, data: Mapping[str, Any], *, prefix: str, origin: str) -> No
             raise errors.ConfigError(f"{origin}: {dotted}: {exc}") from None
 
 
-_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(us|ms|s|m|h)\s*$")
+_DURATION_UNITS = {"us": 1e-6, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_UNIT_NAMES = {1e-6: "microseconds", 0.001: "milliseconds", 1.0: "seconds"}
 
 
 def parse_duration(value: str, unit_s: float) -> float:
     """A duration string (``"200ms"``, ``"1.5s"``, ``"2m"``) in units of ``unit_s`` seconds."""
     m = _DURATION_RE.match(value)
     if m is None:
-        raise ValueError(f"expected {'milliseconds' if unit_s < 1 else 'seconds'} or a duration such as "
-                         f"250ms, 1.5s, 2m; got {value!r}")
-    return float(m.group(1)) * _DURATION_UNITS[m.group(2)] / unit_s
+        raise ValueError(f"expected {_UNIT_NAMES[unit_s]} or a duration such as 250ms, 1.5s, 2m; got {value!r}")
+    return round(float(m.group(1)) * _DURATION_UNITS[m.group(2)] / unit_s, 9)
 
 
 def _is_number(text: str) -> bool:
@@ -401,13 +407,14 @@ def _is_number(text: str) -> bool:
 def _coerce(f: dataclasses.Field[Any], current: Any, value: Any) -> Any:
     if f.metadata.get("size"):
         return parse_size(value)
-    # Durations: settings named *_ms and *_s also take "1s", "250ms", "2m".
-    unit_s = 0.001 if f.name.endswith("_ms") else 1.0 if f.name.endswith("_s") else None
+    # Durations: settings named *_us, *_ms and *_s also take "1s", "250ms", "2m", "100us".
+    unit_s = next((scale for suffix, scale in (("_us", 1e-6), ("_ms", 0.001), ("_s", 1.0)) if f.name.endswith(suffix)),
+                  None)
     if unit_s is not None and isinstance(value, str) and not _is_number(value):
         amount = parse_duration(value, unit_s)
         if isinstance(current, int) and not isinstance(current, bool):
             if amount != int(amount):
-                raise ValueError(f"{value!r} is not a whole number of {'milliseconds' if unit_s < 1 else 'seconds'}")
+                raise ValueError(f"{value!r} is not a whole number of {_UNIT_NAMES[unit_s]}")
             amount = int(amount)
         value = amount
     if isinstance(current, bool):

@@ -89,6 +89,7 @@ def test_node_host_is_loopback_for_a_local_master_and_the_route_to_a_remote_one(
     ("master.heartbeat_ms", "1s", 1000), ("master.heartbeat_ms", "250ms", 250), ("master.heartbeat_ms", "1.5s", 1500),
     ("master.heartbeat_ms", 200, 200), ("master.heartbeat_ms", "200", 200),
     ("master.lease_s", "500ms", 0.5), ("master.lease_s", "2m", 120.0), ("node.pull_timeout_s", 3, 3.0),
+    ("node.reply_poll_us", "100us", 100), ("node.reply_poll_us", "0.25ms", 250), ("node.reply_poll_us", 0, 0),
 ])
 def test_durations_take_units(key: str, value: object, expected: float) -> None:
     config = Config()
@@ -101,6 +102,8 @@ def test_durations_take_units(key: str, value: object, expected: float) -> None:
     ("master.heartbeat_ms", "1 sec", "duration such as"),
     ("master.heartbeat_ms", "1.0005s", "whole number of milliseconds"),
     ("master.leader_ttl_s", "500ms", "whole number of seconds"),
+    ("node.reply_poll_us", "0.5us", "whole number of microseconds"),
+    ("node.reply_poll_us", "1s", "between 0 and 10000"),
     ("master.dead_after_missed", "three", "expected an integer"),
 ])
 def test_bad_durations_and_numbers_say_what_is_expected(key: str, value: str, message: str) -> None:

@@ -1048,6 +1048,8 @@ def test_questions_are_answered_on_the_query_port_as_over_zeromq(make_node, clie
     assert client.exists(keys[0]) and not client.exists(keys[2])
     assert client.lookup(keys) == 2
     assert client.query_calls == before + 4  # all four answered on the query port
+    polls = client.query_polls  # node.reply_poll_us by default: polled for, caught or not
+    assert polls["polls_caught"] + polls["polls_ran_out"] >= 1
     assert client.call(P.EXISTS, {"keys": keys}).exists == [True, True, False]  # as over ZeroMQ
 
 

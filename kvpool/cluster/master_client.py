@@ -148,7 +148,7 @@ class MasterClient:
         self._queries = QueryPorts(
             self.cluster_key,
             self.request_timeout_s if self._finder is None else min(self.request_timeout_s, 5 * LEADER_CHECK_S),
-            following=self._finder is not None)
+            following=self._finder is not None, poll_s=full.node.reply_poll_us * 1e-6 if full is not None else 0.0)
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -411,6 +411,11 @@ class MasterClient:
     def query_calls(self) -> int:
         """Questions answered on a query port."""
         return self._queries.calls
+
+    @property
+    def query_polls(self) -> dict[str, int]:
+        """How the answers on a query port were waited for (:class:`ReplyPoll` counters)."""
+        return self._queries.poll.stats()
 
     def _query_port(self) -> int:
         """The query port of the master a call goes to (0: none), asked over ZeroMQ."""

@@ -37,7 +37,15 @@ from typing import Any
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.security import ClusterKey
-from kvpool.transport.tcp.stream import MutualHello, accept_forever, listen_on, recv_exactly, set_timeouts, shutdown
+from kvpool.transport.tcp.stream import (
+    MutualHello,
+    ReplyPoll,
+    accept_forever,
+    listen_on,
+    recv_exactly,
+    set_timeouts,
+    shutdown,
+)
 
 log = logging.getLogger("kvpool.master.query")
 
@@ -115,10 +123,14 @@ class QueryServer:
 
 class QueryClient:
     """One thread's connection to a master's query port (see the module); raises OSError or
-    a kvpool error when the port cannot be used, for the caller to ask over ZeroMQ instead."""
+    a kvpool error when the port cannot be used, for the caller to ask over ZeroMQ instead.
+    ``poll``: how the answers are polled for before the caller blocks (shared by a client's
+    connections; none: never)."""
 
-    def __init__(self, host: str, port: int, cluster_key: ClusterKey, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, cluster_key: ClusterKey, timeout_s: float,
+                 poll: ReplyPoll | None = None) -> None:
         self.where = (host, port)
+        self.poll = poll if poll is not None else ReplyPoll(0.0)
         self.address = ""  # the master's ZeroMQ address this port belongs to (the caller's to set)
         self._key = cluster_key
         self.timeout_s = timeout_s
@@ -141,7 +153,7 @@ class QueryClient:
     def call(self, frame: bytes) -> bytes:
         """Send one request frame and return the reply frame."""
         _write_frame(self._sock, frame)
-        reply = _read_frame(self._sock)
+        reply = _read_frame(self._sock, self.poll)
         if reply is None:
             raise errors.TransferError("the query port closed the connection")
         return reply
@@ -160,10 +172,12 @@ class QueryPorts:
     etcd, so a port that does not answer in ``timeout_s`` is left for the ZeroMQ call (which
     looks for a new leader) instead of raising MasterUnreachableError."""
 
-    def __init__(self, cluster_key: ClusterKey, timeout_s: float, *, following: bool = False) -> None:
+    def __init__(self, cluster_key: ClusterKey, timeout_s: float, *, following: bool = False,
+                 poll_s: float = 0.0) -> None:
         self.cluster_key = cluster_key
         self.timeout_s = timeout_s
         self.following = following
+        self.poll = ReplyPoll(poll_s)  # answers polled for before blocking (see ReplyPoll)
         self.calls = 0  # questions answered here
         self._local = threading.local()
         self._ports: dict[str, tuple[int, float]] = {}  # master -> (its port, 0: none; when to ask again)
@@ -222,7 +236,7 @@ class QueryPorts:
             if not port:
                 return None
         try:
-            conn = QueryClient(query_host(address), port, self.cluster_key, self.timeout_s)
+            conn = QueryClient(query_host(address), port, self.cluster_key, self.timeout_s, self.poll)
         except (OSError, errors.KVPoolError) as exc:
             self._ports[address] = (0, time.monotonic() + _RETRY_S)
             self._unanswered(op, address, exc)
@@ -248,11 +262,14 @@ def _write_frame(sock: socket.socket, frame: bytes) -> None:
     sock.sendall(_LENGTH.pack(len(frame)) + frame)
 
 
-def _read_frame(sock: socket.socket) -> bytes | None:
+def _read_frame(sock: socket.socket, poll: ReplyPoll | None = None) -> bytes | None:
     """The next length-prefixed frame; None if the stream ended cleanly before it. One ``recv``
-    brings a small frame whole (neither end sends a second frame before the answer)."""
+    brings a small frame whole (neither end sends a second frame before the answer); it is
+    polled for first with ``poll``."""
     buf = bytearray(_FIRST_READ)
-    got = sock.recv_into(buf)
+    got = poll.receive(sock, [buf]) if poll is not None else None
+    if got is None:
+        got = sock.recv_into(buf)
     if got == 0:
         return None
     while got < _LENGTH.size:

@@ -56,7 +56,7 @@ class ReplicaReader:
                  max_message: int = 16 << 20, pull_timeout_s: float = 10.0,
                  location_cache_size: int = 0, allowed_dirs: Sequence[str] | None = None,
                  host: str = "127.0.0.1", engine: Engine | None = None, tcp_pull_max: int = 0,
-                 cluster_key: ClusterKey | None = None) -> None:
+                 cluster_key: ClusterKey | None = None, poll_s: float = 0.0) -> None:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
@@ -70,7 +70,7 @@ class ReplicaReader:
         # proves it holds it too (its pulls there then need no token)
         self.tcp_puller = TcpPullClient(
             check_proof=None if cluster_key is None else cluster_key.check_holder_proof,
-            prove=None if cluster_key is None else cluster_key.reader_proof) if tcp_pull_max else None
+            prove=None if cluster_key is None else cluster_key.reader_proof, poll_s=poll_s) if tcp_pull_max else None
         self.counters: Counter[str] = Counter()
         #: same-host nodes' cxl arenas, read in place (only inside ``allowed_dirs``)
         self.arenas = SameHostArenas(host_id, node_id, allowed_dirs, self.counters)

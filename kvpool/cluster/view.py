@@ -151,7 +151,8 @@ class ClusterView:
                                         location_cache_size=config.node.location_cache,
                                         allowed_dirs=shared_dirs_of(config), host=self.node.host,
                                         engine=self.node.engine, tcp_pull_max=config.node.tcp_pull_max,
-                                        cluster_key=self.node.cluster_key)
+                                        cluster_key=self.node.cluster_key,
+                                        poll_s=config.node.reply_poll_us * 1e-6)
             self._parts.append(self.reader)
             self._refresh_from_master()
             self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,

@@ -26,6 +26,7 @@ from kvpool.transport.pulls import PullRequest, checked_out, checked_pull, check
 from kvpool.transport.tcp.stream import (
     PROOF_NBYTES,
     PULL_HELLO,
+    ReplyPoll,
     TcpPathUnusable,
     set_timeouts,
 )
@@ -48,12 +49,14 @@ class TcpPullClient:
     holder that fails it gets no pull (AuthenticationError). None: holders are not checked.
     ``prove(nonce)``: this client's answer to the holder's nonce (:meth:`ClusterKey.reader_proof`);
     a holder that accepts it serves this connection's pulls without checking their tokens.
-    None: every pull's token is checked.
+    None: every pull's token is checked. ``poll_s``: how long a one-receive reply
+    (:meth:`finish`) is polled for before the caller blocks (:class:`ReplyPoll`; 0: never).
     """
 
     def __init__(self, *, connect_timeout_s: float = 1.0, idle_per_peer: int = 8,
                  retry_after_s: float = 30.0, check_proof: Callable[[bytes, bytes], bool] | None = None,
-                 prove: Callable[[bytes], bytes] | None = None) -> None:
+                 prove: Callable[[bytes], bytes] | None = None, poll_s: float = 0.0) -> None:
+        self.poll = ReplyPoll(poll_s)
         self.check_proof = check_proof
         self.prove = prove
         self.connect_timeout_s = connect_timeout_s
@@ -189,8 +192,11 @@ class TcpPullClient:
         0, with what was received put back in front of the stream for :meth:`finish` to read
         the general way."""
         status = bytearray(_STATUS.size)
+        views: list[bytearray | memoryview] = [status, header_out, out]
         try:
-            got = conn.sock.recvmsg_into([status, header_out, out])[0]
+            got = self.poll.receive(conn.sock, views)
+            if got is None:
+                got = conn.sock.recvmsg_into(views)[0]
         except OSError:  # nothing came within the wait, or the connection failed: finish decides
             return 0
         nbytes = out.nbytes
@@ -239,7 +245,7 @@ class TcpPullClient:
 
     def stats(self) -> dict[str, int]:
         return {"pulls": self.pulls, "failures": self.failures, "timeouts": self.timeouts,
-                "bytes_received": self.bytes_received, "connects": self.connects}
+                "bytes_received": self.bytes_received, "connects": self.connects, **self.poll.stats()}
 
     # -- one holder ------------------------------------------------------------------------------
 
