@@ -7,7 +7,10 @@ speed is bench/poll_bench.py's to measure.
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -48,7 +51,7 @@ def test_a_reply_that_comes_while_polled_for_is_taken_then(pair: tuple[socket.so
     answer = threading.Timer(0.01, server.sendall, (reply,))
     answer.start()
     head, rest = bytearray(100), bytearray(4000)
-    got = poll.receive(client, [head, rest])
+    got = poll.receive(client, [head, rest], poll.mark())
     answer.join()
     while got is not None and got < len(reply):  # (loopback may deliver it in pieces)
         got += client.recv_into(memoryview(rest)[got - len(head):])
@@ -64,12 +67,12 @@ def test_polls_that_keep_running_out_stop_and_are_tried_again_later(
     client, server = pair
     poll = ReplyPoll(0.001)
     buf = bytearray(64)
-    assert poll.receive(client, [buf]) is None and poll.receive(client, [buf]) is None
+    assert poll.receive(client, [buf], poll.mark()) is None and poll.receive(client, [buf], poll.mark()) is None
     assert poll.ran_out == 2
     for _ in range(_POLL_RETRY_EVERY - 1):
-        assert poll.receive(client, [buf]) is None  # not polled at all
+        assert poll.receive(client, [buf], poll.mark()) is None  # not polled at all
     assert poll.ran_out == 2
-    assert poll.receive(client, [buf]) is None and poll.ran_out == 3  # tried once more
+    assert poll.receive(client, [buf], poll.mark()) is None and poll.ran_out == 3  # tried once more
     server.sendall(_payload(b"late", 64))
     client.settimeout(5.0)
     assert client.recv_into(buf) == 64 and bytes(buf) == _payload(b"late", 64)
@@ -78,10 +81,10 @@ def test_polls_that_keep_running_out_stop_and_are_tried_again_later(
 
 def test_no_poll_when_off_or_while_another_thread_polls(pair: tuple[socket.socket, socket.socket]) -> None:
     client, server = pair
-    assert ReplyPoll(0.0).receive(client, [bytearray(8)]) is None  # off: never touches the socket
+    assert ReplyPoll(0.0).receive(client, [bytearray(8)], 0) is None  # off: never touches the socket
     poll = ReplyPoll(5.0)
     first: list[int | None] = []
-    polling = threading.Thread(target=lambda: first.append(poll.receive(client, [bytearray(8)])))
+    polling = threading.Thread(target=lambda: first.append(poll.receive(client, [bytearray(8)], poll.mark())))
     polling.start()
     with socket.create_server(("127.0.0.1", 0)) as listener:
         other = socket.create_connection(listener.getsockname())
@@ -93,7 +96,7 @@ def test_no_poll_when_off_or_while_another_thread_polls(pair: tuple[socket.socke
                 time.sleep(0.001)
             assert poll._polling
             # this thread's reply is there, but one thread polls at a time: it blocks as usual
-            assert poll.receive(other, [bytearray(8)]) is None
+            assert poll.receive(other, [bytearray(8)], poll.mark()) is None
     server.sendall(b"y" * 8)
     polling.join()
     assert first == [8] and (poll.caught, poll.ran_out) == (1, 0)
@@ -103,14 +106,53 @@ def test_a_connection_that_ends_or_fails_while_polled_for_says_so(pair: tuple[so
     client, server = pair
     poll = ReplyPoll(5.0)
     server.close()  # the stream ends: 0, as from a blocking receive
-    assert poll.receive(client, [bytearray(8)]) == 0
+    assert poll.receive(client, [bytearray(8)], poll.mark()) == 0
     with socket.create_server(("127.0.0.1", 0)) as listener:
         reset = socket.create_connection(listener.getsockname())
         peer, _ = listener.accept()
         peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         peer.close()  # an RST
         with reset, pytest.raises(ConnectionResetError):
-            poll.receive(reset, [bytearray(8)])
+            poll.receive(reset, [bytearray(8)], poll.mark())
+
+
+_ECHO = """
+import os, socket, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})
+with socket.create_server(("127.0.0.1", 0)) as listener:
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+while conn.recv(64):
+    conn.sendall(b"r" * 64)
+"""
+
+
+def test_a_peer_on_the_pollers_cpu_turns_polling_off() -> None:
+    """The peer answering on the poller's own CPU (another process) can only answer once the
+    poller is preempted: those polls count against polling, which stops after two, though
+    every reply is read whole."""
+    cpu = min(os.sched_getaffinity(0))
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO, str(cpu)], stdout=subprocess.PIPE, text=True)
+    mine = os.sched_getaffinity(0)
+    try:
+        assert echo.stdout is not None
+        sock = socket.create_connection(("127.0.0.1", int(echo.stdout.readline())))
+        os.sched_setaffinity(threading.get_native_id(), {cpu})
+        poll = ReplyPoll(1.0)  # long: the peer gets the CPU only when the scheduler takes it from the poll
+        with sock:
+            for _ in range(8):
+                mark = poll.mark()
+                sock.sendall(b"q")
+                buf = bytearray(64)
+                got = poll.receive(sock, [buf], mark) or 0
+                while got < 64:
+                    got += sock.recv_into(memoryview(buf)[got:])
+                assert bytes(buf) == b"r" * 64
+        assert poll.preempted == 2 and poll.caught + poll.ran_out == 2  # then no more polls
+    finally:
+        os.sched_setaffinity(threading.get_native_id(), mine)
+        echo.kill()
+        echo.wait()
 
 
 def _provider(delay_s: float):  # type: ignore[no-untyped-def]
@@ -140,5 +182,8 @@ def test_tcp_pulls_polled_for_land_exact_bytes(delay_s: float, poll_s: float) ->
             client.finish(client.start(peer, b"miss:1", LayerRange(0, 1), LAYER_NBYTES), out[:LAYER_NBYTES],
                           bytearray(16))
         stats = client.stats()
-        assert (stats["polls_caught"], stats["polls_ran_out"]) == ((3, 0) if delay_s == 0 else (0, 2))
+        if delay_s:  # two polls ran out, then polling stopped
+            assert (stats["polls_caught"], stats["polls_ran_out"]) == (0, 2)
+        else:  # caught (the holder's thread may preempt this one on its CPU: then polling stops)
+            assert stats["polls_caught"] >= 1 and stats["polls_ran_out"] == 0
         assert client.connects == 1 and client.pulls == 3 and client.failures == 1

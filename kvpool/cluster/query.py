@@ -152,8 +152,9 @@ class QueryClient:
 
     def call(self, frame: bytes) -> bytes:
         """Send one request frame and return the reply frame."""
+        mark = self.poll.mark()
         _write_frame(self._sock, frame)
-        reply = _read_frame(self._sock, self.poll)
+        reply = _read_frame(self._sock, self.poll, mark)
         if reply is None:
             raise errors.TransferError("the query port closed the connection")
         return reply
@@ -262,12 +263,12 @@ def _write_frame(sock: socket.socket, frame: bytes) -> None:
     sock.sendall(_LENGTH.pack(len(frame)) + frame)
 
 
-def _read_frame(sock: socket.socket, poll: ReplyPoll | None = None) -> bytes | None:
+def _read_frame(sock: socket.socket, poll: ReplyPoll | None = None, mark: int = 0) -> bytes | None:
     """The next length-prefixed frame; None if the stream ended cleanly before it. One ``recv``
     brings a small frame whole (neither end sends a second frame before the answer); it is
-    polled for first with ``poll``."""
+    polled for first with ``poll`` (``mark``: its mark before the request was sent)."""
     buf = bytearray(_FIRST_READ)
-    got = poll.receive(sock, [buf]) if poll is not None else None
+    got = poll.receive(sock, [buf], mark) if poll is not None else None
     if got is None:
         got = sock.recv_into(buf)
     if got == 0:

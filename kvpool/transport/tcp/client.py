@@ -136,6 +136,7 @@ class TcpPullClient:
         conn = pull.conn = self._checkout(pull.where, pull, alive_check_s)
         if isinstance(conn, _Conn) and conn.nonce is None:
             try:
+                pull.poll_mark = self.poll.mark()
                 conn.send(pull, pull.frame)
                 pull.sent_on = conn
             except _ConnectionLost:  # closed while idle: finish connects again
@@ -194,7 +195,7 @@ class TcpPullClient:
         status = bytearray(_STATUS.size)
         views: list[bytearray | memoryview] = [status, header_out, out]
         try:
-            got = self.poll.receive(conn.sock, views)
+            got = self.poll.receive(conn.sock, views, pull.poll_mark)
             if got is None:
                 got = conn.sock.recvmsg_into(views)[0]
         except OSError:  # nothing came within the wait, or the connection failed: finish decides
@@ -422,7 +423,7 @@ class _TcpPull:
     and the buffers its reply lands in (:meth:`bind`)."""
 
     __slots__ = ("address", "alive", "conn", "deadline", "frame", "header_out", "header_room", "key",
-                 "layer_range", "nbytes", "out", "progress", "sent_on", "timeout_s", "token", "where")
+                 "layer_range", "nbytes", "out", "poll_mark", "progress", "sent_on", "timeout_s", "token", "where")
 
     def __init__(self, address: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, token: bytes,
                  want_header: bool, timeout_s: float) -> None:
@@ -435,6 +436,7 @@ class _TcpPull:
         self.frame = _pack_request(key, token, layer_range, nbytes, want_header=want_header,
                                    max_chunk=max(1, nbytes), request_id=_REQUEST_ID)
         self.sent_on: _Conn | None = None  # the connection its request went out on
+        self.poll_mark = 0  # (start) ReplyPoll.mark() before the request went out
         self.conn: _Conn | OSError | None = None  # (start) the connection to read the reply from
         self.out = _EMPTY
         self.header_out: bytearray | None = None

@@ -4,6 +4,7 @@ port's and the master query port's), socket set-up, writing views."""
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import struct
 import time
@@ -93,47 +94,60 @@ class ReplyPoll:
 
     Why: a thread blocked in ``recv`` sleeps, its CPU goes idle, and on a virtual machine an
     idle vCPU halts; waking it for the reply costs tens of microseconds. On this project's
-    2-vCPU machine a 64 KiB loopback request/reply took 80-90 us with the client blocked in
-    ``recv`` and ~16 us with it polling (bench/poll_bench.py); a 64 KiB get, ~15 % less.
+    2-vCPU machine a 64 KiB loopback request/reply took 74-87 us with the client blocked in
+    ``recv`` and 13-14 us with it polling (``bench/poll_bench.py``).
 
-    Bounded, so a poller never holds a CPU that another process needs for long: at most
-    ``poll_s`` per reply, then the caller blocks as before; one thread polls at a time (the
-    others block at once); and when polls keep running out (replies slower than ``poll_s``: a
-    far or busy peer, a shared CPU) polling stops, and is tried again every
-    ``_POLL_RETRY_EVERY`` replies. ``poll_s = 0``: never poll.
+    Only where the CPU is this thread's alone: a poll for a reply to a request during which
+    the thread was preempted, from the request's send on (another task wanted its CPU: the
+    peer it waits for, woken on the same CPU by the request, or a neighbour), counts against
+    polling, as one that ran out does. Bounded: at most ``poll_s`` per reply,
+    then the caller blocks as before; one thread polls at a time (the others block at once);
+    and when polls keep running out or being preempted, polling stops, and is tried again
+    every ``_POLL_RETRY_EVERY`` replies. ``poll_s = 0``: never poll.
     """
 
     def __init__(self, poll_s: float) -> None:
         self.poll_s = max(0.0, poll_s)
         self.caught = 0  # replies that came while polled for
         self.ran_out = 0  # polls that ended without a reply (the caller blocked)
-        self._score = _POLL_MAX_SCORE // 2  # a caught reply adds one, a poll that ran out takes two
+        self.preempted = 0  # polls during which another task took the CPU (reply caught or not)
+        self._score = _POLL_MAX_SCORE // 2  # a caught reply adds one; a poll run out or preempted takes two
         self._skipped = 0
         self._polling = False  # advisory (no lock): at worst two threads poll at once
 
-    def receive(self, sock: socket.socket, views: list[Any]) -> int | None:
+    def mark(self) -> int:
+        """Taken just before a request is sent, for :meth:`receive` of its reply."""
+        return _involuntary_switches() if self.poll_s else 0
+
+    def receive(self, sock: socket.socket, views: list[Any], mark: int) -> int | None:
         """What one receive into ``views`` brought (``recvmsg_into``; 0: the stream ended), if
         something came while polled for; None: nothing came by then, or no poll now (the caller
-        blocks). OSError for a failed connection, as a blocking receive raises it."""
+        blocks). ``mark``: :meth:`mark` before the request went out. OSError for a failed
+        connection, as a blocking receive raises it."""
         if not self.poll_s or self._polling or not self._poll_now():
             return None
         self._polling = True
         deadline = time.perf_counter() + self.poll_s
+        got: int | None = None
         try:
             while True:
                 try:
-                    got: int = sock.recvmsg_into(views, 0, socket.MSG_DONTWAIT)[0]
+                    got = sock.recvmsg_into(views, 0, socket.MSG_DONTWAIT)[0]
+                    break
                 except BlockingIOError:
-                    if time.perf_counter() < deadline:
-                        continue
-                    self.ran_out += 1
-                    self._score -= 2
-                    return None
-                self.caught += 1
-                self._score = min(self._score + 1, _POLL_MAX_SCORE)
-                return got
+                    if time.perf_counter() >= deadline:
+                        break
         finally:
             self._polling = False
+            preempted = _involuntary_switches() != mark
+            if preempted or got is None:
+                self._score -= 2
+            else:
+                self._score = min(self._score + 1, _POLL_MAX_SCORE)
+            self.preempted += preempted
+            self.caught += got is not None
+            self.ran_out += got is None
+        return got
 
     def _poll_now(self) -> bool:
         if self._score > 0:
@@ -145,11 +159,19 @@ class ReplyPoll:
         return True
 
     def stats(self) -> dict[str, int]:
-        return {"polls_caught": self.caught, "polls_ran_out": self.ran_out}
+        return {"polls_caught": self.caught, "polls_ran_out": self.ran_out, "polls_preempted": self.preempted}
 
 
 _POLL_MAX_SCORE = 8
 _POLL_RETRY_EVERY = 32
+
+
+def _involuntary_switches() -> int:
+    """How often this thread was preempted so far (Linux; elsewhere never, as far as it knows)."""
+    return resource.getrusage(_RUSAGE_THREAD).ru_nivcsw if _RUSAGE_THREAD is not None else 0
+
+
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 def _timeval(seconds: float) -> bytes:
