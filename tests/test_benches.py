@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,3 +173,21 @@ def test_checksum_bench_reports_every_way_at_each_size() -> None:
             assert any(line.startswith(size) and f" {way} " in line for line in result.stdout.splitlines()), \
                 (size, way, result.stdout)
     assert "time / memcpy" in result.stdout
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="the poll bench pins to CPUs 0 and 1")
+def test_poll_bench_quick_runs(tmp_path: Path) -> None:
+    rows_json = tmp_path / "poll.json"
+    proc = run_or_dump([str(REPO_ROOT / "bench" / "poll_bench.py"), "--rounds", "2", "--per-round", "4",
+                        "--placements", "split,shared", "--json", str(rows_json)], timeout_s=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "socket floor" in proc.stdout and "polls / blocks" in proc.stdout
+    records = json.loads(rows_json.read_text())
+    assert [(r["placement"], r["reader"]) for r in records["rows"]] == [
+        ("split", "polls"), ("split", "blocks"), ("shared", "polls"), ("shared", "blocks")]
+    for row in records["rows"]:  # every get returned the bytes put (else the bench fails), and took time
+        assert row["get_p50_us"] > 0 and row["exists_p50_us"] > 0
+        polled = row["polls_caught"] + row["polls_ran_out"]
+        assert polled > 0 if row["reader"] == "polls" else polled == 0, row
+    for placement in ("split", "shared"):  # the side-by-side ratios are reported
+        assert re.search(rf"{placement}\s+get\s+[0-9.]+x", proc.stdout), proc.stdout
