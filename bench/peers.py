@@ -75,7 +75,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``kvpool`` 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import Progress, Timing, add_common_args, format_table, parse_size, plot_series, size_label
-from bench.peer_backends import SYSTEMS, peer_class
+from bench.peer_backends import OPT_IN, SYSTEMS, peer_class
 from bench.peer_backends.base import (
     ActorProcess,
     CpuPlan,
@@ -88,7 +88,7 @@ from bench.peer_backends.base import (
 
 MiB = 1 << 20
 DEFAULT_SIZES = "64K,1M,16M"
-KVPOOL_SYSTEMS = ("kvpool-tcp", "kvpool-shm", "kvpool-cxl")
+KVPOOL_SYSTEMS = ("kvpool-tcp", "kvpool-shm", "kvpool-cxl", "kvpool-tcp-block")
 DEFAULT_LMCACHE_PYTHON = str(Path.home() / ".cache/kvpool-peers/lmcache-venv/bin/python")
 
 
@@ -371,6 +371,13 @@ def side_comparisons(rows: Sequence[SideBySide], sizes: Sequence[int]) -> list[s
           series("mooncake-tcp", small, "get_p50_s"))
     ratio("one-key exists/s: kvpool-tcp / mooncake-tcp", series("kvpool-tcp", small, "exists_per_s"),
           series("mooncake-tcp", small, "exists_per_s"), ">= 1x", lambda x: x >= 1.0)
+    if series("kvpool-tcp-block", small, "get_p50_s"):  # what polling for replies does (only when asked for)
+        ratio(f"one-key get p50 {label}: kvpool-tcp-block / redis", series("kvpool-tcp-block", small, "get_p50_s"),
+              series("redis", small, "get_p50_s"))
+        ratio(f"one-key get p50 {label}: kvpool-tcp / kvpool-tcp-block", series("kvpool-tcp", small, "get_p50_s"),
+              series("kvpool-tcp-block", small, "get_p50_s"))
+        ratio("one-key exists/s: kvpool-tcp / kvpool-tcp-block", series("kvpool-tcp", small, "exists_per_s"),
+              series("kvpool-tcp-block", small, "exists_per_s"))
     for size in big:  # the targets: 1 MB against Redis; 16 MB against Mooncake (TCP; standalone batched)
         label = size_label(size)
         at_1m, at_16m = size == MiB, size >= 16 * MiB
@@ -523,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, sizes=DEFAULT_SIZES, iters=5, warmup=1)
     parser.add_argument("--systems", default="all",
-                        help=f"comma-separated, or 'all' (default): {', '.join(SYSTEMS)}")
+                        help=f"comma-separated, or 'all' (default): {', '.join(s for s in SYSTEMS if s not in OPT_IN)}"
+                             f"; only when named: {', '.join(sorted(OPT_IN))}")
     parser.add_argument("--total", type=parse_size, default=parse_size("1G"), metavar="BYTES",
                         help="bytes put (and got) per key set for sizes >= 1 MiB (default 1G)")
     parser.add_argument("--total-small", type=parse_size, default=parse_size("256M"), metavar="BYTES",
@@ -574,7 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.exists_keys, args.iters, args.verify_sample = min(args.exists_keys, 2000), min(args.iters, 2), 4
         args.side_rounds, args.side_exists = min(args.side_rounds, 2), 100
         args.side_total, args.side_turn = min(args.side_total, 4 * MiB), min(args.side_turn, 2 * MiB)
-    systems = list(SYSTEMS) if args.systems == "all" else [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = ([s for s in SYSTEMS if s not in OPT_IN] if args.systems == "all"
+               else [s.strip() for s in args.systems.split(",") if s.strip()])
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         print(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}", file=sys.stderr)

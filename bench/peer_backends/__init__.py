@@ -17,11 +17,15 @@ SYSTEMS: dict[str, tuple[str, str, str]] = {
     "kvpool-tcp": ("bench.peer_backends.kvpool_peer", "KvpoolTcp", "KvpoolClient"),
     "kvpool-shm": ("bench.peer_backends.kvpool_peer", "KvpoolShm", "KvpoolClient"),
     "kvpool-cxl": ("bench.peer_backends.kvpool_peer", "KvpoolCxl", "KvpoolClient"),
+    "kvpool-tcp-block": ("bench.peer_backends.kvpool_peer", "KvpoolTcpBlocking", "KvpoolClient"),
     "mooncake-tcp": ("bench.peer_backends.mooncake_peer", "MooncakeTcp", "MooncakeClient"),
     "mooncake-standalone": ("bench.peer_backends.mooncake_peer", "MooncakeStandalone", "MooncakeClient"),
     "redis": ("bench.peer_backends.redis_peer", "RedisPeer", "RedisClient"),
     "lmcache": ("bench.peer_backends.lmcache_peer", "LMCachePeer", "LMCacheClient"),
 }
+
+#: run only when named (not in --systems all)
+OPT_IN = frozenset({"kvpool-tcp-block"})
 
 
 def peer_class(system: str) -> type[Peer]:

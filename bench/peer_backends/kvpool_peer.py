@@ -19,7 +19,9 @@ UCX shared memory) go over a plain TCP connection to the writer; larger ones ove
   writer stores in ``dram``;
 * ``kvpool-cxl``: reader ``transport="auto"``, writer stores in ``cxl``
   (``tiers.dram.capacity = 0``), so the reader copies the object in place out
-  of the writer's shared-memory arena.
+  of the writer's shared-memory arena;
+* ``kvpool-tcp-block`` (only when named): ``kvpool-tcp`` with a reader that blocks for
+  every reply at once (``node.reply_poll_us = 0``), to show what polling for replies does.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class KvpoolPeer(Peer):
                 "no bytes cross processes on a put; the reader's gets pull them)")
     transport: ClassVar[str] = "tcp"
     holder_tier: ClassVar[str] = "dram"
+    reply_poll_us: ClassVar[int | None] = None  # None: the default
 
     @classmethod
     def missing(cls, options: dict[str, Any]) -> str | None:
@@ -90,6 +93,7 @@ class KvpoolPeer(Peer):
             "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
                       "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
             "master": {"listen": self.address},
+            **({"node": {"reply_poll_us": self.reply_poll_us}} if self.reply_poll_us is not None else {}),
         }}
         return {"writer": (ActorSpec(self.system, "writer", writer), True),
                 "reader": (ActorSpec(self.system, "reader", reader), False)}
@@ -98,6 +102,12 @@ class KvpoolPeer(Peer):
 class KvpoolTcp(KvpoolPeer):
     system = "kvpool-tcp"
     label = "kvpool  TCP (UCX > 16 MiB), cross-process"
+
+
+class KvpoolTcpBlocking(KvpoolTcp):
+    system = "kvpool-tcp-block"
+    label = "kvpool  TCP, reader blocks (reply_poll_us 0)"
+    reply_poll_us = 0
 
 
 class KvpoolShm(KvpoolPeer):
@@ -148,8 +158,9 @@ class KvpoolClient(PeerClient):
         stats = self.pool.stats()
         remote = stats.get("remote", {})
         names = ("pulls", "speculative_hits", "reads_in_place", "hits_same_host", "hits_remote", "bytes_pulled")
-        return {**{k: remote.get(k, 0) for k in names},
-                "tcp_pulls": remote.get("tcp_pull_client", {}).get("pulls", 0)}
+        tcp = remote.get("tcp_pull_client", {})
+        return {**{k: remote.get(k, 0) for k in names}, "tcp_pulls": tcp.get("pulls", 0),
+                **{k: tcp.get(k, 0) for k in ("polls_caught", "polls_ran_out", "polls_preempted")}}
 
     def close(self) -> None:
         self.pool.close()
