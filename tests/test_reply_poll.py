@@ -174,7 +174,7 @@ def test_tcp_pulls_polled_for_land_exact_bytes(delay_s: float, poll_s: float) ->
     with TcpPullServer(_provider(delay_s)) as server, TcpPullClient(poll_s=poll_s) as client:
         peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
         out = memoryview(bytearray(2 * LAYER_NBYTES))
-        for key in (b"a", b"bb", b"ccc"):  # the first connects (not polled for); the others reuse it
+        for key in (b"a", b"bb", b"ccc"):  # the first connects; the others reuse the connection
             header = bytearray(16)
             assert client.finish(client.start(peer, key, LayerRange(1, 3), out.nbytes), out, header) == out.nbytes
             assert bytes(out) == expected(key, 1, 3).tobytes() and bytes(header) == key.ljust(16, b".")
@@ -182,8 +182,8 @@ def test_tcp_pulls_polled_for_land_exact_bytes(delay_s: float, poll_s: float) ->
             client.finish(client.start(peer, b"miss:1", LayerRange(0, 1), LAYER_NBYTES), out[:LAYER_NBYTES],
                           bytearray(16))
         stats = client.stats()
-        if delay_s:  # two polls ran out, then polling stopped
-            assert (stats["polls_caught"], stats["polls_ran_out"]) == (0, 2)
+        if delay_s:  # every wait for bytes is polled first (a new connection's too): some ran out
+            assert stats["polls_ran_out"] >= 1
         else:  # caught (the holder's thread may preempt this one on its CPU: then polling stops)
             assert stats["polls_caught"] >= 1 and stats["polls_ran_out"] == 0
         assert client.connects == 1 and client.pulls == 3 and client.failures == 1

@@ -35,6 +35,9 @@ log = logging.getLogger("kvpool.transport.tcp")
 
 _WINDOW_NBYTES = 32 << 10  # request bytes a client writes ahead of the replies it has read
 _REQUEST_ID = 1
+# The most payload bytes a reply may have to be tried with one receive (finish): a larger one
+# comes in pieces anyway (loopback carries at most 64 KiB per segment).
+_WHOLE_REPLY_MAX = 256 << 10
 
 
 class TcpPullClient:
@@ -153,8 +156,8 @@ class TcpPullClient:
         connection is closed instead."""
         conn = pull.conn
         if pull.sent_on is conn and conn is not None and not conn.pending and type(header_out) is bytearray \
-                and type(out) is memoryview and out.nbytes == pull.nbytes and out.format == "B" and out.ndim == 1 \
-                and out.c_contiguous and not out.readonly:  # what the reader passes
+                and type(out) is memoryview and out.nbytes == pull.nbytes <= _WHOLE_REPLY_MAX and out.format == "B" \
+                and out.ndim == 1 and out.c_contiguous and not out.readonly:  # what the reader passes
             done = self._whole_reply(conn, pull, out, header_out)  # the usual: all of it in one receive
             if done:
                 return done
@@ -195,7 +198,7 @@ class TcpPullClient:
         status = bytearray(_STATUS.size)
         views: list[bytearray | memoryview] = [status, header_out, out]
         try:
-            got = self.poll.receive(conn.sock, views, pull.poll_mark)
+            got = conn.polled(pull, views)
             if got is None:
                 got = conn.sock.recvmsg_into(views)[0]
         except OSError:  # nothing came within the wait, or the connection failed: finish decides
@@ -401,7 +404,7 @@ class TcpPullClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(hello)  # answered before any request
-            conn = _Conn(sock, nonce)
+            conn = _Conn(sock, nonce, self.poll)
             conn.wake_every(wait_s)
         except OSError as exc:
             sock.close()
@@ -436,7 +439,8 @@ class _TcpPull:
         self.frame = _pack_request(key, token, layer_range, nbytes, want_header=want_header,
                                    max_chunk=max(1, nbytes), request_id=_REQUEST_ID)
         self.sent_on: _Conn | None = None  # the connection its request went out on
-        self.poll_mark = 0  # (start) ReplyPoll.mark() before the request went out
+        # (start) ReplyPoll.mark() before the request went out, for the reply's first receive
+        self.poll_mark: int | None = None
         self.conn: _Conn | OSError | None = None  # (start) the connection to read the reply from
         self.out = _EMPTY
         self.header_out: bytearray | None = None
@@ -464,8 +468,9 @@ class _Conn:
     """A client connection: a blocking socket whose waits end every ``wait_s`` (so a pull
     can check its deadline and its holder), and the bytes read ahead of the reply being read."""
 
-    def __init__(self, sock: socket.socket, nonce: bytes | None) -> None:
+    def __init__(self, sock: socket.socket, nonce: bytes | None, poll: ReplyPoll | None = None) -> None:
         self.sock = sock
+        self.poll = poll  # each wait for bytes is polled first (see ReplyPoll)
         self.nonce = nonce  # of the hello sent, until the holder's answer to it was checked
         self.pending = bytearray()  # received, not yet consumed: the stream goes on with these
         self.wait_s = 0.0
@@ -506,18 +511,31 @@ class _Conn:
         may be a stale idle one, see _pull_group)."""
         if self.pending:
             return self._from_pending(views)
-        while True:
+        try:
+            n = self.polled(pull, views)
+        except OSError as exc:
+            raise _ConnectionLost(_transport_error(pull, exc), replied=replied) from None
+        while n is None:
             try:
                 n = self.sock.recvmsg_into(views)[0] if len(views) > 1 else self.sock.recv_into(views[0])
             except BlockingIOError:
                 self._waited(pull)
-                continue
             except OSError as exc:
                 raise _ConnectionLost(_transport_error(pull, exc), replied=replied) from None
-            if n == 0:
-                raise _ConnectionLost(errors.TransferError(f"{pull.label}: the holder closed the connection"),
-                                      replied=replied)
-            return n
+        if n == 0:
+            raise _ConnectionLost(errors.TransferError(f"{pull.label}: the holder closed the connection"),
+                                  replied=replied)
+        return n
+
+    def polled(self, pull: _TcpPull, views: list[Any]) -> int | None:
+        """What one receive into ``views`` brought while it was polled for (see ReplyPoll); None:
+        not polled, or nothing came meanwhile. The first receive of a reply counts from the
+        request's send (``pull.poll_mark``), a later one from now."""
+        poll = self.poll
+        if poll is None or not poll.poll_s:
+            return None
+        mark, pull.poll_mark = pull.poll_mark, None
+        return poll.receive(self.sock, views, poll.mark() if mark is None else mark)
 
     def _from_pending(self, views: list[memoryview]) -> int:
         taken = 0
