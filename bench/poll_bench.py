@@ -1,11 +1,12 @@
 """What polling for a reply before blocking (``node.reply_poll_us``) buys, and what it costs.
 
 A thread blocked in ``recv`` sleeps and its CPU goes idle; on a virtual machine an idle vCPU
-halts, and waking it when the reply lands costs tens of microseconds. A kvpool reader polls
-for a small pull's reply and a master query's answer for up to ``node.reply_poll_us`` before
-it blocks (:class:`kvpool.transport.tcp.stream.ReplyPoll`). Measured side by side, in one run:
+halts, and waking it when the bytes land costs tens of microseconds. A kvpool reader polls
+for the bytes of a TCP pull's reply and for a master query's answer for up to
+``node.reply_poll_us`` before it blocks, each time it waits
+(:class:`kvpool.transport.tcp.stream.ReplyPoll`). Measured side by side, in one run:
 
-* ``socket``: the floor. A 64 KiB reply to a 48-byte request between two processes over
+* ``socket``: the floor. A ``--size`` reply to a 48-byte request between two processes over
   loopback TCP, no kvpool code: the client blocked in ``recv_into`` against the client
   polling with ``MSG_DONTWAIT``.
 * ``kvpool``: two readers in this process, one polling (``--poll-us``, the default 200) and
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             blocked = socket_floor(args.size, 2000, False, 0, server_cpu)
             polled = socket_floor(args.size, 2000, True, 0, server_cpu)
             floor_rows.append([placement, f"{blocked * 1e6:.1f}", f"{polled * 1e6:.1f}", f"{polled / blocked:.2f}x"])
-    print("\n== socket floor: 64 KiB-class reply over loopback TCP, no kvpool (p50 us) ==")
+    print(f"\n== socket floor: a {size_label(args.size)} reply over loopback TCP, no kvpool (p50 us) ==")
     print(format_table(["placement", "client blocks", "client polls", "polls / blocks"], floor_rows))
 
     import kvpool

@@ -89,18 +89,19 @@ def set_timeouts(sock: socket.socket, recv_s: float, send_s: float) -> None:
 
 
 class ReplyPoll:
-    """Polls a socket for a reply that is due soon, for at most ``poll_s``, before the caller
-    blocks for it.
+    """Polls a socket for bytes that are due soon (a reply, the rest of one), for at most
+    ``poll_s``, before the caller blocks for them.
 
     Why: a thread blocked in ``recv`` sleeps, its CPU goes idle, and on a virtual machine an
-    idle vCPU halts; waking it for the reply costs tens of microseconds. On this project's
-    2-vCPU machine a 64 KiB loopback request/reply took 74-87 us with the client blocked in
-    ``recv`` and 13-14 us with it polling (``bench/poll_bench.py``).
+    idle vCPU halts; waking it when the bytes land costs tens of microseconds, each time. On
+    this project's 2-vCPU machine a 64 KiB loopback request/reply took 74-110 us with the
+    client blocked in ``recv`` and 13-37 us with it polling; 1 MiB 311 against 231 us,
+    16 MiB 3.9 against 3.3 ms (``bench/poll_bench.py``).
 
-    Only where the CPU is this thread's alone: a poll for a reply to a request during which
-    the thread was preempted, from the request's send on (another task wanted its CPU: the
-    peer it waits for, woken on the same CPU by the request, or a neighbour), counts against
-    polling, as one that ran out does. Bounded: at most ``poll_s`` per reply,
+    Only where the CPU is this thread's alone: a poll during which the thread was preempted,
+    counted from ``mark`` (for a reply's first bytes, taken before the request's send: the
+    peer it waits for, woken on the same CPU by the request, or a neighbour wanted the CPU),
+    counts against polling, as one that ran out does. Bounded: at most ``poll_s`` per reply,
     then the caller blocks as before; one thread polls at a time (the others block at once);
     and when polls keep running out or being preempted, polling stops, and is tried again
     every ``_POLL_RETRY_EVERY`` replies. ``poll_s = 0``: never poll.
