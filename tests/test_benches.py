@@ -188,6 +188,9 @@ def test_poll_bench_quick_runs(tmp_path: Path) -> None:
     for row in records["rows"]:  # every get returned the bytes put (else the bench fails), and took time
         assert row["get_p50_us"] > 0 and row["exists_p50_us"] > 0
         polled = row["polls_caught"] + row["polls_ran_out"]
-        assert polled > 0 if row["reader"] == "polls" else polled == 0, row
+        if row["reader"] == "blocks":
+            assert polled == 0, row
+        elif row["placement"] == "split":  # its first gets (on one CPU, polling may have turned itself off)
+            assert polled > 0, row
     for placement in ("split", "shared"):  # the side-by-side ratios are reported
         assert re.search(rf"{placement}\s+get\s+[0-9.]+x", proc.stdout), proc.stdout

@@ -15,14 +15,15 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from kvpool import errors
 from kvpool.objformat import LayerRange
-from kvpool.transport import PeerAddress, ServeSource
+from kvpool.transport import PeerAddress, PullRequest, ServeSource
 from kvpool.transport.tcp import TcpPullClient, TcpPullServer
 from kvpool.transport.tcp.stream import _POLL_RETRY_EVERY, ReplyPoll
-from tests.test_transfer import LAYER_NBYTES, expected
+from tests.test_transfer import LAYER_NBYTES, LAYERS, expected, layer_nbytes_of
 
 
 def _payload(key: bytes, nbytes: int) -> bytes:
@@ -187,3 +188,32 @@ def test_tcp_pulls_polled_for_land_exact_bytes(delay_s: float, poll_s: float) ->
         else:  # caught (the holder's thread may preempt this one on its CPU: then polling stops)
             assert stats["polls_caught"] >= 1 and stats["polls_ran_out"] == 0
         assert client.connects == 1 and client.pulls == 3 and client.failures == 1
+
+
+def test_a_large_reply_in_pieces_and_pipelined_replies_are_exact_when_every_wait_is_polled() -> None:
+    """The rest of a reply is polled for too: a payload read while it is sent, in pieces with
+    pauses (some waits caught, some run out), lands whole; so do pipelined replies of a batch."""
+    def provide(key: bytes, layer_range: LayerRange) -> ServeSource | None:
+        data = expected(key, layer_range.start, layer_range.stop)
+
+        def read_into(offset: int, out: memoryview) -> int:
+            if offset // len(out) % 3 == 2:
+                time.sleep(0.002)  # longer than the poll: that wait runs out and blocks
+            out[:] = memoryview(data)[offset:offset + len(out)]
+            return len(out)
+        return ServeSource(data.nbytes, read_into=read_into, header=key.ljust(16, b"."))
+
+    with TcpPullServer(provide, staging_nbytes=64 << 10) as server, TcpPullClient(poll_s=0.0005) as client:
+        peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
+        for key in (b"big1", b"small"):  # 8 MiB and 768 KiB
+            out, header = np.zeros(LAYERS * layer_nbytes_of(key), np.uint8), bytearray(16)
+            assert client.pull_into(peer, key, (0, LAYERS), out, header_out=header) == out.nbytes
+            assert np.array_equal(out, expected(key, 0, LAYERS)) and bytes(header) == key.ljust(16, b".")
+        outs = [np.zeros(2 * LAYER_NBYTES, np.uint8) for _ in range(6)]
+        keys = [b"p%d" % i for i in range(6)]
+        assert client.pull_many([PullRequest(peer, k, (i % 3, i % 3 + 2), o)
+                                 for i, (k, o) in enumerate(zip(keys, outs))]) == [o.nbytes for o in outs]
+        for i, (k, o) in enumerate(zip(keys, outs)):
+            assert np.array_equal(o, expected(k, i % 3, i % 3 + 2)), k
+        stats = client.stats()
+        assert stats["polls_caught"] + stats["polls_ran_out"] > 2 and client.connects == 1
