@@ -28,10 +28,10 @@ Threads and system calls
     one system call; a server reads every request that has arrived with one ``recv``, and a
     usual reply (status, header, payload) lands with one ``recvmsg_into``. One pull can go in
     two steps (``start``, then ``finish``): its request goes out first, and the caller
-    prepares the buffer its reply lands in while the holder answers. That one-receive reply
-    is polled for, briefly, before the caller blocks (``poll_s``, :class:`.stream.ReplyPoll`:
-    a blocked reader's idle vCPU is slow to wake); one thread of a client polls at a time,
-    and not at all while polls keep running out.
+    prepares the buffer its reply lands in while the holder answers. Each wait for a reply's
+    bytes is polled for, briefly, before the caller blocks (``poll_s``,
+    :class:`.stream.ReplyPoll`: a blocked reader's idle vCPU is slow to wake); one thread of a
+    client polls at a time, and none while polls keep running out or being preempted.
 
 Security
     The server binds ``host`` only (the node's address). A client opens every connection

@@ -52,8 +52,8 @@ class TcpPullClient:
     holder that fails it gets no pull (AuthenticationError). None: holders are not checked.
     ``prove(nonce)``: this client's answer to the holder's nonce (:meth:`ClusterKey.reader_proof`);
     a holder that accepts it serves this connection's pulls without checking their tokens.
-    None: every pull's token is checked. ``poll_s``: how long a one-receive reply
-    (:meth:`finish`) is polled for before the caller blocks (:class:`ReplyPoll`; 0: never).
+    None: every pull's token is checked. ``poll_s``: how long each wait for a reply's bytes
+    is polled for before the caller blocks (:class:`ReplyPoll`; 0: never).
     """
 
     def __init__(self, *, connect_timeout_s: float = 1.0, idle_per_peer: int = 8,

@@ -128,26 +128,18 @@ class ReplyPoll:
         if not self.poll_s or self._polling or not self._poll_now():
             return None
         self._polling = True
-        deadline = time.perf_counter() + self.poll_s
-        got: int | None = None
         try:
-            while True:
-                try:
-                    got = sock.recvmsg_into(views, 0, socket.MSG_DONTWAIT)[0]
-                    break
-                except BlockingIOError:
-                    if time.perf_counter() >= deadline:
-                        break
+            got = _poll(sock, views, time.perf_counter() + self.poll_s)
         finally:
             self._polling = False
-            preempted = _involuntary_switches() != mark
-            if preempted or got is None:
-                self._score -= 2
-            else:
-                self._score = min(self._score + 1, _POLL_MAX_SCORE)
-            self.preempted += preempted
-            self.caught += got is not None
-            self.ran_out += got is None
+        preempted = _involuntary_switches() != mark
+        if preempted or got is None:
+            self._score -= 2
+        else:
+            self._score = min(self._score + 1, _POLL_MAX_SCORE)
+        self.preempted += preempted
+        self.caught += got is not None
+        self.ran_out += got is None
         return got
 
     def _poll_now(self) -> bool:
@@ -165,6 +157,16 @@ class ReplyPoll:
 
 _POLL_MAX_SCORE = 8
 _POLL_RETRY_EVERY = 32
+
+
+def _poll(sock: socket.socket, views: list[Any], deadline: float) -> int | None:
+    """One non-blocking receive after another until one brings something, or ``deadline``."""
+    while True:
+        try:
+            return sock.recvmsg_into(views, 0, socket.MSG_DONTWAIT)[0]
+        except BlockingIOError:
+            if time.perf_counter() >= deadline:
+                return None
 
 
 def _involuntary_switches() -> int:
