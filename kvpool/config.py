@@ -247,6 +247,9 @@ class NodeSection:
                                    "long before it blocks (a blocked thread's idle vCPU is slow to wake); "
                                    "one thread at a time, and not while polls keep running out; 0: block "
                                    "at once")
+    serve_poll_us: int = _opt(200, "a holder's thread polls for a reader's next TCP pull request this long after "
+                                   "answering one, before it blocks (without the GIL; one connection at a time, "
+                                   "and not while polls keep running out); 0: block at once")
 
 
 @dataclass
@@ -351,8 +354,9 @@ class Config:
             raise bad("node.location_cache", "must be >= 0")
         if self.node.tcp_pull_max < 0:
             raise bad("node.tcp_pull_max", "must be >= 0")
-        if not 0 <= self.node.reply_poll_us <= 10_000:
-            raise bad("node.reply_poll_us", "must be between 0 and 10000 (10 ms): a longer poll only burns a CPU")
+        for name in ("reply_poll_us", "serve_poll_us"):
+            if not 0 <= getattr(self.node, name) <= 10_000:
+                raise bad(f"node.{name}", "must be between 0 and 10000 (10 ms): a longer poll only burns a CPU")
         if self.node.max_message < 4096:
             raise bad("node.max_message", "must be at least 4096 bytes")
         if self.security.token_ttl_s <= 0:

@@ -164,6 +164,7 @@ class Node:
         self.tcp_server = TcpPullServer(self._provide, self.host, authorize=self._authorize,
                                         prove=self.cluster_key.holder_proof,
                                         trust=self.cluster_key.check_reader_proof,
+                                        poll_s=config.node.serve_poll_us * 1e-6,
                                         name=f"kvpool-tcp-{self.node_id[:8]}") if config.node.tcp_pull_max else None
         self._events: queue.Queue[tuple[str, bytes, Any]] = queue.Queue()
         #: unpins that found the manager busy on the progress thread finish here

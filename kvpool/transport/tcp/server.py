@@ -33,6 +33,7 @@ from kvpool.transport.frames import (
 from kvpool.transport.source import Provider, ServeSource
 from kvpool.transport.tcp.stream import (
     PULL_HELLO,
+    ReplyPoll,
     accept_forever,
     listen_on,
     send_views,
@@ -59,7 +60,9 @@ class TcpPullServer:
     client's answer to this server's nonce proves it holds the cluster key
     (:meth:`ClusterKey.check_reader_proof`); such a client may mint tokens anyway, so its
     requests are served without ``authorize``. Any other client's requests are authorized
-    one by one.
+    one by one. ``poll_s``: after answering, a connection's thread polls for the next request
+    this long before it blocks (:class:`ReplyPoll`, without the GIL where kvpool._poll is
+    built; one connection at a time; 0: never).
     """
 
     def __init__(self, provider: Provider, host: str = "127.0.0.1", *,
@@ -67,8 +70,10 @@ class TcpPullServer:
                  prove: Callable[[bytes], bytes] | None = None,
                  trust: Callable[[bytes, bytes], bool] | None = None, max_connections: int = 1024,
                  send_timeout_s: float = 30.0, idle_timeout_s: float = 600.0,
-                 staging_nbytes: int = _STAGING_NBYTES, name: str = "kvpool-tcp-pulls") -> None:
+                 staging_nbytes: int = _STAGING_NBYTES, name: str = "kvpool-tcp-pulls",
+                 poll_s: float = 0.0) -> None:
         self._provider = provider
+        self.poll = ReplyPoll(poll_s)  # shared by the connections' threads
         self._authorize = authorize
         self._prove = prove
         self._trust = trust
@@ -133,7 +138,8 @@ class TcpPullServer:
             open_connections = len(self._connections)
         return {"bytes_sent": self.bytes_sent, "requests_served": self.requests_served, "misses": self.misses,
                 "errors": self.errors, "refused": self.refused, "connections": open_connections,
-                "connections_refused": self.connections_refused, "connections_trusted": self.connections_trusted}
+                "connections_refused": self.connections_refused, "connections_trusted": self.connections_trusted,
+                **self.poll.stats()}
 
     # -- connections -------------------------------------------------------------------------
 
@@ -167,7 +173,7 @@ class TcpPullServer:
             trusted = self._trust is not None and self._trust(*opened)
             self.connections_trusted += trusted
             authorize = None if trusted else self._authorize
-            requests = _Requests(conn)
+            requests = _Requests(conn, self.poll)
             while True:
                 request = requests.next()
                 if request is None:
@@ -256,10 +262,12 @@ class TcpPullServer:
 
 class _Requests:
     """The requests arriving on one connection, read into one buffer: one ``recv`` brings
-    every request a client pipelined at once, and each is parsed from there."""
+    every request a client pipelined at once, and each is parsed from there. The wait for
+    the next request is polled first (``poll``)."""
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, poll: ReplyPoll | None = None) -> None:
         self.conn = conn
+        self.poll = poll
         self.buf = bytearray(_REQUESTS_NBYTES)
         self.view = memoryview(self.buf)
         self.start = 0  # the next request begins here
@@ -289,7 +297,11 @@ class _Requests:
                 pending = self.end - self.start
                 self.buf[:pending] = self.buf[self.start:self.end]
                 self.start, self.end = 0, pending
-            got = self.conn.recv_into(self.view[self.end:])
+            got = None
+            if self.poll is not None and self.poll.poll_s and at_boundary and self.end == self.start:
+                got = self.poll.receive(self.conn, [self.view[self.end:]], self.poll.mark())
+            if got is None:
+                got = self.conn.recv_into(self.view[self.end:])
             if got == 0:
                 if at_boundary and self.end == self.start:
                     return False

@@ -13,6 +13,11 @@ from typing import Any
 
 from kvpool import errors
 
+try:
+    from kvpool import _poll as _native
+except ImportError:  # not built (no C compiler at install): polled in Python
+    _native = None  # type: ignore[assignment]
+
 PROOF_NBYTES = 16
 
 
@@ -129,7 +134,7 @@ class ReplyPoll:
             return None
         self._polling = True
         try:
-            got = _poll(sock, views, time.perf_counter() + self.poll_s)
+            got = _poll(sock, views, self.poll_s)
         finally:
             self._polling = False
         preempted = _involuntary_switches() != mark
@@ -159,8 +164,13 @@ _POLL_MAX_SCORE = 8
 _POLL_RETRY_EVERY = 32
 
 
-def _poll(sock: socket.socket, views: list[Any], deadline: float) -> int | None:
-    """One non-blocking receive after another until one brings something, or ``deadline``."""
+def _poll(sock: socket.socket, views: list[Any], poll_s: float) -> int | None:
+    """One non-blocking receive after another until one brings something, or ``poll_s`` passed:
+    in C with the GIL released (kvpool/_poll.c), else in Python (every try takes the GIL)."""
+    if _native is not None:
+        got = _native.recv_poll(sock.fileno(), views, int(poll_s * 1e9))
+        return None if got < 0 else got
+    deadline = time.perf_counter() + poll_s
     while True:
         try:
             return sock.recvmsg_into(views, 0, socket.MSG_DONTWAIT)[0]
