@@ -21,7 +21,8 @@ Wire (the UCX protocol's frames over one byte stream, :mod:`..frames`)
 
 Threads and system calls
     The server (:mod:`.server`) has one thread accepting and one per open connection, each
-    blocked in ``recv`` or ``send`` (no polling). The client (:mod:`.client`) has none: the
+    blocked in ``recv`` or ``send`` (after answering a request, one connection's thread at a
+    time first polls briefly for the next, see below). The client (:mod:`.client`) has none: the
     calling thread writes its requests and reads the replies, waking every ``alive_check_s``
     to ask whether the holder is still alive. Connections are kept per holder, one per
     concurrent caller. Sockets are blocking with kernel timeouts, so each read or write is
@@ -29,9 +30,10 @@ Threads and system calls
     usual reply (status, header, payload) lands with one ``recvmsg_into``. One pull can go in
     two steps (``start``, then ``finish``): its request goes out first, and the caller
     prepares the buffer its reply lands in while the holder answers. Each wait for a reply's
-    bytes is polled for, briefly, before the caller blocks (``poll_s``,
-    :class:`.stream.ReplyPoll`: a blocked reader's idle vCPU is slow to wake); one thread of a
-    client polls at a time, and none while polls keep running out or being preempted.
+    bytes, and a server's wait for a connection's next request, is polled for, briefly, before
+    the thread blocks (``poll_s``, :class:`.stream.ReplyPoll`, in C without the GIL: an idle
+    vCPU is slow to wake); one thread of a client (of a server) polls at a time, and none
+    while polls keep running out or being preempted.
 
 Security
     The server binds ``host`` only (the node's address). A client opens every connection
