@@ -122,13 +122,13 @@ class ReplyPoll:
         self._polling = False  # advisory (no lock): at worst two threads poll at once
 
     def mark(self) -> int:
-        """Taken just before a request is sent, for :meth:`receive` of its reply."""
+        """Taken when a wait begins, for :meth:`receive` (for a reply: before its request is sent)."""
         return _involuntary_switches() if self.poll_s else 0
 
     def receive(self, sock: socket.socket, views: list[Any], mark: int) -> int | None:
         """What one receive into ``views`` brought (``recvmsg_into``; 0: the stream ended), if
         something came while polled for; None: nothing came by then, or no poll now (the caller
-        blocks). ``mark``: :meth:`mark` before the request went out. OSError for a failed
+        blocks). ``mark``: :meth:`mark` when the wait began. OSError for a failed
         connection, as a blocking receive raises it."""
         if not self.poll_s or self._polling or not self._poll_now():
             return None
