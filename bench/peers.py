@@ -88,7 +88,6 @@ from bench.peer_backends.base import (
 
 MiB = 1 << 20
 DEFAULT_SIZES = "64K,1M,16M"
-KVPOOL_SYSTEMS = ("kvpool-tcp", "kvpool-shm", "kvpool-cxl", "kvpool-tcp-block")
 DEFAULT_LMCACHE_PYTHON = str(Path.home() / ".cache/kvpool-peers/lmcache-venv/bin/python")
 
 
@@ -371,7 +370,7 @@ def side_comparisons(rows: Sequence[SideBySide], sizes: Sequence[int]) -> list[s
           series("mooncake-tcp", small, "get_p50_s"))
     ratio("one-key exists/s: kvpool-tcp / mooncake-tcp", series("kvpool-tcp", small, "exists_per_s"),
           series("mooncake-tcp", small, "exists_per_s"), ">= 1x", lambda x: x >= 1.0)
-    if series("kvpool-tcp-block", small, "get_p50_s"):  # what polling for replies does (only when asked for)
+    if series("kvpool-tcp-block", small, "get_p50_s"):  # what polling does (only when asked for)
         ratio(f"one-key get p50 {label}: kvpool-tcp-block / redis", series("kvpool-tcp-block", small, "get_p50_s"),
               series("redis", small, "get_p50_s"))
         ratio(f"one-key get p50 {label}: kvpool-tcp / kvpool-tcp-block", series("kvpool-tcp", small, "get_p50_s"),

@@ -243,13 +243,13 @@ class NodeSection:
                                       "holder (node.host, an ephemeral port), larger ones over UCX (from a "
                                       "same-host holder over UCX shared memory: above 1 MiB); 0: every pull "
                                       "over UCX and no TCP port (set 0 where UCX has RDMA)")
-    reply_poll_us: int = _opt(200, "a reader polls for the reply to a small TCP pull or a master query this "
-                                   "long before it blocks (a blocked thread's idle vCPU is slow to wake); "
-                                   "one thread at a time, and not while polls keep running out; 0: block "
-                                   "at once")
+    reply_poll_us: int = _opt(200, "a reader polls for a TCP pull's reply bytes or a master query's answer this "
+                                   "long at each wait before it blocks (a blocked thread's idle vCPU is slow to "
+                                   "wake); one thread at a time, without the GIL, and not while polls keep "
+                                   "running out or being preempted; 0: block at once")
     serve_poll_us: int = _opt(200, "a holder's thread polls for a reader's next TCP pull request this long after "
-                                   "answering one, before it blocks (without the GIL; one connection at a time, "
-                                   "and not while polls keep running out); 0: block at once")
+                                   "answering one, before it blocks (one connection at a time, without the GIL, "
+                                   "and not while polls keep running out or being preempted); 0: block at once")
 
 
 @dataclass

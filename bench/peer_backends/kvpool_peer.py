@@ -20,8 +20,9 @@ UCX shared memory) go over a plain TCP connection to the writer; larger ones ove
 * ``kvpool-cxl``: reader ``transport="auto"``, writer stores in ``cxl``
   (``tiers.dram.capacity = 0``), so the reader copies the object in place out
   of the writer's shared-memory arena;
-* ``kvpool-tcp-block`` (only when named): ``kvpool-tcp`` with a reader that blocks for
-  every reply at once (``node.reply_poll_us = 0``), to show what polling for replies does.
+* ``kvpool-tcp-block`` (only when named): ``kvpool-tcp`` with a reader and a writer that
+  block at once for every wait (``node.reply_poll_us = node.serve_poll_us = 0``), to show
+  what polling does.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class KvpoolPeer(Peer):
                 "no bytes cross processes on a put; the reader's gets pull them)")
     transport: ClassVar[str] = "tcp"
     holder_tier: ClassVar[str] = "dram"
-    reply_poll_us: ClassVar[int | None] = None  # None: the default
+    poll_us: ClassVar[int | None] = None  # the reader's reply_poll_us and the writer's serve_poll_us; None: defaults
 
     @classmethod
     def missing(cls, options: dict[str, Any]) -> str | None:
@@ -86,6 +87,7 @@ class KvpoolPeer(Peer):
                       "cxl": {"capacity": holder_tiers["cxl"], "path": f"/dev/shm/kvpool-{name}-w-cxl"},
                       "nvme": {"capacity": 0}},
             "master": {"listen": self.address},
+            **({"node": {"serve_poll_us": self.poll_us}} if self.poll_us is not None else {}),
         }}
         # The reader holds nothing: a small dram tier (a pool needs one tier), no cxl, no nvme.
         reader = {"master": self.address, "transport": self.transport, "config": {
@@ -93,7 +95,7 @@ class KvpoolPeer(Peer):
             "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
                       "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
             "master": {"listen": self.address},
-            **({"node": {"reply_poll_us": self.reply_poll_us}} if self.reply_poll_us is not None else {}),
+            **({"node": {"reply_poll_us": self.poll_us}} if self.poll_us is not None else {}),
         }}
         return {"writer": (ActorSpec(self.system, "writer", writer), True),
                 "reader": (ActorSpec(self.system, "reader", reader), False)}
@@ -106,8 +108,8 @@ class KvpoolTcp(KvpoolPeer):
 
 class KvpoolTcpBlocking(KvpoolTcp):
     system = "kvpool-tcp-block"
-    label = "kvpool  TCP, reader blocks (reply_poll_us 0)"
-    reply_poll_us = 0
+    label = "kvpool  TCP, no polling (*_poll_us 0)"
+    poll_us = 0
 
 
 class KvpoolShm(KvpoolPeer):
