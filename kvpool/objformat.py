@@ -537,6 +537,10 @@ def as_host_array(obj: Any) -> tuple[np.ndarray, str | None]:
     if hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "get"):
         return obj.get(), None  # CuPy: device -> host
     if hasattr(obj, "__dlpack__"):
+        if getattr(obj, "requires_grad", False) and hasattr(obj, "detach"):
+            # A tensor from a forward pass run with autograd on (a model called outside
+            # torch.no_grad()) refuses export; the bytes stored are the same without its graph.
+            obj = obj.detach()
         try:
             return np.from_dlpack(obj), None
         except (TypeError, BufferError, RuntimeError) as exc:

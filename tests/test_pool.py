@@ -139,6 +139,14 @@ def test_dlpack_torch_tensor(pool: kvpool.Pool) -> None:
     assert pool.get(b"torch-bf16").view(np.uint16).tobytes() == bf16.view(torch.int16).numpy().tobytes()
 
 
+def test_a_tensor_that_requires_grad_is_stored_without_its_graph(pool: kvpool.Pool) -> None:
+    torch = pytest.importorskip("torch")
+    leaf = torch.randn(SHAPE, dtype=torch.float32, requires_grad=True)
+    produced = leaf * 2  # what a forward pass run with autograd on hands out
+    pool.put(b"grad", produced)
+    np.testing.assert_array_equal(pool.get(b"grad"), produced.detach().numpy())
+
+
 def test_non_contiguous_input_is_stored_correctly(pool: kvpool.Pool) -> None:
     base = kv(7, (8, 2, 32, 4, 128))
     arr = base[..., ::2]

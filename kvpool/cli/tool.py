@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,23 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _stats_when_ready(master: MasterClient, wait_s: float) -> dict[str, Any]:
+    """The master's stats; with ``wait_s`` > 0, asked again until a master answers and
+    lists a live node, or ``wait_s`` has passed (then the last answer, or its error)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            stats = master.stats()
+            if any(node["alive"] for node in stats["nodes"].values()) or time.monotonic() >= deadline:
+                return stats
+        except (errors.MasterUnreachableError, errors.NotLeaderError, errors.CoordinatorError):
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.2)
+
+
 def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
-    stats = master.stats()
+    stats = _stats_when_ready(master, args.wait)
     ha = stats.get("ha")
     role = f" (leader, term {ha['term']}, etcd {ha['etcd']})" if isinstance(ha, dict) else ""
     print(f"master {master.address}{role}: up {stats['uptime_s']:.0f} s, {stats['keys']} keys, "
@@ -233,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      parents=[common])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="stats | ls | get | rm | gc | keygen (each has --help)")
-    sub.add_parser("stats", help="nodes, tiers, usage, hits, bytes served", parents=[common])
+    stats = sub.add_parser("stats", help="nodes, tiers, usage, hits, bytes served", parents=[common])
+    stats.add_argument("--wait", type=float, default=0.0, metavar="S",
+                       help="ask again until a master answers with a live node, for up to S seconds "
+                            "(a server just started; default 0: ask once)")
     ls = sub.add_parser("ls", help="list keys and their replicas", parents=[common])
     ls.add_argument("--prefix", default="", help="only keys starting with this (hex, or text with --text)")
     ls.add_argument("--limit", type=int, default=100, help="list at most this many keys (default 100)")
