@@ -16,16 +16,15 @@ It does not own where bytes live or how keys are located: the node wires a
 pool asks the master which node to pull from.
 
 Threads and progress
-    Every :class:`PullServer` and :class:`PullClient` owns one UCX context and
-    one worker, driven by one dedicated thread (``Engine``). Only that
-    thread makes UCX calls; other threads submit closures to it and wait on
-    :class:`concurrent.futures.Future` objects (``pull_into``) or their asyncio
-    wrappers (``apull_into``). The thread progresses the worker in *blocking*
-    mode: when nothing is left to do it arms the worker and sleeps in
-    ``epoll_wait`` on the worker's event fd plus an eventfd used for wake-ups,
-    never spinning. On a 2-core machine running more processes than cores, two
-    busy-polling UCX processes take turns on one vCPU and a round trip costs
-    milliseconds; blocking progress costs one wake-up per event instead.
+    An :class:`Engine` is one UCX context and worker driven by one dedicated thread; only
+    that thread, or a caller waiting for its own pull that holds the engine's drive lock,
+    makes UCX calls. A node creates one engine and hands it to its :class:`PullServer` and
+    :class:`PullClient` (``engine=``), so a process has one worker and one progress thread;
+    a server or client built without ``engine=`` makes its own. The thread progresses the
+    worker in *blocking* mode: when nothing is left to do it arms the worker and sleeps in
+    ``epoll_wait`` on the worker's event fd plus an eventfd used for wake-ups, never
+    spinning (two busy-polling UCX processes sharing a vCPU turn round trips into
+    milliseconds).
 
 Wire protocol (all tag messages; tags are 64-bit and matched worker-wide)
     request  client -> server, tag ``REQUEST_TAG``: fixed header ``_REQUEST``
