@@ -295,8 +295,10 @@ class Config:
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise errors.ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise errors.ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:  # any bytes: refused
+            raise errors.ConfigError(f"{path}: not valid TOML: {str(exc)[:200]}") from None
+        except OSError as exc:
+            raise errors.ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
         config.update(data, origin=str(path))
         return config
 

@@ -22,7 +22,6 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import os
 import queue
 import threading
 import uuid
@@ -33,6 +32,7 @@ import numpy as np
 import zmq
 
 from kvpool import errors
+from kvpool.cluster import durable_log
 from kvpool.cluster import protocol as P
 from kvpool.cluster import schema as S
 from kvpool.cluster.heartbeat import Heartbeater
@@ -287,16 +287,8 @@ class Node:
         durable: dict[bytes, int] = {}
         for tier in persistent:
             path = getattr(tier, "path", None)
-            try:
-                with open(f"{path}/durable.log", encoding="ascii") as fh:
-                    for line in fh:
-                        key_hex, _, replicas = line.partition(" ")
-                        try:
-                            durable[bytes.fromhex(key_hex)] = int(replicas)
-                        except ValueError:  # a torn last line after a crash
-                            continue
-            except (OSError, TypeError):
-                continue
+            if path is not None:  # any bytes there: malformed lines are skipped and logged
+                durable.update(durable_log.read(path, self.config.pool.max_key_bytes))
         records = [record_for(key, tier, extent, header, durable.get(key) if tier.persistent else None)
                    for key, tier, extent, header in self.manager.snapshot()]
         assert self.address is not None  # started
@@ -515,11 +507,7 @@ class Node:
             raise errors.CapacityError("replica evicted before it could be committed")
         path = getattr(found[0], "path", None)  # a persistent tier's directory
         if persistent and found[0].persistent and path is not None:
-            # Only the control thread appends; a torn last line is skipped when read.
-            fd = os.open(f"{path}/durable.log",
-                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with open(fd, "a", encoding="ascii") as fh:
-                fh.write(f"{key.hex()} {replicas}\n")
+            durable_log.append(path, key, replicas)
         record = record_for(key, *found, durable=replicas if persistent else None)
         self.master.commit(reservation, record)
         return {"node_id": self.node_id, "tier": found[0].name}
