@@ -152,7 +152,8 @@ class DramSection:
 class CxlSection:
     capacity: int = _size("1GiB", "bytes of the shared-memory arena; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
-    path: str = _opt("", "arena file; default /dev/shm/kvpool-<pool name>-cxl")
+    path: str = _opt("", "arena file; default /dev/shm/kvpool-<uid>/kvpool-<pool name>-cxl (a directory only "
+                          "this user can create names in); never another user's file")
     group: str = _opt("", "a group (name or gid) whose members may read this arena and its index "
                           "(files 0640); empty: this user only (0600)")
     shared_dirs: str = _opt("", "more directories (':'-separated) whose same-host cxl arenas may be mapped; "

@@ -197,8 +197,9 @@ def test_config_edge_cases_are_config_errors(tmp_path: Path, blob: bytes) -> Non
 
 
 def test_config_that_is_a_directory_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "kvpool.toml").mkdir()
     with pytest.raises(errors.ConfigError, match="kvpool.toml"):
-        Config.load(tmp_path / "kvpool.toml" if (tmp_path / "kvpool.toml").mkdir() is None else "")
+        Config.load(tmp_path / "kvpool.toml")
 
 
 # -- cluster key file ------------------------------------------------------------------------------
