@@ -674,3 +674,28 @@ def test_the_server_starts_while_another_user_squats_the_old_arena_name(tmp_path
         squatter.kill()
         squatter.wait()
         squatted.unlink(missing_ok=True)
+
+
+def test_a_group_shared_arena_in_the_user_directory_is_readable_by_that_group(shared_shm: Path) -> None:
+    """tiers.cxl.group: the user directory becomes 0710 in that group, so its members reach the arena."""
+    from tests.conftest import NOBODY, nobody_python
+    from tests.conftest import as_nobody as become_nobody
+
+    python, env = nobody_python()
+    config = Config()
+    config.pool.name = "grouped"
+    config.tiers.cxl.capacity = 1 << 20
+    config.tiers.cxl.group = str(NOBODY)
+    tier = CxlTier.from_config(config.tiers.cxl, config)
+    try:
+        st = os.lstat(tier.path.parent)
+        assert stat.S_IMODE(st.st_mode) == 0o710 and st.st_gid == NOBODY
+        arr, header, payload = make_object(layers=4, seed=7)
+        header = ObjectHeader.for_key(b"shared-key", header.spec, header.layer_checksums)
+        tier.commit(b"shared-key", store(tier, header, payload), header)
+        proc = subprocess.run([python, "-c", GROUP_READER, str(tier.path), "shared-key"], capture_output=True,
+                              text=True, timeout=60, env=env, preexec_fn=become_nobody, cwd="/")
+        result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"stderr": proc.stderr}
+        assert result == {"digest": digest(arr[0:2])}, result
+    finally:
+        tier.close()
