@@ -54,6 +54,7 @@ from kvpool.transport import (
     plausible_worker_address,
     ucx_interface_options,
 )
+from kvpool.transport.tcp.admission import raise_descriptor_limit
 from tiers.base import Extent, Tier
 from tiers.entries import LockBusy
 from tiers.manager import TierManager
@@ -139,6 +140,7 @@ class Node:
         self.config = config
         self.manager = manager
         self.node_id = uuid.uuid4().hex
+        raise_descriptor_limit()  # before any socket: the pull port's cap is sized from it
         self.host_id = local_host_id()
         self.master_address = master_address
         self.host = node_host(config, master_address)  # what this node binds and advertises
@@ -165,6 +167,8 @@ class Node:
                                         prove=self.cluster_key.holder_proof,
                                         trust=self.cluster_key.check_reader_proof,
                                         poll_s=config.node.serve_poll_us * 1e-6,
+                                        hello_timeout_s=config.node.hello_timeout_s,
+                                        max_unproven_per_address=config.node.unproven_per_address,
                                         name=f"kvpool-tcp-{self.node_id[:8]}") if config.node.tcp_pull_max else None
         self._events: queue.Queue[tuple[str, bytes, Any]] = queue.Queue()
         #: unpins that found the manager busy on the progress thread finish here
