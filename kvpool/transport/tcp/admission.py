@@ -101,6 +101,7 @@ class Admission:
         self._unproven: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first
         self._per_address: Counter[str] = Counter()
         self._proven: set[socket.socket] = set()
+        self._spoke: set[socket.socket] = set()  # unproven ones that sent a valid first frame
         self._cut: set[socket.socket] = set()  # shut down, not yet released by their threads
         self.refused = 0  # accepted and closed at once: every slot held by a proven connection
         self.cut = 0  # unproven connections cut to admit newer ones
@@ -111,26 +112,39 @@ class Admission:
             return len(self._unproven) + len(self._proven) + len(self._cut)
 
     def admit(self, conn: socket.socket) -> bool:
-        """Whether ``conn`` (just accepted) may be served; older unproven ones may be cut for it."""
+        """Whether ``conn`` (just accepted) may be served; older unproven ones may be cut for it
+        (shut down here; see :meth:`admit_cutting` to close them yourself)."""
+        admitted, cut = self.admit_cutting(conn)
+        for old in cut:
+            shutdown(old)
+        return admitted
+
+    def admit_cutting(self, conn: socket.socket) -> tuple[bool, list[socket.socket]]:
+        """As :meth:`admit`, returning the connections cut for ``conn`` for the caller to end
+        (close one it owns and :meth:`release` it; shut down one a thread serves)."""
         address = _peer_address(conn)
         cut: list[socket.socket] = []
         with self._lock:
             if self.max_connections <= 0 or len(self._cut) >= self.max_unproven:
                 self.refused += 1  # no slot at all, or a flood whose cut connections are still closing
-                return False
+                return False, cut
             if self._per_address[address] >= self.max_unproven_per_address:
                 cut.append(self._cut_oldest(address))
             while (len(self._unproven) >= min(self.max_unproven, self.max_connections)
                    or len(self._unproven) + len(self._proven) >= self.max_connections):
                 if not self._unproven:
                     self.refused += 1
-                    return False
+                    return False, cut
                 cut.append(self._cut_oldest(None))
             self._unproven[conn] = address
             self._per_address[address] += 1
-        for old in cut:
-            shutdown(old)
-        return True
+        return True, cut
+
+    def spoke(self, conn: socket.socket) -> None:
+        """``conn``'s peer sent a valid first frame: cut only after every silent one."""
+        with self._lock:
+            if conn in self._unproven:
+                self._spoke.add(conn)
 
     def proven(self, conn: socket.socket) -> None:
         """``conn``'s peer proved the cluster key: never cut from now on."""
@@ -138,6 +152,7 @@ class Admission:
             address = self._unproven.pop(conn, None)
             if address is not None:
                 self._forget_address(address)
+                self._spoke.discard(conn)
                 self._proven.add(conn)
 
     def release(self, conn: socket.socket) -> None:
@@ -146,6 +161,7 @@ class Admission:
             address = self._unproven.pop(conn, None)
             if address is not None:
                 self._forget_address(address)
+            self._spoke.discard(conn)
             self._proven.discard(conn)
             self._cut.discard(conn)
 
@@ -158,11 +174,11 @@ class Admission:
     def _cut_oldest(self, address: str | None) -> socket.socket:
         """Under the lock: stop counting the oldest unproven connection (of ``address``, or of
         any) as unproven; it counts as cut until released."""
-        if address is None:
-            conn, address = next(iter(self._unproven.items()))
-        else:
-            conn = next(c for c, a in self._unproven.items() if a == address)
-        del self._unproven[conn]
+        # The oldest silent one (sent nothing yet: an idle flood's), else the oldest.
+        candidates = [c for c, a in self._unproven.items() if address is None or a == address]
+        conn = next((c for c in candidates if c not in self._spoke), candidates[0])
+        address = self._unproven.pop(conn)
+        self._spoke.discard(conn)
         self._forget_address(address)
         self._cut.add(conn)
         self.cut += 1
@@ -241,13 +257,22 @@ class OpeningLoop:
             except OSError:  # out of descriptors, an aborted handshake, the listener closed
                 time.sleep(0.01)
                 return
-            if not self._admission.admit(conn):
+            admitted, cut = self._admission.admit_cutting(conn)
+            for old in cut:
+                if old in self._pending:
+                    self._drop(old)  # still opening: ours to close now, its descriptor free at once
+                else:
+                    shutdown(old)  # a thread serves it: that thread closes it
+            if not admitted:
                 conn.close()  # every slot held by a connection that proved the key
                 continue
             conn.setblocking(False)
             opening = _Opening(time.monotonic() + self.hello_timeout_s, self._hello.HELLO.size)
             self._pending[conn] = opening
             self._selector.register(conn, selectors.EVENT_READ, opening)
+            # A keyed client's HELLO is usually here already: read now, so it counts as having
+            # spoken before the rest of this burst (an idle flood's) is admitted and cut.
+            self._step(conn, opening)
 
     def _step(self, conn: socket.socket, opening: _Opening) -> None:
         try:
@@ -269,6 +294,7 @@ class OpeningLoop:
                 self.malformed += 1
                 self._drop(conn)
                 return
+            self._admission.spoke(conn)
             opening.challenge = os.urandom(16)
             proof = self._prove(nonce) if self._prove is not None else bytes(PROOF_NBYTES)
             answer = self._hello.ANSWER.pack(self._hello.magic, self._hello.version, proof, opening.challenge)
