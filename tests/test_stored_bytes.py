@@ -429,3 +429,16 @@ def test_a_node_with_non_ascii_bytes_in_durable_log_starts_and_registers_again(c
     cluster.start_master()  # an empty master: the node registers again, reading the log again
     wait_for(lambda: len(cluster.alive_nodes()) == 1, 15, "the node to register again")
     assert node.popen.poll() is None and "Traceback" not in node.output()
+
+
+def test_recording_a_durable_copy_on_a_full_disk_is_disk_full_error(tmpfs: Any) -> None:
+    """The fault soak's find: durable.log's append on a full disk raised a bare OSError (ENOSPC)."""
+    directory = tmpfs("64k")
+    (directory / "filler").write_bytes(b"\0" * (60 << 10))
+    with contextlib.suppress(OSError):
+        with open(directory / "filler", "ab") as fh:
+            while True:
+                fh.write(b"\0" * 4096)
+                fh.flush()
+    with pytest.raises(errors.DiskFullError, match="durable.log"):
+        durable_log.append(directory, b"key", 1)

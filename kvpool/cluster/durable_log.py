@@ -12,9 +12,12 @@ skipped and counted, never an exception. A file that cannot be read at all count
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
+
+from kvpool import errors
 
 log = logging.getLogger("kvpool.node")
 
@@ -79,8 +82,14 @@ def read(directory: str | os.PathLike[str], max_key_bytes: int) -> dict[bytes, i
 
 
 def append(directory: str | os.PathLike[str], key: bytes, replicas: int) -> None:
-    """Add one line (only the node's control thread appends; a torn last line is skipped when read)."""
-    fd = os.open(Path(directory) / FILE_NAME,
-                 os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with open(fd, "ab") as fh:
-        fh.write(b"%s %d\n" % (key.hex().encode(), replicas))
+    """Add one line (only the node's control thread appends; a torn last line is skipped when
+    read). DiskFullError when the filesystem is full, TierError for another failure."""
+    path = Path(directory) / FILE_NAME
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "ab") as fh:
+            fh.write(b"%s %d\n" % (key.hex().encode(), replicas))
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise errors.DiskFullError(exc.errno, f"cannot record a durable copy in {path}: {exc.strerror}") from None
+        raise errors.TierError(f"cannot record a durable copy in {path}: {exc}") from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -511,7 +512,12 @@ class Node:
             raise errors.CapacityError("replica evicted before it could be committed")
         path = getattr(found[0], "path", None)  # a persistent tier's directory
         if persistent and found[0].persistent and path is not None:
-            durable_log.append(path, key, replicas)
+            try:
+                durable_log.append(path, key, replicas)
+            except errors.KVPoolError:  # e.g. a full disk: no durable copy here that is not recorded as one
+                with contextlib.suppress(errors.KVPoolError):
+                    self.manager.delete(key)
+                raise
         record = record_for(key, *found, durable=replicas if persistent else None)
         self.master.commit(reservation, record)
         return {"node_id": self.node_id, "tier": found[0].name}
