@@ -12,12 +12,15 @@ Why
       got, keeping a reserve (:func:`reserved_descriptors`) that listeners never touch: the
       master's and the heartbeat's ZeroMQ sockets, tier files, outgoing pulls.
     * :class:`Admission` keeps a port's connections under that cap. A connection is
-      *unproven* until its peer proves it holds the cluster key (its hello must come within
-      a few seconds, ``node.hello_timeout_s``); unproven ones are few (:attr:`max_unproven`
-      in all, :attr:`max_unproven_per_address` per peer address) and the oldest is cut to
-      admit a newer one, so a flood of idle connections holds at most a handful of
-      descriptors, for seconds, and a peer with the key always gets in. Proven connections
-      are never cut; when they fill the cap, a new connection is accepted and closed at once.
+      *unproven* until its peer proves it holds the cluster key (its opening must be complete
+      within a few seconds, ``node.hello_timeout_s``); unproven ones are few
+      (:attr:`max_unproven` in all, :attr:`max_unproven_per_address` per peer address) and
+      one is cut to admit a newer one (the oldest that sent nothing yet, else the oldest), so
+      a flood of idle connections holds a handful of descriptors, for seconds, and a peer with
+      the key gets in. Proven connections are never cut; when they fill the cap, a new
+      connection is accepted and closed at once.
+    * :class:`OpeningLoop` runs the openings on the accepting thread: a connection gets a
+      thread only once its opening is complete, so a flood costs no threads either.
 """
 
 from __future__ import annotations
