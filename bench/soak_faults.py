@@ -89,6 +89,10 @@ class FaultSoak:
         self.victim_small: dict[int, bool] = {}
         self.results: list[dict[str, Any]] = []
         self.failures: list[str] = []
+        self.faults = [f for f in args.faults.split(",") if f] if args.faults else list(FAULTS)
+        unknown = set(self.faults) - set(FAULTS)
+        if unknown:
+            raise SystemExit(f"--faults: unknown {sorted(unknown)}; known: {', '.join(FAULTS)}")
 
     # -- time and logging --------------------------------------------------------------------
 
@@ -228,7 +232,8 @@ class FaultSoak:
             self.start_master(f"tcp://127.0.0.1:{free_port()}")
         self.wait_master(60)
         self.note(f"masters {sorted(self.masters)} ({'etcd ' + self.etcd_url if self.etcd_url else 'no etcd'})")
-        self.mount_tmpfs()
+        if "disk_full" in self.faults:
+            self.mount_tmpfs()
         for n in range(2):
             self.start_store(n)
         for n in range(self.args.victims):
@@ -369,10 +374,7 @@ class FaultSoak:
     # -- the run -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        faults = [f for f in self.args.faults.split(",") if f] if self.args.faults else list(FAULTS)
-        unknown = set(faults) - set(FAULTS)
-        if unknown:
-            raise SystemExit(f"--faults: unknown {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        faults = self.faults
         checkers: list[ServerProcess] = []
         try:
             checkers = self.start()
