@@ -252,7 +252,7 @@ class NodeSection:
                                    "answering one, before it blocks (one connection at a time, without the GIL, "
                                    "and not while polls keep running out or being preempted); 0: block at once")
     hello_timeout_s: float = _opt(3.0, "a connection to this node's TCP pull port must complete its opening "
-                                       "(and prove the cluster key, or be cut first) this soon, or it is closed")
+                                       "(hello, answer, proof) this soon, or it is closed")
     unproven_per_address: int = _opt(16, "connections from one peer address that have not (yet) proved the "
                                          "cluster key; a newer one cuts the oldest (the port's descriptors stay "
                                          "for peers with the key)")
