@@ -40,6 +40,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
@@ -63,6 +64,7 @@ WRONG_SAMPLES = 8
 HIST_BASE = 1.02  # latency histogram bucket ratio
 # A get raising one of these for a request that fits the key's real shape read another object's header.
 CALLER_ERRORS = ("OutBufferError", "LayerRangeError", "ShapeError")
+DEFAULT_MIX = "put=3,get=5,get_many=1,delete=1"
 
 
 # -- values ----------------------------------------------------------------------------
@@ -224,7 +226,8 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "pool": {"name": args.name, "data_dir": str(data_dir)},
         "tiers": tiers,
-        "master": {"listen": args.master, "heartbeat_ms": args.heartbeat_ms, "request_timeout_s": 5.0},
+        "master": {"listen": args.master, "heartbeat_ms": args.heartbeat_ms, "request_timeout_s": 5.0,
+                   **({"etcd": args.etcd, "etcd_prefix": args.etcd_prefix} if getattr(args, "etcd", "") else {})},
         "node": {"pull_timeout_s": 5.0, "same_host_index": not args.no_same_host_index},
     }
 
@@ -242,20 +245,27 @@ class Worker:
         self.wrong_samples: list[str] = []
         self.get_latency = Latencies()
         self.put_latency = Latencies()
+        # The op in flight (name, monotonic start) for a watchdog: a get that never returns shows
+        # as blocked, though it never lands in get_latency.
+        self.in_flight: tuple[str, float] | None = None
+        self.longest_blocked: dict[str, float] = {}  # op -> the longest one was in flight (s)
         weights = dict(w.split("=") for w in args.mix.split(","))
         self.ops = list(weights)
         self.weights = [float(weights[op]) for op in self.ops]
-        unknown = set(self.ops) - {"put", "get", "get_many", "delete"}
+        unknown = set(self.ops) - {"put", "dput", "get", "get_many", "delete"}
         if unknown:
             raise SystemExit(f"--mix: unknown ops {sorted(unknown)}")
 
     def key_index(self) -> int:
         return self.rng.randrange(self.args.first, self.args.first + self.args.keys)
 
-    def put(self, i: int, version: int | None = None) -> None:
+    def put(self, i: int, version: int | None = None, durable: bool = False) -> None:
         version = self.rng.randrange(self.args.versions) if version is None else version
         started = time.perf_counter()
-        self.pool.put(key_of(i), content(i, version, self.args.shapes))
+        if durable:  # a copy on a storage node (kvpool-server --role node), as well as here
+            self.pool.put(key_of(i), content(i, version, self.args.shapes), durable=True, replicas=1)
+        else:
+            self.pool.put(key_of(i), content(i, version, self.args.shapes))
         self.put_latency.add(time.perf_counter() - started)
         self.counts["puts"] += 1
 
@@ -341,9 +351,12 @@ class Worker:
     def step(self) -> None:
         op = self.rng.choices(self.ops, self.weights)[0]
         self.counts["ops"] += 1
+        self.in_flight = (op, time.monotonic())
         try:
             if op == "put":
                 self.put(self.key_index())
+            elif op == "dput":
+                self.put(self.key_index(), durable=True)
             elif op == "get":
                 self.get(self.key_index())
             elif op == "get_many":
@@ -359,6 +372,16 @@ class Worker:
                     self.wrong_samples.append(f"{op} raised {name} for a request that fits the key: {exc}")
             elif len(self.error_samples) < 5:
                 self.error_samples.append(f"{op}: {name}: {exc}\n{traceback.format_exc(limit=4)}")
+        finally:
+            self.note_blocked()
+            self.in_flight = None
+
+    def note_blocked(self) -> None:
+        """Record how long the op in flight has been blocked so far (a watchdog calls this too)."""
+        in_flight = self.in_flight
+        if in_flight is not None:
+            op, since = in_flight
+            self.longest_blocked[op] = max(self.longest_blocked.get(op, 0.0), time.monotonic() - since)
 
     def result(self, seconds: float) -> dict[str, Any]:
         stats = {}
@@ -374,6 +397,7 @@ class Worker:
             "errors": dict(self.errors), "error_samples": self.error_samples, "wrong_samples": self.wrong_samples,
             "get_latency": self.get_latency.to_json(), "put_latency": self.put_latency.to_json(),
             "remote": remote, "local_hits": stats.get("hits", 0),
+            "longest_blocked_s": dict(self.longest_blocked),
         }
 
 
@@ -395,7 +419,7 @@ def wait_for_file(path: str, timeout_s: float) -> bool:
 def run_worker(args: argparse.Namespace) -> int:
     import kvpool
 
-    pool = kvpool.connect(args.master, config=worker_config(args), transport=args.transport)
+    pool = kvpool.connect(None if args.etcd else args.master, config=worker_config(args), transport=args.transport)
     try:
         worker = Worker(pool, args)
         for i in range(args.first, args.first + args.keys):  # seed: this worker's share of the keys
@@ -414,16 +438,33 @@ def drive_worker(pool: Any, worker: Any, args: argparse.Namespace) -> int:
         return 2
     started = time.monotonic()
     deadline = started + args.seconds
+    done = threading.Event()
+
+    def watchdog() -> None:
+        """Samples the op in flight; one still blocked a minute past the end reports for the worker."""
+        while not done.wait(0.05):
+            if hasattr(worker, "note_blocked"):
+                worker.note_blocked()
+            if time.monotonic() > deadline + 60.0 and getattr(worker, "in_flight", None) is not None:
+                result = worker.result(time.monotonic() - started)
+                result["errors"][f"{worker.in_flight[0]}:StillBlockedAtEnd"] = 1
+                print(RESULT_PREFIX + json.dumps(result), flush=True)
+                os._exit(3)
+
+    threading.Thread(target=watchdog, name="soak-watchdog", daemon=True).start()
     while time.monotonic() < deadline:
         worker.step()
         if args.think_ms:
             time.sleep(args.think_ms / 1000.0)
+    done.set()
     print(RESULT_PREFIX + json.dumps(worker.result(time.monotonic() - started)), flush=True)
     return 0
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", required=True)
+    parser.add_argument("--etcd", default="", help="master.etcd: follow the master leader in this etcd")
+    parser.add_argument("--etcd-prefix", default="/kvpool")
     parser.add_argument("--name", required=True)
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--cxl-path", default="", help="default <data-dir>/cxl")
@@ -603,14 +644,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shapes", type=int, default=0,
                         help="0: a shape per key; N: only N sizes (freed extents are refilled by other keys)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--mix", default="put=3,get=5,get_many=1,delete=1", help="op weights")
+    parser.add_argument("--mix", default=DEFAULT_MIX, help="op weights")
     parser.add_argument("--cxl", default="1MiB", help="each worker's cxl arena")
     parser.add_argument("--nvme", default="2MiB", help="each worker's nvme tier (0: none)")
     parser.add_argument("--heartbeat-ms", type=int, default=500)
     parser.add_argument("--think-ms", type=float, default=0.0, help="sleep between a worker's ops")
     parser.add_argument("--work-dir", default="", help="default: a temporary directory, removed after a clean run")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
-    return run_soak(parser.parse_args(argv))
+    faults = parser.add_argument_group("timed fault soak (bench/soak_faults.py): --duration turns it on")
+    faults.add_argument("--duration", type=_duration, default=None,
+                        help="run this long (90s, 30m, 1h) with every fault applied in turn, then report")
+    faults.add_argument("--faults", default="", help="comma-separated subset of kill9,sigstop,master,disk_full,"
+                                                     "small_arena,corrupt (default: all)")
+    faults.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults")
+    faults.add_argument("--stop-s", type=float, default=6.0, help="how long a SIGSTOP or a full disk lasts")
+    faults.add_argument("--victims", type=int, default=2, help="worker processes the faults hit")
+    faults.add_argument("--victim-mix", default="put=6,dput=1,get=2,delete=1", help="the victims' op weights")
+    faults.add_argument("--store-nvme", default="64MiB", help="each storage node's nvme capacity")
+    faults.add_argument("--store-disk", default="24m", help="size of the tmpfs under the first storage node")
+    faults.add_argument("--no-etcd", action="store_true", help="one master restarted in place, even with etcd")
+    args = parser.parse_args(argv)
+    if args.duration is not None:
+        from bench.soak_faults import run_fault_soak
+
+        if args.mix == DEFAULT_MIX:
+            args.mix = "put=2,dput=1,get=5,get_many=1,delete=1"  # durable puts reach the storage nodes
+        return run_fault_soak(args)
+    return run_soak(args)
+
+
+def _duration(text: str) -> float:
+    from bench.soak_faults import parse_duration
+
+    return parse_duration(text)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ class DramSection:
 class CxlSection:
     capacity: int = _size("1GiB", "bytes of the shared-memory arena; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
-    path: str = _opt("", "arena file; default /dev/shm/kvpool-<pool name>-cxl")
+    path: str = _opt("", "arena file; default /dev/shm/kvpool-<uid>/kvpool-<pool name>-cxl (a directory only "
+                          "this user can create names in); never another user's file")
     group: str = _opt("", "a group (name or gid) whose members may read this arena and its index "
                           "(files 0640); empty: this user only (0600)")
     shared_dirs: str = _opt("", "more directories (':'-separated) whose same-host cxl arenas may be mapped; "
@@ -250,6 +251,11 @@ class NodeSection:
     serve_poll_us: int = _opt(200, "a holder's thread polls for a reader's next TCP pull request this long after "
                                    "answering one, before it blocks (one connection at a time, without the GIL, "
                                    "and not while polls keep running out or being preempted); 0: block at once")
+    hello_timeout_s: float = _opt(3.0, "a connection to this node's TCP pull port must complete its opening "
+                                       "(hello, answer, proof) this soon, or it is closed")
+    unproven_per_address: int = _opt(16, "connections from one peer address that have not (yet) proved the "
+                                         "cluster key; a newer one cuts the oldest (the port's descriptors stay "
+                                         "for peers with the key)")
 
 
 @dataclass
@@ -295,8 +301,10 @@ class Config:
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise errors.ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise errors.ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:  # any bytes: refused
+            raise errors.ConfigError(f"{path}: not valid TOML: {str(exc)[:200]}") from None
+        except OSError as exc:
+            raise errors.ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
         config.update(data, origin=str(path))
         return config
 

@@ -107,6 +107,11 @@ class PoolLockedError(KVPoolError, RuntimeError):
     """Another live process already owns this pool's data directory or arena."""
 
 
+class ForeignOwnerError(PoolLockedError):
+    """A file or directory kvpool would use (a cxl arena, its directory) belongs to another user;
+    the message names the owner."""
+
+
 class TierError(KVPoolError):
     """A tier failed in a way that is not one of the more specific errors."""
 

@@ -297,9 +297,13 @@ def test_garbage_and_too_many_connections_are_dropped_without_harm() -> None:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as idle:
             out = bytearray(LAYER_NBYTES)
             assert client.pull_into(peer, b"a", (0, 1), out) == LAYER_NBYTES  # the second connection
-            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as third:
-                assert _closed_by_peer(third)  # over the limit: closed at once
-            assert server.stats()["connections_refused"] >= 1
+            with TcpPullClient() as second:  # at the limit: the idle one (no opening yet) is cut for it
+                assert second.pull_into(peer, b"b", (0, 1), out) == LAYER_NBYTES
+                assert _closed_by_peer(idle)
+                assert server.stats()["connections_cut"] >= 1
+                with socket.create_connection(("127.0.0.1", server.port), timeout=5) as third:
+                    assert _closed_by_peer(third)  # every slot opened and in use: closed at once
+                assert server.stats()["connections_refused"] >= 1
             assert client.pull_into(peer, b"b", (0, 1), out) == LAYER_NBYTES
             assert bytes(out) == expected(b"b", 0, 1).tobytes()
             del idle

@@ -26,7 +26,11 @@ def serve(config: Config, role: str, stop: threading.Event) -> int:
     from kvpool import errors
     from kvpool.cluster.master_client import MasterClient
     from kvpool.cluster.security import ClusterKey
+    from kvpool.transport.tcp.admission import raise_descriptor_limit, reserved_descriptors
 
+    limit = raise_descriptor_limit()  # at start, before any socket or file: the caps are sized from it
+    log.info("descriptor limit %d (%d kept from the TCP ports for the master link, ZeroMQ and files)",
+             limit, reserved_descriptors(limit))
     try:
         cluster_key = ClusterKey.from_config(config)  # created on first use; an unreadable one stops here
     except errors.ConfigError as exc:

@@ -202,8 +202,9 @@ def cmd_rm(master: MasterClient, args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove the cxl arenas (and their indexes) of dead owners on this host."""
     from tiers.cxl import SHM_DIR, collect_stale_arenas
+    from tiers.cxl.arena import user_shm_dir
 
-    directories = {Path(d) for d in args.dir} or {SHM_DIR}
+    directories = {Path(d) for d in args.dir} or {SHM_DIR, user_shm_dir()}  # older builds' arenas, this user's
     if args.config:
         configured = Config.load(args.config).tiers.cxl.path
         if configured:
@@ -269,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("keys", nargs="+", help="keys in hex, or text with --text")
     rm.add_argument("--text", action="store_true", help="keys are UTF-8 text, not hex")
     gc = sub.add_parser("gc", help="remove shared-memory arenas of killed kvpool processes on this host")
-    gc.add_argument("--dir", action="append", default=[], help="directory to sweep (default /dev/shm; repeatable)")
+    gc.add_argument("--dir", action="append", default=[],
+                    help="directory to sweep (default /dev/shm and /dev/shm/kvpool-<uid>; repeatable)")
     keygen = sub.add_parser("keygen", help="write a new cluster key to FILE (mode 0600)")
     keygen.add_argument("file", metavar="FILE", help="where to write the key (copy it to every host of the pool)")
     keygen.add_argument("--force", action="store_true", help="overwrite an existing FILE")

@@ -26,6 +26,7 @@ from kvpool.cluster.records import loggable
 from kvpool.cluster.rereplicate import Rereplicator
 from kvpool.cluster.security import ClusterKey, stop_authenticator
 from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
+from kvpool.transport.tcp.admission import raise_descriptor_limit
 
 log = logging.getLogger("kvpool.master")
 
@@ -41,6 +42,7 @@ class MasterServer:
         # Only holders of the cluster key (default: the default key file) get an answer.
         self.cluster_key = cluster_key or ClusterKey.default()
         self.config = config
+        raise_descriptor_limit()  # before any socket: the query port's cap is sized from it
         self.max_key_bytes = max_key_bytes
         self._context = zmq.Context(io_threads=1)
         self._context.setsockopt(zmq.LINGER, 0)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import base64
 import binascii
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
-import os
 import queue
 import threading
 import uuid
@@ -33,6 +33,7 @@ import numpy as np
 import zmq
 
 from kvpool import errors
+from kvpool.cluster import durable_log
 from kvpool.cluster import protocol as P
 from kvpool.cluster import schema as S
 from kvpool.cluster.heartbeat import Heartbeater
@@ -54,6 +55,7 @@ from kvpool.transport import (
     plausible_worker_address,
     ucx_interface_options,
 )
+from kvpool.transport.tcp.admission import raise_descriptor_limit
 from tiers.base import Extent, Tier
 from tiers.entries import LockBusy
 from tiers.manager import TierManager
@@ -139,6 +141,7 @@ class Node:
         self.config = config
         self.manager = manager
         self.node_id = uuid.uuid4().hex
+        raise_descriptor_limit()  # before any socket: the pull port's cap is sized from it
         self.host_id = local_host_id()
         self.master_address = master_address
         self.host = node_host(config, master_address)  # what this node binds and advertises
@@ -165,6 +168,8 @@ class Node:
                                         prove=self.cluster_key.holder_proof,
                                         trust=self.cluster_key.check_reader_proof,
                                         poll_s=config.node.serve_poll_us * 1e-6,
+                                        hello_timeout_s=config.node.hello_timeout_s,
+                                        max_unproven_per_address=config.node.unproven_per_address,
                                         name=f"kvpool-tcp-{self.node_id[:8]}") if config.node.tcp_pull_max else None
         self._events: queue.Queue[tuple[str, bytes, Any]] = queue.Queue()
         #: unpins that found the manager busy on the progress thread finish here
@@ -287,16 +292,8 @@ class Node:
         durable: dict[bytes, int] = {}
         for tier in persistent:
             path = getattr(tier, "path", None)
-            try:
-                with open(f"{path}/durable.log", encoding="ascii") as fh:
-                    for line in fh:
-                        key_hex, _, replicas = line.partition(" ")
-                        try:
-                            durable[bytes.fromhex(key_hex)] = int(replicas)
-                        except ValueError:  # a torn last line after a crash
-                            continue
-            except (OSError, TypeError):
-                continue
+            if path is not None:  # any bytes there: malformed lines are skipped and logged
+                durable.update(durable_log.read(path, self.config.pool.max_key_bytes))
         records = [record_for(key, tier, extent, header, durable.get(key) if tier.persistent else None)
                    for key, tier, extent, header in self.manager.snapshot()]
         assert self.address is not None  # started
@@ -515,11 +512,12 @@ class Node:
             raise errors.CapacityError("replica evicted before it could be committed")
         path = getattr(found[0], "path", None)  # a persistent tier's directory
         if persistent and found[0].persistent and path is not None:
-            # Only the control thread appends; a torn last line is skipped when read.
-            fd = os.open(f"{path}/durable.log",
-                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with open(fd, "a", encoding="ascii") as fh:
-                fh.write(f"{key.hex()} {replicas}\n")
+            try:
+                durable_log.append(path, key, replicas)
+            except errors.KVPoolError:  # e.g. a full disk: no durable copy here that is not recorded as one
+                with contextlib.suppress(errors.KVPoolError):
+                    self.manager.delete(key)
+                raise
         record = record_for(key, *found, durable=replicas if persistent else None)
         self.master.commit(reservation, record)
         return {"node_id": self.node_id, "tier": found[0].name}

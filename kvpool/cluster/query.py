@@ -37,10 +37,10 @@ from typing import Any
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster.security import ClusterKey
+from kvpool.transport.tcp.admission import Admission, OpeningLoop, connection_cap
 from kvpool.transport.tcp.stream import (
     MutualHello,
     ReplyPoll,
-    accept_forever,
     listen_on,
     recv_exactly,
     set_timeouts,
@@ -58,21 +58,31 @@ _FIRST_READ = 4096  # a frame's first recv asks for this much (a one-key questio
 
 
 class QueryServer:
-    """Serves :data:`QUERY_OPS` on ``host`` (an ephemeral port): a thread accepting and one per
-    connection, each blocked in ``recv``. ``serve(frame)`` answers one request frame."""
+    """Serves :data:`QUERY_OPS` on ``host`` (an ephemeral port): a thread accepting and running
+    openings, and one per connection that proved the key, each blocked in ``recv``.
+    ``serve(frame)`` answers one request frame."""
 
     def __init__(self, serve: Callable[[bytes], bytes], host: str, cluster_key: ClusterKey, *,
-                 max_connections: int = 256, idle_timeout_s: float = 600.0) -> None:
+                 max_connections: int | None = None, idle_timeout_s: float = 600.0,
+                 hello_timeout_s: float = 3.0, max_unproven_per_address: int = 16) -> None:
         self._serve = serve
         self._key = cluster_key
-        self.max_connections = max_connections
+        # Under a cap sized from the descriptor limit; a connection is unproven (few, cut
+        # first) until its peer proved the key: a flood without it never takes the
+        # descriptors the master's ZeroMQ socket needs (see :class:`Admission`).
+        self.admission = Admission(connection_cap(0.25, 256) if max_connections is None else max_connections,
+                                   max_unproven_per_address=max_unproven_per_address)
         self.idle_timeout_s = idle_timeout_s
-        self._listener = listen_on(host, 64)
+        self.hello_timeout_s = hello_timeout_s
+        self._listener = listen_on(host, 1024)  # a burst queues, a keyed client's SYN is not dropped
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closing = False
-        self._accepter = threading.Thread(target=self._accept_loop, name="kvpool-master-queries", daemon=True)
+        # Openings run on the accepting thread; a connection gets a thread once it proved the key.
+        self._openings = OpeningLoop(self._listener, QUERY_HELLO, lambda nonce: self._key.query_proof(b"server", nonce),
+                                     self.admission, hello_timeout_s, self._opened, lambda: self._closing)
+        self._accepter = threading.Thread(target=self._openings.run, name="kvpool-master-queries", daemon=True)
         self._accepter.start()
 
     def close(self) -> None:
@@ -84,25 +94,22 @@ class QueryServer:
         self._listener.close()
         self._accepter.join(timeout=5.0)
 
-    def _accept_loop(self) -> None:
-        accept_forever(self._listener, lambda: self._closing, self._connected)
-
-    def _connected(self, conn: socket.socket) -> None:
+    def _opened(self, conn: socket.socket, nonce: bytes, proof: bytes) -> None:
         with self._lock:
-            full = len(self._connections) >= self.max_connections or self._closing
-            if not full:
+            refused = self._closing or not self._key.check_query_proof(b"client", nonce, proof)
+            if not refused:
                 self._connections.add(conn)
-        if full:
+        if refused:
             conn.close()
+            self.admission.release(conn)
             return
+        self.admission.proven(conn)
         threading.Thread(target=self._connection, args=(conn,), name="kvpool-master-query", daemon=True).start()
 
     def _connection(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_timeouts(conn, self.idle_timeout_s, 30.0)  # BlockingIOError past either: dropped
-            if not self._handshake(conn):
-                return
             while True:
                 frame = _read_frame(conn)
                 if frame is None:
@@ -115,10 +122,7 @@ class QueryServer:
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
-
-    def _handshake(self, conn: socket.socket) -> bool:
-        opened = QUERY_HELLO.server_open(conn, lambda nonce: self._key.query_proof(b"server", nonce))
-        return opened is not None and self._key.check_query_proof(b"client", *opened)
+            self.admission.release(conn)
 
 
 class QueryClient:

@@ -106,7 +106,7 @@ def _read_secret(path: Path) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise errors.ConfigError(f"security.key_file: cannot open {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "r") as fh:
+    with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise errors.ConfigError(f"security.key_file: {path} is not a regular file")
@@ -114,10 +114,13 @@ def _read_secret(path: Path) -> bytes:
             raise errors.ConfigError(
                 f"security.key_file: {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
                 f"chmod 600 {path}")
-        text = fh.read(4 * SECRET_NBYTES).strip()
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
+        try:
+            raw = fh.read(4 * SECRET_NBYTES).strip()
+        except OSError as exc:
+            raise errors.ConfigError(f"security.key_file: cannot read {path}: {exc.strerror}") from None
+    try:  # any bytes: only a line of hex digits is a key
+        secret = bytes.fromhex(raw.decode("ascii"))
+    except ValueError:  # UnicodeDecodeError too
         secret = b""
     if len(secret) < 16:
         raise errors.ConfigError(f"security.key_file: {path} does not hold a kvpool key "

@@ -6,6 +6,7 @@ import json
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -323,7 +324,10 @@ def test_from_config_names_the_arena_after_the_pool() -> None:
     tier = CxlTier.from_config(config.tiers.cxl, config)
     try:
         assert tier.path == default_arena_path(config.pool.name)
-        assert tier.path.parent == Path("/dev/shm") and "/" not in tier.path.name
+        # in this user's own directory, which no one else may create names in
+        assert tier.path.parent == Path(f"/dev/shm/kvpool-{os.geteuid()}") and "/" not in tier.path.name
+        st = os.lstat(tier.path.parent)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o022 == 0
         assert tier.path.exists()
         stats = tier.stats()
         assert stats["shared"] is True and stats["path"] == str(tier.path)
@@ -569,5 +573,129 @@ def test_another_user_reads_an_arena_only_through_its_configured_group(arena_pat
             assert result == {"digest": digest(arr[0:2])}, result
         else:
             assert result.get("error") == "TierError" and "Permission denied" in result.get("message", ""), result
+    finally:
+        tier.close()
+
+
+# -- arena-path squatting: another user's names are never this user's arena -------------------------
+
+
+@pytest.fixture
+def shared_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A world-writable sticky directory like /dev/shm (inside it, so the user nobody can reach it),
+    standing in for it as ``tiers.cxl.arena.SHM_DIR``; removed at teardown."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as the user nobody")
+    root = Path("/dev/shm") / f"kvpool-test-squat-{uuid.uuid4().hex[:12]}"
+    root.mkdir()
+    os.chmod(root, 0o1777)
+    monkeypatch.setattr("tiers.cxl.arena.SHM_DIR", root)
+    try:
+        yield root
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def as_nobody(*argv: str) -> None:
+    from tests.conftest import as_nobody as become_nobody
+
+    subprocess.run(argv, check=True, preexec_fn=become_nobody, timeout=10)
+
+
+def test_a_user_directory_planted_by_another_user_is_refused_naming_the_owner(shared_shm: Path) -> None:
+    config = Config()
+    config.pool.name = "squatted"
+    config.tiers.cxl.capacity = 1 << 20
+    as_nobody("mkdir", "-m", "0777", str(shared_shm / f"kvpool-{os.geteuid()}"))
+    with pytest.raises(errors.ForeignOwnerError, match=r"belongs to nobody \(uid 65534\)"):
+        CxlTier.from_config(config.tiers.cxl, config)
+    os.rmdir(shared_shm / f"kvpool-{os.geteuid()}")
+    as_nobody("ln", "-s", "/tmp", str(shared_shm / f"kvpool-{os.geteuid()}"))  # a symlink is not followed
+    with pytest.raises(errors.ForeignOwnerError, match="nobody"):
+        CxlTier.from_config(config.tiers.cxl, config)
+    assert not (Path("/tmp") / "kvpool-squatted-cxl").exists()
+
+
+def test_the_user_directory_is_private_and_a_loose_one_is_tightened(shared_shm: Path) -> None:
+    config = Config()
+    config.pool.name = "mine"
+    config.tiers.cxl.capacity = 1 << 20
+    mine = shared_shm / f"kvpool-{os.geteuid()}"
+    for before in (None, 0o777):
+        if before is not None:
+            os.chmod(mine, before)
+        tier = CxlTier.from_config(config.tiers.cxl, config)
+        try:
+            assert tier.path == mine / "kvpool-mine-cxl"
+            assert stat.S_IMODE(os.lstat(mine).st_mode) == 0o700
+            with pytest.raises(subprocess.CalledProcessError):  # nobody cannot create names there
+                as_nobody("touch", str(mine / "kvpool-other-cxl"))
+        finally:
+            tier.close()
+
+
+def test_an_explicit_path_to_another_users_file_is_refused_naming_the_owner(shared_shm: Path) -> None:
+    arena = shared_shm / "explicit-arena"
+    as_nobody("touch", str(arena))
+    with pytest.raises(errors.ForeignOwnerError, match=r"arena file .* belongs to nobody"):
+        CxlTier(arena, 1 << 20)
+    assert arena.stat().st_uid == 65534  # left alone
+    other = shared_shm / "other-arena"
+    as_nobody("touch", f"{other}.index")
+    with pytest.raises(errors.ForeignOwnerError, match=r"arena index .* belongs to nobody"):
+        CxlTier(other, 1 << 20)
+    tier = CxlTier(shared_shm / "own-arena", 1 << 20)  # an explicit path of this user's own works
+    tier.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_server_starts_while_another_user_squats_the_old_arena_name(tmp_path: Path, spawn_python) -> None:
+    """The user nobody creates /dev/shm/kvpool-<pool>-cxl (the name older builds used) and holds a
+    shared flock on it: kvpool-server with that pool name still starts, in its own directory."""
+    from tests.conftest import as_nobody as become_nobody
+    from tests.conftest import free_tcp_port, wait_for
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as the user nobody")
+    name = f"squat-{uuid.uuid4().hex[:8]}"
+    squatted = Path("/dev/shm") / f"kvpool-{name}-cxl"
+    squatter = subprocess.Popen(["flock", "-s", str(squatted), "sleep", "60"], preexec_fn=become_nobody)
+    try:
+        wait_for(lambda: squatted.exists(), 10, "the squatter to create and lock the old name")
+        log = tmp_path / "server.log"
+        spawn_python(["-m", "kvpool.cli.server", "--pool.name", name, "--pool.data_dir", str(tmp_path / "data"),
+                      "--master.listen", f"tcp://127.0.0.1:{free_tcp_port()}", "--tiers.dram.capacity", "4MiB",
+                      "--tiers.dram.mlock", "false", "--tiers.cxl.capacity", "4MiB", "--tiers.nvme.capacity", "0",
+                      "--security.key_file", str(tmp_path / "cluster.key")],
+                     log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60)
+        assert (Path(f"/dev/shm/kvpool-{os.geteuid()}") / f"kvpool-{name}-cxl").exists()
+        assert squatted.stat().st_uid == 65534  # untouched
+    finally:
+        squatter.kill()
+        squatter.wait()
+        squatted.unlink(missing_ok=True)
+
+
+def test_a_group_shared_arena_in_the_user_directory_is_readable_by_that_group(shared_shm: Path) -> None:
+    """tiers.cxl.group: the user directory becomes 0710 in that group, so its members reach the arena."""
+    from tests.conftest import NOBODY, nobody_python
+    from tests.conftest import as_nobody as become_nobody
+
+    python, env = nobody_python()
+    config = Config()
+    config.pool.name = "grouped"
+    config.tiers.cxl.capacity = 1 << 20
+    config.tiers.cxl.group = str(NOBODY)
+    tier = CxlTier.from_config(config.tiers.cxl, config)
+    try:
+        st = os.lstat(tier.path.parent)
+        assert stat.S_IMODE(st.st_mode) == 0o710 and st.st_gid == NOBODY
+        arr, header, payload = make_object(layers=4, seed=7)
+        header = ObjectHeader.for_key(b"shared-key", header.spec, header.layer_checksums)
+        tier.commit(b"shared-key", store(tier, header, payload), header)
+        proc = subprocess.run([python, "-c", GROUP_READER, str(tier.path), "shared-key"], capture_output=True,
+                              text=True, timeout=60, env=env, preexec_fn=become_nobody, cwd="/")
+        result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"stderr": proc.stderr}
+        assert result == {"digest": digest(arr[0:2])}, result
     finally:
         tier.close()

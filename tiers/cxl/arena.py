@@ -8,7 +8,9 @@ import grp
 import logging
 import mmap
 import os
+import pwd
 import re
+import stat
 import struct
 import threading
 import time
@@ -60,10 +62,67 @@ def resolve_group(group: str | int | None) -> int | None:
         raise errors.ConfigError(f"tiers.cxl.group: no group named {group!r} on this host") from None
 
 
+def user_shm_dir(uid: int | None = None) -> Path:
+    """``/dev/shm/kvpool-<uid>``: this user's arenas live there (see :func:`private_arena_dir`)."""
+    return SHM_DIR / f"kvpool-{os.geteuid() if uid is None else uid}"
+
+
 def default_arena_path(pool_name: str) -> Path:
-    """``/dev/shm/kvpool-<pool name>-cxl``, the name made safe for a file name."""
+    """``/dev/shm/kvpool-<uid>/kvpool-<pool name>-cxl``, the name made safe for a file name.
+
+    Not ``/dev/shm/kvpool-<pool name>-cxl``: ``/dev/shm`` is writable by every user and the
+    names are predictable, so another user could create (and lock) the arena's name first.
+    Only this user can create names in its own directory (:func:`private_arena_dir`)."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", pool_name) or "default"
-    return SHM_DIR / f"kvpool-{safe}-cxl"
+    return user_shm_dir() / f"kvpool-{safe}-cxl"
+
+
+def owner_name(uid: int) -> str:
+    """``name (uid N)`` of a user id, for errors that say who owns a file."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def refuse_foreign(st: os.stat_result, path: str | os.PathLike[str], what: str) -> None:
+    """ForeignOwnerError when ``st`` (of ``path``) belongs to another user than this process's."""
+    if st.st_uid != os.geteuid():
+        raise errors.ForeignOwnerError(
+            f"cxl: {what} {path} belongs to {owner_name(st.st_uid)}, not to this user "
+            f"{owner_name(os.geteuid())}: another user made it (maybe to block this pool); "
+            f"remove it (as its owner or root) or set tiers.cxl.path elsewhere")
+
+
+def private_arena_dir(directory: Path, group: int | None = None) -> None:
+    """Create (mode 0700; 0710 in ``group`` when arenas are shared with a group) or check this
+    user's arena directory: a real directory (no symlink followed), owned by this user, that no
+    one else may create names in. ForeignOwnerError naming the owner otherwise."""
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise errors.TierError(f"cxl: cannot create the arena directory {directory}: {exc.strerror}") from None
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:  # ELOOP / ENOTDIR: a symlink or a file planted at the name
+        st = os.lstat(directory)
+        refuse_foreign(st, directory, "arena directory")
+        raise errors.TierError(f"cxl: arena directory {directory} is not a directory ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        refuse_foreign(st, directory, "arena directory")
+        mode = stat.S_IMODE(st.st_mode)
+        wanted = 0o700 if group is None else 0o710
+        if group is not None and st.st_gid != group:
+            os.fchown(fd, -1, group)  # the group's members may reach arenas shared with them
+        if mode & 0o022 or (group is not None and not mode & 0o010):
+            os.fchmod(fd, (mode & ~0o077) | wanted)  # never writable by others: names stay ours
+    except PermissionError:
+        raise errors.ConfigError(f"tiers.cxl.group: this user may not give {directory} to gid {group}") from None
+    finally:
+        os.close(fd)
 
 
 # -- latency / bandwidth model ---------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -28,7 +29,10 @@ from tiers.cxl.arena import (
     ArenaHeader,
     _fit_to_filesystem,
     default_arena_path,
+    private_arena_dir,
+    refuse_foreign,
     resolve_group,
+    user_shm_dir,
 )
 from tiers.cxl.index import (
     IndexEntry,
@@ -44,6 +48,16 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("tiers.cxl")
+
+def _refuse_foreign_index(path: Path) -> None:
+    """ForeignOwnerError when the arena's index name is another user's file (it would be renamed
+    over, which a sticky directory refuses)."""
+    try:
+        st = os.lstat(index_path(path))
+    except OSError:
+        return
+    refuse_foreign(st, index_path(path), "arena index")
+
 
 # -- the owning tier -------------------------------------------------------------------
 
@@ -65,6 +79,9 @@ class CxlTier(ArenaTier):
                  group: int | None = None) -> None:
         """``group``: a gid whose members may read the arena and its index (files 0640 in that
         group); None keeps both 0600, readable by this user's processes only."""
+        if Path(path).parent == user_shm_dir():  # the default place: made or checked private to this user
+            private_arena_dir(Path(path).parent, group)
+        _refuse_foreign_index(Path(path))
         collect_stale_arenas(Path(path).parent)  # a dead owner's arena must not count as used
         capacity_bytes = _fit_to_filesystem(Path(path), capacity_bytes)
         super().__init__(capacity_bytes, alignment=ALIGNMENT)
@@ -138,9 +155,13 @@ class CxlTier(ArenaTier):
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                              0o600)
             except OSError as exc:
+                with contextlib.suppress(OSError):  # e.g. EACCES of another user's file in a sticky /dev/shm
+                    refuse_foreign(os.lstat(path), path, "arena file")
                 raise errors.TierError(f"cxl: cannot open arena file {path}: {exc}") from exc
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 os.close(fd)
+                refuse_foreign(st, path, "arena file")  # never another user's, even at an explicit path
                 raise errors.TierError(f"cxl: {path} is not a regular file")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -31,10 +31,10 @@ from kvpool.transport.frames import (
     _Request,
 )
 from kvpool.transport.source import Provider, ServeSource
+from kvpool.transport.tcp.admission import Admission, OpeningLoop, connection_cap
 from kvpool.transport.tcp.stream import (
     PULL_HELLO,
     ReplyPoll,
-    accept_forever,
     listen_on,
     send_views,
     set_timeouts,
@@ -68,8 +68,9 @@ class TcpPullServer:
     def __init__(self, provider: Provider, host: str = "127.0.0.1", *,
                  authorize: Callable[[bytes, bytes], None] | None = None,
                  prove: Callable[[bytes], bytes] | None = None,
-                 trust: Callable[[bytes, bytes], bool] | None = None, max_connections: int = 1024,
-                 send_timeout_s: float = 30.0, idle_timeout_s: float = 600.0,
+                 trust: Callable[[bytes, bytes], bool] | None = None, max_connections: int | None = None,
+                 send_timeout_s: float = 30.0, idle_timeout_s: float = 600.0, hello_timeout_s: float = 3.0,
+                 max_unproven_per_address: int = 16, limit_unproven: bool | None = None,
                  staging_nbytes: int = _STAGING_NBYTES, name: str = "kvpool-tcp-pulls",
                  poll_s: float = 0.0) -> None:
         self._provider = provider
@@ -78,13 +79,22 @@ class TcpPullServer:
         self._prove = prove
         self._trust = trust
         self._host = host
-        self.max_connections = max_connections
+        # Connections (each a descriptor and a thread) are admitted under a cap sized from the
+        # process's descriptor limit; unproven ones (no cluster key shown yet) are few and cut
+        # first (:class:`Admission`), so they never take what the master link needs.
+        self.admission = Admission(connection_cap(0.5, 1024) if max_connections is None else max_connections,
+                                   max_unproven_per_address=max_unproven_per_address)
+        #: whether a connection whose peer did not prove the key stays cuttable after its hello
+        #: (default: when ``trust`` is given, i.e. the node holds a key)
+        self.limit_unproven = trust is not None if limit_unproven is None else limit_unproven
         self.send_timeout_s = send_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.hello_timeout_s = hello_timeout_s  # an opening must be complete this soon after connecting
         self.staging_nbytes = staging_nbytes  # an nvme payload is read and sent in pieces of this
         self._name = name
         self._listener: socket.socket | None = None
         self._accepter: threading.Thread | None = None
+        self._openings: OpeningLoop | None = None
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()  # serving a connection
@@ -95,13 +105,24 @@ class TcpPullServer:
         self.misses = 0
         self.errors = 0
         self.refused = 0
-        self.connections_refused = 0
         self.connections_trusted = 0  # whose client proved the cluster key
 
+    @property
+    def max_connections(self) -> int:
+        return self.admission.max_connections
+
+    @max_connections.setter
+    def max_connections(self, value: int) -> None:
+        self.admission.max_connections = value
+
     def start(self) -> TcpPullServer:
-        self._listener = listener = listen_on(self._host)
+        # A deep backlog: a burst of connections (a flood without the key) queues rather than
+        # dropping a keyed peer's SYN, while the opening loop accepts and cuts them.
+        self._listener = listener = listen_on(self._host, backlog=1024)
         self.port = listener.getsockname()[1]
-        self._accepter = threading.Thread(target=self._accept_loop, name=f"{self._name}-accept", daemon=True)
+        self._openings = OpeningLoop(listener, PULL_HELLO, self._prove, self.admission, self.hello_timeout_s,
+                                     self._opened, lambda: self._closing)
+        self._accepter = threading.Thread(target=self._openings.run, name=f"{self._name}-accept", daemon=True)
         self._accepter.start()
         return self
 
@@ -136,42 +157,41 @@ class TcpPullServer:
     def stats(self) -> dict[str, int]:
         with self._lock:
             open_connections = len(self._connections)
+        openings = self._openings
+        malformed, timed_out = (openings.malformed, openings.timed_out) if openings is not None else (0, 0)
         return {"bytes_sent": self.bytes_sent, "requests_served": self.requests_served, "misses": self.misses,
-                "errors": self.errors, "refused": self.refused, "connections": open_connections,
-                "connections_refused": self.connections_refused, "connections_trusted": self.connections_trusted,
-                **self.poll.stats()}
+                "errors": self.errors + malformed, "refused": self.refused, "connections": open_connections,
+                "openings_timed_out": timed_out,
+                "connections_trusted": self.connections_trusted, **self.admission.stats(), **self.poll.stats()}
 
     # -- connections -------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        accept_forever(self._listener, lambda: self._closing, self._connected)
-
-    def _connected(self, conn: socket.socket) -> None:
+    def _opened(self, conn: socket.socket, nonce: bytes, proof: bytes) -> None:
+        """A connection whose opening is complete (on the opening loop's thread): its own thread."""
         with self._lock:
-            full = len(self._connections) >= self.max_connections
-            if not full and not self._closing:
+            closing = self._closing
+            if not closing:
                 self._connections.add(conn)
-        if full or self._closing:
-            self.connections_refused += full
+        if closing:
             conn.close()
+            self.admission.release(conn)
             return
-        thread = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True)
+        thread = threading.Thread(target=self._serve, args=(conn, nonce, proof), name=f"{self._name}-conn",
+                                  daemon=True)
         with self._lock:
             self._threads.add(thread)
         thread.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, nonce: bytes, proof: bytes) -> None:
         staging: list[mmap.mmap] = []
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            set_timeouts(conn, self.idle_timeout_s, self.send_timeout_s)
-            opened = PULL_HELLO.server_open(conn, self._prove)
-            if opened is None:
-                return
-            trusted = self._trust is not None and self._trust(*opened)
+            trusted = self._trust is not None and self._trust(nonce, proof)
             self.connections_trusted += trusted
+            if trusted or not self.limit_unproven:
+                self.admission.proven(conn)
+            set_timeouts(conn, self.idle_timeout_s, self.send_timeout_s)
             authorize = None if trusted else self._authorize
             requests = _Requests(conn, self.poll)
             while True:
@@ -188,6 +208,7 @@ class TcpPullServer:
                 self._connections.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
+            self.admission.release(conn)
             for buf in staging:
                 buf.close()
 

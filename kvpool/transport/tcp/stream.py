@@ -32,7 +32,8 @@ class MutualHello:
 
     Proofs are the callers' (:class:`~kvpool.cluster.security.ClusterKey`, labelled per side,
     so neither end's answer can be replayed as the other's). Fresh nonces on both ends: a
-    recorded opening cannot be replayed. ``what`` names the server in errors."""
+    recorded opening cannot be replayed. ``what`` names the server in errors. The server's
+    side runs in :class:`kvpool.transport.tcp.admission.OpeningLoop`."""
 
     HELLO = struct.Struct("<4sH16s")
     ANSWER = struct.Struct("<4sH16s16s")
@@ -55,23 +56,6 @@ class MutualHello:
         if check_proof is not None and not check_proof(nonce, proof):
             raise errors.AuthenticationError(f"the {self.what} could not prove it holds the cluster key")
         return bytes(challenge)
-
-    def server_open(self, conn: socket.socket, prove: Callable[[bytes], bytes] | None) -> tuple[bytes, bytes] | None:
-        """The server's end, on a blocking socket: (the nonce it sent, the client's proof of
-        it), or None if the client closed first; ProtocolError for another protocol."""
-        hello = bytearray(self.HELLO.size)
-        if not recv_exactly(conn, memoryview(hello), at_boundary=True):
-            return None
-        magic, version, nonce = self.HELLO.unpack(hello)
-        if magic != self.magic or version != self.version:
-            raise errors.ProtocolError(f"not a {self.what} hello ({bytes(hello[:6])!r})")
-        challenge = os.urandom(16)
-        proof = prove(nonce) if prove is not None else bytes(PROOF_NBYTES)
-        conn.sendall(self.ANSWER.pack(self.magic, self.version, proof, challenge))
-        answer = bytearray(PROOF_NBYTES)
-        if not recv_exactly(conn, memoryview(answer), at_boundary=True):
-            return None
-        return challenge, bytes(answer)
 
 
 PULL_HELLO = MutualHello(b"KVTH", 2, "kvpool TCP pull server")
@@ -223,21 +207,6 @@ def shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-
-
-def accept_forever(listener: socket.socket, closing: Callable[[], bool],
-                   connected: Callable[[socket.socket], None]) -> None:
-    """Hand every connection ``listener`` accepts to ``connected``, until ``closing()`` after the
-    listener was closed. A failed accept (out of descriptors, an aborted handshake) is retried."""
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            if closing():
-                return
-            time.sleep(0.01)
-            continue
-        connected(conn)
 
 
 def listen_on(host: str, backlog: int = 128) -> socket.socket:

@@ -1,0 +1,37 @@
+"""The timed fault soak (``bench/soak.py --duration``) on a small scale: every fault it knows but
+the master failover in etcd and the full disk (both need more time or root), applied while a
+checker reads; it must report 0 wrong values and each fault applied."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.soak_faults import parse_duration
+from tests.conftest import REPO_ROOT
+
+
+def test_durations_parse() -> None:
+    assert [parse_duration(t) for t in ("90", "90s", "3m", "1.5h")] == [90, 90, 180, 5400]
+    with pytest.raises(Exception, match="not a duration"):
+        parse_duration("soon")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_short_fault_soak_reports_every_fault_and_no_wrong_value(tmp_path: Path) -> None:
+    faults = "kill9,sigstop,master,small_arena,corrupt"
+    done = subprocess.run(
+        [sys.executable, "bench/soak.py", "--duration", "40s", "--fault-every", "6", "--stop-s", "2",
+         "--processes", "1", "--victims", "1", "--keys", "16", "--no-etcd", "--faults", faults,
+         "--work-dir", str(tmp_path / "soak")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "\n0 wrong values in " in done.stdout
+    applied = done.stdout.split("faults applied: ", 1)[1].splitlines()[0]
+    for fault in faults.split(","):
+        assert f"'{fault}': " in applied, applied
+    assert "longest any get was blocked" in done.stdout and "errors by type" in done.stdout
