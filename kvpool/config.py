@@ -10,7 +10,9 @@ defaults; keys left out keep them. An unknown key or a bad value raises
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import itertools
 import os
 import re
 import tomllib
@@ -122,7 +124,8 @@ def _opt(default: Any, doc: str, choices: tuple[Any, ...] | None = None) -> Any:
 
 @dataclass
 class PoolSection:
-    name: str = _opt("default", "pool name; the cxl arena and log lines are named after it")
+    name: str = _opt("default", "pool name; the cxl arena (with data_dir) and log lines are named after it; "
+                                "left out: kvpool.Pool() opens 'embedded', kvpool.connect() client-<pid>")
     data_dir: str = _opt("~/.local/share/kvpool", "directory holding nvme segments and the index")
     chunk_tokens: int = _opt(256, "tokens per prefix chunk (one object per chunk)")
     token_dtype: str = _opt("int32", "token width used in prefix hashes", ("int32", "int64"))
@@ -152,7 +155,7 @@ class DramSection:
 class CxlSection:
     capacity: int = _size("1GiB", "bytes of the shared-memory arena; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
-    path: str = _opt("", "arena file; default /dev/shm/kvpool-<pool name>-cxl")
+    path: str = _opt("", "arena file; default /dev/shm/kvpool-<pool name>-<hash of data_dir>-cxl")
     group: str = _opt("", "a group (name or gid) whose members may read this arena and its index "
                           "(files 0640); empty: this user only (0600)")
     shared_dirs: str = _opt("", "more directories (':'-separated) whose same-host cxl arenas may be mapped; "
@@ -276,6 +279,11 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     security: SecuritySection = field(default_factory=SecuritySection)
 
+    def __post_init__(self) -> None:
+        # Dotted names of the settings a file, mapping, flag or set() gave (not a field: it is
+        # bookkeeping, never a setting); see given().
+        self._given: set[str] = set()
+
     # -- loading ------------------------------------------------------------
 
     @classmethod
@@ -301,8 +309,21 @@ class Config:
         return config
 
     def update(self, data: Mapping[str, Any], *, origin: str) -> None:
-        _apply(self, data, prefix="", origin=origin)
+        _apply(self, data, prefix="", origin=origin, given=self._given)
         self.validate(origin)
+
+    def given(self, dotted_key: str) -> bool:
+        """Whether ``dotted_key`` (e.g. ``pool.name``) was set by whoever made these settings: in a
+        file, a mapping, a flag or :meth:`set`, or (a Config built in code) to a value other than
+        its default. Settings nobody gave are the ones each kind of process may choose for itself
+        (:func:`settings_for`)."""
+        if dotted_key in self._given:
+            return True
+        value: Any = self
+        default: Any = Config()
+        for part in dotted_key.split("."):
+            value, default = getattr(value, part), getattr(default, part)
+        return bool(value != default)
 
     def set(self, dotted_key: str, value: Any, *, origin: str = "<command line>") -> None:
         """Set one setting by its dotted name, e.g. ``tiers.dram.capacity``."""
@@ -366,7 +387,48 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _apply(obj: Any, data: Mapping[str, Any], *, prefix: str, origin: str) -> None:
+# -- the pool a process opens when its settings name none ---------------------------------
+
+DAEMON_POOL = "default"  # kvpool-server
+EMBEDDED_POOL = "embedded"  # kvpool.Pool()
+_client_pools = itertools.count()
+
+
+def settings_for(source: str | os.PathLike[str] | Mapping[str, Any] | Config | None, *, process: str) -> Config:
+    """The settings a process of kind ``process`` opens its pool with: ``Config.load(source)`` plus
+    one rule for what the settings leave out, whatever form they take (None, a TOML file, a
+    mapping or a Config, which is copied, never changed):
+
+    * ``"server"`` (``kvpool-server``): pool ``default``, as declared.
+    * ``"embedded"`` (``kvpool.Pool()``): no ``pool.name`` given opens pool ``embedded``, never the
+      one a kvpool-server on this host has open with the same defaults.
+    * ``"client"`` (``kvpool.connect()``): no ``pool.name`` given opens this process's own pool
+      (``client-<pid>``, ``client-<pid>-<n>`` for the n-th after the first), so clients never
+      collide with each other or with a kvpool-server; and no nvme tier unless
+      ``tiers.nvme.capacity`` is given (durable copies live on storage nodes).
+
+    Raises ConfigError for settings that do not load, ValueError for an unknown ``process``.
+    """
+    if process not in ("server", "embedded", "client"):
+        raise ValueError(f"process must be 'server', 'embedded' or 'client', got {process!r}")
+    config = Config.load(source)
+    chosen: dict[str, Any] = {}
+    if process != "server" and not config.given("pool.name"):
+        if process == "embedded":
+            chosen["pool.name"] = EMBEDDED_POOL
+        else:
+            n = next(_client_pools)  # a second client pool in this process needs its own name too
+            chosen["pool.name"] = f"client-{os.getpid()}" + (f"-{n}" if n else "")
+    if process == "client" and not config.given("tiers.nvme.capacity"):
+        chosen["tiers.nvme.capacity"] = 0
+    if chosen and config is source:
+        config = copy.deepcopy(config)
+    for dotted, value in chosen.items():
+        config.set(dotted, value, origin=f"kvpool {process} defaults")
+    return config
+
+
+def _apply(obj: Any, data: Mapping[str, Any], *, prefix: str, origin: str, given: set[str]) -> None:
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
@@ -379,12 +441,13 @@ def _apply(obj: Any, data: Mapping[str, Any], *, prefix: str, origin: str) -> No
         if dataclasses.is_dataclass(current):
             if not isinstance(value, Mapping):
                 raise errors.ConfigError(f"{origin}: {dotted} must be a table, got {value!r}")
-            _apply(current, value, prefix=f"{dotted}.", origin=origin)
+            _apply(current, value, prefix=f"{dotted}.", origin=origin, given=given)
             continue
         try:
             setattr(obj, key, _coerce(f, current, value))
         except ValueError as exc:
             raise errors.ConfigError(f"{origin}: {dotted}: {exc}") from None
+        given.add(dotted)
 
 
 _DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(us|ms|s|m|h)\s*$")

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.api import Key, LayerSource, PoolAPI, timed
-from kvpool.config import Config
+from kvpool.config import EMBEDDED_POOL, Config, settings_for
 from kvpool.objformat import LayerRange, ObjectSpec, byte_view, spec_of
 from tiers import TIER_ORDER, tier_class
 from tiers.entries import PinnedObject
@@ -25,7 +25,7 @@ from tiers.manager import TierManager
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_POOL = "embedded"  # the name of a Pool() given no pool.name
+__all__ = ["EMBEDDED_POOL", "Pool", "PinnedLayers", "build_tier_manager"]
 
 
 def build_tier_manager(config: Config) -> TierManager:
@@ -81,12 +81,9 @@ class Pool(PoolAPI):
     """
 
     def __init__(self, config: str | Config | Mapping[str, Any] | None = None) -> None:
-        loaded = Config.load(config)
-        if config is None or isinstance(config, Mapping) and "name" not in config.get("pool", {}):
-            # No pool named: pool "embedded", never the one a kvpool-server on this host opens with
-            # the same defaults ("default": its cxl arena and nvme directory are taken while it runs).
-            loaded.set("pool.name", EMBEDDED_POOL, origin="kvpool.Pool defaults")
-        super().__init__(loaded)
+        # No pool named (in any form of settings): pool "embedded", never the one a kvpool-server
+        # on this host opens with the same defaults (see kvpool.config.settings_for).
+        super().__init__(settings_for(config, process="embedded"))
         self.manager = build_tier_manager(self.config)
         log.info("kvpool %r: tiers %s", self.config.pool.name,
                  ", ".join(f"{t.name} {t.capacity_bytes} B" for t in self.manager.tiers))

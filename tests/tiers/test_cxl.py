@@ -322,7 +322,7 @@ def test_from_config_names_the_arena_after_the_pool() -> None:
     config.tiers.cxl.bandwidth_gbps = 64.0
     tier = CxlTier.from_config(config.tiers.cxl, config)
     try:
-        assert tier.path == default_arena_path(config.pool.name)
+        assert tier.path == default_arena_path(config.pool.name, config.pool.data_dir)
         assert tier.path.parent == Path("/dev/shm") and "/" not in tier.path.name
         assert tier.path.exists()
         stats = tier.stats()

@@ -6,7 +6,7 @@ owner), :mod:`.index` (the shared-memory key index beside the arena), :mod:`.rea
 
 CXL 3.0 Type 3 memory is byte-addressable memory that several hosts (here:
 processes) map at once. We emulate it with one file under ``/dev/shm``
-(``/dev/shm/kvpool-<pool name>-cxl`` unless a path is configured), sized with
+(``/dev/shm/kvpool-<pool name>-<data dir hash>-cxl`` unless a path is configured), sized with
 ``ftruncate`` + ``posix_fallocate`` so a too-small ``/dev/shm`` fails at start
 with :class:`~kvpool.errors.CapacityError` instead of a SIGBUS on some later
 put, mapped ``MAP_SHARED`` and pre-faulted (first touch of fresh pages runs at

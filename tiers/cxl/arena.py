@@ -60,10 +60,17 @@ def resolve_group(group: str | int | None) -> int | None:
         raise errors.ConfigError(f"tiers.cxl.group: no group named {group!r} on this host") from None
 
 
-def default_arena_path(pool_name: str) -> Path:
-    """``/dev/shm/kvpool-<pool name>-cxl``, the name made safe for a file name."""
+def default_arena_path(pool_name: str, data_dir: str | os.PathLike[str]) -> Path:
+    """``/dev/shm/kvpool-<pool name>-<data dir hash>-cxl``, the name made safe for a file name.
+
+    A pool is its name and its data directory (its nvme tier lives there), so both name the
+    arena: two pools of one name with different data directories (two kvpool-servers, two
+    embedded pools) never meet in shared memory; one pool opened twice does (PoolLockedError).
+    The hash is 8 hex digits of xxh3-64 over the data directory's absolute, resolved path.
+    """
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", pool_name) or "default"
-    return SHM_DIR / f"kvpool-{safe}-cxl"
+    where = Path(os.path.expandvars(os.path.expanduser(os.fspath(data_dir)))).resolve()
+    return SHM_DIR / f"kvpool-{safe}-{xxhash.xxh3_64_hexdigest(os.fsencode(where))[:8]}-cxl"
 
 
 # -- latency / bandwidth model ---------------------------------------------------

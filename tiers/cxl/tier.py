@@ -118,7 +118,7 @@ class CxlTier(ArenaTier):
 
     @classmethod
     def from_config(cls, section: CxlSection, config: Config) -> CxlTier:
-        path = section.path or default_arena_path(config.pool.name)
+        path = section.path or default_arena_path(config.pool.name, config.pool.resolved_data_dir())
         return cls(os.path.expanduser(path), section.capacity,
                    latency_ns=section.latency_ns, bandwidth_gbps=section.bandwidth_gbps,
                    group=resolve_group(section.group))
