@@ -148,7 +148,8 @@ class DramSection:
     capacity: int = _size("1GiB", "bytes of host memory; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
     mlock: bool = _opt(True, "page-lock the arena as far as RLIMIT_MEMLOCK allows")
-    prefault: bool = _opt(True, "touch every page at start so first puts run at memcpy speed")
+    prefault: bool = _opt(False, "fault in (and lock) every page at start so first puts run at memcpy speed; "
+                                 "false: pages come (and are locked) in 64 MiB steps as objects first use them")
 
 
 @dataclass
@@ -156,6 +157,8 @@ class CxlSection:
     capacity: int = _size("1GiB", "bytes of the shared-memory arena; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
     path: str = _opt("", "arena file; default /dev/shm/kvpool-<pool name>-<hash of data_dir>-cxl")
+    prefault: bool = _opt(False, "allocate and map the whole arena at start; false: the file is allocated in "
+                                 "64 MiB steps as objects first use it (a full /dev/shm lowers the capacity)")
     group: str = _opt("", "a group (name or gid) whose members may read this arena and its index "
                           "(files 0640); empty: this user only (0600)")
     shared_dirs: str = _opt("", "more directories (':'-separated) whose same-host cxl arenas may be mapped; "
