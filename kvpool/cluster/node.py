@@ -194,6 +194,7 @@ class Node:
         self._replicator_lock = threading.Lock()
         self.heartbeater: Heartbeater | None = None
         self.address: NodeAddress | None = None
+        self._registered = False  # the master has answered a register at least once
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -235,9 +236,12 @@ class Node:
                 thread.join(5.0)
         # Deregister: readers stop locating replicas here now, not after the heartbeat
         # timeout, and the master logs a departure (and re-replicates durable keys), not a death.
+        # A node the master never registered (it did not answer) has nothing to withdraw: no
+        # second wait on an unreachable master.
         try:
-            withdrawn = self.master.leave(self.node_id, timeout_s=1.0)
-            log.info("node %s left the master: %d replicas withdrawn", self.node_id[:8], withdrawn)
+            if self._registered:
+                withdrawn = self.master.leave(self.node_id, timeout_s=1.0)
+                log.info("node %s left the master: %d replicas withdrawn", self.node_id[:8], withdrawn)
         except errors.KVPoolError as exc:
             log.info("node %s could not deregister from the master on close: %s", self.node_id[:8], exc)
         self._control.close(0)
@@ -304,6 +308,7 @@ class Node:
                                      self.tier_state(), records, role=role,
                                      persistent_tiers=[t.name for t in persistent],
                                      control=self.control_address)
+        self._registered = True
         log.info("node %s registered with master %s as %s: %d objects indexed (%d durable)", self.node_id[:8],
                  self.master.address, role, reply.get("indexed", len(records)),
                  sum(1 for r in records if r.get("durable")))
