@@ -13,6 +13,7 @@ import argparse
 import copy
 import dataclasses
 import itertools
+import json
 import os
 import re
 import tomllib
@@ -533,6 +534,37 @@ def iter_settings(obj: Any = None, prefix: str = "") -> list[tuple[str, dataclas
         else:
             out.append((f"{prefix}{f.name}", f, value))
     return out
+
+
+def _toml_value(f: dataclasses.Field[Any], value: Any) -> str:
+    if f.metadata.get("size") and value:
+        for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+            if value % scale == 0:
+                return f'"{value // scale}{unit}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    return repr(value)
+
+
+def defaults_toml() -> str:
+    """Every setting with its default and what it means, as a TOML file (``kvpool-server
+    --print-defaults``): what ``conf/default.toml`` shows in a checkout, for an installed
+    package too. Loading it gives the defaults back."""
+    lines = ["# kvpool settings and their defaults (kvpool-server --print-defaults). Every key is optional.",
+             "# Sizes take bytes or \"512MiB\"/\"2GiB\"; settings ending in _ms/_s/_us take \"250ms\", \"1.5s\"."]
+    section = None
+    for dotted, f, default in iter_settings():
+        table, _, leaf = dotted.rpartition(".")
+        if table != section:
+            lines += ["", f"[{table}]"]
+            section = table
+        doc = f.metadata.get("doc", "")
+        choices = f.metadata.get("choices")
+        lines.append(f"{leaf} = {_toml_value(f, default)}" + (f"  # {doc}" if doc else "")
+                     + (f" (one of {', '.join(map(str, choices))})" if choices else ""))
+    return "\n".join(lines) + "\n"
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:

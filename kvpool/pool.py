@@ -93,7 +93,7 @@ class PinnedLayers:
 class Pool(PoolAPI):
     """A KV-cache pool over local tiers (hbm, dram, cxl, nvme).
 
-    ``Pool()`` opens the embedded defaults (``conf/default.toml``);
+    ``Pool()`` opens the defaults (``kvpool-server --print-defaults`` lists them) as pool ``embedded``;
     ``Pool(config="my.toml")`` or ``Pool(config=Config(...))`` overrides them.
     Thread-safe: any number of threads may share one pool.
     """

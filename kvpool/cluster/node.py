@@ -216,8 +216,11 @@ class Node:
             self.node_id,
             self.config.master.heartbeat_ms / 1000.0, self.tier_state, self.register, self._on_delete,
         ).start()
-        log.info("node %s serving pulls on %s:%d, control %s, master %s", self.node_id[:8],
-                 self.address.peer.host, self.address.peer.port, self.control_address, self.master.address)
+        peer = self.address.peer
+        ways = [f"TCP port {peer.tcp_port}"] if peer.tcp_port else []
+        ways.append(f"UCX port {peer.port}" if peer.port else "UCX by worker address")
+        log.info("node %s serving pulls on %s (%s), control %s, master %s", self.node_id[:8], peer.host,
+                 ", ".join(ways), self.control_address, self.master.address)
         return self
 
     def close(self) -> None:
