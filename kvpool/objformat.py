@@ -44,17 +44,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import xxhash
 
 from kvpool import errors
+from kvpool._native import extension
 
-try:  # built by setup.py where a C compiler is; the same checksums in Python otherwise
+if TYPE_CHECKING:
     from kvpool import _layersum
-except ImportError:  # pragma: no cover - depends on the build
-    _layersum = None  # type: ignore[assignment]
+else:  # built by setup.py where a C compiler is; the same checksums in Python otherwise (None)
+    _layersum = extension("_layersum")
 
 #: layers at least this long have their checksums computed in C (kvpool/_layersum.c)
 _NATIVE_MIN_STEP = _layersum.MIN_STEP if _layersum is not None else 1 << 62
