@@ -13,7 +13,8 @@ the default data dir, key file and state dir are its own):
 
 ``start s`` is the process's wall time from exec to exit (p50 over ``--iters`` runs; the
 server row: to "ready", one run), ``open s`` the time inside the process from before
-``import kvpool`` to an open pool, ``RSS MiB`` its peak resident memory (``ru_maxrss``),
+``import kvpool`` to an open pool, ``RSS MiB`` its peak resident memory (``ru_maxrss``; the
+server row: its resident memory once ready), ``log lines`` what it printed on stderr,
 ``x floor`` start time over the python + numpy floor.
 
     python bench/client_start_bench.py [--iters 5] [--json rows.json] [--no-prefault]
@@ -114,6 +115,15 @@ print(json.dumps({"wall_s_child": wall, "maxrss_mib": resource.getrusage(resourc
 """
 
 
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a running process (VmRSS), in MiB."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def start_server(env: dict[str, str], master: str, log_path: Path, timeout_s: float) -> tuple[subprocess.Popen[bytes],
                                                                                              float]:
     start = time.perf_counter()
@@ -155,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         master = f"tcp://127.0.0.1:{free_port()}"
         server, ready_s = start_server(env, master, Path(scratch) / "server.log", args.timeout)
         try:
-            rows.append({"what": "kvpool-server", "start_s": ready_s, "open_s": None, "rss_mib": None,
+            rows.append({"what": "kvpool-server", "start_s": ready_s, "open_s": None, "rss_mib": rss_mib(server.pid),
                          "stderr_lines": None})
             row("kvpool.connect()", [py, "-c", CONNECT, master])
             measure([py, "-c", DURABLE_PUT, master], env, 1, args.timeout)  # the object `kvpool get` reads
