@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +154,7 @@ _MISS_REASONS = {
 }
 
 
-def _why_missed(replicas: int, counters: Mapping[str, int]) -> str:
+def _why_missed(replicas: int, counters: dict[str, int]) -> str:
     """A miss in words: not cached anywhere, or which replicas failed how."""
     if replicas == 0:
         return "not cached anywhere in the pool"
