@@ -4,6 +4,7 @@ pools with different data directories. Real processes, real arenas."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,10 @@ def test_two_clients_with_one_toml_and_no_pool_name_run_side_by_side(tmp_path: P
         assert float(seen) == 3 - i  # and each reads the other's put
         arenas.add(arena)
     assert len(arenas) == 2
+    # The daemon's log names the ports it really serves pulls on (it said "127.0.0.1:0").
+    served = re.search(r"serving pulls on 127\.0\.0\.1 \(TCP port (\d+), UCX by worker address\)", log.read_text())
+    assert served and int(served.group(1)) > 0, log.read_text()[-2000:]
+    assert "127.0.0.1:0)" not in log.read_text() and "127.0.0.1:0 " not in log.read_text()
 
 
 POOL = """
