@@ -15,10 +15,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import atexit
+import concurrent.futures
 import functools
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, Self
 
 import numpy as np
@@ -55,7 +56,7 @@ def out_view(spec: ObjectSpec, layer_range: LayerRange, out: Any) -> tuple[np.nd
         if out.shape != shape:
             raise errors.OutBufferError(f"out has shape {out.shape}, layers need {shape}")
         if out.dtype != numpy_dtype(spec.dtype) and out.dtype != storage_dtype(spec.dtype):
-            raise errors.OutBufferError(f"out has dtype {out.dtype}, object is {spec.dtype}")
+            raise errors.OutDTypeError(f"out has dtype {out.dtype}, object is {spec.dtype}")
         flags = out.flags
         if not flags.c_contiguous or not flags.writeable:
             raise errors.OutBufferError("out must be C-contiguous and writable")
@@ -90,31 +91,90 @@ class LayerSource(Protocol):
         """Release what holds the object (pin, lease). Called once, also after a failure."""
 
 
-async def stream_layers(source: LayerSource, layers: Any, out: Any) -> AsyncIterator[tuple[int, np.ndarray]]:
+class _LayerPlan:
+    """One layer-wise read: the layers, the array they land in, and how one layer is read.
+    Both drivers below (threads for ``for``, asyncio for ``async for``) run it."""
+
+    def __init__(self, source: LayerSource, layers: Any, out: Any) -> None:
+        self.source = source
+        self.range = LayerRange.resolve(layers, source.spec.layers)
+        self.arr, _ = out_view(source.spec, self.range, out)
+
+    def read(self, i: int) -> None:
+        layer = self.range.start + i
+        self.source.read(LayerRange(layer, layer + 1), byte_view(self.arr[i]))
+
+
+def iterate_layers(source: LayerSource, layers: Any, out: Any) -> Iterator[tuple[int, np.ndarray]]:
     """Yield ``(layer, array)`` in order; layer i+1 is read in a worker thread while the
     caller uses layer i. ``source.done`` runs when the iteration ends, however it ends."""
     nbytes = 0
+    pending: concurrent.futures.Future[None] | None = None
+    worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-layers")
+    try:
+        plan = _LayerPlan(source, layers, out)
+        pending = worker.submit(plan.read, 0)
+        for i in range(plan.range.count):
+            pending.result()
+            if i + 1 < plan.range.count:
+                pending = worker.submit(plan.read, i + 1)
+            nbytes += source.spec.layer_nbytes
+            yield plan.range.start + i, plan.arr[i]
+    finally:
+        worker.shutdown(wait=True)  # never release what a worker thread still reads
+        source.done(nbytes)
+
+
+async def stream_layers(source: LayerSource, layers: Any, out: Any) -> AsyncIterator[tuple[int, np.ndarray]]:
+    """:func:`iterate_layers` for ``async for``: layer i+1 is read in a worker thread while
+    the caller's coroutine uses layer i."""
+    nbytes = 0
     pending: asyncio.Future[None] | None = None
     try:
-        spec = source.spec
-        layer_range = LayerRange.resolve(layers, spec.layers)
-        arr, _ = out_view(spec, layer_range, out)
-
-        def read(i: int) -> None:
-            layer = layer_range.start + i
-            source.read(LayerRange(layer, layer + 1), byte_view(arr[i]))
-
-        pending = asyncio.ensure_future(asyncio.to_thread(read, 0))
-        for i in range(layer_range.count):
+        plan = _LayerPlan(source, layers, out)
+        pending = asyncio.ensure_future(asyncio.to_thread(plan.read, 0))
+        for i in range(plan.range.count):
             await pending
-            if i + 1 < layer_range.count:
-                pending = asyncio.ensure_future(asyncio.to_thread(read, i + 1))
-            nbytes += spec.layer_nbytes
-            yield layer_range.start + i, arr[i]
+            if i + 1 < plan.range.count:
+                pending = asyncio.ensure_future(asyncio.to_thread(plan.read, i + 1))
+            nbytes += source.spec.layer_nbytes
+            yield plan.range.start + i, plan.arr[i]
     finally:
         if pending is not None and not pending.done():
             await asyncio.wait([pending])  # never release what a worker thread still reads
         source.done(nbytes)
+
+
+class LayerStream:
+    """What :meth:`PoolAPI.iter_layers` returns: iterate it with ``for`` (in a thread or plain
+    code) or ``async for`` (in a coroutine); either way layer i+1 is read while the caller
+    uses layer i. Nothing is read (or pinned) before the iteration starts."""
+
+    def __init__(self, pool: PoolAPI, key: bytes, layers: Any, out: Any) -> None:
+        self._pool, self._key, self._layers, self._out = pool, key, layers, out
+        self._agen: AsyncIterator[tuple[int, np.ndarray]] | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        self._pool._check_open()
+        source = self._pool._layer_source(self._key)
+        if source is not None:
+            yield from iterate_layers(source, self._layers, self._out)
+
+    async def _stream(self) -> AsyncIterator[tuple[int, np.ndarray]]:
+        self._pool._check_open()
+        source = await asyncio.to_thread(self._pool._layer_source, self._key)
+        if source is None:
+            return
+        async for item in stream_layers(source, self._layers, self._out):
+            yield item
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, np.ndarray]]:
+        if self._agen is None:
+            self._agen = self._stream()
+        return self._agen
+
+    async def __anext__(self) -> tuple[int, np.ndarray]:  # anext(pool.iter_layers(h)) works too
+        return await self.__aiter__().__anext__()
 
 
 _OPEN: weakref.WeakSet[PoolAPI] = weakref.WeakSet()
@@ -231,23 +291,19 @@ class PoolAPI(abc.ABC):
             found += 1
         return found
 
-    async def iter_layers(self, prefix_hash: Key, *, layers: Any = None,
-                          out: Any = None) -> AsyncIterator[tuple[int, np.ndarray]]:
-        """Yield ``(layer, array)`` in order; layer i+1 is read while the caller uses layer i.
+    def iter_layers(self, prefix_hash: Key, *, layers: Any = None, out: Any = None) -> LayerStream:
+        """``(layer, array)`` in order, with ``for`` or ``async for``; layer i+1 is read while
+        the caller uses layer i.
 
         All layers come from one version of the object (pinned locally, or
         leased and checked against the first header read). Yields nothing on a
         miss; raises ChecksumError / TransferError if a layer cannot be read
         intact after earlier layers were handed out (they cannot be taken back,
-        so this is not silently a miss).
+        so this is not silently a miss). Bad ``layers`` / ``out`` raise when the
+        iteration starts.
         """
         self._check_open()
-        key = self._key(prefix_hash)
-        source = await asyncio.to_thread(self._layer_source, key)
-        if source is None:
-            return
-        async for item in stream_layers(source, layers, out):
-            yield item
+        return LayerStream(self, self._key(prefix_hash), layers, out)
 
     # -- asyncio twins -----------------------------------------------------------------
 

@@ -17,9 +17,7 @@ peers from its tiers.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,15 +26,12 @@ import numpy as np
 from kvpool import errors
 from kvpool.api import Key, LayerSource, PoolAPI, timed
 from kvpool.cluster.view import ClusterView, LeaseReleaser
-from kvpool.config import Config
+from kvpool.config import Config, settings_for
 from kvpool.pool import Pool
 
 log = logging.getLogger("kvpool.client")
 
 __all__ = ["ClusterPool", "LeaseReleaser", "connect"]
-
-_CLIENT_POOLS = itertools.count()
-
 
 def connect(master_address: str | None = None, *, config: str | Config | Mapping[str, Any] | None = None,
             transport: str = "auto") -> ClusterPool:
@@ -44,9 +39,10 @@ def connect(master_address: str | None = None, *, config: str | Config | Mapping
     ``master.listen``; with ``master.etcd`` set and no address, the master leader found in
     etcd, followed when it changes).
 
-    Settings given as a mapping (or none) that name no ``pool.name`` open this process's
-    own local pool (``client-<pid>``, no nvme tier), so clients never collide with each
-    other or with a ``kvpool-server`` on the same host.
+    Settings that name no ``pool.name`` (none, a TOML file, a mapping or a Config alike)
+    open this process's own local pool (``client-<pid>``, no nvme tier unless
+    ``tiers.nvme.capacity`` is given), so clients never collide with each other or with a
+    ``kvpool-server`` on the same host (:func:`kvpool.config.settings_for`).
 
     ``transport``: ``"auto"`` (same-host peers over shared memory, others over
     TCP) or ``"tcp"`` (always the UCX listener, with UCX's own peer-failure
@@ -71,19 +67,10 @@ class ClusterPool(PoolAPI):
 
         if master_address is not None:
             check_master_address(master_address)  # before any tier is opened
-        if config is None or isinstance(config, Mapping):
-            # No pool named: this process's own pool, never the one of a kvpool-server or of
-            # another client on this host (same name = same arena and nvme dir = PoolLockedError),
-            # and no nvme tier unless asked for: durable copies live on storage nodes.
-            given = config or {}
-            config = Config.load(dict(given))
-            if "name" not in given.get("pool", {}):
-                n = next(_CLIENT_POOLS)  # a second pool in this process needs its own name too
-                config.set("pool.name", f"client-{os.getpid()}" + (f"-{n}" if n else ""),
-                           origin="kvpool.connect defaults")
-            if "capacity" not in given.get("tiers", {}).get("nvme", {}):
-                config.set("tiers.nvme.capacity", 0, origin="kvpool.connect defaults")
-        self.local = Pool(config)
+        # No pool named, in whatever form the settings come: this process's own pool, never the
+        # one of a kvpool-server or of another client on this host (same name = same arena and
+        # nvme dir = PoolLockedError), and no nvme tier unless asked for (settings_for).
+        self.local = Pool(settings_for(config, process="client"))
         super().__init__(self.local.config)
         self._adopt(self.local)
         self.master_address = config_master_address(self.config, master_address)  # None: the leader in etcd

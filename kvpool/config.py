@@ -10,7 +10,10 @@ defaults; keys left out keep them. An unknown key or a bad value raises
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import itertools
+import json
 import os
 import re
 import tomllib
@@ -122,7 +125,8 @@ def _opt(default: Any, doc: str, choices: tuple[Any, ...] | None = None) -> Any:
 
 @dataclass
 class PoolSection:
-    name: str = _opt("default", "pool name; the cxl arena and log lines are named after it")
+    name: str = _opt("default", "pool name; the cxl arena (with data_dir) and log lines are named after it; "
+                                "left out: kvpool.Pool() opens 'embedded', kvpool.connect() client-<pid>")
     data_dir: str = _opt("~/.local/share/kvpool", "directory holding nvme segments and the index")
     chunk_tokens: int = _opt(256, "tokens per prefix chunk (one object per chunk)")
     token_dtype: str = _opt("int32", "token width used in prefix hashes", ("int32", "int64"))
@@ -145,15 +149,18 @@ class DramSection:
     capacity: int = _size("1GiB", "bytes of host memory; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
     mlock: bool = _opt(True, "page-lock the arena as far as RLIMIT_MEMLOCK allows")
-    prefault: bool = _opt(True, "touch every page at start so first puts run at memcpy speed")
+    prefault: bool = _opt(False, "fault in (and lock) every page at start so first puts run at memcpy speed; "
+                                 "false: pages come (and are locked) in 64 MiB steps as objects first use them")
 
 
 @dataclass
 class CxlSection:
     capacity: int = _size("1GiB", "bytes of the shared-memory arena; 0 disables the tier")
     put: bool = _opt(True, "new objects may land in this tier")
-    path: str = _opt("", "arena file; default /dev/shm/kvpool-<uid>/kvpool-<pool name>-cxl (a directory only "
-                          "this user can create names in); never another user's file")
+    path: str = _opt("", "arena file; default /dev/shm/kvpool-<uid>/kvpool-<pool name>-<hash of data_dir>-cxl "
+                          "(in a directory only this user can create names in); never another user's file")
+    prefault: bool = _opt(False, "allocate and map the whole arena at start; false: the file is allocated in "
+                                 "64 MiB steps as objects first use it (a full /dev/shm lowers the capacity)")
     group: str = _opt("", "a group (name or gid) whose members may read this arena and its index "
                           "(files 0640); empty: this user only (0600)")
     shared_dirs: str = _opt("", "more directories (':'-separated) whose same-host cxl arenas may be mapped; "
@@ -282,6 +289,11 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     security: SecuritySection = field(default_factory=SecuritySection)
 
+    def __post_init__(self) -> None:
+        # Dotted names of the settings a file, mapping, flag or set() gave (not a field: it is
+        # bookkeeping, never a setting); see given().
+        self._given: set[str] = set()
+
     # -- loading ------------------------------------------------------------
 
     @classmethod
@@ -309,8 +321,21 @@ class Config:
         return config
 
     def update(self, data: Mapping[str, Any], *, origin: str) -> None:
-        _apply(self, data, prefix="", origin=origin)
+        _apply(self, data, prefix="", origin=origin, given=self._given)
         self.validate(origin)
+
+    def given(self, dotted_key: str) -> bool:
+        """Whether ``dotted_key`` (e.g. ``pool.name``) was set by whoever made these settings: in a
+        file, a mapping, a flag or :meth:`set`, or (a Config built in code) to a value other than
+        its default. Settings nobody gave are the ones each kind of process may choose for itself
+        (:func:`settings_for`)."""
+        if dotted_key in self._given:
+            return True
+        value: Any = self
+        default: Any = Config()
+        for part in dotted_key.split("."):
+            value, default = getattr(value, part), getattr(default, part)
+        return bool(value != default)
 
     def set(self, dotted_key: str, value: Any, *, origin: str = "<command line>") -> None:
         """Set one setting by its dotted name, e.g. ``tiers.dram.capacity``."""
@@ -374,7 +399,48 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _apply(obj: Any, data: Mapping[str, Any], *, prefix: str, origin: str) -> None:
+# -- the pool a process opens when its settings name none ---------------------------------
+
+DAEMON_POOL = "default"  # kvpool-server
+EMBEDDED_POOL = "embedded"  # kvpool.Pool()
+_client_pools = itertools.count()
+
+
+def settings_for(source: str | os.PathLike[str] | Mapping[str, Any] | Config | None, *, process: str) -> Config:
+    """The settings a process of kind ``process`` opens its pool with: ``Config.load(source)`` plus
+    one rule for what the settings leave out, whatever form they take (None, a TOML file, a
+    mapping or a Config, which is copied, never changed):
+
+    * ``"server"`` (``kvpool-server``): pool ``default``, as declared.
+    * ``"embedded"`` (``kvpool.Pool()``): no ``pool.name`` given opens pool ``embedded``, never the
+      one a kvpool-server on this host has open with the same defaults.
+    * ``"client"`` (``kvpool.connect()``): no ``pool.name`` given opens this process's own pool
+      (``client-<pid>``, ``client-<pid>-<n>`` for the n-th after the first), so clients never
+      collide with each other or with a kvpool-server; and no nvme tier unless
+      ``tiers.nvme.capacity`` is given (durable copies live on storage nodes).
+
+    Raises ConfigError for settings that do not load, ValueError for an unknown ``process``.
+    """
+    if process not in ("server", "embedded", "client"):
+        raise ValueError(f"process must be 'server', 'embedded' or 'client', got {process!r}")
+    config = Config.load(source)
+    chosen: dict[str, Any] = {}
+    if process != "server" and not config.given("pool.name"):
+        if process == "embedded":
+            chosen["pool.name"] = EMBEDDED_POOL
+        else:
+            n = next(_client_pools)  # a second client pool in this process needs its own name too
+            chosen["pool.name"] = f"client-{os.getpid()}" + (f"-{n}" if n else "")
+    if process == "client" and not config.given("tiers.nvme.capacity"):
+        chosen["tiers.nvme.capacity"] = 0
+    if chosen and config is source:
+        config = copy.deepcopy(config)
+    for dotted, value in chosen.items():
+        config.set(dotted, value, origin=f"kvpool {process} defaults")
+    return config
+
+
+def _apply(obj: Any, data: Mapping[str, Any], *, prefix: str, origin: str, given: set[str]) -> None:
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
@@ -387,12 +453,13 @@ def _apply(obj: Any, data: Mapping[str, Any], *, prefix: str, origin: str) -> No
         if dataclasses.is_dataclass(current):
             if not isinstance(value, Mapping):
                 raise errors.ConfigError(f"{origin}: {dotted} must be a table, got {value!r}")
-            _apply(current, value, prefix=f"{dotted}.", origin=origin)
+            _apply(current, value, prefix=f"{dotted}.", origin=origin, given=given)
             continue
         try:
             setattr(obj, key, _coerce(f, current, value))
         except ValueError as exc:
             raise errors.ConfigError(f"{origin}: {dotted}: {exc}") from None
+        given.add(dotted)
 
 
 _DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(us|ms|s|m|h)\s*$")
@@ -475,6 +542,37 @@ def iter_settings(obj: Any = None, prefix: str = "") -> list[tuple[str, dataclas
         else:
             out.append((f"{prefix}{f.name}", f, value))
     return out
+
+
+def _toml_value(f: dataclasses.Field[Any], value: Any) -> str:
+    if f.metadata.get("size") and value:
+        for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+            if value % scale == 0:
+                return f'"{value // scale}{unit}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    return repr(value)
+
+
+def defaults_toml() -> str:
+    """Every setting with its default and what it means, as a TOML file (``kvpool-server
+    --print-defaults``): what ``conf/default.toml`` shows in a checkout, for an installed
+    package too. Loading it gives the defaults back."""
+    lines = ["# kvpool settings and their defaults (kvpool-server --print-defaults). Every key is optional.",
+             "# Sizes take bytes or \"512MiB\"/\"2GiB\"; settings ending in _ms/_s/_us take \"250ms\", \"1.5s\"."]
+    section = None
+    for dotted, f, default in iter_settings():
+        table, _, leaf = dotted.rpartition(".")
+        if table != section:
+            lines += ["", f"[{table}]"]
+            section = table
+        doc = f.metadata.get("doc", "")
+        choices = f.metadata.get("choices")
+        lines.append(f"{leaf} = {_toml_value(f, default)}" + (f"  # {doc}" if doc else "")
+                     + (f" (one of {', '.join(map(str, choices))})" if choices else ""))
+    return "\n".join(lines) + "\n"
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:

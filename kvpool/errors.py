@@ -46,6 +46,11 @@ class OutBufferError(KVPoolError, ValueError):
     """An ``out=`` buffer has the wrong size, dtype, or is not writable/contiguous."""
 
 
+class OutDTypeError(OutBufferError, DTypeError):
+    """An ``out=`` array of another dtype than the object's: both an OutBufferError (a bad
+    ``out=``) and a DTypeError (a dtype that disagrees with the object)."""
+
+
 class KeyNotFoundError(KVPoolError, KeyError):
     """``delete`` (or another operation that needs the key) named an absent key."""
 

@@ -44,17 +44,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import xxhash
 
 from kvpool import errors
+from kvpool._native import extension
 
-try:  # built by setup.py where a C compiler is; the same checksums in Python otherwise
+if TYPE_CHECKING:
     from kvpool import _layersum
-except ImportError:  # pragma: no cover - depends on the build
-    _layersum = None  # type: ignore[assignment]
+else:  # built by setup.py where a C compiler is; the same checksums in Python otherwise (None)
+    _layersum = extension("_layersum")
 
 #: layers at least this long have their checksums computed in C (kvpool/_layersum.c)
 _NATIVE_MIN_STEP = _layersum.MIN_STEP if _layersum is not None else 1 << 62
@@ -106,14 +107,34 @@ DTYPES: dict[str, DTypeInfo] = {
 }
 _DTYPE_BY_CODE = {d.code: d for d in DTYPES.values()}
 
+#: what users type for the stored types (case-insensitive; a leading ``torch.`` is ignored).
+#: ``fp8`` is e4m3, as vLLM's ``kv_cache_dtype="fp8"``.
+DTYPE_ALIASES: dict[str, str] = {
+    "fp16": "float16", "f16": "float16", "half": "float16", "<f2": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32", "f32": "float32", "float": "float32", "single": "float32", "<f4": "float32",
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
+    "u8": "uint8", "byte": "uint8", "i8": "int8",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """The stored type's name for ``name`` or one of its aliases (``"bf16"``, ``"fp8"``,
+    ``"half"``, ``"torch.float16"``...); DTypeError naming what is accepted otherwise."""
+    if name in DTYPES:
+        return name
+    key = str(name).strip().lower().removeprefix("torch.")
+    key = DTYPE_ALIASES.get(key, key)
+    if key in DTYPES:
+        return key
+    raise errors.DTypeError(f"unsupported dtype {name!r}; kvpool stores {sorted(DTYPES)} "
+                            f"(also written {', '.join(sorted(DTYPE_ALIASES))})")
+
 
 def dtype_info(name: str) -> DTypeInfo:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise errors.DTypeError(
-            f"unsupported dtype {name!r}; kvpool stores {sorted(DTYPES)}"
-        ) from None
+    return DTYPES[canonical_dtype(name)]
 
 
 @functools.cache
@@ -126,16 +147,16 @@ def storage_dtype(name: str) -> np.dtype:
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype arrays of ``name`` are returned as.
 
-    bfloat16 and fp8 have no numpy dtype; when ``ml_dtypes`` is importable its
-    types are used, otherwise the raw storage type (uint16 / uint8) so the bytes
-    stay exact.
+    bfloat16 and fp8 have no numpy dtype; when ``ml_dtypes`` is importable
+    (``pip install kvpool[dtypes]``) its types are used, otherwise the raw storage
+    type (uint16 / uint8) so the bytes stay exact.
     """
     info = dtype_info(name)
-    if np.dtype(info.storage).name != name:  # bfloat16, fp8: richer types only in ml_dtypes
+    if np.dtype(info.storage).name != info.name:  # bfloat16, fp8: richer types only in ml_dtypes
         try:
             import ml_dtypes  # type: ignore[import-not-found]
 
-            return np.dtype(getattr(ml_dtypes, name))
+            return np.dtype(getattr(ml_dtypes, info.name))
         except (ImportError, AttributeError):
             pass
     return np.dtype(info.storage)

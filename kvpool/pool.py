@@ -10,6 +10,9 @@ with its view of the cluster (:class:`kvpool.client.ClusterPool`).
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +20,7 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.api import Key, LayerSource, PoolAPI, timed
-from kvpool.config import Config
+from kvpool.config import EMBEDDED_POOL, Config, settings_for
 from kvpool.objformat import LayerRange, ObjectSpec, byte_view, spec_of
 from tiers import TIER_ORDER, tier_class
 from tiers.entries import PinnedObject
@@ -25,7 +28,17 @@ from tiers.manager import TierManager
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_POOL = "embedded"  # the name of a Pool() given no pool.name
+__all__ = ["EMBEDDED_POOL", "Pool", "PinnedLayers", "build_tier_manager"]
+
+
+# The pools open in this process, by (name, data dir): a second open of one of them is this
+# process's doing, and its error says so.
+_open_here: Counter[tuple[str, str]] = Counter()
+_open_here_lock = threading.Lock()
+
+
+def pool_identity(config: Config) -> tuple[str, str]:
+    return config.pool.name, str(config.pool.resolved_data_dir().resolve())
 
 
 def build_tier_manager(config: Config) -> TierManager:
@@ -39,6 +52,11 @@ def build_tier_manager(config: Config) -> TierManager:
             try:
                 tiers.append(tier_class(name).from_config(section, config))
             except errors.PoolLockedError as exc:
+                if _open_here[pool_identity(config)] > 0:
+                    raise errors.PoolLockedError(
+                        f"pool {config.pool.name!r} (data_dir {config.pool.data_dir}) is already open in this "
+                        f"process (pid {os.getpid()}): use that Pool (it is thread-safe) or close it first, or give "
+                        f"this one its own pool.name") from None
                 raise errors.PoolLockedError(
                     f"{exc}. Pool {config.pool.name!r} is open in another process (a kvpool-server or another "
                     f"Pool with the same settings): share it with kvpool.connect(<its master address>), or give "
@@ -75,19 +93,19 @@ class PinnedLayers:
 class Pool(PoolAPI):
     """A KV-cache pool over local tiers (hbm, dram, cxl, nvme).
 
-    ``Pool()`` opens the embedded defaults (``conf/default.toml``);
+    ``Pool()`` opens the defaults (``kvpool-server --print-defaults`` lists them) as pool ``embedded``;
     ``Pool(config="my.toml")`` or ``Pool(config=Config(...))`` overrides them.
     Thread-safe: any number of threads may share one pool.
     """
 
     def __init__(self, config: str | Config | Mapping[str, Any] | None = None) -> None:
-        loaded = Config.load(config)
-        if config is None or isinstance(config, Mapping) and "name" not in config.get("pool", {}):
-            # No pool named: pool "embedded", never the one a kvpool-server on this host opens with
-            # the same defaults ("default": its cxl arena and nvme directory are taken while it runs).
-            loaded.set("pool.name", EMBEDDED_POOL, origin="kvpool.Pool defaults")
-        super().__init__(loaded)
+        # No pool named (in any form of settings): pool "embedded", never the one a kvpool-server
+        # on this host opens with the same defaults (see kvpool.config.settings_for).
+        super().__init__(settings_for(config, process="embedded"))
         self.manager = build_tier_manager(self.config)
+        self._identity = pool_identity(self.config)
+        with _open_here_lock:
+            _open_here[self._identity] += 1
         log.info("kvpool %r: tiers %s", self.config.pool.name,
                  ", ".join(f"{t.name} {t.capacity_bytes} B" for t in self.manager.tiers))
 
@@ -203,4 +221,8 @@ class Pool(PoolAPI):
         return [self._key(h) in self.manager for h in prefix_hashes]
 
     def _close(self) -> None:
+        with _open_here_lock:
+            _open_here[self._identity] -= 1
+            if _open_here[self._identity] <= 0:
+                del _open_here[self._identity]
         self.manager.close()

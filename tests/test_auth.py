@@ -199,9 +199,9 @@ def test_a_master_client_with_another_key_gets_authentication_error_not_unreacha
 
 def test_another_unix_user_cannot_read_the_key_or_the_tiers(secured: Secured) -> None:
     python, env = nobody_python()
-    from tiers.cxl.arena import default_arena_path
+    from tiers.cxl import default_arena_path
 
-    arena = default_arena_path(secured.pool_name)  # in /dev/shm/kvpool-<uid>/, a 0700 directory
+    arena = default_arena_path(secured.pool_name, secured.data_dir)  # in /dev/shm/kvpool-<uid>/, a 0700 directory
     segments = sorted(p for p in secured.data_dir.rglob("*") if p.is_file() and "nvme" in p.parent.name)
     assert arena.exists() and segments, (arena, list(secured.data_dir.rglob("*")))
     for path in [secured.key_a, arena, *segments]:

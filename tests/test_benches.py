@@ -45,6 +45,23 @@ def run_or_dump(args: list[str], timeout_s: float, env: dict[str, str] | None = 
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def test_client_start_bench_runs_and_a_default_client_maps_what_it_uses(tmp_path: Path) -> None:
+    rows_json = tmp_path / "rows.json"
+    proc = run_or_dump([str(REPO_ROOT / "bench" / "client_start_bench.py"), "--iters", "1", "--no-prefault",
+                        "--json", str(rows_json)], timeout_s=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0].split() == ["what", "start", "s", "open", "s", "RSS", "MiB", "log", "lines",
+                                                   "x", "floor"]
+    rows = {r["what"]: r for r in json.loads(rows_json.read_text())}
+    assert set(rows) == {"python + numpy", "kvpool.Pool()", "kvpool-server", "kvpool.connect()", "kvpool get"}
+    assert all(r["start_s"] > 0 for r in rows.values())
+    # Not speed: memory. A default pool and client (1 GiB dram + 1 GiB cxl configured) hold
+    # nothing yet, so they map next to nothing; and neither prints a line.
+    for what in ("kvpool.Pool()", "kvpool.connect()", "kvpool get"):
+        assert rows[what]["rss_mib"] < 512, rows[what]
+        assert rows[what]["stderr_lines"] == 0, rows[what]
+
+
 def test_tier_bench_quick_runs(tmp_path: Path) -> None:
     plot = tmp_path / "tiers.png"
     rows_json = tmp_path / "rows.json"

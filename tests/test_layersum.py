@@ -151,3 +151,41 @@ def test_a_source_rewritten_during_the_copy_is_caught_or_copied_whole(checksum_p
         stop.set()
         writer.join(5)
     print(f"{caught} copies caught mid-rewrite, {whole} whole")  # (both kinds happen here)
+
+
+WITHOUT_EXTENSIONS = """
+import importlib.abc, sys
+class NotBuilt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name in ("kvpool._layersum", "kvpool._poll"):
+            raise ImportError(f"no module named {name!r} (blocked by the test)")
+        return None
+sys.meta_path.insert(0, NotBuilt())
+import numpy as np
+import kvpool.objformat, kvpool.transport.tcp.stream
+from kvpool.objformat import decode, encode
+arr = np.arange(2 * 2 * 4 * 1 * 8, dtype=np.float32).reshape(2, 2, 4, 1, 8)
+assert (decode(encode(arr, b"k"))[1] == arr).all()  # the Python fallbacks give the same bytes
+print("fallback", kvpool.objformat._layersum, kvpool.transport.tcp.stream._native)
+"""
+
+
+def test_a_process_without_the_c_extensions_says_so_once() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "-c", WITHOUT_EXTENSIONS], capture_output=True, text=True, timeout=60,
+                          cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "fallback None None"
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "kvpool._layersum" in lines[0] and "kvpool._poll" in lines[0] and "pip install -e ." in lines[0]
+    from kvpool.transport.tcp import stream
+
+    if objformat._layersum is not None and stream._native is not None:  # built here: not a word
+        built = subprocess.run([sys.executable, "-c", "import kvpool.objformat, kvpool.transport.tcp.stream"],
+                               capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert built.returncode == 0 and built.stderr == ""

@@ -6,7 +6,17 @@ import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, decode, encode, numpy_dtype, spec_of
+from kvpool.objformat import (
+    DTYPES,
+    FIXED_HEADER_NBYTES,
+    LayerRange,
+    ObjectHeader,
+    canonical_dtype,
+    decode,
+    encode,
+    numpy_dtype,
+    spec_of,
+)
 
 SHAPE = (6, 2, 16, 4, 8)
 
@@ -35,6 +45,34 @@ def test_round_trip_of_types_numpy_lacks_as_raw_bytes(dtype: str, raw: type) -> 
     assert out.dtype.itemsize == np.dtype(raw).itemsize
     assert out.view(raw).tobytes() == arr.tobytes()
     assert numpy_dtype(dtype).itemsize == np.dtype(raw).itemsize
+
+
+def test_bfloat16_and_fp8_come_back_as_ml_dtypes_where_it_is_installed() -> None:
+    """kvpool[dtypes]: a bfloat16 put comes back as bfloat16 (without ml_dtypes: its uint16 bytes,
+    the test above)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        arr = np.random.default_rng(3).standard_normal(SHAPE).astype(getattr(ml_dtypes, name))
+        header, out = decode(encode(arr, b"key"))  # the dtype is the array's own
+        assert header.spec.dtype == name and out.dtype == arr.dtype
+        assert out.tobytes() == arr.tobytes()
+
+
+@pytest.mark.parametrize("alias, name", [
+    ("fp8", "float8_e4m3fn"), ("FP8_E4M3", "float8_e4m3fn"), ("e5m2", "float8_e5m2"), ("bf16", "bfloat16"),
+    ("BF16", "bfloat16"), ("torch.bfloat16", "bfloat16"), ("fp16", "float16"), ("half", "float16"),
+    ("fp32", "float32"), ("float", "float32"), ("int8", "int8"), ("u8", "uint8")])
+def test_dtype_aliases_users_type_name_the_stored_type(alias: str, name: str) -> None:
+    width = np.dtype(DTYPES[name].storage).itemsize
+    raw = np.zeros(SHAPE, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[width])
+    spec, _ = spec_of(raw, dtype=alias)
+    assert spec.dtype == name
+    assert canonical_dtype(alias) == name
+
+
+def test_an_unknown_dtype_names_what_is_accepted() -> None:
+    with pytest.raises(errors.DTypeError, match="float8_e4m3fn.*fp8"):
+        spec_of(np.zeros(SHAPE, np.uint8), dtype="fp4")
 
 
 def test_every_layer_range_is_one_contiguous_byte_range() -> None:

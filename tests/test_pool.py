@@ -167,6 +167,47 @@ async def test_async_twins_and_iter_layers(pool: kvpool.Pool) -> None:
     assert [x async for x in pool.iter_layers(b"missing")] == []
 
 
+def test_iter_layers_works_with_a_plain_for(pool: kvpool.Pool) -> None:
+    arr = kv(9)
+    pool.put(b"s", arr)
+    seen = [(layer, layer_arr.copy()) for layer, layer_arr in pool.iter_layers(b"s", layers=range(1, 4))]
+    assert [layer for layer, _ in seen] == [1, 2, 3]
+    for layer, layer_arr in seen:
+        np.testing.assert_array_equal(layer_arr, arr[layer])
+    out = np.empty((8,) + SHAPE[1:], np.float16)
+    for layer, layer_arr in pool.iter_layers(b"s", out=out):
+        assert np.shares_memory(layer_arr, out)
+        if layer == 2:
+            break  # leaving early releases the object: it can be deleted at once
+    pool.delete(b"s")
+    assert list(pool.iter_layers(b"missing")) == []
+    pool.put(b"s2", arr)
+    with pytest.raises(errors.LayerRangeError):
+        list(pool.iter_layers(b"s2", layers=range(9, 20)))
+    pool.delete(b"s2")  # the failed iteration pinned nothing
+
+
+def test_a_wrong_out_dtype_is_a_dtype_error_and_an_out_buffer_error(pool: kvpool.Pool) -> None:
+    pool.put(b"d", kv(10))
+    out = np.empty(SHAPE, np.float32)
+    with pytest.raises(errors.DTypeError) as caught:
+        pool.get(b"d", out=out)
+    assert isinstance(caught.value, errors.OutBufferError)
+    with pytest.raises(errors.OutBufferError) as wrong_shape:
+        pool.get(b"d", out=np.empty((1,) + SHAPE[1:], np.float16))
+    assert not isinstance(wrong_shape.value, errors.DTypeError)  # a wrong size is not a dtype matter
+
+
+def test_a_second_pool_of_the_same_settings_in_one_process_says_it_is_this_process(tmp_path) -> None:
+    config = small_config(tmp_path, ("dram", "cxl", "nvme"))
+    with kvpool.Pool(config):
+        with pytest.raises(errors.PoolLockedError, match="already open in this process") as caught:
+            kvpool.Pool(config)
+        assert "another process" not in str(caught.value)
+    with kvpool.Pool(config):  # closed, it opens again
+        pass
+
+
 def test_closed_pool_refuses_every_call(tmp_path) -> None:
     pool = kvpool.Pool(small_config(tmp_path, ("dram",)))
     pool.put(b"k", kv(1))

@@ -115,6 +115,19 @@ class ExtentAllocator:
             start = before
         self._add(start, end - start)
 
+    def truncate(self, new_capacity: int) -> None:
+        """Lower the capacity to ``new_capacity`` (aligned down); the bytes cut off must be free."""
+        new_capacity = new_capacity // self.alignment * self.alignment
+        if new_capacity >= self.capacity:
+            return
+        start = self._by_end.get(self.capacity)  # the free block that reaches the end
+        if start is None or start > new_capacity:
+            raise errors.TierError(f"cannot lower the capacity to {new_capacity}: bytes beyond it are in use")
+        self._remove(start, self.capacity - start)
+        if new_capacity > start:
+            self._add(start, new_capacity - start)
+        self.capacity = new_capacity
+
     @property
     def largest_free(self) -> int:
         return self._sizes[-1][0] if self._sizes else 0
@@ -289,13 +302,55 @@ class ArenaTier(Tier):
 
     Memory tiers (dram, cxl, emulated hbm) differ only in where the arena comes
     from; reads, writes and zero-copy views are the same slice copies.
+
+    The arena is mapped whole but may be made *ready* (backed, locked) as it is
+    used: every allocated extent lies below ``ready_bytes``, which grows in steps
+    of ``grow_step_bytes`` through :meth:`_grow` when an allocation ends beyond
+    it. A tier that readies everything at start sets ``ready_bytes`` to its
+    capacity and never grows.
     """
 
     supports_views = True
+    #: how much more of the arena one growth readies (a put crossing the mark pays for it)
+    grow_step_bytes: ClassVar[int] = 64 << 20
 
     def __init__(self, capacity_bytes: int, alignment: int = 64) -> None:
         super().__init__(capacity_bytes, alignment)
         self._arena: Any = None  # set by the subclass: np.ndarray[uint8] of capacity_bytes
+        self.ready_bytes = self.capacity_bytes  # [0, ready_bytes) is backed; subclasses that grow set 0
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        """Best fit in the arena, readied first where it ends beyond ``ready_bytes``.
+
+        Raises DiskFullError (after lowering the capacity to what is ready) where the
+        arena's backing has run out, as a full filesystem does for the nvme tier.
+        """
+        self._check_open()
+        with self._alloc_lock:
+            [segment] = self._segments
+            offset = segment.allocate(nbytes)
+            if offset is None:
+                return None
+            end = offset + self.allocated_size(nbytes)
+            if end > self.ready_bytes:
+                grown = min(self.capacity_bytes, round_up(end, self.grow_step_bytes))
+                try:
+                    self._grow(self.ready_bytes, grown)
+                except errors.DiskFullError:
+                    segment.free(offset, nbytes)
+                    segment.truncate(self.ready_bytes)  # nothing is allocated beyond it
+                    self.capacity_bytes = segment.capacity
+                    raise
+                except BaseException:
+                    segment.free(offset, nbytes)
+                    raise
+                self.ready_bytes = grown
+            return Extent(0, offset, nbytes)
+
+    def _grow(self, start: int, end: int) -> None:
+        """Hook: make arena bytes ``[start, end)`` ready before their first use (lock held).
+
+        Raises DiskFullError where no more backing can be had."""
 
     def _slice(self, extent: Extent, offset: int, nbytes: int) -> Any:
         if offset < 0 or offset + nbytes > extent.nbytes:

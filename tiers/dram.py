@@ -1,10 +1,15 @@
-"""The ``dram`` tier: one preallocated, pre-faulted, page-locked host arena.
+"""The ``dram`` tier: one host arena, page-locked as far as ``RLIMIT_MEMLOCK`` allows.
 
 Where a CUDA device exists the arena is CuPy pinned memory (so device copies
-run at DMA speed); elsewhere it is an anonymous ``mmap`` populated at start
-(first touch of fresh pages runs at ~1/4 of memcpy speed, so we pay it once)
-and ``mlock``ed as far as ``RLIMIT_MEMLOCK`` allows. A refused lock never fails
-the pool: ``stats()`` reports how many bytes are locked and why not more.
+run at DMA speed), allocated and pinned whole at start. Elsewhere it is an
+anonymous ``mmap`` that costs what is used: pages are faulted in by their first
+write and ``mlock``ed in steps as objects first reach them (``prefault = false``,
+the default: a pool starts in milliseconds and its resident memory is what it
+holds). ``prefault = true`` touches and locks every page at start instead (first
+touch of fresh pages runs at ~1/4 of memcpy speed, so a long-lived process may
+prefer to pay it once). A refused lock never fails the pool: ``stats()`` reports
+how many bytes are locked and why not more; the advice to raise the limit is
+logged once per host.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import logging
 import mmap
 import os
 import resource
+import socket
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,18 +73,39 @@ def mlock_region(address: int, nbytes: int) -> tuple[int, str]:
 _memlock_warned = False
 
 
+def _advice_marker() -> Path:
+    """Where this host's memlock advice is remembered: the user's state dir, one file per host
+    (a home directory may be shared by several hosts)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "kvpool" / f"memlock-advised-{socket.gethostname()}"
+
+
 def _warn_memlock_once(note: str, locked: int, wanted: int) -> None:
-    """One warning per process (every pool of a process hits the same limit), with the fix."""
+    """The memlock advice, one line once per host and limit (every pool of every process hits the
+    same limit): remembered in a marker file (:func:`_advice_marker`) holding the limit it was
+    given for, so a changed limit is reported again; later pools log it at debug level."""
     global _memlock_warned
-    if _memlock_warned:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    marker = _advice_marker()
+    try:
+        seen = marker.read_text().strip() == str(soft)
+    except OSError:
+        seen = False
+    if _memlock_warned or seen:
         log.debug("dram tier: %s (%d of %d bytes locked)", note, locked, wanted)
         return
     _memlock_warned = True
     log.warning(
-        "dram tier: %s: %s of %s locked, the rest may be swapped out. To lock it all, raise the "
-        "memlock limit: `ulimit -l unlimited` before starting (root), LimitMEMLOCK=infinity in a systemd "
-        "unit, `--ulimit memlock=-1` for docker, or a `memlock` line in /etc/security/limits.conf; "
-        "or set tiers.dram.mlock = false to silence this", note, format_size(locked), format_size(wanted))
+        "dram tier: %s, so %s of %s is locked and the rest may be swapped out; raise the limit (`ulimit -l "
+        "unlimited`, LimitMEMLOCK=infinity in systemd, docker --ulimit memlock=-1) or set tiers.dram.mlock = "
+        "false (said once on this host; stats() has the lock_note)", note, format_size(locked), format_size(wanted))
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(f"{marker.name}.{os.getpid()}")
+        tmp.write_text(f"{soft}\n")
+        os.replace(tmp, marker)
+    except OSError as exc:  # a read-only home: the advice comes once per process instead
+        log.debug("cannot remember the memlock advice in %s: %s", marker, exc)
 
 
 def munlock_region(address: int, nbytes: int) -> None:
@@ -109,13 +137,14 @@ def _cuda_available() -> bool:
 class DramTier(ArenaTier):
     name = "dram"
 
-    def __init__(self, capacity_bytes: int, *, mlock: bool = True, prefault: bool = True) -> None:
+    def __init__(self, capacity_bytes: int, *, mlock: bool = True, prefault: bool = False) -> None:
         super().__init__(capacity_bytes, alignment=64)
         self._mmap: mmap.mmap | None = None
         self._pinned: Any = None
         self.locked_bytes = 0
         self.lock_note = "mlock disabled"
         self.huge_pages = False
+        self._mlock = False  # more of the arena is to be locked as it is used
         if _cuda_available():
             import cupy
 
@@ -135,13 +164,34 @@ class DramTier(ArenaTier):
         # common default) copies out of a 4 KiB-page arena measured ~25% slower.
         self.huge_pages = _advise_huge_pages(self._mmap)
         self._arena = np.frombuffer(self._mmap, dtype=np.uint8)
-        if prefault:
-            self._arena[::PAGE] = 0  # fault every page in now, not on the first puts
         self.backing = "mmap"
+        self._mlock = mlock
+        if not prefault:
+            # Pages are faulted in by their first write, and locked (as far as RLIMIT_MEMLOCK
+            # allows) in grow_step_bytes steps as objects first reach them (_grow).
+            self.ready_bytes = 0
+            self.lock_note = "locked as used" if mlock else self.lock_note
+            return
+        self._arena[::PAGE] = 0  # fault every page in now, not on the first puts
         if mlock:
             self.locked_bytes, self.lock_note = mlock_region(self._arena.ctypes.data, self.capacity_bytes)
             if self.locked_bytes < self.capacity_bytes:
                 _warn_memlock_once(self.lock_note, self.locked_bytes, self.capacity_bytes)
+            self._mlock = False  # all of it is tried: nothing more to lock as the arena is used
+
+    def _grow(self, start: int, end: int) -> None:
+        """Lock ``[start, end)`` of the arena (which faults it in) while RLIMIT_MEMLOCK allows."""
+        if not self._mlock:
+            return
+        locked, note = mlock_region(self._arena.ctypes.data + start, end - start)
+        self.locked_bytes += locked
+        if locked < end - start:  # the limit is reached: the rest of the arena stays unlocked
+            self._mlock = False
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            if note.startswith("RLIMIT_MEMLOCK") and soft != resource.RLIM_INFINITY:
+                note = f"RLIMIT_MEMLOCK is {format_size(soft)}"
+            self.lock_note = f"{note}: {format_size(self.locked_bytes)} locked"
+            _warn_memlock_once(note, self.locked_bytes, self.capacity_bytes)
 
     @classmethod
     def from_config(cls, section: DramSection, config: Config) -> DramTier:

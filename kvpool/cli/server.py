@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from kvpool.cli.args import Parser
 from kvpool.config import Config, add_setting_flags, apply_setting_flags
 
 log = logging.getLogger("kvpool.server")
@@ -25,13 +26,17 @@ DEMO_ETCD = "http://127.0.0.1:2379"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvpool-server",
         description="Run a kvpool master, storage node, or both (a one-machine pool).",
     )
     parser.add_argument("--role", choices=("all", "master", "node"), default="all",
                         help="master: metadata only; node: tiers + pull server; all: both (default)")
-    parser.add_argument("--config", metavar="FILE", help="TOML file (see conf/default.toml)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML file of settings (kvpool-server --print-defaults prints every key with its "
+                             "default); flags override it")
+    parser.add_argument("--print-defaults", action="store_true",
+                        help="print every setting with its default and meaning as TOML, and exit")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="least severe log records printed (default INFO)")
     parser.add_argument("--with-etcd", action="store_true",
@@ -57,6 +62,11 @@ def run(config: Config, role: str, stop: threading.Event) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.print_defaults:
+        from kvpool.config import defaults_toml
+
+        sys.stdout.write(defaults_toml())
+        return 0
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args)

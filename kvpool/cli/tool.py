@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
+from kvpool.cli.args import Parser
 from kvpool.cluster.control import control_call
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import NodeAddress
@@ -160,6 +161,26 @@ def layer_arg(text: str) -> int | slice:
     return slice(first, last)
 
 
+#: exit status of ``kvpool get`` on a miss and ``kvpool rm`` of a key that is not there
+MISS_EXIT = 1
+
+_MISS_REASONS = {
+    "evicted": "evicted", "stale": "replaced meanwhile", "checksum": "checksum mismatch", "timeout": "timed out",
+    "holder_gone": "holder gone", "unauthorized": "refused by the holder", "malformed": "malformed answer",
+}
+
+
+def _why_missed(replicas: int, counters: dict[str, int]) -> str:
+    """A miss in words: not cached anywhere, or which replicas failed how."""
+    if replicas == 0:
+        return "not cached anywhere in the pool"
+    failures = [f"{n} {_MISS_REASONS.get(reason, reason.replace('_', ' '))}"
+                for name, n in sorted(counters.items()) if n and name.startswith("miss_")
+                and (reason := name.removeprefix("miss_")) != "absent"]
+    found = f"{replicas} replica{'s' if replicas != 1 else ''} found, none readable"
+    return f"{found}: {', '.join(failures)}" if failures else found
+
+
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     from kvpool.cluster.located import replicas_at
     from kvpool.cluster.reader import ReplicaReader
@@ -174,14 +195,16 @@ def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     # What the master says is checked before use: only arenas in the shared-memory dirs are mapped.
     reader = ReplicaReader(local_host_id(), transport=args.transport, pull_timeout_s=args.timeout,
                            allowed_dirs=shared_dirs_of(config), host=node_host(config, master.address))
+    replicas = replicas_at(located, 0)
     try:
-        arr = reader.read(key, replicas_at(located, 0), layers, None, Pool._out_view)
+        arr = reader.read(key, replicas, layers, None, Pool._out_view)
     finally:
         master.release(located.lease_ids)
         reader.close()
     if arr is None:
-        print(f"kvpool: {_show_key(key)}: miss ({dict(reader.counters)})", file=sys.stderr)
-        return 1
+        found = len(replicas) if isinstance(replicas, list) else 0
+        print(f"kvpool: {_show_key(key)}: miss ({_why_missed(found, reader.counters)})", file=sys.stderr)
+        return MISS_EXIT
     np.save(args.out, arr)
     print(f"{_show_key(key)}: {arr.dtype}{list(arr.shape)} ({format_size(arr.nbytes)}) -> {args.out}")
     return 0
@@ -195,7 +218,7 @@ def cmd_rm(master: MasterClient, args: argparse.Namespace) -> int:
             print(f"deleted {_show_key(key)}")
         else:
             print(f"kvpool: {_show_key(key)}: no such key", file=sys.stderr)
-            status = 1
+            status = MISS_EXIT
     return status
 
 
@@ -236,7 +259,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     # The connection options go before or after the command (kvpool --master X stats, kvpool stats --master X).
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--master", default=argparse.SUPPRESS,
                         help=f"master address (default: {Config().master.listen} or --config)")
     common.add_argument("--etcd", metavar="URLS", default=argparse.SUPPRESS,
@@ -246,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="seconds per request (default 5)")
     common.add_argument("--key-file", metavar="FILE", default=argparse.SUPPRESS,
                         help="cluster key (default: security.key_file of --config, else ~/.config/kvpool/cluster.key)")
-    parser = argparse.ArgumentParser(prog="kvpool", description="Inspect and operate a running kvpool cluster.",
+    parser = Parser(prog="kvpool", description="Inspect and operate a running kvpool cluster.",
                                      parents=[common])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="stats | ls | get | rm | gc | keygen (each has --help)")
@@ -258,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--prefix", default="", help="only keys starting with this (hex, or text with --text)")
     ls.add_argument("--limit", type=int, default=100, help="list at most this many keys (default 100)")
     ls.add_argument("--text", action="store_true", help="prefix is UTF-8 text, not hex")
-    get = sub.add_parser("get", help="read an object (or --layers a:b) into a .npy file", parents=[common])
+    get = sub.add_parser("get", help="read an object (or --layers a:b) into a .npy file", parents=[common],
+                         epilog=f"exit status: 0 read, {MISS_EXIT} a miss (one line says why), 2 bad command line "
+                                "or master unreachable, 3 authentication refused")
     get.add_argument("key", help="the key (prefix hash) in hex, or text with --text")
     get.add_argument("--layers", type=layer_arg, metavar="SPEC",
                      help="layers to read: N (one layer), A:B (half-open), A: (to the last), :B (from the first)")

@@ -136,15 +136,29 @@ class EtcdClient:
         kvs = self._post("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end)}).get("kvs") or []
         return [(base64.b64decode(kv["key"]), base64.b64decode(kv.get("value", ""))) for kv in kvs]
 
-    def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, bytes | None]:
+    def get_versioned(self, key: bytes) -> tuple[bytes | None, int]:
+        """(value, mod_revision) of ``key``; (None, 0) when it does not exist."""
+        kvs = self._post("/v3/kv/range", {"key": _b64(key)}).get("kvs") or []
+        if not kvs:
+            return None, 0
+        return base64.b64decode(kvs[0].get("value", "")), int(kvs[0].get("mod_revision", 0))
+
+    def create(self, key: bytes, value: bytes, lease: int, *,
+               and_put: tuple[bytes, bytes, int] | None = None) -> tuple[bool, bytes | None]:
         """Put ``key`` only if it does not exist: (True, None) when this call created it,
-        else (False, the value it has)."""
+        else (False, the value it has, or None).
+
+        ``and_put`` = (key2, value2, mod_revision): in the same transaction, put key2 (no
+        lease) too, and only if key2's mod_revision is still that (0: key2 does not exist)."""
         k = _b64(key)
-        reply = self._post("/v3/kv/txn", {
-            "compare": [{"target": "CREATE", "result": "EQUAL", "key": k, "create_revision": "0"}],
-            "success": [{"request_put": {"key": k, "value": _b64(value), "lease": str(lease)}}],
-            "failure": [{"request_range": {"key": k}}],
-        })
+        compare = [{"target": "CREATE", "result": "EQUAL", "key": k, "create_revision": "0"}]
+        success = [{"request_put": {"key": k, "value": _b64(value), "lease": str(lease)}}]
+        if and_put is not None:
+            k2, value2, revision2 = and_put
+            compare.append({"target": "MOD", "result": "EQUAL", "key": _b64(k2), "mod_revision": str(revision2)})
+            success.append({"request_put": {"key": _b64(k2), "value": _b64(value2)}})
+        reply = self._post("/v3/kv/txn", {"compare": compare, "success": success,
+                                          "failure": [{"request_range": {"key": k}}]})
         if reply.get("succeeded"):
             return True, None
         for response in reply.get("responses") or []:
@@ -164,6 +178,11 @@ def leader_key(prefix: str) -> bytes:
     return f"{prefix.rstrip('/')}/leader".encode()
 
 
+def term_key(prefix: str) -> bytes:
+    """The cluster's last master term: raised by one, in the same etcd transaction, by each election won."""
+    return f"{prefix.rstrip('/')}/term".encode()
+
+
 def member_key(prefix: str, address: str) -> bytes:
     return f"{prefix.rstrip('/')}/masters/{address}".encode()
 
@@ -171,8 +190,9 @@ def member_key(prefix: str, address: str) -> bytes:
 class Election:
     """Campaigns for leadership of the masters under ``prefix``; one thread.
 
-    ``leading()`` is what the serving thread checks before every request; ``term``
-    counts the times this process won (a new term starts with an empty index).
+    ``leading()`` is what the serving thread checks before every request; ``term`` is the
+    cluster's term this process last won (one more than the one before, whichever master held
+    it: kept in etcd beside the leader key; a new term starts with an empty index).
     """
 
     def __init__(self, client: EtcdClient, prefix: str, address: str, ttl_s: int,
@@ -247,9 +267,15 @@ class Election:
             self._lease = 0
             return
         self._renewed(sent, ttl)
-        won, current = self.client.create(leader_key(self.prefix), self.address.encode(), self._lease)
+        raw_term, term_revision = self.client.get_versioned(term_key(self.prefix))
+        try:
+            last_term = int(raw_term or b"0")
+        except ValueError:  # written by hand: count on from nothing rather than refuse to lead
+            last_term = 0
+        won, current = self.client.create(leader_key(self.prefix), self.address.encode(), self._lease,
+                                          and_put=(term_key(self.prefix), str(last_term + 1).encode(), term_revision))
         if won:
-            self.term += 1
+            self.term = last_term + 1
             self.leader = self.address
             self._valid_until = self._lease_valid_until
             log.info("elected master leader (term %d) through etcd at %s; lease TTL %d s", self.term,

@@ -199,6 +199,7 @@ class Node:
         self._replicator_lock = threading.Lock()
         self.heartbeater: Heartbeater | None = None
         self.address: NodeAddress | None = None
+        self._registered = False  # the master has answered a register at least once
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -220,8 +221,11 @@ class Node:
             self.node_id,
             self.config.master.heartbeat_ms / 1000.0, self.tier_state, self.register, self._on_delete,
         ).start()
-        log.info("node %s serving pulls on %s:%d, control %s, master %s", self.node_id[:8],
-                 self.address.peer.host, self.address.peer.port, self.control_address, self.master.address)
+        peer = self.address.peer
+        ways = [f"TCP port {peer.tcp_port}"] if peer.tcp_port else []
+        ways.append(f"UCX port {peer.port}" if peer.port else "UCX by worker address")
+        log.info("node %s serving pulls on %s (%s), control %s, master %s", self.node_id[:8], peer.host,
+                 ", ".join(ways), self.control_address, self.master.address)
         return self
 
     def close(self) -> None:
@@ -240,9 +244,12 @@ class Node:
                 thread.join(5.0)
         # Deregister: readers stop locating replicas here now, not after the heartbeat
         # timeout, and the master logs a departure (and re-replicates durable keys), not a death.
+        # A node the master never registered (it did not answer) has nothing to withdraw: no
+        # second wait on an unreachable master.
         try:
-            withdrawn = self.master.leave(self.node_id, timeout_s=1.0)
-            log.info("node %s left the master: %d replicas withdrawn", self.node_id[:8], withdrawn)
+            if self._registered:
+                withdrawn = self.master.leave(self.node_id, timeout_s=1.0)
+                log.info("node %s left the master: %d replicas withdrawn", self.node_id[:8], withdrawn)
         except errors.KVPoolError as exc:
             log.info("node %s could not deregister from the master on close: %s", self.node_id[:8], exc)
         self._control.close(0)
@@ -301,6 +308,7 @@ class Node:
                                      self.tier_state(), records, role=role,
                                      persistent_tiers=[t.name for t in persistent],
                                      control=self.control_address)
+        self._registered = True
         log.info("node %s registered with master %s as %s: %d objects indexed (%d durable)", self.node_id[:8],
                  self.master.address, role, reply.get("indexed", len(records)),
                  sum(1 for r in records if r.get("durable")))

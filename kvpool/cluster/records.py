@@ -42,7 +42,8 @@ _ENDPOINT_RE = re.compile(r"^[a-z]+://(.+:[0-9]+)")
 
 
 def describe_address(address: str) -> tuple[str, str]:
-    """(``host:port``, control socket) of a node's published address, for logs and re-replication.
+    """(``host:port``, ``host tcp:PORT`` or ``host``; control socket) of a node's published address,
+    for logs and re-replication.
 
     A node's address is opaque to the master except for these two: a JSON
     object with ``ucx: [host, port]`` and ``control`` (kvpool nodes) or a
@@ -53,7 +54,12 @@ def describe_address(address: str) -> tuple[str, str]:
         data = json.loads(address)
         host, port = data["ucx"]
         control = data.get("control")
-        return f"{host}:{int(port)}", control if isinstance(control, str) else ""
+        tcp = data.get("tcp")
+        # UCX port 0: no listener (peers use the worker address); the TCP pull port, if any, is real.
+        where = (f"{host}:{int(port)}" if int(port) else
+                 f"{host} tcp:{int(tcp)}" if isinstance(tcp, int) and not isinstance(tcp, bool) and tcp > 0 else
+                 str(host))
+        return where, control if isinstance(control, str) else ""
     except (ValueError, KeyError, TypeError):
         pass
     m = _ENDPOINT_RE.match(address)

@@ -151,7 +151,10 @@ class PullServer:
             self.close()
             raise errors.TransferError(
                 f"{self._name}: cannot listen on port {self._requested_port}: {_describe(exc)}") from exc
-        log.info("%s: serving pulls on %s:%d", self._name, self._host, self._port)
+        if self._use_listener:
+            log.info("%s: serving pulls on %s:%d (UCX listener)", self._name, self._host, self._port)
+        else:  # no sockaddr listener: peers reach the worker by its address, over transports on host
+            log.info("%s: serving pulls over UCX on %s by worker address (no listener port)", self._name, self._host)
         return self
 
     def _start_on_thread(self) -> None:

@@ -316,6 +316,34 @@ def test_arena_that_cannot_fit_at_all_fails_at_start(tiny_shm: Path) -> None:
     assert not (tiny_shm / "kvpool-tiny-cxl").exists()
 
 
+def test_a_growing_arena_meets_a_full_filesystem_as_a_lower_capacity(tiny_shm: Path, caplog) -> None:
+    """The arena file is allocated as objects reach it: a /dev/shm filled meanwhile lowers the
+    tier's capacity to what it has (DiskFullError, as a full disk does for nvme), never a SIGBUS."""
+    tier = CxlTier(tiny_shm / "kvpool-tiny-cxl", 2 << 20)
+    tier.grow_step_bytes = 1 << 20
+    try:
+        assert tier.ready_bytes == 0 and os.stat(tier.path).st_blocks * 512 < 1 << 20  # sparse at start
+        arr, header, payload = make_object(layers=4, tokens=64, seed=7)
+        first = store(tier, header, payload)
+        assert tier.ready_bytes == 1 << 20 and os.stat(tier.path).st_blocks * 512 >= 1 << 20
+        filler = os.open(tiny_shm / "filler", os.O_WRONLY | os.O_CREAT, 0o600)  # another user takes the rest
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(filler, b"\xff" * 4096)
+        finally:
+            os.close(filler)
+        big = tier.allocated_size(1 << 20)
+        with pytest.raises(errors.DiskFullError):
+            tier.allocate(big)
+        assert tier.capacity_bytes == 1 << 20 and "is full" in caplog.text
+        out = np.empty_like(arr)
+        tier.read_layers(first, header, LayerRange(0, 4), byte_view(out))  # what it held is intact
+        np.testing.assert_array_equal(out, arr)
+    finally:
+        tier.close()
+
+
 def test_from_config_names_the_arena_after_the_pool() -> None:
     config = Config()
     config.pool.name = f"test {uuid.uuid4().hex[:8]}/x"
@@ -323,7 +351,7 @@ def test_from_config_names_the_arena_after_the_pool() -> None:
     config.tiers.cxl.bandwidth_gbps = 64.0
     tier = CxlTier.from_config(config.tiers.cxl, config)
     try:
-        assert tier.path == default_arena_path(config.pool.name)
+        assert tier.path == default_arena_path(config.pool.name, config.pool.data_dir)
         # in this user's own directory, which no one else may create names in
         assert tier.path.parent == Path(f"/dev/shm/kvpool-{os.geteuid()}") and "/" not in tier.path.name
         st = os.lstat(tier.path.parent)
@@ -668,7 +696,8 @@ def test_the_server_starts_while_another_user_squats_the_old_arena_name(tmp_path
                       "--tiers.dram.mlock", "false", "--tiers.cxl.capacity", "4MiB", "--tiers.nvme.capacity", "0",
                       "--security.key_file", str(tmp_path / "cluster.key")],
                      log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=60)
-        assert (Path(f"/dev/shm/kvpool-{os.geteuid()}") / f"kvpool-{name}-cxl").exists()
+        arena = default_arena_path(name, tmp_path / "data")
+        assert arena.parent == Path(f"/dev/shm/kvpool-{os.geteuid()}") and arena.exists()
         assert squatted.stat().st_uid == 65534  # untouched
     finally:
         squatter.kill()

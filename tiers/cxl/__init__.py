@@ -6,11 +6,14 @@ owner), :mod:`.index` (the shared-memory key index beside the arena), :mod:`.rea
 
 CXL 3.0 Type 3 memory is byte-addressable memory that several hosts (here:
 processes) map at once. We emulate it with one file under ``/dev/shm``
-(``/dev/shm/kvpool-<pool name>-cxl`` unless a path is configured), sized with
-``ftruncate`` + ``posix_fallocate`` so a too-small ``/dev/shm`` fails at start
-with :class:`~kvpool.errors.CapacityError` instead of a SIGBUS on some later
-put, mapped ``MAP_SHARED`` and pre-faulted (first touch of fresh pages runs at
-~1/4 of memcpy speed, so we pay it once).
+(``/dev/shm/kvpool-<uid>/kvpool-<pool name>-<data dir hash>-cxl`` unless a path is configured), sized with
+``ftruncate`` and mapped ``MAP_SHARED``. Its pages are allocated with
+``posix_fallocate`` in steps as objects first reach them, never written sparse (a
+write to a page tmpfs cannot back is a SIGBUS): a full ``/dev/shm`` lowers the
+tier's capacity (:class:`~kvpool.errors.DiskFullError`, then eviction), as a full
+disk does for the nvme tier. ``tiers.cxl.prefault = true`` allocates and maps it
+whole at start instead (a too-small ``/dev/shm`` then fails at start with
+:class:`~kvpool.errors.CapacityError`).
 
 This module owns the arena file format, the owning tier (:class:`CxlTier`),
 the same-host reader (:class:`CxlArenaReader`) and the optional latency /

@@ -67,14 +67,21 @@ def user_shm_dir(uid: int | None = None) -> Path:
     return SHM_DIR / f"kvpool-{os.geteuid() if uid is None else uid}"
 
 
-def default_arena_path(pool_name: str) -> Path:
-    """``/dev/shm/kvpool-<uid>/kvpool-<pool name>-cxl``, the name made safe for a file name.
+def default_arena_path(pool_name: str, data_dir: str | os.PathLike[str]) -> Path:
+    """``/dev/shm/kvpool-<uid>/kvpool-<pool name>-<data dir hash>-cxl``, the name made safe for
+    a file name.
 
-    Not ``/dev/shm/kvpool-<pool name>-cxl``: ``/dev/shm`` is writable by every user and the
-    names are predictable, so another user could create (and lock) the arena's name first.
-    Only this user can create names in its own directory (:func:`private_arena_dir`)."""
+    In this user's own directory, not ``/dev/shm`` itself: ``/dev/shm`` is writable by every
+    user and the names are predictable, so another user could create (and lock) the arena's
+    name first; only this user can create names in its directory (:func:`private_arena_dir`).
+    A pool is its name and its data directory (its nvme tier lives there), so both name the
+    arena: two pools of one name with different data directories never meet in shared memory;
+    one pool opened twice does (PoolLockedError). The hash is 8 hex digits of xxh3-64 over the
+    data directory's absolute, resolved path.
+    """
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", pool_name) or "default"
-    return user_shm_dir() / f"kvpool-{safe}-cxl"
+    where = Path(os.path.expandvars(os.path.expanduser(os.fspath(data_dir)))).resolve()
+    return user_shm_dir() / f"kvpool-{safe}-{xxhash.xxh3_64_hexdigest(os.fsencode(where))[:8]}-cxl"
 
 
 def owner_name(uid: int) -> str:

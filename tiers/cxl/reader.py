@@ -46,8 +46,11 @@ class CxlArenaReader:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, instance: str | bytes | None = None,
-             require_owner: bool = True, prefault: bool = True) -> CxlArenaReader:
+             require_owner: bool = True, prefault: bool = False) -> CxlArenaReader:
         """Map the arena at ``path`` read-only and validate its header.
+
+        ``prefault`` maps every page at once (MAP_POPULATE); by default a page is mapped
+        by its first read, so a reader costs what it reads, not the owner's whole arena.
 
         ``instance`` (from :meth:`CxlTier.location`) must match when given. Raises
         TierError when the file is missing, not yet initialised, owned by nobody

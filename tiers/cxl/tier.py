@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvpool import errors
+from kvpool.config import format_size
 from kvpool.objformat import ObjectHeader
 from tiers.base import ArenaTier, Extent, close_mapping
 from tiers.cxl.arena import (
@@ -75,10 +76,15 @@ class CxlTier(ArenaTier):
     supports_views = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
-                 latency_ns: float = 0.0, bandwidth_gbps: float = 0.0, prefault: bool = True,
+                 latency_ns: float = 0.0, bandwidth_gbps: float = 0.0, prefault: bool = False,
                  group: int | None = None) -> None:
         """``group``: a gid whose members may read the arena and its index (files 0640 in that
-        group); None keeps both 0600, readable by this user's processes only."""
+        group); None keeps both 0600, readable by this user's processes only.
+
+        ``prefault``: allocate and map every page of the arena at start; else (the default)
+        the file is sparse and is allocated (``posix_fallocate``) in steps as objects first
+        reach its pages, so a put never meets a SIGBUS and a full ``/dev/shm`` lowers the
+        capacity (DiskFullError, as for the nvme tier) instead."""
         if Path(path).parent == user_shm_dir():  # the default place: made or checked private to this user
             private_arena_dir(Path(path).parent, group)
         _refuse_foreign_index(Path(path))
@@ -89,6 +95,7 @@ class CxlTier(ArenaTier):
         self.path = Path(path)
         self.instance = uuid.uuid4().bytes
         self.group = group
+        self._full_warned = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -102,7 +109,7 @@ class CxlTier(ArenaTier):
             self._fd = self._create_locked(tmp)
             share_with_group(self._fd, group)
             file_nbytes = DATA_OFFSET + self.capacity_bytes
-            self._size_file(file_nbytes)
+            self._size_file(file_nbytes, prefault)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
             self._mmap = mmap.mmap(self._fd, file_nbytes, flags=flags,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -110,6 +117,8 @@ class CxlTier(ArenaTier):
             self._arena = self._file[DATA_OFFSET:]
             if prefault and not getattr(mmap, "MAP_POPULATE", 0):
                 self._arena[::PAGE] = 0
+            if not prefault:
+                self.ready_bytes = 0  # allocated as it is used (_grow)
             # Same-host readers find objects by key here, without asking the master.
             self._index_lock = threading.Lock()
             self.index = SharedIndexWriter(index_path(self.path), slot_count_for(self.capacity_bytes),
@@ -135,10 +144,10 @@ class CxlTier(ArenaTier):
 
     @classmethod
     def from_config(cls, section: CxlSection, config: Config) -> CxlTier:
-        path = section.path or default_arena_path(config.pool.name)
+        path = section.path or default_arena_path(config.pool.name, config.pool.resolved_data_dir())
         return cls(os.path.expanduser(path), section.capacity,
                    latency_ns=section.latency_ns, bandwidth_gbps=section.bandwidth_gbps,
-                   group=resolve_group(section.group))
+                   prefault=section.prefault, group=resolve_group(section.group))
 
     # -- file setup ---------------------------------------------------------------------
 
@@ -188,7 +197,7 @@ class CxlTier(ArenaTier):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh inode: nobody else can hold it
         return fd
 
-    def _size_file(self, file_nbytes: int) -> None:
+    def _size_file(self, file_nbytes: int, allocate: bool) -> None:
         fs = os.fstatvfs(self._fd)
         available = fs.f_bavail * fs.f_frsize
         if fs.f_blocks and file_nbytes > available:
@@ -197,7 +206,7 @@ class CxlTier(ArenaTier):
                 f"(lower tiers.cxl.capacity or enlarge {self.path.parent})")
         os.ftruncate(self._fd, file_nbytes)
         try:
-            os.posix_fallocate(self._fd, 0, file_nbytes)
+            os.posix_fallocate(self._fd, 0, file_nbytes if allocate else DATA_OFFSET)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise errors.CapacityError(
@@ -205,6 +214,22 @@ class CxlTier(ArenaTier):
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise errors.TierError(f"cxl: cannot allocate arena {self.path}: {exc}") from exc
             # The filesystem cannot preallocate; the pre-fault below still touches every page.
+
+    def _grow(self, start: int, end: int) -> None:
+        """Allocate arena bytes ``[start, end)`` in the file before objects are written there: a
+        write to a sparse page that tmpfs cannot back would be a SIGBUS, this is DiskFullError."""
+        try:
+            os.posix_fallocate(self._fd, DATA_OFFSET + start, end - start)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                if not self._full_warned:
+                    self._full_warned = True
+                    log.warning("cxl: %s is full: arena %s stays at %s (tiers.cxl.capacity asked for %s)",
+                                self.path.parent, self.path, format_size(start), format_size(self.capacity_bytes))
+                raise errors.DiskFullError(exc.errno, f"cxl: no room to grow arena {self.path} past {start} "
+                                                      f"bytes: {exc.strerror}") from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise errors.TierError(f"cxl: cannot allocate arena {self.path}: {exc}") from exc
 
     # -- bytes ---------------------------------------------------------------------------
 

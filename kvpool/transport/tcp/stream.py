@@ -9,14 +9,15 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool import errors
+from kvpool._native import extension
 
-try:
+if TYPE_CHECKING:
     from kvpool import _poll as _native
-except ImportError:  # not built (no C compiler at install): polled in Python
-    _native = None  # type: ignore[assignment]
+else:
+    _native = extension("_poll")  # None where not built (no C compiler at install): polled in Python
 
 PROOF_NBYTES = 16
 
