@@ -139,7 +139,8 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
     from kvpool.integrations.vllm import Settings
 
     good = Settings.from_extra({"master": "tcp://127.0.0.1:7700"})
-    assert (good.durable, good.replicas, good.on_load_failure, good.pool_config()) == (False, 1, "recompute", {})
+    # durable, replicas: None = the pool config's node.durable / node.replicas (kvpool.client.durable_copies)
+    assert (good.durable, good.replicas, good.on_load_failure, good.pool_config()) == (None, None, "recompute", {})
     for extra, says in [({}, '"master"'), ({"master": ""}, '"master"'), ({"master": "localhost:7700"}, "tcp://"),
                         ({"master": "tcp://h:1", "replicas": 0}, "replicas"),
                         ({"master": "tcp://h:1", "durable": "yes"}, "durable"),
@@ -263,6 +264,13 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         assert connector.planner.alpha_s > 0.9 and connector.planner.prefill_tokens_per_s == 409600
         assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
         assert connector.stats["plan_recomputed_blocks"] == 3
+        # Recomputed, but kvpool holds them: only the block kvpool lacks is saved.
+        step.scheduled_new_reqs = [SimpleNamespace(req_id="r1", num_computed_tokens=0, block_ids=([20, 21, 22, 23],))]
+        step.scheduled_cached_reqs = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                     resumed_req_ids=set())
+        step.num_scheduled_tokens, step.total_num_scheduled_tokens = {"r1": 4 * BLOCK}, 4 * BLOCK
+        meta = connector.build_connector_meta(step)
+        assert meta.loads == [] and [(t.keys, t.block_ids) for t in meta.saves] == [(keys[3:4], [23])]
         connector.settings = Settings.from_extra({"master": master, "plan": False})  # always load
         connector._tracked.clear()
         assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
@@ -311,9 +319,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         connector._connector_metadata = None
         connector.stats = {"blocks_loaded": 0, "blocks_failed": 0, "blocks_saved": 0, "load_wait_s": 0.0,
                            "load_total_s": 0.0}
-        connector._pool, connector._load, connector._load_thread = pool(name), None, None
-        connector._staged, connector._failed_blocks, connector._report = {}, set(), {}
-        connector._step_started = connector._last_waited = 0.0
+        connector._init_worker(pool(name))
         caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
                   for i in range(layers)}
         connector.register_kv_caches(caches)
@@ -332,7 +338,8 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
                                                                num_tokens=2 * BLOCK))
         for i, layer in enumerate(writer._layers):
             writer.save_kv_layer(f"layer.{i}", layer, None)
-        writer.wait_for_save()
+        writer.wait_for_save()  # hands the step's blocks to the saver thread
+        writer.wait_saved(10)
         assert writer.stats["blocks_saved"] == 2 and reader._pool.lookup(keys) == 2
 
         # The reader loads them into its blocks 7 and 0, waiting layer by layer.
@@ -388,5 +395,6 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
             gate.set()
             reader._pool.get_many = get_many  # type: ignore[method-assign]
     finally:
-        writer._pool.close()
-        reader._pool.close()
+        for connector in (writer, reader):
+            connector._saver.shutdown()
+            connector._pool.close()

@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> None:
 
     kwargs: dict = {}
     if args.connector == "kvpool":
-        extra = {"master": args.master, "durable": args.durable, "transport": args.transport, "plan": not args.no_plan}
+        extra = {"master": args.master, "transport": args.transport, "plan": not args.no_plan}
+        if args.durable:  # else the --config TOML's node.durable decides (kvpool.client.durable_copies)
+            extra["durable"] = True
         if args.config:
             extra["config"] = args.config
         kwargs["kv_transfer_config"] = KVTransferConfig(

@@ -49,6 +49,7 @@ kvpool never hands the model bytes it did not verify.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -146,6 +147,16 @@ class _Tracked:
     load: Transfer | None = None  # blocks to load at its first step
 
 
+@dataclass
+class _Stage:
+    """One step's blocks to save: ``objects[i]`` ([layers, ...]) is ``keys[i]``'s object,
+    filled layer by layer from the paged cache's ``block_ids[i]``."""
+
+    keys: list[bytes]
+    block_ids: torch.Tensor
+    objects: np.ndarray
+
+
 class _LayerLoad:
     """One step's loads: a thread pulls layer by layer; the model waits per layer."""
 
@@ -190,20 +201,27 @@ class KvpoolConnector(KVConnectorBase_V1):
             import kvpool
 
             self.namespace = namespace_of(vllm_config, get_tensor_model_parallel_rank())
-            self._pool = kvpool.connect(self.settings.master, config=self.settings.pool_config(),
-                                        transport=self.settings.transport)
-            self._layers: list[torch.Tensor] = []
-            self._layer_index: dict[str, int] = {}
-            self._load: _LayerLoad | None = None
-            self._load_thread: threading.Thread | None = None
-            self._staged: dict[bytes, np.ndarray] = {}
-            self._report: dict[str, Any] = {}  # measured since the last get_kv_connector_stats
-            self._step_started = 0.0
-            self._last_waited = 0.0  # of this step's load, once finished
-            self._block_nbytes = 0
-            self._failed_blocks: set[int] = set()
+            self._init_worker(kvpool.connect(self.settings.master, config=self.settings.pool_config(),
+                                             transport=self.settings.transport))
         log.info("kvpool connector (%s) on master %s, namespace %s", role.name.lower(), self.settings.master,
                  self.namespace)
+
+    def _init_worker(self, pool: Any) -> None:
+        """The worker side's state around its kvpool client ``pool``."""
+        self._pool = pool
+        self._layers: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._load: _LayerLoad | None = None
+        self._load_thread: threading.Thread | None = None
+        self._stage: _Stage | None = None  # this step's blocks to save, as the layers come
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
+        self._saves: list[concurrent.futures.Future[None]] = []
+        self._count_lock = threading.Lock()
+        self._report: dict[str, Any] = {}  # measured since the last get_kv_connector_stats
+        self._step_started = 0.0
+        self._last_waited = 0.0  # of this step's load, once finished
+        self._block_nbytes = 0
+        self._failed_blocks: set[int] = set()
 
     # -- scheduler side ---------------------------------------------------------------
 
@@ -233,6 +251,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             recompute = self.planner.recompute_s(held, self.block_size)
             if not self.planner.blocks_to_load(held, block_bytes, self.block_size, rounds):
                 self.stats["plan_recomputed_blocks"] += held
+                tracked.saved_upto = hits  # kvpool holds them already: recomputed, not saved again
                 log.info("kvpool plan: request %s recomputes %d held blocks: %.2f ms beats loading them in "
                          "%.2f ms (alpha %.3f ms, beta %.2f GB/s, prefill %.0f tokens/s)", request.request_id,
                          held, (recompute or 0) * 1e3, transfer * 1e3, self.planner.alpha_s * 1e3,
@@ -346,15 +365,6 @@ class KvpoolConnector(KVConnectorBase_V1):
             block = block.view(torch.int16)
         return block.numpy().view(self._np_dtype).reshape(self._shape)
 
-    def _read_block(self, layer: int, block_id: int) -> np.ndarray:
-        """The block's bytes on the host: a view of a host cache, a copy of a device one."""
-        if self._on_host:
-            return self._block_view(layer, block_id)[0]
-        block = self._layers[layer][block_id]
-        if block.dtype == torch.bfloat16:
-            block = block.view(torch.int16)
-        return block.cpu().numpy().view(self._np_dtype).reshape(self._shape[1:])
-
     def _write_block(self, layer: int, block_id: int, data: np.ndarray) -> None:
         """Copy one layer of a block (host bytes) into the paged cache, wherever it lives."""
         if self._on_host:
@@ -452,16 +462,19 @@ class KvpoolConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:
             return None
-        report, self._report = self._report, {}
+        with self._count_lock:
+            report, self._report = self._report, {}
         if not report:
             return None
         return KvpoolStats(data={**report, "block_bytes": self._block_nbytes, "layers": len(self._layers),
                                  "rounds": -(-len(self._layers) // self._layers_per_pull)})
 
-    def _count(self, name: str, n: int) -> None:
-        """A worker counter: in this process's stats and in the next report to the scheduler."""
-        self.stats[name] += n
-        self._report[name] = self._report.get(name, 0) + n
+    def _count(self, name: str, n: float) -> None:
+        """A worker counter: in this process's stats and in the next report to the scheduler
+        (the saver thread counts too)."""
+        with self._count_lock:
+            self.stats[name] = self.stats.get(name, 0) + n
+            self._report[name] = self._report.get(name, 0) + n
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -473,13 +486,22 @@ class KvpoolConnector(KVConnectorBase_V1):
         layer = self._layer_index.get(layer_name)
         if layer is None or not meta.saves:
             return
-        layers = len(self._layers)
-        for transfer in meta.saves:
-            for key, block_id in zip(transfer.keys, transfer.block_ids):
-                staged = self._staged.get(key)
-                if staged is None:
-                    staged = self._staged[key] = np.empty((layers, *self._shape[1:]), self._np_dtype)
-                staged[layer] = self._read_block(layer, block_id)
+        stage = self._stage
+        if stage is None:
+            # The step's blocks to save, each key once (two requests may fill the same block),
+            # staged as one array: object i is stage.objects[i], [layers, ...], contiguous.
+            chosen: dict[bytes, int] = {}
+            for transfer in meta.saves:
+                for key, block_id in zip(transfer.keys, transfer.block_ids):
+                    chosen.setdefault(key, block_id)
+            stage = self._stage = _Stage(list(chosen), torch.tensor(list(chosen.values()), dtype=torch.long),
+                                         np.empty((len(chosen), len(self._layers), *self._shape[1:]),
+                                                  self._np_dtype))
+        # One gather of the layer's blocks (no per-block Python), then one strided copy.
+        blocks = self._layers[layer].index_select(0, stage.block_ids.to(self._layers[layer].device)).cpu()
+        if blocks.dtype == torch.bfloat16:
+            blocks = blocks.view(torch.int16)
+        stage.objects[:, layer] = blocks.numpy().view(self._np_dtype).reshape(len(stage.keys), *self._shape[1:])
 
     def wait_for_save(self) -> None:
         waited = self._load.waited_s if self._load is not None else self._last_waited
@@ -490,18 +512,29 @@ class KvpoolConnector(KVConnectorBase_V1):
             seconds = time.perf_counter() - self._step_started - waited  # computing, not waiting for loads
             self._report.setdefault("prefill", []).append([meta.num_tokens, seconds])
         self._step_started, self._last_waited = 0.0, 0.0
-        staged, self._staged = self._staged, {}
-        if not staged:
-            return
+        stage, self._stage = self._stage, None
+        if stage is not None:  # stored off the model's path: the next step does not wait for it
+            self._saves.append(self._saver.submit(self._save, stage))
+            self._saves = [f for f in self._saves if not f.done()]
+
+    def _save(self, stage: _Stage) -> None:
+        """Put one step's blocks (the saver thread): one ``put_many``, durable by the one rule
+        of :func:`kvpool.client.durable_copies` (the ``durable`` / ``replicas`` settings, else
+        the pool config's ``node.durable`` / ``node.replicas``): one placement and one
+        replicate exchange per storage node for the whole batch."""
+        started = time.perf_counter()
         try:
-            if self.settings.durable:
-                for key, arr in staged.items():
-                    self._pool.put(key, arr, dtype=self._dtype_name, durable=True, replicas=self.settings.replicas)
-            else:
-                self._pool.put_many(staged.items(), dtype=self._dtype_name)
-            self._count("blocks_saved", len(staged))
+            self._pool.put_many(zip(stage.keys, stage.objects), dtype=self._dtype_name,
+                                durable=self.settings.durable, replicas=self.settings.replicas)
+            self._count("blocks_saved", len(stage.keys))
         except errors.KVPoolError as exc:  # a save that fails is a future miss, never an engine error
-            log.warning("kvpool: saving %d blocks failed: %s", len(staged), exc)
+            log.warning("kvpool: saving %d blocks failed: %s", len(stage.keys), exc)
+        self._count("save_s", time.perf_counter() - started)
+
+    def wait_saved(self, timeout_s: float | None = None) -> None:
+        """Until every save handed to the saver thread so far has finished (tests, shutdown)."""
+        concurrent.futures.wait(self._saves, timeout_s)
+        self._saves = [f for f in self._saves if not f.done()]
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.SCHEDULER:
@@ -509,4 +542,5 @@ class KvpoolConnector(KVConnectorBase_V1):
         else:
             if self._load_thread is not None:
                 self._load_thread.join(self.settings.load_timeout_s)
+            self._saver.shutdown(wait=True)  # saves in flight finish first
             self._pool.close()

@@ -23,8 +23,8 @@ class Settings:
 
     master: str
     config: str | None = None
-    durable: bool = False
-    replicas: int = 1
+    durable: bool | None = None  # None: the pool config's node.durable (kvpool.client.durable_copies)
+    replicas: int | None = None  # None: the pool config's node.replicas
     load_timeout_s: float = 30.0
     on_load_failure: str = "recompute"
     transport: str = "auto"
@@ -50,11 +50,10 @@ class Settings:
         config = extra.get("config")
         if config is not None and not isinstance(config, str):
             raise errors.ConfigError('kv_connector_extra_config "config" must be the path of a kvpool TOML file')
-        durable, replicas, timeout = extra.get("durable", False), extra.get("replicas", 1), \
-            extra.get("load_timeout_s", 30.0)
-        if not isinstance(durable, bool):
+        durable, replicas, timeout = extra.get("durable"), extra.get("replicas"), extra.get("load_timeout_s", 30.0)
+        if durable is not None and not isinstance(durable, bool):
             raise errors.ConfigError(f'kv_connector_extra_config "durable" must be true or false, got {durable!r}')
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
             raise errors.ConfigError(f'kv_connector_extra_config "replicas" must be an int >= 1, got {replicas!r}')
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise errors.ConfigError(f'kv_connector_extra_config "load_timeout_s" must be > 0, got {timeout!r}')
