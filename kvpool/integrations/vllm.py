@@ -168,6 +168,8 @@ class _LayerLoad:
         self.waited_s = 0.0
         self.started = time.perf_counter()
         self.finished_s = 0.0
+        self.pull_s = 0.0  # in get_many (locate, pulls, checksums)
+        self.copy_s = 0.0  # from the staging buffer into the paged cache
 
 
 class KvpoolConnector(KVConnectorBase_V1):
@@ -208,11 +210,15 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _init_worker(self, pool: Any) -> None:
         """The worker side's state around its kvpool client ``pool``."""
+        for name in ("blocks_loaded", "blocks_failed", "blocks_saved", "load_wait_s", "load_total_s", "save_s"):
+            self.stats.setdefault(name, 0)
         self._pool = pool
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._load: _LayerLoad | None = None
-        self._load_thread: threading.Thread | None = None
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
+        self._load_future: concurrent.futures.Future[None] | None = None
+        self._staging: np.ndarray | None = None  # reused by loads of several layers per pull
         self._stage: _Stage | None = None  # this step's blocks to save, as the layers come
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
         self._saves: list[concurrent.futures.Future[None]] = []
@@ -365,15 +371,6 @@ class KvpoolConnector(KVConnectorBase_V1):
             block = block.view(torch.int16)
         return block.numpy().view(self._np_dtype).reshape(self._shape)
 
-    def _write_block(self, layer: int, block_id: int, data: np.ndarray) -> None:
-        """Copy one layer of a block (host bytes) into the paged cache, wherever it lives."""
-        if self._on_host:
-            self._block_view(layer, block_id)[0] = data
-            return
-        target = self._layers[layer][block_id]
-        source = torch.from_numpy(np.ascontiguousarray(data).view(np.int16 if data.itemsize == 2 else data.dtype))
-        target.view(source.dtype).copy_(source.reshape(target.shape))
-
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Each step starts here, before its forward pass (vLLM starts loads only after the
         forward when the step has none to wait for): the step's compute time runs from here."""
@@ -388,44 +385,73 @@ class KvpoolConnector(KVConnectorBase_V1):
         if not keys:
             return
         load = self._load = _LayerLoad(len(self._layers), block_ids)
-
-        group = self._layers_per_pull
-
-        def pull() -> None:
-            failed: set[int] = set()
-            try:
-                for first in range(0, len(self._layers), group):
-                    layers = range(first, min(first + group, len(self._layers)))
-                    if group == 1 and self._on_host:  # straight into the paged cache's blocks
-                        outs = [self._block_view(first, b) for b in block_ids]
-                    else:  # several layers per pull: into one buffer, then one copy per layer
-                        staging = np.empty((len(keys), len(layers), *self._shape[1:]), self._np_dtype)
-                        outs = list(staging)
-                    started = time.perf_counter()
-                    try:
-                        got = self._pool.get_many(keys, layers=layers, outs=outs)
-                    except errors.KVPoolError as exc:
-                        log.warning("kvpool: loading layers %d..%d failed: %s", first, layers[-1], exc)
-                        got = [None] * len(keys)
-                    if all(arr is not None for arr in got):  # a request's cost, for the planner
-                        self._report.setdefault("pulls", []).append(
-                            [len(keys) * len(layers) * self._block_nbytes, time.perf_counter() - started])
-                    failed.update(b for b, arr in zip(block_ids, got) if arr is None)
-                    for layer in layers:
-                        if group > 1 or not self._on_host:
-                            for i, b in enumerate(block_ids):
-                                if got[i] is not None:
-                                    self._write_block(layer, b, staging[i, layer - first])
-                        load.done[layer].set()
-            finally:
-                load.failed_blocks = failed
-                load.finished_s = time.perf_counter() - load.started
-                for event in load.done:
-                    event.set()
-
-        self._load_thread = threading.Thread(target=pull, name="kvpool-load", daemon=True)
-        self._load_thread.start()
+        self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
+
+    def _pull(self, load: _LayerLoad, keys: list[bytes]) -> None:
+        """The loader thread: every block's layers, ``layers_per_pull`` at a time, each group in
+        one ``get_many`` (one master round trip at most for the whole step, then the location
+        cache; every pull in flight at once), each layer handed to the model (``load.done``) as
+        soon as it is in the paged cache. One layer per pull lands straight in the cache's
+        blocks; several land in one reused buffer, then one gather-copy per layer moves every
+        block of that layer into the cache (no per-block Python)."""
+        group, layers_count = self._layers_per_pull, len(self._layers)
+        block_ids = load.block_ids
+        direct = group == 1 and self._on_host
+        staging = None if direct else self._staging_for(len(keys), group)
+        failed: set[int] = set()
+        try:
+            for first in range(0, layers_count, group):
+                layers = range(first, min(first + group, layers_count))
+                if staging is None:  # straight into the paged cache's blocks
+                    outs: list[np.ndarray] = [self._block_view(first, b) for b in block_ids]
+                else:  # row i: block i's layers of this group, contiguous
+                    outs = [staging[i, :len(layers)] for i in range(len(keys))]
+                started = time.perf_counter()
+                try:
+                    got = self._pool.get_many(keys, layers=layers, outs=outs)
+                except errors.KVPoolError as exc:
+                    log.warning("kvpool: loading layers %d..%d failed: %s", first, layers[-1], exc)
+                    got = [None] * len(keys)
+                pulled = time.perf_counter()
+                load.pull_s += pulled - started
+                if all(arr is not None for arr in got):  # a request's cost, for the planner
+                    with self._count_lock:
+                        self._report.setdefault("pulls", []).append(
+                            [len(keys) * len(layers) * self._block_nbytes, pulled - started])
+                ok = [i for i, arr in enumerate(got) if arr is not None]
+                failed.update(block_ids[i] for i, arr in enumerate(got) if arr is None)
+                for j, layer in enumerate(layers):
+                    if staging is not None and ok:
+                        self._write_layer(layer, [block_ids[i] for i in ok],
+                                          staging[:, j] if len(ok) == len(keys) else staging[ok, j])
+                    load.done[layer].set()
+                load.copy_s += time.perf_counter() - pulled
+        finally:
+            load.failed_blocks = failed
+            load.finished_s = time.perf_counter() - load.started
+            for event in load.done:
+                event.set()
+
+    def _staging_for(self, blocks: int, layers: int) -> np.ndarray:
+        """A [blocks, layers, ...] buffer for several layers per pull, reused from step to step
+        (a fresh one would cost a page fault per 4 KiB on every load)."""
+        nbytes = blocks * layers * self._block_nbytes
+        if self._staging is None or self._staging.nbytes < nbytes:
+            self._staging = np.empty(nbytes, np.uint8)
+        return self._staging[:nbytes].view(self._np_dtype).reshape(blocks, layers, *self._shape[1:])
+
+    def _write_layer(self, layer: int, block_ids: list[int], data: np.ndarray) -> None:
+        """Copy one layer of several blocks (host bytes, [blocks, ...]) into the paged cache,
+        wherever it lives: one ``index_copy_``."""
+        target = self._layers[layer]
+        if target.dtype == torch.bfloat16:
+            target, data = target.view(torch.int16), data.view(np.int16)
+        source = torch.from_numpy(data).reshape(len(block_ids), *target.shape[1:])
+        index = torch.tensor(block_ids, dtype=torch.long)
+        if target.device.type != "cpu":
+            source, index = source.to(target.device), index.to(target.device)
+        target.index_copy_(0, index, source)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         load = self._load
@@ -445,8 +471,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         load, self._load = self._load, None
         if load is None:
             return
-        if self._load_thread is not None:
-            self._load_thread.join(self.settings.load_timeout_s)
+        if self._load_future is not None:
+            concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
         failed = set(load.block_ids) if load.timed_out else load.failed_blocks
         if failed:
             self._failed_blocks |= failed
@@ -456,8 +482,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         self.stats["load_wait_s"] += load.waited_s
         self.stats["load_total_s"] += load.finished_s
         log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d layers "
-                 "per pull)", len(load.block_ids), len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3,
-                 self._layers_per_pull)
+                 "per pull; pulls %.2f ms, copies into the cache %.2f ms, started %.2f ms after the step)",
+                 len(load.block_ids), len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3,
+                 self._layers_per_pull, load.pull_s * 1e3, load.copy_s * 1e3,
+                 (load.started - self._step_started) * 1e3 if self._step_started else 0.0)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:
@@ -540,7 +568,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         if self._role == KVConnectorRole.SCHEDULER:
             self._master.close()
         else:
-            if self._load_thread is not None:
-                self._load_thread.join(self.settings.load_timeout_s)
+            if self._load_future is not None:
+                concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
+            self._loader.shutdown(wait=False)
             self._saver.shutdown(wait=True)  # saves in flight finish first
             self._pool.close()
