@@ -232,9 +232,13 @@ class KvpoolConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        tokens = list(request.prompt_token_ids or [])
-        keys = prefix_hashes(tokens, self.block_size, namespace=self.namespace)
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(keys))
+        tokens = request.prompt_token_ids or []
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:  # hashed once per request (a waiting request is asked again each step)
+            tracked = self._tracked[request.request_id] = _Tracked(
+                prefix_hashes(tokens if isinstance(tokens, list) else list(tokens), self.block_size,
+                              namespace=self.namespace))
+        keys = tracked.keys
         loadable = (len(tokens) - 1) // self.block_size  # vLLM computes at least the last token
         first = num_computed_tokens // self.block_size
         tracked.saved_upto = tracked.first = first
@@ -443,15 +447,17 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _write_layer(self, layer: int, block_ids: list[int], data: np.ndarray) -> None:
         """Copy one layer of several blocks (host bytes, [blocks, ...]) into the paged cache,
-        wherever it lives: one ``index_copy_``."""
+        wherever it lives, in one call: a numpy scatter on the host (~4x faster than torch's
+        ``index_copy_`` there), ``index_copy_`` on a device."""
         target = self._layers[layer]
         if target.dtype == torch.bfloat16:
             target, data = target.view(torch.int16), data.view(np.int16)
-        source = torch.from_numpy(data).reshape(len(block_ids), *target.shape[1:])
-        index = torch.tensor(block_ids, dtype=torch.long)
-        if target.device.type != "cpu":
-            source, index = source.to(target.device), index.to(target.device)
-        target.index_copy_(0, index, source)
+        if target.device.type == "cpu":
+            target.numpy()[block_ids] = data.reshape(len(block_ids), *target.shape[1:])
+            return
+        source = torch.from_numpy(np.ascontiguousarray(data)).reshape(len(block_ids), *target.shape[1:])
+        target.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=target.device),
+                           source.to(target.device))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         load = self._load
@@ -572,4 +578,6 @@ class KvpoolConnector(KVConnectorBase_V1):
                 concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
             self._loader.shutdown(wait=False)
             self._saver.shutdown(wait=True)  # saves in flight finish first
+            log.info("kvpool saves: %d blocks saved in %.3f s on the saver thread", self.stats["blocks_saved"],
+                     self.stats["save_s"])
             self._pool.close()
