@@ -389,3 +389,45 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         for connector in (writer, reader):
             connector._saver.shutdown()
             connector._pool.close()
+
+
+def test_a_model_kind_the_connector_cannot_store_is_refused_at_start_with_one_clear_error() -> None:
+    """vLLM's own KV cache specs: one group of full attention (sliding-window layers promoted
+    to it, as vLLM does with its hybrid allocator off) is served; several groups, Mamba state
+    and a model of only sliding-window layers are refused before anything is opened."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvpool import errors
+    from kvpool.integrations.vllm import KvpoolConnector, check_model_kind
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    promoted = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                 sliding_window=512)  # Gemma-3 style, hybrid allocator off
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                               sliding_window=512)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
+
+    def config(*groups: tuple[Any, int]) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"g{g}.layer.{i}" for i in range(n)], spec) for g, (spec, n) in enumerate(groups)])
+
+    check_model_kind(config((full, 4)))
+    check_model_kind(config((promoted, 6)))
+    check_model_kind(None)  # a caller that passes no KV cache config: nothing to check
+    for refused, says in [(config((full, 4), (window, 2)), "2 KV cache group(s): FullAttentionSpec (4 layers), "
+                                                            "SlidingWindowSpec (2 layers)"),
+                          (config((window, 4)), "SlidingWindowSpec (4 layers)"),
+                          (config((full, 4), (mamba, 2)), "MambaSpec (2 layers)")]:
+        with pytest.raises(errors.ConfigError, match=r"cannot be stored block for block") as caught:
+            check_model_kind(refused)
+        assert says in str(caught.value) and "without the kvpool connector" in str(caught.value)
+        # The connector itself refuses it first thing (no master is contacted: none runs here).
+        with pytest.raises(errors.ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+            KvpoolConnector(None, None, refused)  # type: ignore[arg-type]

@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolStats", "Settings", "Transfer",
-           "model_fingerprint", "namespace_of"]
+           "check_model_kind", "model_fingerprint", "namespace_of"]
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
@@ -172,10 +172,38 @@ class _LayerLoad:
         self.copy_s = 0.0  # from the staging buffer into the paged cache
 
 
+def check_model_kind(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, with one ConfigError at start-up, a model whose KV cache this connector cannot
+    store and load block for block: it needs one KV cache group of full-attention layers
+    (``FullAttentionSpec``, MLA included), every block of a prompt kept. That covers models
+    with sliding-window and full layers (Gemma-3 style) while vLLM's hybrid allocator is off
+    — always on vLLM-CPU, and with this connector (it does not declare ``SupportsHMA``) —
+    where vLLM keeps every block of the window layers too. Refused: several groups (the
+    hybrid allocator on), a model of only sliding-window or chunked-local layers (vLLM drops
+    blocks outside the window: a load would write into its shared null block), Mamba state,
+    cross-attention and encoder-only caches."""
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    if len(groups) == 1 and type(groups[0].kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec) \
+            and getattr(groups[0].kv_cache_spec, "attention_chunk_size", None) is None:
+        return
+    described = ", ".join(f"{kind} ({len(g.layer_names)} layers)" for kind, g in zip(kinds, groups)) or "none"
+    raise errors.ConfigError(
+        f"kvpool connector: this model's KV cache cannot be stored block for block: {len(groups)} KV cache "
+        f"group(s): {described}. The connector needs one group of full-attention layers (FullAttentionSpec or "
+        f"MLAAttentionSpec; sliding-window layers beside full ones qualify while vLLM's hybrid KV cache "
+        f"manager is off). Run this model without the kvpool connector.")
+
+
 class KvpoolConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector over a kvpool cluster (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        check_model_kind(kv_cache_config)  # before anything is opened
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
