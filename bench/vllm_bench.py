@@ -186,12 +186,46 @@ def load_rows(master: str, work: Path, args: argparse.Namespace) -> None:
             connector._saver.shutdown()
         finally:
             pool.close()
+    disk = _disk_read_s(work / "storage", nbytes, args.iters, args.direct_io != "off")
+    if disk is not None:
+        rows.append(["the storage node's segment file, read alone", f"{nbytes / 2**20:.0f} MiB",
+                     f"{disk * 1e3:.2f} ms", f"{nbytes / disk / 1e9:.2f} GB/s", "-", "-", "-"])
     print(f"\nloads: {blocks} blocks of {nbytes // blocks / 2**20:.2f} MiB ({args.layers} layers), from the storage "
-          f"node's nvme; p50 of {args.iters}, interleaved", flush=True)
+          f"node's nvme (direct_io {args.direct_io}); p50 of {args.iters}, interleaved", flush=True)
     print(format_table(["path", "bytes", "get_many", "get_many bandwidth", "connector load", "connector bandwidth",
                         "connector / get_many"], rows))
     print(format_table(["path", "master locate (all blocks)", "pulls (get_many in the load)",
                         "checksums (in the pulls)", "copies into the cache", "model waited (all layers)"], stages))
+
+
+def _disk_read_s(storage: Path, nbytes: int, iters: int, direct: bool) -> float | None:
+    """The physical limit of a load from the storage node: ``nbytes`` of its nvme segment file
+    read in 1 MiB requests (``O_DIRECT`` as the node reads, unless it was told not to)."""
+    import mmap
+
+    segments = sorted(storage.rglob("seg-*.kvs"))
+    if not segments:
+        return None
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    try:
+        fd = os.open(segments[0], flags)
+    except OSError:
+        fd = os.open(segments[0], os.O_RDONLY)
+    buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
+    try:
+        size = min(nbytes, os.fstat(fd).st_size) // (1 << 20) * (1 << 20)
+        if size == 0:
+            return None
+        samples = []
+        for _ in range(iters):
+            started = time.perf_counter()
+            for offset in range(0, size, 1 << 20):
+                os.preadv(fd, [buf], offset)
+            samples.append((time.perf_counter() - started) * nbytes / size)
+        return _median(samples)
+    finally:
+        buf.close()
+        os.close(fd)
 
 
 def lookup_rows(master: str, work: Path, args: argparse.Namespace) -> None:

@@ -106,9 +106,13 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     tokens = [o["tokens"] for o in plain["outputs"]]
     assert len({tuple(t) for t in tokens}) >= 3, tokens  # the model's output depends on the prompt
 
-    # The first engine computes everything and stores each full prompt block (durably, so it
-    # outlives the engine); it generates what the plain engine generated.
-    first = engine(tmp_path, "first", *common, *kv, "--durable")
+    # The first engine computes everything and stores each full prompt block durably, so it
+    # outlives the engine — because its kvpool config says node.durable (the connector has no
+    # "durable" setting: put, put_many and the connector follow one rule); it generates what
+    # the plain engine generated.
+    durable_config = tmp_path / "durable-engine.toml"
+    durable_config.write_text(engine_config.read_text() + "[node]\ndurable = true\n")
+    first = engine(tmp_path, "first", *common, *kv[:-1], str(durable_config))
     assert [o["tokens"] for o in first["outputs"]] == tokens
     assert [o["cached"] for o in first["outputs"]] == [0, 3 * BLOCK, 0, 3 * BLOCK]  # vLLM's own prefix cache
 
@@ -116,7 +120,8 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     keys = prefix_hashes(bases[1][:3 * BLOCK], BLOCK, namespace=first["namespace"])
     corrupt_object(data_dir, keys[1])
 
-    # A second engine (nothing cached locally) loads the first prefix's 3 blocks from kvpool and
+    # A second engine (nothing cached locally; the first engine's own pool is gone with it, so
+    # every block comes from the storage node's durable copies) loads the first prefix's 3 blocks and
     # the second prefix's first block, over UCX TCP as from another host (the shared-memory path
     # is bench/vllm_bench.py's); the corrupt block fails its checksum, so vLLM recomputes from
     # there. Every output is the plain engine's, token for token.

@@ -50,12 +50,14 @@ from kvpool.transport import (
     PullRequest,
     PullServer,
     ServeSource,
+    TcpPullClient,
     TcpPullServer,
     in_inline_provider,
     local_host_id,
     plausible_worker_address,
     ucx_interface_options,
 )
+from kvpool.transport.tcp import TcpPathUnusable
 from tiers.base import Extent, Tier
 from tiers.entries import LockBusy
 from tiers.manager import TierManager
@@ -193,6 +195,7 @@ class Node:
             raise
         self.control_address = f"tcp://{self.host}:{port}"
         self._replicator: PullClient | None = None
+        self._tcp_replicator: TcpPullClient | None = None
         self._replicator_lock = threading.Lock()
         #: control requests served: ``replicate_requests`` (one per replicate or replicate_many
         #: exchange), ``replicated_objects`` (copies committed)
@@ -248,6 +251,8 @@ class Node:
         self._control.close(0)
         if self._replicator is not None:
             self._replicator.close()
+        if self._tcp_replicator is not None:
+            self._tcp_replicator.close()
         if self.tcp_server is not None:
             self.tcp_server.close()
         self.server.close()
@@ -492,8 +497,10 @@ class Node:
         item = S.ReplicateItem(body.key, body.spec, body.header_sum, body.reservation, body.token)
         source = self._replication_source(body.source)
         [(spec, payload, raw_header)] = self._replication_buffers([item], body.persistent)
-        self._puller().pull_into(source, item.key, LayerRange(0, spec.layers), payload,
-                                 timeout_s=self.config.node.pull_timeout_s, token=item.token, header_out=raw_header)
+        (outcome,) = self._pull_replicas(source, [PullRequest(source, item.key, LayerRange(0, spec.layers), payload,
+                                                               token=item.token, header_out=raw_header)])
+        if isinstance(outcome, BaseException):
+            raise outcome
         record, tier = self._store_replica(item, spec, payload, raw_header, body.persistent, body.replicas)
         self.master.commit(item.reservation, record)
         self.counters["replicated_objects"] += 1
@@ -510,10 +517,9 @@ class Node:
             raise errors.RequestTooLargeError(f"replicate_many: {len(items)} items; the most is master.max_batch")
         source = self._replication_source(body.source)
         buffers = self._replication_buffers(items, body.persistent)
-        pulled = self._puller().pull_many(
-            [PullRequest(source, item.key, LayerRange(0, spec.layers), payload, token=item.token,
-                         header_out=raw_header) for item, (spec, payload, raw_header) in zip(items, buffers)],
-            timeout_s=self.config.node.pull_timeout_s)
+        pulled = self._pull_replicas(source, [
+            PullRequest(source, item.key, LayerRange(0, spec.layers), payload, token=item.token,
+                        header_out=raw_header) for item, (spec, payload, raw_header) in zip(items, buffers)])
         commits: list[tuple[int, ReplicaRecord]] = []
         tiers: list[str] = []
         failures: list[str] = []
@@ -533,6 +539,34 @@ class Node:
             raise errors.TransferError(
                 f"replicate_many: {committed} of {len(items)} copies committed; failed: {'; '.join(failures)[:1500]}")
         return {"node_id": self.node_id, "tiers": tiers, "committed": committed}
+
+    def _pull_replicas(self, source: PeerAddress, requests: list[PullRequest]) -> list[int | BaseException]:
+        """A batch's pulls, all in flight together: those of at most ``node.tcp_pull_max`` bytes
+        over the holder's plain TCP port (pipelined on one connection; ~5x less CPU on both
+        ends than UCX's callbacks here, which matters when the holder is an inference engine
+        saving as it computes), the rest — and any whose TCP path proves unusable — over UCX."""
+        results: list[int | BaseException | None] = [None] * len(requests)
+        limit = self.config.node.tcp_pull_max
+        if limit and source.tcp_port:
+            over_tcp = [i for i, r in enumerate(requests) if r.out.nbytes <= limit]
+            if over_tcp:
+                tcp = self._tcp_puller()
+                for i, outcome in zip(over_tcp, tcp.pull_many([requests[i] for i in over_tcp],
+                                                              timeout_s=self.config.node.pull_timeout_s)):
+                    results[i] = None if isinstance(outcome, TcpPathUnusable) else outcome
+        rest = [i for i, r in enumerate(results) if r is None]
+        if rest:
+            for i, outcome in zip(rest, self._puller().pull_many([requests[i] for i in rest],
+                                                                 timeout_s=self.config.node.pull_timeout_s)):
+                results[i] = outcome
+        return results  # type: ignore[return-value]
+
+    def _tcp_puller(self) -> TcpPullClient:
+        with self._replicator_lock:
+            if self._tcp_replicator is None:
+                self._tcp_replicator = TcpPullClient(check_proof=self.cluster_key.check_holder_proof,
+                                                     prove=self.cluster_key.reader_proof)
+            return self._tcp_replicator
 
     def _replication_source(self, raw_source: str) -> PeerAddress:
         if len(raw_source) > self.config.master.max_address_bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import tomllib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import xxhash
 
@@ -26,7 +26,7 @@ class Settings:
     durable: bool | None = None  # None: the pool config's node.durable (kvpool.client.durable_copies)
     replicas: int | None = None  # None: the pool config's node.replicas
     load_timeout_s: float = 30.0
-    on_load_failure: str = "recompute"
+    on_load_failure: Literal["recompute", "fail"] = "recompute"
     transport: str = "auto"
     plan: bool = True
     layers_per_pull: int = 0  # 0: auto
@@ -72,8 +72,8 @@ class Settings:
         if per_pull != "auto" and (isinstance(per_pull, bool) or not isinstance(per_pull, int) or per_pull < 1):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "layers_per_pull" must be "auto" or an int >= 1, got {per_pull!r}')
-        return cls(master, config, durable, replicas, float(timeout), on_failure, transport, plan,
-                   0 if per_pull == "auto" else per_pull)
+        return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
+                   transport, plan, 0 if per_pull == "auto" else per_pull)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
