@@ -453,6 +453,8 @@ class KvpoolConnector(KVConnectorBase_V1):
                             [len(keys) * len(layers) * self._block_nbytes, pulled - started])
                 ok = [i for i, arr in enumerate(got) if arr is not None]
                 failed.update(block_ids[i] for i, arr in enumerate(got) if arr is None)
+                if load.timed_out:  # the model went on without these blocks: vLLM recomputes them
+                    break  # into blocks it may reuse meanwhile, so nothing more is written there
                 for j, layer in enumerate(layers):
                     if staging is not None and ok:
                         self._write_layer(layer, [block_ids[i] for i in ok],
