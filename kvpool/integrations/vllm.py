@@ -11,8 +11,10 @@ Load it with::
 (``--kv-transfer-config '{"kv_connector": "KvpoolConnector", ...}'`` for
 ``vllm serve``). Extra settings: ``master`` (required), ``config`` (a kvpool
 TOML for this engine's own pool: tiers, security), ``durable`` (also keep
-``replicas`` copies on kvpool storage nodes, so the KV outlives this engine;
-default false), ``replicas`` (1), ``load_timeout_s`` (how long the model waits
+``replicas`` copies on kvpool storage nodes, so the KV outlives this engine) and
+``replicas``: left out, the pool config's ``node.durable`` / ``node.replicas``
+decide (false / 1 by default), the one rule of ``put`` and ``put_many``
+(:func:`kvpool.client.durable_copies`); ``load_timeout_s`` (how long the model waits
 for a layer before those blocks are recomputed; 30), ``on_load_failure``
 (``"recompute"``, the default: a block kvpool cannot deliver intact is computed
 instead; ``"fail"``: vLLM fails the request, its own default), ``transport``
@@ -34,17 +36,25 @@ Scheduler side (EngineCore process): one batched ``lookup`` per new request
 beyond vLLM's own prefix-cache hits; at most all but the last prompt token load
 (vLLM must compute one). Partial blocks are never stored or loaded.
 
-Worker side: :meth:`KvpoolConnector.start_load_kv` starts pulling the first layers of
-every block to load, then the next ones, ... on a background thread;
+Worker side: :meth:`KvpoolConnector.start_load_kv` hands the step's loads to a
+long-lived loader thread, which pulls the first layers of every block, then the next
+ones, ... (one ``get_many`` per layer group: one ``locate`` for all the step's blocks at
+most, then the location cache; every pull in flight at once);
 :meth:`~KvpoolConnector.wait_for_layer_load` waits for that one layer while later layers
 are still in flight. ``layers_per_pull`` layers go in one request: 1 lands straight in
-the paged cache's blocks; more go through one buffer and a copy per layer, and cost fewer
-requests (``"auto"``, the default, makes each request move at least 1 MiB per block).
-:meth:`~KvpoolConnector.save_kv_layer` copies each layer's newly full blocks out as the forward pass produces them;
-:meth:`~KvpoolConnector.wait_for_save` puts the finished objects (one master
-round trip for all). A block that cannot be loaded whole (a miss, a checksum
-failure, a dead holder, the deadline) is reported to vLLM, which recomputes it:
-kvpool never hands the model bytes it did not verify.
+the paged cache's blocks; more land in one reused buffer and one scatter per layer moves
+every block of it into the cache, at fewer requests (``"auto"``, the default, makes each
+request move at least 1 MiB per block). :meth:`~KvpoolConnector.save_kv_layer` gathers
+each layer's newly full blocks as the forward pass produces them;
+:meth:`~KvpoolConnector.wait_for_save` hands the step's objects to a saver thread (one
+``put_many``: one master round trip, and when durable one placement and one replicate
+exchange per storage node), so the next step does not wait for them. Blocks a request
+loaded, blocks vLLM had itself and held blocks the planner recomputes are not saved
+again. A block that cannot be loaded whole (a miss, a checksum failure, a dead holder,
+the deadline) is reported to vLLM, which recomputes it: kvpool never hands the model
+bytes it did not verify. A model whose KV cache is not one group of full-attention
+layers is refused at start (:func:`check_model_kind`). Where a load's time goes:
+``docs/vllm.md``.
 """
 
 from __future__ import annotations
