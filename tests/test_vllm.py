@@ -136,6 +136,48 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in log
 
 
+def test_a_sliding_window_model_loads_its_prefix_from_kvpool_and_generates_the_same_tokens(
+        tmp_path: Path, spawn_python) -> None:
+    """A tiny Gemma-3-style model (sliding-window layers of 128 tokens between full-attention
+    ones; its greedy output depends on tokens outside the window): vLLM keeps every block of
+    the window layers too (its hybrid allocator is off: on CPU, and for this connector), so
+    the connector stores and loads them like any layer, and a second engine loading the
+    prefixes generates what an engine without a connector generates."""
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    metrics_port = free_tcp_port()
+    spawn_python(["-m", "kvpool.cli.server", "--pool.name", "vllm-gemma", "--pool.data_dir", str(tmp_path / "storage"),
+                  "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "64MiB",
+                  "--tiers.nvme.segment_size", "32MiB", "--master.listen", master, "--master.heartbeat_ms", "200",
+                  "--metrics.port", str(metrics_port)],
+                 ready=lambda: http_get(metrics_port, "/health")[0] == 200, timeout_s=40)
+    engine_config = tmp_path / "engine.toml"
+    engine_config.write_text(f'[pool]\ndata_dir = "{tmp_path / "engines"}"\n'
+                             '[tiers.dram]\ncapacity = "64MiB"\nmlock = false\n'
+                             '[tiers.cxl]\ncapacity = 0\n[tiers.nvme]\ncapacity = 0\n'
+                             f'[master]\nlisten = "{master}"\nheartbeat_ms = 200\n[node]\ndurable = true\n')
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model), "--kind", "gemma3"],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    rng = random.Random(7)
+    bases = [[rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)] for _ in range(2)]
+    prompts = [base + [500 + i] for base in bases for i in range(2)]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    common = [str(model), str(prompts_file), "--max-tokens", "16"]
+    kv = ["--connector", "kvpool", "--master", master, "--config", str(engine_config)]
+
+    plain = engine(tmp_path, "plain", *common)
+    tokens = [o["tokens"] for o in plain["outputs"]]
+    assert len({tuple(t) for t in tokens}) == 4, tokens  # the output depends on the prompt
+    first = engine(tmp_path, "first", *common, *kv)  # stores every full prompt block, durably
+    assert [o["tokens"] for o in first["outputs"]] == tokens
+    second = engine(tmp_path, "second", *common, *kv, "--no-plan")  # loads them all
+    assert [o["tokens"] for o in second["outputs"]] == tokens
+    assert [o["cached"] for o in second["outputs"]] == [3 * BLOCK] * 4
+    log = (tmp_path / "second.log").read_text()
+    assert "kvpool load: 3 blocks of 4 layers" in log and "blocks failed to load" not in log
+
+
 # -- the connector's parts, without an engine ------------------------------------------------
 
 
