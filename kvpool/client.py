@@ -159,6 +159,10 @@ class ClusterPool(PoolAPI):
         (and reserved) first, so too few storage nodes fails before anything is stored, then
         copied in batches of at most ``master.max_batch``."""
         copies = durable_copies(self.config.node, durable, replicas)
+        if copies and len({key for key, _, _ in prepared}) < len(prepared):
+            # a key given twice is copied once: the later object, the one the local store keeps
+            last = {key: i for i, (key, _, _) in enumerate(prepared)}
+            prepared = [prepared[i] for i in sorted(last.values())]
         batches: list[tuple[list[bytes], list[Placement]]] = []
         try:
             if copies and prepared:

@@ -191,6 +191,9 @@ def test_put_many_durable_by_config_is_one_placement_and_one_exchange_per_storag
         # The same rule for one put: a replicas override, the config's durable.
         writer.put(b"single", content(50), replicas=1)
         assert len(storage_holders(cluster, b"single")) == 1
+        # A key given twice in a batch: the later object, copied once to each node.
+        writer.put_many([(b"dup", content(60)), (b"dup", content(61))])
+        assert sorted(storage_holders(cluster, b"dup").values()) == ["nvme", "nvme"]
         with pytest.raises(errors.InvalidArgumentError):
             writer.put_many([(b"bad", content(1))], replicas=0)
         assert cluster.client.exists_many([b"bad"]) == [False]
@@ -200,6 +203,7 @@ def test_put_many_durable_by_config_is_one_placement_and_one_exchange_per_storag
         for i, key in enumerate(keys):
             np.testing.assert_array_equal(reader.get(key), content(i))
         assert reader.get(b"not-durable") is None
+        np.testing.assert_array_equal(reader.get(b"dup"), content(61))
     finally:
         writer.close()
         if reader is not None:
