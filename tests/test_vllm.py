@@ -396,6 +396,24 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         assert group == (1 if layers_per_pull == 1 else 3 if layers_per_pull == 3 else layers)  # auto: 16 KiB blocks
         assert len(report["pulls"]) == -(-layers // group) and report["rounds"] == -(-layers // group)
 
+        # Eight blocks load in two concurrent get_many calls (connections), each block where asked.
+        many = [b"many-%d" % i for i in range(blocks)]
+        writer.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("w", many, list(range(blocks)))],
+                                                               num_tokens=blocks * BLOCK))
+        for i, layer in enumerate(writer._layers):
+            writer.save_kv_layer(f"layer.{i}", layer, None)
+        writer.wait_for_save()
+        writer.wait_saved(10)
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(
+            loads=[Transfer("r", many, list(reversed(range(blocks))))], num_tokens=1))
+        reader.start_load_kv(None)
+        for i in range(layers):
+            reader.wait_for_layer_load(f"layer.{i}")
+        reader.wait_for_save()
+        assert reader.get_block_ids_with_load_errors() == set()
+        assert all(torch.equal(reader._layers[i][blocks - 1 - b], writer._layers[i][b])
+                   for i in range(layers) for b in range(blocks))
+
         # A block the pool lost is reported for recompute; the other still loads.
         reader._pool.delete(keys[1])
         reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [3, 4])], num_tokens=1))

@@ -94,6 +94,11 @@ __all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolStats", "Setting
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
 _PULL_TARGET_BYTES = 1 << 20
+# A load's blocks go in up to this many concurrent get_many calls, each on its own connection
+# (holders serve one connection's pulls one after another): 16 blocks of 1 MiB loaded at
+# 1.2-1.5x get_many's speed with 4, 0.9x with 1 (bench/vllm_bench.py, docs/vllm.md).
+_PULL_STREAMS = 4
+_MIN_BLOCKS_PER_STREAM = 4
 _DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16),
            torch.float32: ("float32", np.float32), torch.uint8: ("uint8", np.uint8)}
 
@@ -255,6 +260,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._load: _LayerLoad | None = None
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
+        self._streams = concurrent.futures.ThreadPoolExecutor(_PULL_STREAMS - 1, thread_name_prefix="kvpool-pull")
         self._load_future: concurrent.futures.Future[None] | None = None
         self._staging: np.ndarray | None = None  # reused by loads of several layers per pull
         self._stage: _Stage | None = None  # this step's blocks to save, as the layers come
@@ -450,11 +456,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 else:  # row i: block i's layers of this group, contiguous
                     outs = [staging[i, :len(layers)] for i in range(len(keys))]
                 started = time.perf_counter()
-                try:
-                    got = self._pool.get_many(keys, layers=layers, outs=outs)
-                except errors.KVPoolError as exc:
-                    log.warning("kvpool: loading layers %d..%d failed: %s", first, layers[-1], exc)
-                    got = [None] * len(keys)
+                got = self._get_many(keys, layers, outs)
                 pulled = time.perf_counter()
                 load.pull_s += pulled - started
                 if all(arr is not None for arr in got):  # a request's cost, for the planner
@@ -476,6 +478,27 @@ class KvpoolConnector(KVConnectorBase_V1):
             load.finished_s = time.perf_counter() - load.started
             for event in load.done:
                 event.set()
+
+    def _get_many(self, keys: list[bytes], layers: range, outs: list[np.ndarray]) -> list[np.ndarray | None]:
+        """``get_many`` of one layer group, split over up to ``_PULL_STREAMS`` concurrent calls
+        (each its own connection to a holder, so one holder's reads and sends overlap across
+        them); None for each block that failed."""
+        streams = max(1, min(_PULL_STREAMS, len(keys) // _MIN_BLOCKS_PER_STREAM))
+        step = -(-len(keys) // streams)
+
+        def one(at: int) -> list[np.ndarray | None]:
+            try:
+                return self._pool.get_many(keys[at:at + step], layers=layers, outs=outs[at:at + step])
+            except errors.KVPoolError as exc:
+                log.warning("kvpool: loading layers %d..%d of %d blocks failed: %s", layers[0], layers[-1],
+                            len(keys[at:at + step]), exc)
+                return [None] * len(keys[at:at + step])
+
+        others = [self._streams.submit(one, at) for at in range(step, len(keys), step)]
+        got = one(0)
+        for future in others:
+            got += future.result()
+        return got
 
     def _staging_for(self, blocks: int, layers: int) -> np.ndarray:
         """A [blocks, layers, ...] buffer for several layers per pull, reused from step to step
@@ -617,6 +640,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             if self._load_future is not None:
                 concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
             self._loader.shutdown(wait=False)
+            self._streams.shutdown(wait=False)
             self._saver.shutdown(wait=True)  # saves in flight finish first
             log.info("kvpool saves: %d blocks saved in %.3f s on the saver thread", self.stats["blocks_saved"],
                      self.stats["save_s"])
