@@ -18,10 +18,27 @@ prefix cache:
    were in flight (``kvpool load: ... in X ms, the model waited Y ms``), and the planner's
    decisions (``kvpool plan: ... loads|recomputes N held blocks``).
 
+4. saves: a fresh engine per row computes ``--docs`` documents nobody stored, one request
+   at a time: no connector (saves off), kvpool saving each step's blocks (saves on), kvpool
+   saving them durably (``durable``: one placement and one replicate exchange per storage
+   node for each step's batch). TTFT, and the step time the connector measured.
+
+Before the engines, without one (``--only loads`` runs just these):
+
+* loads: the connector's worker half (the code vLLM's worker runs: ``start_load_kv``,
+  ``wait_for_layer_load``) loads ``--prefix`` tokens of blocks that a writer stored durably
+  (they are on the storage node's nvme, as in the engine rows) into a paged cache shaped as
+  vLLM-CPU's, against ``get_many`` of the same objects into one buffer, interleaved, same
+  host (``transport=auto``) and over TCP; with the load's stages (pulls, copies into the
+  cache) and the master's ``locate`` of those blocks;
+* lookup: the scheduler side's lookup of a 128k-token prompt (1,000 blocks of 128): the
+  request to the master alone, and with hashing the prompt.
+
 Engines run one compute thread on core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``, as in the tests);
 kvpool's daemon and the engine's other processes share the machine's cores.
 
     python bench/vllm_bench.py [--docs 8] [--prefix 2048] [--layers 8] [--hidden 512] [--plot vllm.png]
+                               [--only loads|engines]
 """
 
 from __future__ import annotations
@@ -49,6 +66,7 @@ if str(REPO_ROOT) not in sys.path:
 from bench.common import format_table, percentile, pyplot_or_none  # noqa: E402
 
 _PLAN_RE = re.compile(r"kvpool plan: request \S+ (loads|recomputes) (\d+) held blocks")
+_SAVED_RE = re.compile(r"kvpool saves: (\d+) blocks saved in ([\d.]+) s")
 _LOAD_RE = re.compile(r"kvpool load: (\d+) blocks of (\d+) layers in ([\d.]+) ms, the model waited ([\d.]+) ms")
 
 
@@ -77,6 +95,177 @@ def engine(work: Path, name: str, model: Path, prompts: Path, *args: str) -> tup
     return json.loads(out.read_text()), text
 
 
+def _median(samples: list[float]) -> float:
+    return percentile(samples, 50)
+
+
+def load_rows(master: str, work: Path, args: argparse.Namespace) -> None:
+    """The connector's load bandwidth next to ``get_many`` of the same objects (see the
+    module docstring), same host and over TCP, and where a load's time goes."""
+    import numpy as np
+    import torch
+
+    import kvpool
+    from kvpool.cluster.master_client import MasterClient
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer
+    from kvpool.objformat import layer_checksums
+    from tests.vllm_engine import BLOCK_SIZE, worker_connector
+
+    blocks, head_dim = args.prefix // BLOCK_SIZE, 64
+    shape = (args.layers, 2, BLOCK_SIZE, args.kv_heads, head_dim)
+
+    def config(name: str) -> dict[str, Any]:
+        return {"pool": {"data_dir": str(work / name)},
+                "tiers": {"dram": {"capacity": "512MiB", "mlock": False}, "cxl": {"capacity": 0},
+                          "nvme": {"capacity": 0}}, "master": {"listen": master}}
+
+    keys = [b"vllm-bench-load-%04d" % i for i in range(blocks)]
+    rng = np.random.default_rng(0)
+    writer = kvpool.connect(master, config=config("load-writer"))
+    try:  # durable: on the storage node's nvme, where the engine rows' blocks are
+        writer.put_many([(k, rng.integers(0, 1 << 16, shape, dtype=np.uint16)) for k in keys], dtype="bfloat16",
+                        durable=True)
+    finally:
+        writer.close()
+    nbytes = blocks * int(np.prod(shape)) * 2
+    rows, stages = [], []
+    for transport in ("auto", "tcp"):
+        pool = kvpool.connect(master, config=config(f"load-{transport}"), transport=transport)
+        try:
+            caches = {f"layer.{i}": torch.zeros(blocks * 2, args.kv_heads, BLOCK_SIZE, 2 * head_dim,
+                                                dtype=torch.bfloat16) for i in range(args.layers)}
+            connector = worker_connector(Settings.from_extra({"master": master, "transport": transport}), pool,
+                                         caches, args.kv_heads)
+            outs = np.empty((blocks, *shape), np.uint16)
+            with MasterClient(master) as probe:
+                locate = []
+                for _ in range(args.iters):
+                    started = time.perf_counter()
+                    probe.locate_many(keys, lease=False)
+                    locate.append(time.perf_counter() - started)
+
+            def get_many() -> None:
+                assert all(g is not None for g in pool.get_many(keys, outs=list(outs)))
+
+            loads: list[Any] = []
+
+            def load() -> None:
+                connector.bind_connector_metadata(KvpoolConnectorMetadata(
+                    loads=[Transfer("bench", keys, list(range(blocks, 2 * blocks)))], num_tokens=1))
+                connector.start_load_kv(None)  # type: ignore[arg-type]
+                loads.append(connector._load)
+                for i in range(args.layers):
+                    connector.wait_for_layer_load(f"layer.{i}")
+                connector.wait_for_save()
+                assert not connector.get_block_ids_with_load_errors()
+
+            get_many()
+            load()  # warm: connections, the location cache
+            loads.clear()
+            timed: dict[str, list[float]] = {"get_many": [], "connector": []}
+            for _ in range(args.iters):  # interleaved: both see the same machine
+                for name, run in (("get_many", get_many), ("connector", load)):
+                    started = time.perf_counter()
+                    run()
+                    timed[name].append(time.perf_counter() - started)
+            for a, b in zip(outs, range(blocks, 2 * blocks)):  # the loaded bytes are the objects
+                assert all(np.array_equal(caches[f"layer.{i}"][b].view(torch.int16).numpy().reshape(-1),
+                                          a[i].view(np.int16).reshape(-1)) for i in range(args.layers))
+            started = time.perf_counter()
+            layer_checksums(outs.reshape(-1).view(np.uint8), outs.nbytes // (blocks * args.layers))
+            verify_s = time.perf_counter() - started
+            where = "same host" if transport == "auto" else "TCP"
+            g, c = _median(timed["get_many"]), _median(timed["connector"])
+            rows.append([where, f"{nbytes / 2**20:.0f} MiB", f"{g * 1e3:.2f} ms", f"{nbytes / g / 1e9:.2f} GB/s",
+                         f"{c * 1e3:.2f} ms", f"{nbytes / c / 1e9:.2f} GB/s", f"{g / c:.2f}x"])
+            stages.append([where, f"{_median(locate) * 1e3:.2f} ms",
+                           f"{_median([x.pull_s for x in loads]) * 1e3:.2f} ms", f"{verify_s * 1e3:.2f} ms",
+                           f"{_median([x.copy_s for x in loads]) * 1e3:.2f} ms",
+                           f"{_median([x.waited_s for x in loads]) * 1e3:.2f} ms"])
+            connector._loader.shutdown()
+            connector._saver.shutdown()
+        finally:
+            pool.close()
+    disk = _disk_read_s(work / "storage", nbytes, args.iters, args.direct_io != "off")
+    if disk is not None:
+        rows.append(["the storage node's segment file, read alone", f"{nbytes / 2**20:.0f} MiB",
+                     f"{disk * 1e3:.2f} ms", f"{nbytes / disk / 1e9:.2f} GB/s", "-", "-", "-"])
+    print(f"\nloads: {blocks} blocks of {nbytes // blocks / 2**20:.2f} MiB ({args.layers} layers), from the storage "
+          f"node's nvme (direct_io {args.direct_io}); p50 of {args.iters}, interleaved", flush=True)
+    print(format_table(["path", "bytes", "get_many", "get_many bandwidth", "connector load", "connector bandwidth",
+                        "connector / get_many"], rows))
+    print(format_table(["path", "master locate (all blocks)", "pulls (get_many in the load)",
+                        "checksums (in the pulls)", "copies into the cache", "model waited (all layers)"], stages))
+
+
+def _disk_read_s(storage: Path, nbytes: int, iters: int, direct: bool) -> float | None:
+    """The physical limit of a load from the storage node: ``nbytes`` of its nvme segment file
+    read in 1 MiB requests (``O_DIRECT`` as the node reads, unless it was told not to)."""
+    import mmap
+
+    segments = sorted(storage.rglob("seg-*.kvs"))
+    if not segments:
+        return None
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    try:
+        fd = os.open(segments[0], flags)
+    except OSError:
+        fd = os.open(segments[0], os.O_RDONLY)
+    buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
+    try:
+        size = min(nbytes, os.fstat(fd).st_size) // (1 << 20) * (1 << 20)
+        if size == 0:
+            return None
+        samples = []
+        for _ in range(iters):
+            started = time.perf_counter()
+            for offset in range(0, size, 1 << 20):
+                os.preadv(fd, [buf], offset)
+            samples.append((time.perf_counter() - started) * nbytes / size)
+        return _median(samples)
+    finally:
+        buf.close()
+        os.close(fd)
+
+
+def lookup_rows(master: str, work: Path, args: argparse.Namespace) -> None:
+    """The scheduler side's lookup of a 128k-token prompt: 1,000 blocks of 128 tokens."""
+    import numpy as np
+
+    import kvpool
+    from kvpool.cluster.master_client import MasterClient
+    from kvpool.hashing import prefix_hashes
+
+    tokens = [int(t) for t in np.random.default_rng(1).integers(1, 32000, 128_000)]
+    keys = prefix_hashes(tokens, 128, namespace="vllm-bench-lookup")
+    writer = kvpool.connect(master, config={"pool": {"data_dir": str(work / "lookup-writer")},
+                                            "tiers": {"dram": {"capacity": "64MiB", "mlock": False},
+                                                      "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                            "master": {"listen": master}})
+    try:
+        writer.put_many([(k, np.zeros((1, 2, 1, 1, 8), np.float16)) for k in keys])
+        with MasterClient(master) as scheduler:
+            asked, hashed = [], []
+            for i in range(args.lookups):
+                started = time.perf_counter()
+                if i % 2:
+                    assert scheduler.lookup(keys) == len(keys)
+                    asked.append(time.perf_counter() - started)
+                else:
+                    assert scheduler.lookup(prefix_hashes(tokens, 128, namespace="ns")) == 0
+                    hashed.append(time.perf_counter() - started)
+            calls = scheduler.query_calls
+    finally:
+        writer.close()
+    rows = [["one lookup request (1,000 keys)", f"{percentile(asked, 50) * 1e3:.3f} ms",
+             f"{percentile(asked, 99) * 1e3:.3f} ms"],
+            ["hash the prompt + lookup request", f"{percentile(hashed, 50) * 1e3:.3f} ms",
+             f"{percentile(hashed, 99) * 1e3:.3f} ms"]]
+    print(f"\nscheduler lookup of a 128k-token prompt (1,000 blocks), {len(asked)} + {len(hashed)} requests "
+          f"({calls} on the master's query port)", flush=True)
+    print(format_table(["", "p50", "p99"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=8, help="documents (one request each)")
@@ -87,6 +276,10 @@ def main() -> None:
     parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
                         help="the storage node's nvme reads: O_DIRECT (auto/on) or through the page cache (off)")
     parser.add_argument("--plot", default="", help="write a bar chart of TTFT p50 here")
+    parser.add_argument("--only", choices=["loads", "engines"], default=None,
+                        help="loads: only the rows without an engine (loads, lookup); engines: only the engines")
+    parser.add_argument("--iters", type=int, default=15, help="loads measured per path")
+    parser.add_argument("--lookups", type=int, default=400, help="lookup requests measured")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvpool-vllm-bench-"))
@@ -111,6 +304,11 @@ def main() -> None:
             if time.monotonic() > deadline or daemon.poll() is not None:
                 raise RuntimeError((work / "daemon.log").read_text()[-2000:])
             time.sleep(0.2)
+        if args.only != "engines":
+            load_rows(master, work, args)
+            lookup_rows(master, work, args)
+            if args.only == "loads":
+                return
         config = work / "engine.toml"
         config.write_text(f'[pool]\ndata_dir = "{work / "engines"}"\n[tiers.dram]\ncapacity = "512MiB"\n'
                           f'mlock = false\n[tiers.cxl]\ncapacity = 0\n[tiers.nvme]\ncapacity = 0\n'
@@ -158,6 +356,25 @@ def main() -> None:
                          "yes" if tokens == reference else "NO"])
         print(format_table(["configuration", "TTFT p50", "TTFT p99", f"{args.docs} requests", "tokens loaded",
                             "model waited / loads in flight", "planner (blocks)", "same tokens"], rows))
+        save_rows = []
+        for label, extra in (("saves off (no connector)", []), ("kvpool, saves on", kv),
+                             ("kvpool, saves durable", [*kv, "--durable"])):
+            fresh = [[rng.randrange(1, 1000) for _ in range(args.prefix + 16)] for _ in range(args.docs + 1)]
+            prompts = work / f"saves{len(save_rows)}.json"
+            prompts.write_text(json.dumps(fresh))
+            result, log = engine(work, f"saves{len(save_rows)}", model, prompts, *extra)
+            ttft = [o["ttft_s"] for o in result["outputs"][1:]]
+            saved = _SAVED_RE.search(log)
+            save_rows.append([label, f"{percentile(ttft, 50) * 1e3:.0f} ms", f"{percentile(ttft, 99) * 1e3:.0f} ms",
+                              f"{sum(ttft):.2f} s",
+                              f"{saved.group(1)} blocks, {float(saved.group(2)) * 1e3:.0f} ms" if saved else "-"])
+            results[label] = ttft
+        base = percentile(results["saves off (no connector)"], 50)
+        for row, label in zip(save_rows, [r[0] for r in save_rows]):
+            row.insert(2, f"{percentile(results[label], 50) / base:.2f}x")
+        print(f"\nsaves: {args.docs} documents nobody stored (+ a first one left out), one request at a time")
+        print(format_table(["configuration", "TTFT p50", "vs saves off", "TTFT p99", f"{args.docs} requests",
+                            "saved (saver thread time)"], save_rows))
         plt = pyplot_or_none(args.plot)
         if plt is not None:
             fig, ax = plt.subplots(figsize=(7, 3.5))

@@ -25,13 +25,14 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.api import Key, LayerSource, PoolAPI, timed
+from kvpool.cluster.protocol import Placement
 from kvpool.cluster.view import ClusterView, LeaseReleaser
-from kvpool.config import Config, settings_for
+from kvpool.config import Config, NodeSection, settings_for
 from kvpool.pool import Pool
 
 log = logging.getLogger("kvpool.client")
 
-__all__ = ["ClusterPool", "LeaseReleaser", "connect"]
+__all__ = ["ClusterPool", "LeaseReleaser", "connect", "durable_copies"]
 
 def connect(master_address: str | None = None, *, config: str | Config | Mapping[str, Any] | None = None,
             transport: str = "auto") -> ClusterPool:
@@ -54,6 +55,24 @@ def connect(master_address: str | None = None, *, config: str | Config | Mapping
     if master_address is not None:
         check_master_address(master_address)
     return ClusterPool(master_address, config=config, transport=transport)
+
+
+def durable_copies(node: NodeSection, durable: bool | None, replicas: int | None) -> int:
+    """The one durability rule of :meth:`ClusterPool.put`, :meth:`ClusterPool.put_many` and
+    the vLLM connector: how many durable copies on storage nodes a write asks for (0: none).
+
+    ``durable`` and ``replicas`` given by the caller override the config's ``node.durable``
+    and ``node.replicas``; None (the default) takes the config's. Raises
+    InvalidArgumentError for ``durable`` not a bool or None and ``replicas`` not an int >= 1
+    or None (checked even when the write is not durable).
+    """
+    if durable is not None and not isinstance(durable, bool):
+        raise errors.InvalidArgumentError(f"durable must be True, False or None, got {durable!r}")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise errors.InvalidArgumentError(f"replicas must be an int >= 1, got {replicas!r}")
+    if not (node.durable if durable is None else durable):
+        return 0
+    return node.replicas if replicas is None else replicas
 
 
 class ClusterPool(PoolAPI):
@@ -90,11 +109,13 @@ class ClusterPool(PoolAPI):
     @timed("put")
     def put(self, prefix_hash: Key, kv: Any, *, dtype: str | None = None, durable: bool | None = None,
             replicas: int | None = None) -> None:
-        """Store locally and publish (one master round trip); ``durable=True`` also keeps ``replicas``
-        copies in the nvme tier of storage nodes (``kvpool-server --role node|all``, never
-        inference clients) chosen by the master, so the object outlives this process.
-        A durable put returns once every copy is committed at the master, which then
-        keeps the count: copies lost with a storage node are re-created elsewhere.
+        """Store locally and publish (one master round trip); durable (see
+        :func:`durable_copies`: ``durable=True``, or ``node.durable`` in the config when
+        ``durable`` is None) also keeps ``replicas`` copies in the nvme tier of storage nodes
+        (``kvpool-server --role node|all``, never inference clients) chosen by the master, so
+        the object outlives this process. A durable put returns once every copy is committed
+        at the master, which then keeps the count: copies lost with a storage node are
+        re-created elsewhere.
 
         Raises what :meth:`Pool.put` raises, MasterUnreachableError (the object
         then stays in the local tiers, readable here, and becomes visible to the
@@ -105,27 +126,45 @@ class ClusterPool(PoolAPI):
         (copies already committed stay, and the master completes the count).
         """
         self._check_open()
-        [(key, spec, payload)] = self.local.prepare_many([(prefix_hash, kv)], dtype)
-        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
-            raise errors.InvalidArgumentError(f"replicas must be an int >= 1, got {replicas!r}")
-        targets = []
-        if durable if durable is not None else self.config.node.durable:
-            # Placed (and reserved) first: too few storage nodes fails before anything is stored.
-            targets = self.cluster.place(spec.total_nbytes, replicas or self.config.node.replicas, key)
-        try:
-            self._store([(key, spec, payload)])
-            if targets:
-                self.cluster.replicate(key, targets)
-        except BaseException:
-            if targets:
-                self.cluster.revoke(targets)
-            raise
+        self._write(self.local.prepare_many([(prefix_hash, kv)], dtype), durable, replicas)
 
-    def put_many(self, items: Mapping[Key, Any] | Iterable[tuple[Key, Any]], *, dtype: str | None = None) -> None:
-        """Validate everything, store everything, publish everything: one master round trip."""
+    def put_many(self, items: Mapping[Key, Any] | Iterable[tuple[Key, Any]], *, dtype: str | None = None,
+                 durable: bool | None = None, replicas: int | None = None) -> None:
+        """:meth:`put` of every (prefix_hash, kv) pair: all validated before any is stored,
+        then stored, then published in one master round trip. Durable by the same rule as
+        :meth:`put` (:func:`durable_copies`); a durable batch takes one placement (the same
+        storage nodes reserve every object) and one ``replicate_many`` exchange per storage
+        node, which pulls every object at once — not a round trip per key. Raises what
+        :meth:`put` raises."""
         prepared = self.local.prepare_many(items, dtype)
         self._check_open()
-        self._store(prepared)
+        self._write(prepared, durable, replicas)
+
+    def _write(self, prepared: Sequence[tuple[bytes, Any, memoryview]], durable: bool | None,
+               replicas: int | None) -> None:
+        """Store and publish validated objects; durable ones (:func:`durable_copies`) are placed
+        (and reserved) first, so too few storage nodes fails before anything is stored, then
+        copied in batches of at most ``master.max_batch``."""
+        copies = durable_copies(self.config.node, durable, replicas)
+        if copies and len({key for key, _, _ in prepared}) < len(prepared):
+            # a key given twice is copied once: the later object, the one the local store keeps
+            last = {key: i for i, (key, _, _) in enumerate(prepared)}
+            prepared = [prepared[i] for i in sorted(last.values())]
+        batches: list[tuple[list[bytes], list[Placement]]] = []
+        try:
+            if copies and prepared:
+                step = self.config.master.max_batch
+                for at in range(0, len(prepared), step):
+                    chunk = prepared[at:at + step]
+                    targets = self.cluster.place_many([(key, spec.total_nbytes) for key, spec, _ in chunk], copies)
+                    batches.append(([key for key, _, _ in chunk], targets))
+            self._store(prepared)
+            for keys, targets in batches:
+                self.cluster.replicate_many(keys, targets)
+        except BaseException:
+            if batches:
+                self.cluster.revoke([t for _, targets in batches for t in targets])
+            raise
 
     def _store(self, prepared: Sequence[tuple[bytes, Any, memoryview]]) -> None:
         """Store every object locally, then publish them all in one master round trip.

@@ -21,7 +21,9 @@ This depends on nothing process-specific (no ``hash()``, no PYTHONHASHSEED).
 
 from __future__ import annotations
 
+import array
 import struct
+import sys
 from typing import Any, Literal
 
 import numpy as np
@@ -50,6 +52,27 @@ def _token_dtype(name: str) -> str:
         raise errors.ConfigError(f"token_dtype must be one of {sorted(_TOKEN_DTYPES)}, got {name!r}") from None
 
 
+_ARRAY_CODES = {np.dtype("int32"): "i", np.dtype("int64"): "q"}
+
+
+def _list_bytes(token_ids: list[Any], np_dtype: np.dtype[Any]) -> memoryview | None:
+    """A list of Python ints as little-endian bytes of ``np_dtype``, the fast way (a long
+    prompt is a list in an engine: ``array`` converts it in one C loop, ~1.5x numpy's time
+    saved); None where the list holds anything but ints (numpy's checks then apply)."""
+    code = _ARRAY_CODES.get(np_dtype)
+    if code is None or array.array(code).itemsize != np_dtype.itemsize:
+        return None
+    try:
+        packed = array.array(code, token_ids)
+    except OverflowError:
+        raise ValueError(f"token ids do not fit {np_dtype.name}") from None
+    except TypeError:  # floats, bools-as-objects, nested lists...: numpy decides
+        return None
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return memoryview(packed).cast("B")
+
+
 def prefix_hashes(
     token_ids: Any,
     chunk_tokens: int = 256,
@@ -68,26 +91,30 @@ def prefix_hashes(
     if partial not in ("drop", "hash"):
         raise errors.ConfigError(f"partial must be 'drop' or 'hash', got {partial!r}")
     np_dtype = np.dtype(_token_dtype(token_dtype))
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 1:
-        raise errors.InvalidKeyError(f"token_ids must be 1-D, got shape {tokens.shape}")
-    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-        raise errors.InvalidKeyError(f"token_ids must be integers, got {tokens.dtype}")
-    info = np.iinfo(np_dtype)
-    if tokens.size and (tokens.min() < info.min or tokens.max() > info.max):
-        raise ValueError(f"token ids do not fit {token_dtype}")
-    data = np.ascontiguousarray(tokens, dtype=np_dtype).data.cast("B")
+    data = _list_bytes(token_ids, np_dtype) if type(token_ids) is list else None
+    count = len(token_ids) if data is not None else 0
+    if data is None:
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1:
+            raise errors.InvalidKeyError(f"token_ids must be 1-D, got shape {tokens.shape}")
+        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+            raise errors.InvalidKeyError(f"token_ids must be integers, got {tokens.dtype}")
+        info = np.iinfo(np_dtype)
+        if tokens.size and (tokens.min() < info.min or tokens.max() > info.max):
+            raise ValueError(f"token ids do not fit {token_dtype}")
+        data = np.ascontiguousarray(tokens, dtype=np_dtype).data.cast("B")
+        count = tokens.size
     chunk_nbytes = chunk_tokens * np_dtype.itemsize
 
     prev = namespace_seed(namespace, chunk_tokens=chunk_tokens, token_dtype=token_dtype)
     hashes: list[bytes] = []
-    full = tokens.size // chunk_tokens
+    full = count // chunk_tokens
     for i in range(full):
         hasher = xxhash.xxh3_128(prev)
         hasher.update(data[i * chunk_nbytes:(i + 1) * chunk_nbytes])
         prev = hasher.digest()
         hashes.append(prev)
-    tail = tokens.size - full * chunk_tokens
+    tail = count - full * chunk_tokens
     if tail and partial == "hash":
         hasher = xxhash.xxh3_128(prev)
         hasher.update(b"partial" + struct.pack("<I", tail))

@@ -154,3 +154,72 @@ def test_malformed_master_address_stops_the_daemon_at_once(argv: list[str]) -> N
     done = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
     assert done.returncode == 2
     assert "tcp://HOST:PORT" in done.stdout + done.stderr
+
+
+def test_put_many_durable_by_config_is_one_placement_and_one_exchange_per_storage_node(cluster: Cluster) -> None:
+    """``node.durable`` / ``node.replicas`` from the writer's config make put_many durable (the
+    rule put follows); the batch costs one placement at the master and one replicate exchange
+    per storage node however many keys it holds; the copies outlive the writer."""
+    start_master(cluster)
+    stores = [cluster.start_node("store-a"), cluster.start_node("store-b")]
+    writer = cluster.connect("writer", node__durable=True, node__replicas=2)
+    reader = None
+    try:
+        wait_for(lambda: len(cluster.alive_nodes()) == 3, 10, "nodes to register")
+        store_ids = [next(n for n in cluster.alive_nodes() if n.startswith(node_id_from_log(s))) for s in stores]
+
+        def counters() -> tuple[int, list[int], list[int]]:
+            nodes = [cluster.node_stats(n)["counters"] for n in store_ids]
+            return (cluster.client.stats()["counters"].get("placements", 0),
+                    [c.get("replicate_requests", 0) for c in nodes], [c.get("replicated_objects", 0) for c in nodes])
+
+        batch = 12
+        keys = [b"batch-%02d" % i for i in range(batch)]
+        before = counters()
+        writer.put_many([(k, content(i)) for i, k in enumerate(keys)])  # durable: from the config
+        placements, requests, copies = counters()
+        assert placements - before[0] == 1
+        assert [r - b for r, b in zip(requests, before[1])] == [1, 1]  # O(1) exchanges for 12 keys
+        assert [c - b for c, b in zip(copies, before[2])] == [batch, batch]
+        for key in keys:
+            assert sorted(storage_holders(cluster, key).values()) == ["nvme", "nvme"]
+        assert cluster.client.stats()["durable_keys"] == batch
+
+        # An explicit durable=False overrides the config: stored and published, no copies.
+        writer.put_many([(b"not-durable", content(99))], durable=False)
+        assert counters()[0] == placements and storage_holders(cluster, b"not-durable") == {}
+        # The same rule for one put: a replicas override, the config's durable.
+        writer.put(b"single", content(50), replicas=1)
+        assert len(storage_holders(cluster, b"single")) == 1
+        # A key given twice in a batch: the later object, copied once to each node.
+        writer.put_many([(b"dup", content(60)), (b"dup", content(61))])
+        assert sorted(storage_holders(cluster, b"dup").values()) == ["nvme", "nvme"]
+        with pytest.raises(errors.InvalidArgumentError):
+            writer.put_many([(b"bad", content(1))], replicas=0)
+        assert cluster.client.exists_many([b"bad"]) == [False]
+
+        writer.close()  # the writer's own copies go with it
+        reader = cluster.connect("reader")
+        for i, key in enumerate(keys):
+            np.testing.assert_array_equal(reader.get(key), content(i))
+        assert reader.get(b"not-durable") is None
+        np.testing.assert_array_equal(reader.get(b"dup"), content(61))
+    finally:
+        writer.close()
+        if reader is not None:
+            reader.close()
+
+
+def test_durable_copies_follow_one_rule() -> None:
+    from kvpool.client import durable_copies
+    from kvpool.config import Config
+
+    node = Config.load({}).node
+    assert (node.durable, durable_copies(node, None, None), durable_copies(node, True, None)) == (False, 0, 1)
+    assert durable_copies(node, True, 3) == 3 and durable_copies(node, None, 3) == 0
+    durable = Config.load({"node": {"durable": True, "replicas": 2}}).node
+    assert durable_copies(durable, None, None) == 2 and durable_copies(durable, False, None) == 0
+    assert durable_copies(durable, None, 1) == 1
+    for bad in ({"replicas": 0}, {"replicas": True}, {"durable": "yes"}):
+        with pytest.raises(errors.InvalidArgumentError):
+            durable_copies(durable, bad.get("durable"), bad.get("replicas"))  # type: ignore[arg-type]

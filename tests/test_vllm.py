@@ -106,9 +106,13 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     tokens = [o["tokens"] for o in plain["outputs"]]
     assert len({tuple(t) for t in tokens}) >= 3, tokens  # the model's output depends on the prompt
 
-    # The first engine computes everything and stores each full prompt block (durably, so it
-    # outlives the engine); it generates what the plain engine generated.
-    first = engine(tmp_path, "first", *common, *kv, "--durable")
+    # The first engine computes everything and stores each full prompt block durably, so it
+    # outlives the engine — because its kvpool config says node.durable (the connector has no
+    # "durable" setting: put, put_many and the connector follow one rule); it generates what
+    # the plain engine generated.
+    durable_config = tmp_path / "durable-engine.toml"
+    durable_config.write_text(engine_config.read_text() + "[node]\ndurable = true\n")
+    first = engine(tmp_path, "first", *common, *kv[:-1], str(durable_config))
     assert [o["tokens"] for o in first["outputs"]] == tokens
     assert [o["cached"] for o in first["outputs"]] == [0, 3 * BLOCK, 0, 3 * BLOCK]  # vLLM's own prefix cache
 
@@ -116,7 +120,8 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     keys = prefix_hashes(bases[1][:3 * BLOCK], BLOCK, namespace=first["namespace"])
     corrupt_object(data_dir, keys[1])
 
-    # A second engine (nothing cached locally) loads the first prefix's 3 blocks from kvpool and
+    # A second engine (nothing cached locally; the first engine's own pool is gone with it, so
+    # every block comes from the storage node's durable copies) loads the first prefix's 3 blocks and
     # the second prefix's first block, over UCX TCP as from another host (the shared-memory path
     # is bench/vllm_bench.py's); the corrupt block fails its checksum, so vLLM recomputes from
     # there. Every output is the plain engine's, token for token.
@@ -131,6 +136,48 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in log
 
 
+def test_a_sliding_window_model_loads_its_prefix_from_kvpool_and_generates_the_same_tokens(
+        tmp_path: Path, spawn_python) -> None:
+    """A tiny Gemma-3-style model (sliding-window layers of 128 tokens between full-attention
+    ones; its greedy output depends on tokens outside the window): vLLM keeps every block of
+    the window layers too (its hybrid allocator is off: on CPU, and for this connector), so
+    the connector stores and loads them like any layer, and a second engine loading the
+    prefixes generates what an engine without a connector generates."""
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    metrics_port = free_tcp_port()
+    spawn_python(["-m", "kvpool.cli.server", "--pool.name", "vllm-gemma", "--pool.data_dir", str(tmp_path / "storage"),
+                  "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "64MiB",
+                  "--tiers.nvme.segment_size", "32MiB", "--master.listen", master, "--master.heartbeat_ms", "200",
+                  "--metrics.port", str(metrics_port)],
+                 ready=lambda: http_get(metrics_port, "/health")[0] == 200, timeout_s=40)
+    engine_config = tmp_path / "engine.toml"
+    engine_config.write_text(f'[pool]\ndata_dir = "{tmp_path / "engines"}"\n'
+                             '[tiers.dram]\ncapacity = "64MiB"\nmlock = false\n'
+                             '[tiers.cxl]\ncapacity = 0\n[tiers.nvme]\ncapacity = 0\n'
+                             f'[master]\nlisten = "{master}"\nheartbeat_ms = 200\n[node]\ndurable = true\n')
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model), "--kind", "gemma3"],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    rng = random.Random(7)
+    bases = [[rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)] for _ in range(2)]
+    prompts = [base + [500 + i] for base in bases for i in range(2)]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    common = [str(model), str(prompts_file), "--max-tokens", "16"]
+    kv = ["--connector", "kvpool", "--master", master, "--config", str(engine_config)]
+
+    plain = engine(tmp_path, "plain", *common)
+    tokens = [o["tokens"] for o in plain["outputs"]]
+    assert len({tuple(t) for t in tokens}) == 4, tokens  # the output depends on the prompt
+    first = engine(tmp_path, "first", *common, *kv)  # stores every full prompt block, durably
+    assert [o["tokens"] for o in first["outputs"]] == tokens
+    second = engine(tmp_path, "second", *common, *kv, "--no-plan")  # loads them all
+    assert [o["tokens"] for o in second["outputs"]] == tokens
+    assert [o["cached"] for o in second["outputs"]] == [3 * BLOCK] * 4
+    log = (tmp_path / "second.log").read_text()
+    assert "kvpool load: 3 blocks of 4 layers" in log and "blocks failed to load" not in log
+
+
 # -- the connector's parts, without an engine ------------------------------------------------
 
 
@@ -139,7 +186,8 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
     from kvpool.integrations.vllm import Settings
 
     good = Settings.from_extra({"master": "tcp://127.0.0.1:7700"})
-    assert (good.durable, good.replicas, good.on_load_failure, good.pool_config()) == (False, 1, "recompute", {})
+    # durable, replicas: None = the pool config's node.durable / node.replicas (kvpool.client.durable_copies)
+    assert (good.durable, good.replicas, good.on_load_failure, good.pool_config()) == (None, None, "recompute", {})
     for extra, says in [({}, '"master"'), ({"master": ""}, '"master"'), ({"master": "localhost:7700"}, "tcp://"),
                         ({"master": "tcp://h:1", "replicas": 0}, "replicas"),
                         ({"master": "tcp://h:1", "durable": "yes"}, "durable"),
@@ -263,6 +311,13 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         assert connector.planner.alpha_s > 0.9 and connector.planner.prefill_tokens_per_s == 409600
         assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
         assert connector.stats["plan_recomputed_blocks"] == 3
+        # Recomputed, but kvpool holds them: only the block kvpool lacks is saved.
+        step.scheduled_new_reqs = [SimpleNamespace(req_id="r1", num_computed_tokens=0, block_ids=([20, 21, 22, 23],))]
+        step.scheduled_cached_reqs = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                     resumed_req_ids=set())
+        step.num_scheduled_tokens, step.total_num_scheduled_tokens = {"r1": 4 * BLOCK}, 4 * BLOCK
+        meta = connector.build_connector_meta(step)
+        assert meta.loads == [] and [(t.keys, t.block_ids) for t in meta.saves] == [(keys[3:4], [23])]
         connector.settings = Settings.from_extra({"master": master, "plan": False})  # always load
         connector._tracked.clear()
         assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
@@ -285,12 +340,12 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
     straight in the cache; several go through one buffer and a copy. ``in_place=False`` takes
     the path of a cache the host cannot address (a GPU's: host buffers, one copy each way) on
     host tensors, as no GPU is here."""
-    from types import SimpleNamespace
 
     import torch
 
     import kvpool
     from kvpool.integrations.vllm import KvpoolConnector, KvpoolConnectorMetadata, Settings, Transfer
+    from tests.vllm_engine import worker_connector
 
     master = start_master(spawn_python)
     layers, blocks, heads, head_dim = 5, 8, 2, 16
@@ -303,20 +358,9 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
                                               "master": {"listen": master}})
 
     def worker(name: str) -> KvpoolConnector:
-        connector = object.__new__(KvpoolConnector)
-        connector.settings, connector.block_size = settings, BLOCK
-        connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: heads),
-                                                 parallel_config=None)
-        connector._role = None
-        connector._connector_metadata = None
-        connector.stats = {"blocks_loaded": 0, "blocks_failed": 0, "blocks_saved": 0, "load_wait_s": 0.0,
-                           "load_total_s": 0.0}
-        connector._pool, connector._load, connector._load_thread = pool(name), None, None
-        connector._staged, connector._failed_blocks, connector._report = {}, set(), {}
-        connector._step_started = connector._last_waited = 0.0
         caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
                   for i in range(layers)}
-        connector.register_kv_caches(caches)
+        connector = worker_connector(settings, pool(name), caches, heads, BLOCK)
         connector._on_host = in_place
         return connector
 
@@ -332,7 +376,8 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
                                                                num_tokens=2 * BLOCK))
         for i, layer in enumerate(writer._layers):
             writer.save_kv_layer(f"layer.{i}", layer, None)
-        writer.wait_for_save()
+        writer.wait_for_save()  # hands the step's blocks to the saver thread
+        writer.wait_saved(10)
         assert writer.stats["blocks_saved"] == 2 and reader._pool.lookup(keys) == 2
 
         # The reader loads them into its blocks 7 and 0, waiting layer by layer.
@@ -350,6 +395,24 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         group = reader._layers_per_pull
         assert group == (1 if layers_per_pull == 1 else 3 if layers_per_pull == 3 else layers)  # auto: 16 KiB blocks
         assert len(report["pulls"]) == -(-layers // group) and report["rounds"] == -(-layers // group)
+
+        # Eight blocks load in two concurrent get_many calls (connections), each block where asked.
+        many = [b"many-%d" % i for i in range(blocks)]
+        writer.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("w", many, list(range(blocks)))],
+                                                               num_tokens=blocks * BLOCK))
+        for i, layer in enumerate(writer._layers):
+            writer.save_kv_layer(f"layer.{i}", layer, None)
+        writer.wait_for_save()
+        writer.wait_saved(10)
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(
+            loads=[Transfer("r", many, list(reversed(range(blocks))))], num_tokens=1))
+        reader.start_load_kv(None)
+        for i in range(layers):
+            reader.wait_for_layer_load(f"layer.{i}")
+        reader.wait_for_save()
+        assert reader.get_block_ids_with_load_errors() == set()
+        assert all(torch.equal(reader._layers[i][blocks - 1 - b], writer._layers[i][b])
+                   for i in range(layers) for b in range(blocks))
 
         # A block the pool lost is reported for recompute; the other still loads.
         reader._pool.delete(keys[1])
@@ -388,5 +451,48 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
             gate.set()
             reader._pool.get_many = get_many  # type: ignore[method-assign]
     finally:
-        writer._pool.close()
-        reader._pool.close()
+        for connector in (writer, reader):
+            connector._saver.shutdown()
+            connector._pool.close()
+
+
+def test_a_model_kind_the_connector_cannot_store_is_refused_at_start_with_one_clear_error() -> None:
+    """vLLM's own KV cache specs: one group of full attention (sliding-window layers promoted
+    to it, as vLLM does with its hybrid allocator off) is served; several groups, Mamba state
+    and a model of only sliding-window layers are refused before anything is opened."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvpool import errors
+    from kvpool.integrations.vllm import KvpoolConnector, check_model_kind
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    promoted = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                 sliding_window=512)  # Gemma-3 style, hybrid allocator off
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                               sliding_window=512)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
+
+    def config(*groups: tuple[Any, int]) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"g{g}.layer.{i}" for i in range(n)], spec) for g, (spec, n) in enumerate(groups)])
+
+    check_model_kind(config((full, 4)))
+    check_model_kind(config((promoted, 6)))
+    check_model_kind(None)  # a caller that passes no KV cache config: nothing to check
+    for refused, says in [(config((full, 4), (window, 2)), "2 KV cache group(s): FullAttentionSpec (4 layers), "
+                                                            "SlidingWindowSpec (2 layers)"),
+                          (config((window, 4)), "SlidingWindowSpec (4 layers)"),
+                          (config((full, 4), (mamba, 2)), "MambaSpec (2 layers)")]:
+        with pytest.raises(errors.ConfigError, match=r"cannot be stored block for block") as caught:
+            check_model_kind(refused)
+        assert says in str(caught.value) and "without the kvpool connector" in str(caught.value)
+        # The connector itself refuses it first thing (no master is contacted: none runs here).
+        with pytest.raises(errors.ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+            KvpoolConnector(None, None, refused)  # type: ignore[arg-type]

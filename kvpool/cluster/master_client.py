@@ -565,7 +565,22 @@ class MasterClient:
             "key": None if key is None else as_key(key),
         })
         return [
-            Placement(t.node_id, t.address, t.host_id, t.reservation) for t in reply.targets
+            Placement(t.node_id, t.address, t.host_id, t.reservation, tuple(t.reservations)) for t in reply.targets
+        ]
+
+    def place_many(self, items: Sequence[tuple[KeyLike, int]], replicas: int = 1,
+                   exclude: Iterable[str] = ()) -> list[Placement]:
+        """Storage nodes for a durable batch, in one request: the same ``replicas`` nodes take
+        every ``(key, nbytes)`` item, each target with one reservation per item
+        (``reservation_ids``, in order). Raises what :meth:`place` raises (nothing reserved);
+        a batch larger than ``master.max_batch`` is RequestTooLargeError (split it)."""
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise errors.InvalidArgumentError(f"replicas must be an int >= 1, got {replicas!r}")
+        wire = [{"key": as_key(key), "nbytes": int(nbytes)} for key, nbytes in items]
+        reply = self.call(P.PLACE, {"nbytes": sum(i["nbytes"] for i in wire), "replicas": int(replicas),
+                                    "exclude": list(exclude), "items": wire})
+        return [
+            Placement(t.node_id, t.address, t.host_id, t.reservation, tuple(t.reservations)) for t in reply.targets
         ]
 
     def stats(self) -> dict[str, Any]:

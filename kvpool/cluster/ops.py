@@ -311,6 +311,12 @@ class MasterState(IndexState):
         nbytes, replicas = body.nbytes, body.replicas
         exclude = set(self._batch(body.exclude, "exclude"))
         key = None if body.key is None else self._key(body.key)
+        # A batch (put_many): the same nodes take every item, each must fit their persistent
+        # tier, and together they weigh the choice.
+        items = [(self._key(item.key), item.nbytes) for item in self._batch(body.items, "items")]
+        largest = max((n for _, n in items), default=nbytes)
+        if items:
+            nbytes = sum(n for _, n in items)
         if replicas < 1:
             raise errors.InvalidArgumentError(f"replicas must be >= 1, got {replicas}")
         eligible = self._eligible(exclude)
@@ -321,27 +327,30 @@ class MasterState(IndexState):
                 f"persistent tier are alive and eligible ({len(exclude)} excluded; {others} other alive "
                 f"nodes are inference clients or have no nvme tier and never take durable copies)"
             )
-        candidates = [n for n in eligible if n.largest_persistent_tier_bytes >= nbytes]
+        candidates = [n for n in eligible if n.largest_persistent_tier_bytes >= largest]
         if not candidates:
             raise errors.ObjectTooLargeError(
-                f"{nbytes} bytes is larger than the persistent tier of every one of the "
+                f"{largest} bytes is larger than the persistent tier of every one of the "
                 f"{len(eligible)} eligible storage nodes"
             )
         if replicas > len(candidates):
             raise errors.NotEnoughReplicasError(
-                f"{replicas} durable replicas asked for, but the object ({nbytes} bytes) fits the persistent "
+                f"{replicas} durable replicas asked for, but the object ({largest} bytes) fits the persistent "
                 f"tier of only {len(candidates)} of the {len(eligible)} eligible storage nodes"
             )
         chosen = self._choose(nbytes, replicas, candidates)
         now = self.clock()
         self.counters["placements"] += 1
-        return {"targets": [
-            {
+        targets = []
+        for n in chosen:
+            target: dict[str, Any] = {
                 "node_id": n.node_id, "address": n.address, "host_id": n.host_id,
                 "reservation": None if key is None else self._reserve(key, nbytes, n, now, durable=replicas),
             }
-            for n in chosen
-        ]}
+            if items:
+                target["reservations"] = [self._reserve(k, size, n, now, durable=replicas) for k, size in items]
+            targets.append(target)
+        return {"targets": targets}
 
     def op_list(self, body: S.ListKeys) -> Any:
         """Keys starting with ``prefix`` (operators' ``kvpool ls``), at most ``limit``."""

@@ -48,11 +48,14 @@ decodes each reply into its op's reply struct the same way::
     removed         {"node_id", "keys": [key]}           -> {"removed": int}
     delete          {"keys": [key], "node_id"?}          -> {"deleted": [bool]}
                     (node_id: the caller's node, which drops its own copies itself)
-    place           {"nbytes", "replicas", "exclude": [node_id], "key": key | None}
+    place           {"nbytes", "replicas", "exclude": [node_id], "key": key | None,
+                     "items"?: [{"key", "nbytes"}]}
                     (only storage nodes with a persistent tier are eligible; more replicas
-                    than eligible nodes -> NotEnoughReplicasError, nothing reserved)
+                    than eligible nodes -> NotEnoughReplicasError, nothing reserved; with
+                    ``items``, a batch: the same nodes hold every item, ``nbytes`` is the total)
                                                          -> {"targets": [{"node_id", "address", "host_id",
-                                                                          "reservation": id | None}]}
+                                                                          "reservation": id | None,
+                                                                          "reservations"?: [id]}]}
     stats           {}                                   -> {"nodes", "keys", "replicas", "counters", ...}
     list            {"prefix": bytes, "limit": int}      -> {"keys": [{"key", "nbytes", "spec", "replicas":
                                                              [{"node_id", "tier"}]}], "truncated": bool}
@@ -76,7 +79,11 @@ control op ``replicate`` ``{"key", "spec", "header_sum", "source", "reservation"
 "replicas", "persistent": true}`` to a new storage node, which pulls the object
 from ``source`` (a surviving holder's address) with its header, checks the header
 against ``header_sum`` and the bytes against the header, stores it in its
-persistent tier and commits the reservation before it replies.
+persistent tier and commits the reservation before it replies. A durable batch
+(``put_many``) sends each target one ``replicate_many`` ``{"items": [{"key", "spec",
+"header_sum", "reservation", "token"}], "source", "replicas", "persistent"}``: the
+target pulls every object at once, checks each as above, and commits them all in one
+``commit`` before it replies ``{"node_id", "tiers": [tier], "committed": int}``.
 
 ``leave`` is a clean departure: the node's replicas leave the index at once and
 it is listed as ``left`` (not dead) until ``master.forget_nodes_after_s``.
@@ -218,6 +225,7 @@ class Placement:
     address: str
     host_id: str
     reservation_id: int | None
+    reservation_ids: tuple[int, ...] = ()  # a batch's (place with items): one per item
 
 
 # -- encoding -----------------------------------------------------------------------
@@ -386,13 +394,15 @@ def error_from_reply(body: Any) -> errors.KVPoolError:
 
 CONTROL_PROTOCOL_VERSION = 3  # v3: replicate names spec + header_sum
 CONTROL_REPLICATE = "replicate"
+CONTROL_REPLICATE_MANY = "replicate_many"
 CONTROL_PING = "ping"
 CONTROL_STATS = "stats"
-CONTROL_OPS = frozenset({CONTROL_REPLICATE, CONTROL_PING, CONTROL_STATS})
+CONTROL_OPS = frozenset({CONTROL_REPLICATE, CONTROL_REPLICATE_MANY, CONTROL_PING, CONTROL_STATS})
 
 
 CONTROL_SCHEMA: dict[str, type[S.Body]] = {
-    CONTROL_REPLICATE: S.Replicate, CONTROL_PING: S.Ping, CONTROL_STATS: S.Stats,
+    CONTROL_REPLICATE: S.Replicate, CONTROL_REPLICATE_MANY: S.ReplicateMany, CONTROL_PING: S.Ping,
+    CONTROL_STATS: S.Stats,
 }
 
 

@@ -194,11 +194,22 @@ class Delete(Body):
     node_id: str = ""  # the caller's node, which drops its own copies itself
 
 
+class PlaceItem(Body):
+    key: bytes
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        _non_negative("nbytes", self.nbytes)
+
+
 class Place(Body):
     nbytes: int
     replicas: int = 1
     exclude: list[str] = []
     key: bytes | None = None  # with a key: reserved as durable copies of it
+    # A batch: durable copies of every item on the same ``replicas`` nodes, one reservation
+    # each (``nbytes``: the batch's total); replies with ``reservations`` per target.
+    items: list[PlaceItem] = []
 
     def __post_init__(self) -> None:
         _non_negative("nbytes", self.nbytes)
@@ -296,6 +307,7 @@ class Target(Body):
     address: str
     host_id: str
     reservation: int | None = None
+    reservations: list[int] = []  # a batch's: one per item, in order
 
 
 class PlaceReply(Body):
@@ -326,5 +338,33 @@ class Replicate(Body):
     def __post_init__(self) -> None:
         if not 0 <= self.header_sum < 1 << 64:
             raise ValueError(f"header_sum must be a u64, got {self.header_sum}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+
+
+class ReplicateItem(Body):
+    """One object of :class:`ReplicateMany`."""
+
+    key: bytes
+    spec: list[int | str]
+    header_sum: int
+    reservation: int
+    token: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.header_sum < 1 << 64:
+            raise ValueError(f"header_sum must be a u64, got {self.header_sum}")
+
+
+class ReplicateMany(Body):
+    """:class:`Replicate` of a batch from one ``source``: every object pulled together, each
+    verified and stored, their reservations committed in one master round trip."""
+
+    items: list[ReplicateItem]
+    source: str
+    replicas: int = 1
+    persistent: bool = False
+
+    def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")

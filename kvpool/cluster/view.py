@@ -19,6 +19,7 @@ with the same header checksum.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -197,32 +198,48 @@ class ClusterView:
         if records:
             self.node.publish(records)
 
-    def place(self, nbytes: int, replicas: int, key: bytes) -> list[Placement]:
-        """Storage nodes chosen (and reserved) for durable copies of ``key``."""
-        return self.master.place(nbytes, replicas, exclude=[self.node.node_id], key=key)
+    def place_many(self, items: Sequence[tuple[bytes, int]], replicas: int) -> list[Placement]:
+        """Storage nodes chosen (and reserved) for durable copies of a batch of ``(key,
+        nbytes)``: one master round trip, the same nodes for every item."""
+        return self.master.place_many(items, replicas, exclude=[self.node.node_id])
 
-    def replicate(self, key: bytes, targets: Sequence[Placement]) -> None:
-        """Have every target pull the object from here into its nvme tier; each commits its
-        reservation before it answers, so on return every copy is visible and durable."""
-        record = self.node.record(key)
-        if record is None:
-            raise errors.CapacityError("object was evicted locally before it could be replicated")
+    def replicate_many(self, keys: Sequence[bytes], targets: Sequence[Placement]) -> None:
+        """Have every target pull the objects from here into its nvme tier: one
+        ``replicate_many`` exchange per target (the targets at once), each pulling every
+        object together and committing them in one master round trip, so on return every
+        copy is visible and durable. Raises the first target's error (copies already
+        committed stay; the master completes the count)."""
+        records = [self.node.record(key) for key in keys]
+        if any(r is None for r in records):
+            raise errors.CapacityError("an object was evicted locally before it could be replicated")
         assert self.node.address is not None
         source = self.node.address.encode()
-        for target in targets:
-            control_call(NodeAddress.decode(target.address).control, "replicate", {
-                "key": key, "spec": record["spec"], "header_sum": record["header_sum"], "source": source,
-                "reservation": target.reservation_id,
-                "replicas": len(targets), "persistent": True,
-                "token": self.node.cluster_key.mint_token(key, self.node.node_id),
+
+        def send(target: Placement) -> None:
+            items = [{"key": key, "spec": record["spec"], "header_sum": record["header_sum"],  # type: ignore[index]
+                      "reservation": rid, "token": self.node.cluster_key.mint_token(key, self.node.node_id)}
+                     for key, record, rid in zip(keys, records, target.reservation_ids)]
+            control_call(NodeAddress.decode(target.address).control, "replicate_many", {
+                "items": items, "source": source, "replicas": len(targets), "persistent": True,
             }, timeout_s=self.config.node.pull_timeout_s + 5.0, cluster_key=self.node.cluster_key)
-            self.counters["replicated"] += 1
+            self.counters["replicate_requests"] += 1
+            self.counters["replicated"] += len(items)
+
+        if len(targets) == 1:
+            send(targets[0])
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(targets), thread_name_prefix="kvpool-replicate") as pool:
+            futures = [pool.submit(send, target) for target in targets]
+        for future in futures:
+            future.result()
 
     def revoke(self, targets: Sequence[Placement]) -> None:
         """Give back reservations of copies that will not be made (else they expire after
         ``master.reservation_timeout_s``)."""
         try:
-            self.master.revoke([t.reservation_id for t in targets if t.reservation_id is not None])
+            self.master.revoke([rid for t in targets
+                                for rid in ((t.reservation_id,) if t.reservation_id is not None else ())
+                                + t.reservation_ids])
         except errors.KVPoolError as exc:
             log.debug("revoking durable reservations failed: %s", exc)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import tomllib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import xxhash
 
@@ -23,10 +23,10 @@ class Settings:
 
     master: str
     config: str | None = None
-    durable: bool = False
-    replicas: int = 1
+    durable: bool | None = None  # None: the pool config's node.durable (kvpool.client.durable_copies)
+    replicas: int | None = None  # None: the pool config's node.replicas
     load_timeout_s: float = 30.0
-    on_load_failure: str = "recompute"
+    on_load_failure: Literal["recompute", "fail"] = "recompute"
     transport: str = "auto"
     plan: bool = True
     layers_per_pull: int = 0  # 0: auto
@@ -50,11 +50,10 @@ class Settings:
         config = extra.get("config")
         if config is not None and not isinstance(config, str):
             raise errors.ConfigError('kv_connector_extra_config "config" must be the path of a kvpool TOML file')
-        durable, replicas, timeout = extra.get("durable", False), extra.get("replicas", 1), \
-            extra.get("load_timeout_s", 30.0)
-        if not isinstance(durable, bool):
+        durable, replicas, timeout = extra.get("durable"), extra.get("replicas"), extra.get("load_timeout_s", 30.0)
+        if durable is not None and not isinstance(durable, bool):
             raise errors.ConfigError(f'kv_connector_extra_config "durable" must be true or false, got {durable!r}')
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
             raise errors.ConfigError(f'kv_connector_extra_config "replicas" must be an int >= 1, got {replicas!r}')
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise errors.ConfigError(f'kv_connector_extra_config "load_timeout_s" must be > 0, got {timeout!r}')
@@ -73,8 +72,8 @@ class Settings:
         if per_pull != "auto" and (isinstance(per_pull, bool) or not isinstance(per_pull, int) or per_pull < 1):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "layers_per_pull" must be "auto" or an int >= 1, got {per_pull!r}')
-        return cls(master, config, durable, replicas, float(timeout), on_failure, transport, plan,
-                   0 if per_pull == "auto" else per_pull)
+        return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
+                   transport, plan, 0 if per_pull == "auto" else per_pull)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
