@@ -19,6 +19,7 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
+from kvpool.cluster.bulk import BULK_MIN_BYTES, collector_paused, unpack_bulk
 from kvpool.cluster.etcd import Election, EtcdClient, check_address_for_etcd
 from kvpool.cluster.ops import MasterState
 from kvpool.cluster.query import QUERY_OPS, QueryServer, query_host
@@ -155,7 +156,7 @@ class MasterServer:
         op = "?"
         try:
             if request is None:
-                request = P.unpack_request(frame)
+                request = unpack_bulk(frame) or P.unpack_request(frame)
             request_id, op = request.request_id, request.op
             if questions_only and op not in QUERY_OPS:
                 raise P.MalformedRequest(
@@ -164,6 +165,9 @@ class MasterServer:
                 leader = self.election.leader if self.election is not None else None
                 raise errors.NotLeaderError(
                     f"master {self.endpoint} is a standby; the leader is {leader or '(being elected)'}")
+            if len(frame) >= BULK_MIN_BYTES:
+                with collector_paused():
+                    return P.pack_reply(request_id, self.state.handle(op, request.body))
             return P.pack_reply(request_id, self.state.handle(op, request.body))
         except errors.KVPoolError as exc:
             return self._refused(exc, request_id)

@@ -69,7 +69,6 @@ class NodeInfo:
     last_seen: float
     alive: bool = True
     died_at: float = 0.0
-    objects: set[bytes] = field(default_factory=set)
     reserved_bytes: int = 0        # reserved, neither committed nor revoked yet
     committed_since_beat: int = 0  # not yet reflected in the free bytes the node reported
     # key -> seq of the heartbeat reply that last carried it (0: not sent yet)
