@@ -224,7 +224,7 @@ class IndexState:
                 self._key(key)
         if not n:
             return [], [], [], [], [], []
-        durable = [(raw.key, raw.durable) for raw in raws if raw.durable]
+        durable = [(key, raw.durable) for key, raw in zip(keys, raws) if raw.durable]
         # The common batch: one kind of object, every record with a checksum, no locations
         # (dram, nvme): one shape, checked with a few C loops instead of a Python loop.
         first = raws[0]
