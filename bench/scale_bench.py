@@ -27,8 +27,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -55,15 +58,16 @@ def rss_mib(pid: int) -> float:
 
 
 class Master:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, extra_args: list[str] | None = None) -> None:
         self.address = address
+        self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
         """Start it; returns seconds until it answers."""
         started = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli.server", "--role", "master",
-                                      "--master.listen", self.address], cwd=REPO_ROOT,
+                                      "--master.listen", self.address, *self.extra_args], cwd=REPO_ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with MasterClient(self.address, request_timeout_s=0.5) as probe:
             while True:
@@ -89,30 +93,108 @@ class Master:
                 self.proc.kill()
 
 
-class KeyNode:
-    """A simulated node holding keys [first, stop): its records are built once and reused."""
+_M64 = (1 << 64) - 1
 
-    def __init__(self, index: int, spec: ObjectSpec) -> None:
+
+def bench_key(i: int) -> bytes:
+    """Key ``i``: 16 bytes that look like a prefix hash (splitmix64 of i and of ~i)."""
+    return _splitmix(i).to_bytes(8, "little") + _splitmix(i ^ _M64).to_bytes(8, "little")
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _splitmix_vec(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class RecordFrames:
+    """The msgpack of a node's publish batches, built with numpy from one fixed-width record
+    (the master decodes them as any node's): a ``--layers``-layer object's spec, its size,
+    a 16-byte key and a distinct header checksum (the master keeps only that of the header),
+    tier dram, no location."""
+
+    def __init__(self, spec: ObjectSpec) -> None:
+        import msgspec
+
+        enc = msgspec.msgpack.encode
+        self.head = enc({"tier": "dram", "spec": spec.to_wire(), "nbytes": spec.total_nbytes})
+        # A map of 5 entries: tier, spec, nbytes (from head, whose map header says 3), key, header_sum.
+        assert self.head[0] == 0x83
+        self.head = bytes([0x85]) + self.head[1:] + enc("key") + b"\xc4\x10"
+        self.middle = enc("header_sum") + b"\xcf"  # header_sum as a u64, always 8 bytes
+        self.width = len(self.head) + 16 + len(self.middle) + 8
+
+    def batch(self, first: int, stop: int) -> Any:
+        """msgspec.Raw of the list of records of keys [first, stop)."""
+        import msgspec
+
+        n = stop - first
+        ids = np.arange(first, stop, dtype=np.uint64)
+        rows = np.empty((n, self.width), np.uint8)
+        h, m = len(self.head), len(self.middle)
+        rows[:, :h] = np.frombuffer(self.head, np.uint8)
+        rows[:, h:h + 8] = _splitmix_vec(ids).astype("<u8").view(np.uint8).reshape(n, 8)
+        rows[:, h + 8:h + 16] = _splitmix_vec(ids ^ np.uint64(_M64)).astype("<u8").view(np.uint8).reshape(n, 8)
+        rows[:, h + 16:h + 16 + m] = np.frombuffer(self.middle, np.uint8)
+        rows[:, h + 16 + m:] = ids.astype(">u8").view(np.uint8).reshape(n, 8)
+        return msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + rows.tobytes())
+
+
+class KeyNode:
+    """A simulated node holding keys in ranges; its records are built when sent, never kept."""
+
+    def __init__(self, index: int, frames: RecordFrames, batch: int) -> None:
         self.node_id = f"scale-node-{index:03d}"
         self.address = f"tcp://127.0.0.1:{20000 + index}"
-        self.spec = spec
-        self.records: list[P.ReplicaRecord] = []
+        self.frames = frames
+        self.batch = batch
+        self.ranges: list[tuple[int, int]] = []
+
+    def batches(self, ranges: list[tuple[int, int]]) -> Iterator[Any]:
+        for first, stop in ranges:
+            for lo in range(first, stop, self.batch):
+                yield self.frames.batch(lo, min(stop, lo + self.batch))
+
+    def send(self, client: MasterClient, ranges: list[tuple[int, int]], *, register: bool) -> float:
+        """Register (when asked: replacing what the master believed) with the first batch and
+        publish the rest; each batch is built while the master indexes the one before.
+        Returns the seconds spent waiting for the master."""
+        waited = 0.0
+        batches = self.batches(ranges)
+        nxt: list[Any] = [next(batches, None)]
+        if nxt[0] is None and register:
+            nxt[0] = self.frames.batch(0, 0)
+
+        def build() -> None:
+            nxt[0] = next(batches, None)
+
+        first = True
+        while nxt[0] is not None:
+            objects = nxt[0]
+            if first and register:
+                op, body = P.REGISTER, {"node_id": self.node_id, "address": self.address, "host_id": "scale-host",
+                                        "tiers": TIERS, "objects": objects}
+            else:
+                op, body = P.PUBLISH, {"node_id": self.node_id, "objects": objects}
+            first = False
+            started = time.perf_counter()
+            client.call(op, body, meanwhile=build)
+            waited += time.perf_counter() - started
+        return waited
 
     def reregister(self, address: str) -> Any:
         def send_all() -> None:
             with MasterClient(address, request_timeout_s=120) as client:
-                client.register(self.node_id, self.address, "scale-host", TIERS, self.records)
+                self.send(client, self.ranges, register=True)
         return send_all
-
-    def add(self, first: int, stop: int) -> list[P.ReplicaRecord]:
-        checksums = tuple(range(self.spec.layers))
-        new = []
-        for i in range(first, stop):
-            key = b"scale-%012d" % i
-            header = ObjectHeader.for_key(key, self.spec, checksums).pack()
-            new.append(P.replica_record("dram", self.spec, self.spec.total_nbytes, key=key, header=header))
-        self.records += new
-        return new
 
 
 def lookup_rate(address: str, keys: list[bytes], seconds: float) -> tuple[float, float, float]:
@@ -168,14 +250,28 @@ def _keys(address: str) -> int:
         return -1
 
 
-def publish_all(address: str, work: list[tuple[KeyNode, list[P.ReplicaRecord]]]) -> float:
-    """The nodes publish their new records one after the other (one thread: this process's
-    heartbeat threads must not starve behind eight threads packing huge batches); seconds taken."""
-    started = time.perf_counter()
+def publish_all(address: str, work: list[tuple[KeyNode, tuple[int, int]]]) -> float:
+    """The nodes publish their new keys one after the other (one thread: this process's
+    heartbeat threads must not starve behind eight threads packing huge batches); seconds
+    spent in publish round trips (the next batch is built during each)."""
+    waited = 0.0
     with MasterClient(address, request_timeout_s=120) as client:
-        for node, records in work:
-            client.publish(node.node_id, records)
-    return time.perf_counter() - started
+        for node, span in work:
+            node.ranges.append(span)
+            waited += node.send(client, [span], register=False)
+    return waited
+
+
+def chain_lookup(address: str, keys: list[bytes], iters: int) -> tuple[float, float]:
+    """(p50, p99) ms of one ``lookup`` of the whole chain ``keys`` (all cached), one in flight."""
+    samples = []
+    with MasterClient(address, request_timeout_s=10) as client:
+        assert client.lookup(keys) == len(keys)
+        for _ in range(iters):
+            t = time.perf_counter()
+            client.lookup(keys)
+            samples.append(time.perf_counter() - t)
+    return percentile(samples, 50) * 1e3, percentile(samples, 99) * 1e3
 
 
 def main() -> int:
@@ -183,19 +279,28 @@ def main() -> int:
     parser.add_argument("--keys", default="10000,100000,1000000", help="key counts to measure at (ascending)")
     parser.add_argument("--layers", type=int, default=32, help="layers per object (the header holds a checksum each)")
     parser.add_argument("--nodes-with-keys", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=65536, help="records per publish request")
     parser.add_argument("--lookup-seconds", type=float, default=2.0)
+    parser.add_argument("--chain", type=int, default=1000, help="hashes in the prefix-lookup chain")
+    parser.add_argument("--chain-iters", type=int, default=500)
     parser.add_argument("--heartbeat-nodes", type=int, default=100)
     parser.add_argument("--heartbeat-seconds", type=float, default=120.0)
+    parser.add_argument("--no-failover", action="store_true", help="skip the kill -9 and cold re-registration")
+    parser.add_argument("--master-arg", action="append", default=[], help="extra master flag (repeatable)")
     args = parser.parse_args()
     steps = sorted(int(k) for k in args.keys.split(","))
     spec = ObjectSpec("float16", args.layers, 256, 8, 128)
     address = f"tcp://127.0.0.1:{_free_port()}"
-    master = Master(address)
+    master = Master(address, args.master_arg)
     master.start()
-    nodes = [KeyNode(i, spec) for i in range(args.nodes_with_keys)]
+    frames = RecordFrames(spec)
+    nodes = [KeyNode(i, frames, args.batch) for i in range(args.nodes_with_keys)]
     print(f"master {address} (pid {master.proc.pid if master.proc else '?'}); {os.cpu_count()} CPUs; "
           f"{args.layers}-layer objects, header {len(ObjectHeader.for_key(b'k', spec, (0,) * args.layers).pack())} B",
           file=sys.stderr)
+    headers = ["keys", "master RSS MiB", "RSS B/key", "B/key over empty", "publish keys/s",
+               "lookups/s (1 in flight)", "p50 us", "p99 us", "exists keys/s (1000/req)",
+               f"lookup {args.chain}-chain p50 ms", "p99 ms"]
     rows: list[list[Any]] = []
     key_beaters: list[Heartbeater] = []
     beaters: list[Heartbeater] = []
@@ -215,19 +320,23 @@ def main() -> int:
             for n, node in enumerate(nodes):
                 first = indexed + n * per_node
                 stop = target if n == len(nodes) - 1 else first + per_node
-                work.append((node, node.add(first, stop)))
+                work.append((node, (first, stop)))
             publish_s = publish_all(address, work)
             indexed = target
             with MasterClient(address, request_timeout_s=60) as client:
                 assert client.stats()["keys"] == target
-            keys = [b"scale-%012d" % i for i in range(0, target, max(1, target // 5000))]
+            keys = [bench_key(i) for i in range(0, target, max(1, target // 5000))]
             rate, p50, p99 = lookup_rate(address, keys, args.lookup_seconds)
-            rows.append([f"{target:,}", f"{rss_mib(master.proc.pid):.0f}",  # type: ignore[union-attr]
-                         f"{(rss_mib(master.proc.pid) - base_rss) * (1 << 20) / target:.0f}",  # type: ignore[union-attr]
-                         f"{target / publish_s:,.0f}", f"{rate:,.0f}", f"{p50:.0f}", f"{p99:.0f}",
-                         f"{exists_rate(address, keys):,.0f}"])
-            print(format_table(["keys", "master RSS MiB", "B/key", "publish keys/s", "lookups/s (1 in flight)",
-                                "p50 us", "p99 us", "exists keys/s (1000/req)"], rows[-1:]), file=sys.stderr)
+            chain_at = (target // 2) // args.chain * args.chain
+            chain = [bench_key(i) for i in range(chain_at, chain_at + min(args.chain, target))]
+            chain_p50, chain_p99 = chain_lookup(address, chain, args.chain_iters)
+            rss = rss_mib(master.proc.pid)  # type: ignore[union-attr]
+            rows.append([f"{target:,}", f"{rss:.0f}", f"{rss * (1 << 20) / target:.0f}",
+                         f"{(rss - base_rss) * (1 << 20) / target:.0f}",
+                         f"{sum(b - a for _, (a, b) in work) / publish_s:,.0f}",
+                         f"{rate:,.0f}", f"{p50:.0f}", f"{p99:.0f}", f"{exists_rate(address, keys):,.0f}",
+                         f"{chain_p50:.2f}", f"{chain_p99:.2f}"])
+            print(format_table(headers, rows[-1:]), file=sys.stderr)
 
         # Heartbeats from many nodes: none may be declared dead.
         for i in range(args.heartbeat_nodes):
@@ -248,25 +357,25 @@ def main() -> int:
         beaters.clear()
         dead = stats["counters"]["nodes_dead"]
         alive_beaters = sum(1 for nid, n in stats["nodes"].items() if nid.startswith("beat-node") and n["alive"])
-
-        # Failover: a new master with nothing; every key-holding node is told to re-register at
-        # its next beat and sends everything it holds.
-        master.kill()
-        started = time.monotonic()
-        up_s = master.start()
-        found = wait_until(lambda: _keys(address) == indexed, 600) and _keys(address)
-        register_s = time.monotonic() - started
+        checks = [[f"{args.heartbeat_nodes} nodes beating 1/s for {args.heartbeat_seconds:.0f} s",
+                   f"{alive_beaters} alive, {dead} declared dead"],
+                  ["index", str(stats.get("index"))]]
+        found = indexed
+        if not args.no_failover:
+            # Failover without a standby: a new master with nothing; every key-holding node is
+            # told to re-register at its next beat and sends everything it holds.
+            master.kill()
+            started = time.monotonic()
+            up_s = master.start()
+            found = wait_until(lambda: _keys(address) == indexed, 900) and _keys(address)
+            register_s = time.monotonic() - started
+            checks += [["master restart (no standby): up and answering", f"{up_s:.2f} s"],
+                       [f"restart -> all {indexed:,} keys of {len(nodes)} nodes indexed again",
+                        f"{register_s:.2f} s ({indexed / register_s:,.0f} keys/s), {found:,} found"]]
         print()
-        print(format_table(["keys", "master RSS MiB", "B/key", "publish keys/s", "lookups/s (1 in flight)",
-                            "p50 us", "p99 us", "exists keys/s (1000/req)"], rows))
+        print(format_table(headers, rows))
         print()
-        print(format_table(["check", "result"], [
-            [f"{args.heartbeat_nodes} nodes beating 1/s for {args.heartbeat_seconds:.0f} s",
-             f"{alive_beaters} alive, {dead} declared dead"],
-            ["master restart: up and answering", f"{up_s:.2f} s"],
-            [f"restart -> all {indexed:,} keys of {len(nodes)} nodes indexed again",
-             f"{register_s:.2f} s ({indexed / register_s:,.0f} keys/s), {found:,} found"],
-        ]))
+        print(format_table(["check", "result"], checks))
         return 0 if dead == 0 and found == indexed else 1
     finally:
         for beater in key_beaters + beaters:  # before the master goes, and before zmq is torn down

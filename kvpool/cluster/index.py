@@ -143,12 +143,22 @@ class KeyIndex:
         mask = self._mask
         cur = (_hash_vec(lo, hi) & _U64(mask)).astype(np.int64)
         pend = np.arange(n)
+        # Two keys of the batch may want one free slot: each writes its position into a small
+        # claim table at the slot's bucket, and the one whose write stayed takes it (O(n), no
+        # sort). A loser of a free slot tries it again; a key at a full slot moves on.
+        buckets = 1 << max(4, (2 * n - 1).bit_length())
+        claim = np.empty(buckets, np.int64)
+        bmask = buckets - 1
         while pend.size:
             state = self.nd[cur]
-            free = np.flatnonzero((state == EMPTY) | (state == TOMB))
+            free_here = (state == EMPTY) | (state == TOMB)
+            free = np.flatnonzero(free_here)
+            done = None
             if free.size:
-                slots, first = np.unique(cur[free], return_index=True)
-                win = pend[free[first]]
+                b = cur[free] & bmask
+                claim[b] = free
+                won = free[claim[b] == free]
+                slots, win = cur[won], pend[won]
                 self._tombs -= int(np.count_nonzero(self.nd[slots] == TOMB))
                 self.k0[slots], self.k1[slots] = lo[win], hi[win]
                 self.nd[slots] = nd if np.isscalar(nd) else nd[win]
@@ -157,10 +167,13 @@ class KeyIndex:
                 if off is not None:
                     self.off[slots] = off[win]
                 self._used += slots.size
-                keep = np.ones(pend.size, bool)
-                keep[free[first]] = False
+                done = np.zeros(pend.size, bool)
+                done[won] = True
+            full = ~free_here
+            cur[full] = (cur[full] + 1) & mask
+            if done is not None:
+                keep = ~done
                 pend, cur = pend[keep], cur[keep]
-            cur = (cur + 1) & mask
 
     def _find_many(self, lo: U64Array, hi: U64Array) -> I64Array:
         """Table slot of each key, -1 where absent."""
