@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -21,6 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvpool import errors
 from kvpool.cluster import bulk
 from kvpool.cluster import protocol as P
+from kvpool.cluster import schema as S
+from kvpool.cluster.follow import ChangeLog, answer_follow, apply_change, load_snapshot
 from kvpool.cluster.index import KeyIndex, split_keys
 from kvpool.cluster.ops import MasterState
 from kvpool.config import MasterSection
@@ -57,6 +60,10 @@ class IndexMachine(RuleBasedStateMachine):
     def start(self) -> None:
         config = MasterSection(max_keys=MAX_KEYS)
         self.state = MasterState(config)
+        self.state.record_changes(ChangeLog())
+        # A standby following the state's change stream (kvpool.cluster.follow).
+        self.standby = MasterState(config)
+        self.stream, self.since = "", 0
         self.model: Model = {}
         self.alive: dict[str, bool] = {}
         self.pending: dict[str, set[bytes]] = {}  # deletes a node has not carried out
@@ -164,6 +171,29 @@ class IndexMachine(RuleBasedStateMachine):
             if not self.model[key]:
                 del self.model[key]
 
+    @rule()
+    def standby_starts_over(self) -> None:
+        """A standby restarted: it loads a snapshot and follows on from it."""
+        self.standby = MasterState(self.standby.config)
+        self.stream, self.since = "", 0
+
+    def _follow(self) -> None:
+        while True:
+            reply = answer_follow(self.state, S.Follow(stream=self.stream, since=self.since))
+            if "snapshot" in reply:
+                parts = [reply["data"]] + [
+                    answer_follow(self.state, S.Follow(snapshot=reply["snapshot"], part=i))["data"]
+                    for i in range(1, reply["parts"])]
+                self.standby = MasterState(self.standby.config)
+                load_snapshot(self.standby, parts)
+                self.stream, self.since = reply["stream"], reply["seq"]
+                continue
+            for change in reply["changes"]:
+                apply_change(self.standby, msgspec.msgpack.decode(change))
+            self.since = reply["last"]
+            if self.since == reply["head"]:
+                return
+
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=20))
     def lookup(self, keys: list[bytes]) -> None:
         prefix = 0
@@ -203,6 +233,20 @@ class IndexMachine(RuleBasedStateMachine):
             assert info["objects"] == sum(node in h for h in self.model.values())
         listed = state.handle(P.LIST, {"prefix": b"", "limit": 1000})["keys"]
         assert sorted(item["key"] for item in listed) == sorted(self.model)
+        # The standby, once it has followed, answers as the leader does.
+        self._follow()
+        standby = self.standby
+        assert _everything(standby) == _everything(state)
+        assert dict(standby.durable) == dict(state.durable)
+        assert {n: (i.alive, i.state, i.address) for n, i in standby.nodes.items()} == \
+            {n: (i.alive, i.state, i.address) for n, i in state.nodes.items()}
+
+
+def _everything(state: MasterState) -> Any:
+    located = state.handle(P.LOCATE, {"keys": KEYS, "lease": False})["replicas"]
+    stats = state.handle(P.STATS, {})
+    return ([None if r is None else sorted((x["node_id"], _comparable(x)) for x in r) for r in located],
+            stats["keys"], stats["replicas"], {n: i["objects"] for n, i in stats["nodes"].items()})
 
 
 def _comparable(record: dict[str, Any]) -> tuple[Any, ...]:

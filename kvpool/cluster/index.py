@@ -25,7 +25,7 @@ Bounds
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -94,6 +94,9 @@ class KeyIndex:
         self._node_index: dict[str, int] = {}
         self._node_counts: list[int] = [0]
         self._free_nodes: list[int] = []
+        #: every change, as a list of msgpack-able values, for a standby to replay (see
+        #: kvpool.cluster.follow); None: changes are not recorded
+        self.journal: Callable[[list[Any]], None] | None = None
 
     # -- table storage -------------------------------------------------------------------
 
@@ -278,6 +281,9 @@ class KeyIndex:
             sid = self._shape_ids[shape] = len(self._shapes)
             self._shapes.append(shape)
             self._shape_nbytes.append(nbytes)
+            if self.journal is not None:
+                self.journal(["shape", sid, tier, list(spec), nbytes, [list(i) for i in template],
+                              header_sum is not None, offset != 0])
         return sid, header_sum or 0, offset
 
     def encode_record(self, record: Replica) -> tuple[int, int, int]:
@@ -397,7 +403,11 @@ class KeyIndex:
         """Index ``record`` for ``key`` on ``node_id`` (replacing that node's record); True if the
         node did not hold the key. PoolFullError (nothing changed) past ``max_keys``."""
         sid, header_sum, offset = self.encode_record(record)
-        return self.add_encoded(key, self.node_index(node_id), sid, header_sum, offset, record)
+        new = self.add_encoded(key, self.node_index(node_id), sid, header_sum, offset, record)
+        if self.journal is not None:
+            self.journal(["add", node_id, [key], [sid], [header_sum], [offset],
+                          [[0, _record_wire(record)]] if sid == WHOLE else []])
+        return new
 
     def add_encoded(self, key: bytes, idx: int, sid: int, header_sum: int, offset: int,
                     record: Replica | None = None) -> bool:
@@ -453,6 +463,14 @@ class KeyIndex:
         """Index one node's records (parallel lists; ``records`` needed only for shape WHOLE);
         the last of repeated keys wins. Returns (replicas the node did not hold, their bytes).
         PoolFullError before anything changes when the new keys would pass ``max_keys``."""
+        added = self._add_many(node_id, keys, sids, header_sums, offsets, records)
+        if self.journal is not None and keys:
+            self.journal(["add", node_id, keys, sids, header_sums, offsets,
+                          [[i, _record_wire(r)] for i, r in enumerate(records) if r is not None]])
+        return added
+
+    def _add_many(self, node_id: str, keys: list[bytes], sids: list[int], header_sums: list[int],
+                  offsets: list[int], records: Sequence[Replica | None] = ()) -> tuple[int, int]:
         idx = self.node_index(node_id)
         n = len(keys)
         if n < 16 or WHOLE in sids or min(map(len, keys)) != KEY_BYTES or max(map(len, keys)) != KEY_BYTES:
@@ -553,6 +571,8 @@ class KeyIndex:
         self._whole.pop((key, idx), None)
         self.replicas -= 1
         self._node_counts[idx] -= 1
+        if self.journal is not None:
+            self.journal(["rm", node_id, key])
         return True
 
     @staticmethod
@@ -580,6 +600,8 @@ class KeyIndex:
             self._node_counts[idx] -= 1
             holders.append(self.node_ids[idx])
         self.replicas -= len(encs)
+        if self.journal is not None:
+            self.journal(["pop", key])
         return holders  # type: ignore[return-value]
 
     def drop_node(self, node_id: str) -> int:
@@ -610,7 +632,65 @@ class KeyIndex:
                 del self._whole[pair]
         self.replicas -= dropped
         self._node_counts[idx] = 0
+        if self.journal is not None:
+            self.journal(["drop", node_id])
         return dropped
+
+    # -- a standby's copy (kvpool.cluster.follow) ------------------------------------------
+
+    def put_shape(self, sid: int, tier: str, spec: list[Any], nbytes: int, template: list[list[Any]],
+                  has_sum: bool, has_offset: bool) -> None:
+        """Replay a shape the leader interned (shapes arrive in the order they were given ids)."""
+        if sid != len(self._shapes):
+            raise errors.ProtocolError(f"change stream: shape {sid} arrived when {len(self._shapes)} was next")
+        shape = Shape((tier, tuple(spec), nbytes, tuple(tuple(i) for i in template), has_sum, has_offset))
+        self._shape_ids[shape] = sid
+        self._shapes.append(shape)
+        self._shape_nbytes.append(nbytes)
+
+    def snapshot(self) -> tuple[dict[str, Any], list[npt.NDArray[Any]]]:
+        """Everything, as (msgpack-able tables, the live table columns); :meth:`load` takes it."""
+        live = np.flatnonzero((self.nd != EMPTY) & (self.nd != TOMB))
+        columns: list[npt.NDArray[Any]] = [self.k0[live], self.k1[live], self.nd[live], self.sh[live], self.hs[live]]
+        if self._has_offsets:
+            columns.append(self.off[live])
+        tables: dict[str, Any] = {
+            "shapes": [None if s is None else [s[0], list(s[1]), s[2], [list(i) for i in s[3]], s[4], s[5]]
+                       for s in self._shapes],
+            "node_ids": self.node_ids, "node_counts": self._node_counts, "free_nodes": self._free_nodes,
+            "extra": [[k, [list(e) for e in v]] for k, v in self._extra.items()],
+            "odd": [[k, [list(e) for e in v]] for k, v in self._odd.items()],
+            "whole": [[k, idx, _record_wire(r)] for (k, idx), r in self._whole.items()],
+            "replicas": self.replicas, "live": int(live.size), "has_offsets": self._has_offsets,
+        }
+        return tables, columns
+
+    def load(self, tables: dict[str, Any], columns: list[npt.NDArray[Any]]) -> None:
+        """Become the index :meth:`snapshot` described (replacing everything)."""
+        live = int(tables["live"])
+        capacity = MIN_CAPACITY
+        while live > capacity * MAX_LOAD * 0.75:
+            capacity *= 2
+        self._has_offsets = bool(tables["has_offsets"])
+        self._alloc(capacity)
+        self._used = self._tombs = 0
+        k0, k1, nd, sh, hs = columns[:5]
+        self._place(k0, k1, nd, sh, hs, columns[5] if self._has_offsets else None)
+        self.generation += 1
+        self._shapes = [None]
+        self._shape_ids = {}
+        self._shape_nbytes = [0]
+        for sid, shape in enumerate(tables["shapes"]):
+            if shape is not None:
+                self.put_shape(sid, *shape)
+        self.node_ids = list(tables["node_ids"])
+        self._node_index = {nid: i for i, nid in enumerate(self.node_ids) if nid is not None}
+        self._node_counts = list(tables["node_counts"])
+        self._free_nodes = list(tables["free_nodes"])
+        self._extra = {bytes(k): [tuple(e) for e in v] for k, v in tables["extra"]}
+        self._odd = {bytes(k): [tuple(e) for e in v] for k, v in tables["odd"]}
+        self._whole = {(bytes(k), idx): _replica(r) for k, idx, r in tables["whole"]}
+        self.replicas = int(tables["replicas"])
 
     def stats(self) -> dict[str, Any]:
         """Sizes for ``stats`` (and docs/master_index.md)."""
@@ -622,3 +702,12 @@ class KeyIndex:
             "other_length_keys": len(self._odd), "shapes": len(self._shapes) - 1,
             "whole_records": len(self._whole), "max_keys": self.max_keys,
         }
+
+
+def _record_wire(record: Replica) -> dict[str, Any]:
+    return {"tier": record.tier, "spec": list(record.spec), "nbytes": record.nbytes,
+            "header_sum": record.header_sum, "location": dict(record.location or {})}
+
+
+def _replica(wire: dict[str, Any]) -> Replica:
+    return Replica(wire["tier"], wire["spec"], wire["nbytes"], wire["header_sum"], wire["location"], None)

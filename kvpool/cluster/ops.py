@@ -15,7 +15,7 @@ from typing import Any
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster import schema as S
-from kvpool.cluster.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address
+from kvpool.cluster.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address, node_wire
 from kvpool.cluster.state import IndexState
 
 log = logging.getLogger("kvpool.master")
@@ -34,7 +34,7 @@ class MasterState(IndexState):
             P.REVOKE: self.op_revoke, P.PUBLISH: self.op_publish,
             P.EVICT_REQUEST: self.op_evict_request, P.REMOVED: self.op_removed,
             P.DELETE: self.op_delete, P.PLACE: self.op_place, P.STATS: self.op_stats,
-            P.LIST: self.op_list,
+            P.LIST: self.op_list, P.FOLLOW: self.op_follow,
         }
 
     # -- operations -----------------------------------------------------------------
@@ -72,6 +72,7 @@ class MasterState(IndexState):
             node.last_seen, node.alive, node.committed_since_beat = now, True, 0
         node.role, node.persistent_tiers, node.control = role, tuple(persistent), control
         node.endpoint, node.state = endpoint, "alive"
+        self._journal(["node", node_wire(node)])
         skipped = 0
         pending = node.pending_deletes
         if pending:  # deleted by a client while the node was away
@@ -364,6 +365,12 @@ class MasterState(IndexState):
                         "replicas": [{"node_id": nid, "tier": r.get("tier")} for nid, r in replicas.items()]})
         return {"keys": out, "truncated": False}
 
+    def op_follow(self, body: S.Follow) -> Any:
+        """A standby's question for the changes it has not seen (kvpool.cluster.follow)."""
+        from kvpool.cluster.follow import answer_follow
+
+        return answer_follow(self, body)
+
     def op_stats(self, body: Any) -> Any:  # no fields (tests call it with {})
         now = self.clock()
         return {
@@ -393,4 +400,6 @@ class MasterState(IndexState):
             "rereplications_in_flight": sum(len(t) for t in self.rereplicating.values()),
             "counters": dict(self.counters),
             "ha": self.ha,
+            "takeover": self.takeover,
+            "change_stream": None if self.change_log is None else self.change_log.stats(now),
         }

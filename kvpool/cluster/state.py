@@ -102,6 +102,29 @@ from kvpool.objformat import ObjectSpec
 log = logging.getLogger("kvpool.master")
 
 
+class Durable(dict[bytes, int]):
+    """key -> replicas wanted, telling ``journal`` (when set) of every change (a standby keeps
+    the same map)."""
+
+    journal: Callable[[list[Any]], None] | None = None
+
+    def __setitem__(self, key: bytes, replicas: int) -> None:
+        super().__setitem__(key, replicas)
+        if self.journal is not None:
+            self.journal(["durable", key, replicas])
+
+    def update(self, pairs: Any = (), /, **_: Any) -> None:
+        for key, replicas in (pairs.items() if isinstance(pairs, dict) else pairs):
+            self[key] = replicas
+
+    def pop(self, key: bytes, *default: Any) -> Any:
+        found = key in self
+        value = super().pop(key, *default)
+        if found and self.journal is not None:
+            self.journal(["undurable", key])
+        return value
+
+
 class IndexState:
     """The master's state and its transitions (index, registry, timers, durability planning);
     no sockets, no threads. The requests that drive it are :class:`kvpool.cluster.ops.MasterState`'s.
@@ -135,7 +158,7 @@ class IndexState:
         # re-registered records); keys whose copies may be short, each with the
         # time before which it is not looked at again (retry backoff); the
         # targets of copies in flight per key; failed attempts per key.
-        self.durable: dict[bytes, int] = {}
+        self.durable: Durable = Durable()
         self.to_check: OrderedDict[bytes, float] = OrderedDict()
         self.rereplicating: dict[bytes, set[str]] = {}
         self._attempts: dict[bytes, int] = {}
@@ -146,6 +169,21 @@ class IndexState:
         self.ha: dict[str, Any] | None = None
         #: the master's query port (kvpool.cluster.query), told to clients by ping; 0: none
         self.query_port = 0
+        #: with master.etcd, on the leader: every change, for standbys to follow (a
+        #: kvpool.cluster.follow.ChangeLog), and its append
+        self.change_log: Any = None
+        #: with master.etcd: how this leader's term began (warm from a followed copy, or cold)
+        self.takeover: dict[str, Any] | None = None
+        self.changes: Callable[[list[Any]], None] | None = None
+
+    def record_changes(self, change_log: Any) -> None:
+        """Send every change of the index, the node registry and durability to ``change_log``."""
+        self.change_log = change_log
+        self.changes = self.index.journal = self.durable.journal = change_log.append
+
+    def _journal(self, change: list[Any]) -> None:
+        if self.changes is not None:
+            self.changes(change)
 
     # -- helpers ----------------------------------------------------------------
 
@@ -313,6 +351,7 @@ class IndexState:
                 del self.nodes[node.node_id]
                 self._swrr.pop(node.node_id, None)
                 self.index.forget_node(node.node_id)
+                self._journal(["forget", node.node_id])
         reservations = self.reservations
         while reservations:
             rid, res = next(iter(reservations.items()))
@@ -343,6 +382,7 @@ class IndexState:
         node.reserved_bytes = node.committed_since_beat = 0
         self._swrr.pop(node.node_id, None)
         self._check_durable(held)
+        self._journal(["retire", node.node_id, state])
         return dropped, len(stale)
 
     def note_turn(self, now: float, expected_s: float) -> None:
