@@ -236,7 +236,9 @@ class IndexMachine(RuleBasedStateMachine):
         # The standby, once it has followed, answers as the leader does.
         self._follow()
         standby = self.standby
-        assert _everything(standby) == _everything(state)
+        mine, theirs = _everything(standby), _everything(state)
+        if mine != theirs:
+            raise AssertionError(f"the standby differs from the leader: {mine} != {theirs}")
         assert dict(standby.durable) == dict(state.durable)
         assert {n: (i.alive, i.state, i.address) for n, i in standby.nodes.items()} == \
             {n: (i.alive, i.state, i.address) for n, i in state.nodes.items()}
