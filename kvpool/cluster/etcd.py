@@ -184,6 +184,7 @@ class Election:
         self.eligible = eligible
         self.cold_after_s = cold_after_s
         self._leaderless_since: float | None = None
+        self._looked_up = -1.0
         self.prefix = prefix
         self.address = address
         self.ttl_s = ttl_s
@@ -268,6 +269,19 @@ class Election:
             log.info("standby: the master leader is %s", leader or "(none: campaigning)")
         self.leader = leader
         self._stop.wait(min(POLL_S, self.ttl_s / 6))
+
+    def known_leader(self) -> str | None:
+        """The leader, for a standby's refusals: as last seen, or asked of etcd (at most every
+        50 ms) while none has been seen yet."""
+        now = self.clock()
+        if self.leader is None and now - self._looked_up >= 0.05:
+            self._looked_up = now
+            try:
+                current = self.client.get(leader_key(self.prefix))
+            except errors.KVPoolError:
+                return None
+            return current.decode(errors="replace") if current else None
+        return self.leader
 
     def _may_lead_cold(self) -> bool:
         """A master without a copy to lead from: True once no leader has been seen in etcd for

@@ -211,7 +211,7 @@ class MasterServer:
                 raise P.MalformedRequest(
                     f"{op} is not answered on the query port (only {', '.join(sorted(QUERY_OPS))})", request_id)
             if not self.leading():
-                leader = self.election.leader if self.election is not None else None
+                leader = self.election.known_leader() if self.election is not None else None
                 raise errors.NotLeaderError(
                     f"master {self.endpoint} is a standby; the leader is {leader or '(being elected)'}")
             if len(frame) >= BULK_MIN_BYTES:
