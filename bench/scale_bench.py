@@ -38,9 +38,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import format_table, percentile  # noqa: E402
+from kvpool import errors  # noqa: E402
 from kvpool.cluster import protocol as P  # noqa: E402
 from kvpool.cluster.heartbeat import Heartbeater  # noqa: E402
 from kvpool.cluster.master_client import MasterClient  # noqa: E402
+from kvpool.config import Config  # noqa: E402
 from kvpool.objformat import ObjectHeader, ObjectSpec  # noqa: E402
 
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}
@@ -73,6 +75,8 @@ class Master:
             while True:
                 try:
                     probe.ping()
+                    return time.monotonic() - started
+                except errors.NotLeaderError:  # a standby: up, following the leader
                     return time.monotonic() - started
                 except Exception:  # noqa: BLE001 - not up yet
                     if self.proc.poll() is not None:
@@ -190,9 +194,9 @@ class KeyNode:
             waited += time.perf_counter() - started
         return waited
 
-    def reregister(self, address: str) -> Any:
+    def reregister(self, connect: Any) -> Any:
         def send_all() -> None:
-            with MasterClient(address, request_timeout_s=120) as client:
+            with connect() as client:
                 self.send(client, self.ranges, register=True)
         return send_all
 
@@ -287,7 +291,12 @@ def main() -> int:
     parser.add_argument("--heartbeat-seconds", type=float, default=120.0)
     parser.add_argument("--no-failover", action="store_true", help="skip the kill -9 and cold re-registration")
     parser.add_argument("--master-arg", action="append", default=[], help="extra master flag (repeatable)")
+    parser.add_argument("--ha", action="store_true",
+                        help="two masters in etcd (etcd on PATH): index the keys on the leader, let the standby "
+                             "catch up, kill -9 the leader, time until every sampled key is a hit again")
     args = parser.parse_args()
+    if args.ha:
+        return ha_failover(args)
     steps = sorted(int(k) for k in args.keys.split(","))
     spec = ObjectSpec("float16", args.layers, 256, 8, 128)
     address = f"tcp://127.0.0.1:{_free_port()}"
@@ -309,7 +318,9 @@ def main() -> int:
             # Registered by its first beat; after a master restart the beat's answer makes it
             # re-register everything it holds, as a real node does.
             key_beaters.append(Heartbeater(lambda: MasterClient(address, request_timeout_s=120), node.node_id, 1.0,
-                                           lambda: TIERS, node.reregister(address)).start())
+                                           lambda: TIERS,
+                                           node.reregister(lambda: MasterClient(address, request_timeout_s=120)))
+                               .start())
             key_beaters[-1].beat_now()
         wait_until(lambda: _alive(address) >= len(nodes), 30)
         base_rss = rss_mib(master.proc.pid)  # type: ignore[union-attr]
@@ -381,6 +392,124 @@ def main() -> int:
         for beater in key_beaters + beaters:  # before the master goes, and before zmq is torn down
             beater.stop()
         master.stop()
+
+
+def ha_failover(args: Any) -> int:
+    """--ha: warm standby failover at the largest of --keys (see --help)."""
+    import shutil
+    import tempfile
+
+    etcd_bin = shutil.which("etcd")
+    if etcd_bin is None:
+        print("no etcd binary on PATH (Debian: apt-get install etcd-server)", file=sys.stderr)
+        return 2
+    keys_total = max(int(k) for k in args.keys.split(","))
+    spec = ObjectSpec("float16", args.layers, 256, 8, 128)
+    tmp = tempfile.mkdtemp(prefix="kvpool-ha-bench-")
+    port, peer = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{port}"
+    etcd = subprocess.Popen([etcd_bin, "--name", "bench", "--data-dir", f"{tmp}/etcd",
+                             "--listen-client-urls", url, "--advertise-client-urls", url,
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"bench=http://127.0.0.1:{peer}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prefix = f"/kvpool-bench-{os.getpid()}"
+    flags = ["--master.etcd", url, "--master.etcd_prefix", prefix, *args.master_arg]
+    config = Config.load({"master": {"etcd": url, "etcd_prefix": prefix}})
+    from kvpool.cluster.etcd import masters as etcd_masters
+
+    def connect() -> MasterClient:
+        return MasterClient(config=config, request_timeout_s=120)
+
+    def leader(other_than: str | None = None) -> str:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                current = etcd_masters(url, prefix)[0]
+            except errors.KVPoolError:
+                current = None
+            if current is not None and current != other_than:
+                return current
+            time.sleep(0.02)
+        raise TimeoutError("no leader")
+
+    started_masters = [Master(f"tcp://127.0.0.1:{_free_port()}", flags) for _ in range(2)]
+    beaters: list[Heartbeater] = []
+    rows: list[list[str]] = []
+    try:
+        time.sleep(0.5)
+        for m in started_masters:
+            m.start()
+        first = leader()
+        frames = RecordFrames(spec)
+        nodes = [KeyNode(i, frames, args.batch) for i in range(args.nodes_with_keys)]
+        for node in nodes:
+            beaters.append(Heartbeater(connect, node.node_id, 1.0, lambda: TIERS, node.reregister(connect)).start())
+            beaters[-1].beat_now()
+        per_node = keys_total // len(nodes)
+        t = time.perf_counter()
+        waited = 0.0
+        with connect() as client:
+            for n, node in enumerate(nodes):
+                span = (n * per_node, keys_total if n == len(nodes) - 1 else (n + 1) * per_node)
+                node.ranges.append(span)
+                waited += node.send(client, [span], register=False)
+        rows.append([f"{keys_total:,} keys published to the leader (standby following)",
+                     f"{time.perf_counter() - t:.1f} s ({keys_total / waited:,.0f} keys/s in publish round trips)"])
+
+        def caught_up() -> dict[str, Any] | None:
+            with connect() as client:
+                stats = client.stats()
+            followers = (stats.get("change_stream") or {}).get("followers", {})
+            done = [f for f in followers.values() if f["behind"] == 0 and f["asked_s_ago"] < 1.0]
+            return stats if done else None
+
+        t = time.perf_counter()
+        wait_until(lambda: caught_up() is not None, 900)
+        rows.append(["standby caught up after the last publish", f"{time.perf_counter() - t:.1f} s"])
+        pids = {m.address: m.proc.pid for m in started_masters if m.proc is not None}
+        rows.append(["RSS leader / standby", " / ".join(
+            f"{rss_mib(pids[a]):.0f} MiB" for a in (first, next(a for a in pids if a != first)))])
+        sample = [bench_key(i) for i in range(0, keys_total, max(1, keys_total // 5000))]
+        old = next(m for m in started_masters if m.address == first)
+        killed = time.monotonic()
+        old.kill()
+        new = leader(other_than=first)
+        elected_s = time.monotonic() - killed
+        with MasterClient(new, config=config, request_timeout_s=10) as client:
+            while True:
+                try:
+                    if all(client.exists_many(sample)):
+                        break
+                except errors.KVPoolError:
+                    pass
+                time.sleep(0.01)
+            hits_s = time.monotonic() - killed
+            stats = client.stats()
+        rows += [["kill -9 leader -> standby elected", f"{elected_s:.2f} s"],
+                 [f"kill -9 leader -> all {len(sample):,} sampled keys hit", f"{hits_s:.2f} s"],
+                 ["new leader: takeover", str(stats["takeover"])],
+                 ["new leader: keys indexed / nodes re-registered",
+                  f"{stats['keys']:,} / {stats['counters']['registers']}"]]
+        # A fresh standby joining the new leader: snapshot, then the stream.
+        joiner = Master(f"tcp://127.0.0.1:{_free_port()}", flags)
+        started_masters.append(joiner)
+        t = time.perf_counter()
+        joiner.start()
+        wait_until(lambda: caught_up() is not None, 900)
+        rows.append([f"a new standby loads a snapshot of {stats['keys']:,} keys and catches up",
+                     f"{time.perf_counter() - t:.1f} s"])
+        print(format_table(["HA check", "result"], rows))
+        return 0 if stats["keys"] == keys_total and stats["takeover"]["warm"] else 1
+    finally:
+        for beater in beaters:
+            beater.stop()
+        for m in started_masters:
+            m.stop()
+        etcd.kill()
+        etcd.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
