@@ -1,22 +1,31 @@
 """The master at scale: memory and lookup rate by keys indexed, many nodes heartbeating,
-and re-registration after a master restart (what a failover costs).
+re-registration after a master restart (a cold failover), and with ``--ha`` a warm standby's
+failover.
 
 It starts a real master process (``kvpool.cli.server --role master``, auth on) on 127.0.0.1
 and drives it with the real client (``MasterClient``) from this process:
 
 * keys: ``--nodes-with-keys`` simulated nodes publish records like a node's own (a
-  ``--layers``-layer float16 object: spec, header with its layer checksums, tier) until
-  10k, 100k, 1M ... keys are indexed (``--keys``); at each step the master's RSS, the
-  single-key ``lookup`` rate with one request in flight, and batched ``exists`` of 1000
-  keys (keys/s).
+  ``--layers``-layer float16 object's spec and size, a 16-byte key, a header checksum, tier
+  dram; built with numpy, ``--batch`` per request, the next built while the master indexes
+  one) until 10k, 100k, 1M ... keys are indexed (``--keys``); at each step the master's RSS
+  (and per key), the publish rate (keys per second of publish round trips, and per CPU second
+  of the master, which a shared machine does not skew), the single-key ``lookup`` rate and
+  latency with one request in flight, batched ``exists`` of 1000 keys (keys/s), and the
+  latency of one ``lookup`` of a ``--chain``-hash prefix (a 128k-token prompt is 1000 chunks).
 * heartbeats: ``--heartbeat-nodes`` nodes, each with its own ``Heartbeater`` thread and
   socket (the node code path), beat for ``--heartbeat-seconds`` at the default period;
   the master must declare none of them dead.
-* failover: the master is killed (-9) and started again empty; the key-holding nodes
-  re-register everything (as they do on a ``reregister`` answer) in parallel, and the
+* failover without a standby: the master is killed (-9) and started again empty; the
+  key-holding nodes re-register everything (as they do on a ``reregister`` answer) and the
   time until every key is found again is printed.
+* ``--ha``: etcd and two masters; the keys are published to the leader while the standby
+  follows its change stream; the leader is killed (-9) and the time until the standby is
+  elected and until every sampled key hits again is printed, then a new standby's snapshot
+  catch-up.
 
-    python bench/scale_bench.py [--keys 10000,100000,1000000] [--heartbeat-seconds 120]
+    python bench/scale_bench.py [--keys 10000,100000,1000000,10000000] [--heartbeat-seconds 120]
+    python bench/scale_bench.py --ha --keys 10000000
 """
 
 from __future__ import annotations
@@ -52,6 +61,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> float:
@@ -308,6 +324,7 @@ def main() -> int:
           f"{args.layers}-layer objects, header {len(ObjectHeader.for_key(b'k', spec, (0,) * args.layers).pack())} B",
           file=sys.stderr)
     headers = ["keys", "master RSS MiB", "RSS B/key", "B/key over empty", "publish keys/s",
+               "per master CPU s",
                "lookups/s (1 in flight)", "p50 us", "p99 us", "exists keys/s (1000/req)",
                f"lookup {args.chain}-chain p50 ms", "p99 ms"]
     rows: list[list[Any]] = []
@@ -332,7 +349,9 @@ def main() -> int:
                 first = indexed + n * per_node
                 stop = target if n == len(nodes) - 1 else first + per_node
                 work.append((node, (first, stop)))
+            cpu_before = cpu_s(master.proc.pid)  # type: ignore[union-attr]
             publish_s = publish_all(address, work)
+            publish_cpu_s = cpu_s(master.proc.pid) - cpu_before  # type: ignore[union-attr]
             indexed = target
             with MasterClient(address, request_timeout_s=60) as client:
                 assert client.stats()["keys"] == target
@@ -345,6 +364,7 @@ def main() -> int:
             rows.append([f"{target:,}", f"{rss:.0f}", f"{rss * (1 << 20) / target:.0f}",
                          f"{(rss - base_rss) * (1 << 20) / target:.0f}",
                          f"{sum(b - a for _, (a, b) in work) / publish_s:,.0f}",
+                         f"{sum(b - a for _, (a, b) in work) / max(publish_cpu_s, 1e-3):,.0f}",
                          f"{rate:,.0f}", f"{p50:.0f}", f"{p99:.0f}", f"{exists_rate(address, keys):,.0f}",
                          f"{chain_p50:.2f}", f"{chain_p99:.2f}"])
             print(format_table(headers, rows[-1:]), file=sys.stderr)
