@@ -291,7 +291,7 @@ class Follower:
                     if client is not None:
                         client.close()
                     self.leader = leader
-                    client = MasterClient(leader, config=server.config, request_timeout_s=10.0,
+                    client = MasterClient(leader, config=server.config, request_timeout_s=3.0,
                                           cluster_key=server.cluster_key)
                 try:
                     more = self._follow(client)

@@ -383,13 +383,15 @@ class KeyIndex:
             m0, m1 = int.from_bytes(mask[:8], "little"), int.from_bytes(mask[8:], "little")
             live &= ((self.k0 & _U64(m0)) == _U64(p0)) & ((self.k1 & _U64(m1)) == _U64(p1))
         generation = self.generation
-        for s in np.flatnonzero(live).tolist():
-            if self.generation != generation:  # changed under the caller: stop rather than mislead
-                return
-            key = self._k0[s].to_bytes(8, "little") + self._k1[s].to_bytes(8, "little")
-            held = self.get(key)
-            if held is not None:
-                yield key, held
+        slots = np.flatnonzero(live)
+        for start in range(0, slots.size, 4096):  # a few thousand Python ints at a time
+            for s in slots[start:start + 4096].tolist():
+                if self.generation != generation:  # changed under the caller: stop rather than mislead
+                    return
+                key = self._k0[s].to_bytes(8, "little") + self._k1[s].to_bytes(8, "little")
+                held = self.get(key)
+                if held is not None:
+                    yield key, held
 
     # -- changes ---------------------------------------------------------------------------
 
