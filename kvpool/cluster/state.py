@@ -7,7 +7,10 @@ placement of durable puts. It serves these over one ZeroMQ ROUTER socket with
 the protocol of :mod:`kvpool.cluster.protocol`, from one thread, and never sees KV
 bytes. It does not own storage (nodes do) or persistence: after a restart the
 state is rebuilt by nodes re-registering everything they hold (heartbeat
-replies to an unknown node say ``reregister``).
+replies to an unknown node say ``reregister``); with ``master.etcd`` a standby
+that followed the leader's changes takes over with the full index instead
+(:mod:`kvpool.cluster.follow`). The key index itself is compact and bounded by
+``master.max_keys`` (:mod:`kvpool.cluster.index`).
 
 Semantics worth knowing:
 
