@@ -301,3 +301,17 @@ def test_max_keys_refuses_a_publish_whole_and_says_why() -> None:
     state.handle(P.DELETE, {"keys": [r["key"] for r in records(0, 5)]})
     assert state.handle(P.PUBLISH, {"node_id": "a", "objects": records(10, 15)})["indexed"] == 5
     assert len(state.index) == 10 and state.handle(P.STATS, {})["index"]["max_keys"] == 10
+
+
+def test_max_keys_refuses_a_commit_whole_and_keeps_its_reservations() -> None:
+    state = MasterState(MasterSection(max_keys=2))
+    state.handle(P.REGISTER, {"node_id": "a", "address": "tcp://127.0.0.1:1", "host_id": "h", "tiers": TIERS})
+    spec = SPECS[0]
+    keys = [i.to_bytes(16, "big") for i in range(3)]
+    rids = state.handle(P.RESERVE, {"items": [{"key": k, "nbytes": 10, "node_id": "a"} for k in keys]})["reservations"]
+    replica = {"tier": "dram", "spec": spec.to_wire(), "nbytes": spec.total_nbytes}
+    with pytest.raises(errors.PoolFullError):
+        state.handle(P.COMMIT, {"items": [{"reservation": r, "replica": replica} for r in rids]})
+    assert len(state.index) == 0 and len(state.reservations) == 3  # nothing used up
+    assert state.handle(P.COMMIT, {"items": [{"reservation": r, "replica": replica} for r in rids[:2]]}) == \
+        {"committed": [True, True]}

@@ -218,6 +218,8 @@ class MasterState(IndexState):
     def op_commit(self, body: S.Commit) -> Any:
         checked = [(item.reservation, self._record(item.replica, with_key=False)[1])
                    for item in self._batch(body.items, "items")]
+        # Refused whole (PoolFullError) before any reservation is used if the keys do not fit.
+        self.index.check_room([res.key for rid, _ in checked if (res := self.reservations.get(rid)) is not None])
         committed = []
         for rid, record in checked:
             res = self.reservations.pop(rid, None)
