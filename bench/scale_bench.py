@@ -1,22 +1,31 @@
 """The master at scale: memory and lookup rate by keys indexed, many nodes heartbeating,
-and re-registration after a master restart (what a failover costs).
+re-registration after a master restart (a cold failover), and with ``--ha`` a warm standby's
+failover.
 
 It starts a real master process (``kvpool.cli.server --role master``, auth on) on 127.0.0.1
 and drives it with the real client (``MasterClient``) from this process:
 
 * keys: ``--nodes-with-keys`` simulated nodes publish records like a node's own (a
-  ``--layers``-layer float16 object: spec, header with its layer checksums, tier) until
-  10k, 100k, 1M ... keys are indexed (``--keys``); at each step the master's RSS, the
-  single-key ``lookup`` rate with one request in flight, and batched ``exists`` of 1000
-  keys (keys/s).
+  ``--layers``-layer float16 object's spec and size, a 16-byte key, a header checksum, tier
+  dram; built with numpy, ``--batch`` per request, the next built while the master indexes
+  one) until 10k, 100k, 1M ... keys are indexed (``--keys``); at each step the master's RSS
+  (and per key), the publish rate (keys per second of publish round trips, and per CPU second
+  of the master, which a shared machine does not skew), the single-key ``lookup`` rate and
+  latency with one request in flight, batched ``exists`` of 1000 keys (keys/s), and the
+  latency of one ``lookup`` of a ``--chain``-hash prefix (a 128k-token prompt is 1000 chunks).
 * heartbeats: ``--heartbeat-nodes`` nodes, each with its own ``Heartbeater`` thread and
   socket (the node code path), beat for ``--heartbeat-seconds`` at the default period;
   the master must declare none of them dead.
-* failover: the master is killed (-9) and started again empty; the key-holding nodes
-  re-register everything (as they do on a ``reregister`` answer) in parallel, and the
+* failover without a standby: the master is killed (-9) and started again empty; the
+  key-holding nodes re-register everything (as they do on a ``reregister`` answer) and the
   time until every key is found again is printed.
+* ``--ha``: etcd and two masters; the keys are published to the leader while the standby
+  follows its change stream; the leader is killed (-9) and the time until the standby is
+  elected and until every sampled key hits again is printed, then a new standby's snapshot
+  catch-up.
 
-    python bench/scale_bench.py [--keys 10000,100000,1000000] [--heartbeat-seconds 120]
+    python bench/scale_bench.py [--keys 10000,100000,1000000,10000000] [--heartbeat-seconds 120]
+    python bench/scale_bench.py --ha --keys 10000000
 """
 
 from __future__ import annotations
@@ -27,17 +36,22 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import format_table, percentile  # noqa: E402
+from kvpool import errors  # noqa: E402
 from kvpool.cluster import protocol as P  # noqa: E402
 from kvpool.cluster.heartbeat import Heartbeater  # noqa: E402
 from kvpool.cluster.master_client import MasterClient  # noqa: E402
+from kvpool.config import Config  # noqa: E402
 from kvpool.objformat import ObjectHeader, ObjectSpec  # noqa: E402
 
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}
@@ -49,26 +63,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
 
 
 class Master:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, extra_args: list[str] | None = None) -> None:
         self.address = address
+        self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
         """Start it; returns seconds until it answers."""
         started = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli.server", "--role", "master",
-                                      "--master.listen", self.address], cwd=REPO_ROOT,
+                                      "--master.listen", self.address, *self.extra_args], cwd=REPO_ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with MasterClient(self.address, request_timeout_s=0.5) as probe:
             while True:
                 try:
                     probe.ping()
+                    return time.monotonic() - started
+                except errors.NotLeaderError:  # a standby: up, following the leader
                     return time.monotonic() - started
                 except Exception:  # noqa: BLE001 - not up yet
                     if self.proc.poll() is not None:
@@ -89,30 +113,108 @@ class Master:
                 self.proc.kill()
 
 
-class KeyNode:
-    """A simulated node holding keys [first, stop): its records are built once and reused."""
+_M64 = (1 << 64) - 1
 
-    def __init__(self, index: int, spec: ObjectSpec) -> None:
+
+def bench_key(i: int) -> bytes:
+    """Key ``i``: 16 bytes that look like a prefix hash (splitmix64 of i and of ~i)."""
+    return _splitmix(i).to_bytes(8, "little") + _splitmix(i ^ _M64).to_bytes(8, "little")
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _splitmix_vec(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class RecordFrames:
+    """The msgpack of a node's publish batches, built with numpy from one fixed-width record
+    (the master decodes them as any node's): a ``--layers``-layer object's spec, its size,
+    a 16-byte key and a distinct header checksum (the master keeps only that of the header),
+    tier dram, no location."""
+
+    def __init__(self, spec: ObjectSpec) -> None:
+        import msgspec
+
+        enc = msgspec.msgpack.encode
+        self.head = enc({"tier": "dram", "spec": spec.to_wire(), "nbytes": spec.total_nbytes})
+        # A map of 5 entries: tier, spec, nbytes (from head, whose map header says 3), key, header_sum.
+        assert self.head[0] == 0x83
+        self.head = bytes([0x85]) + self.head[1:] + enc("key") + b"\xc4\x10"
+        self.middle = enc("header_sum") + b"\xcf"  # header_sum as a u64, always 8 bytes
+        self.width = len(self.head) + 16 + len(self.middle) + 8
+
+    def batch(self, first: int, stop: int) -> Any:
+        """msgspec.Raw of the list of records of keys [first, stop)."""
+        import msgspec
+
+        n = stop - first
+        ids = np.arange(first, stop, dtype=np.uint64)
+        rows = np.empty((n, self.width), np.uint8)
+        h, m = len(self.head), len(self.middle)
+        rows[:, :h] = np.frombuffer(self.head, np.uint8)
+        rows[:, h:h + 8] = _splitmix_vec(ids).astype("<u8").view(np.uint8).reshape(n, 8)
+        rows[:, h + 8:h + 16] = _splitmix_vec(ids ^ np.uint64(_M64)).astype("<u8").view(np.uint8).reshape(n, 8)
+        rows[:, h + 16:h + 16 + m] = np.frombuffer(self.middle, np.uint8)
+        rows[:, h + 16 + m:] = ids.astype(">u8").view(np.uint8).reshape(n, 8)
+        return msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + rows.tobytes())
+
+
+class KeyNode:
+    """A simulated node holding keys in ranges; its records are built when sent, never kept."""
+
+    def __init__(self, index: int, frames: RecordFrames, batch: int) -> None:
         self.node_id = f"scale-node-{index:03d}"
         self.address = f"tcp://127.0.0.1:{20000 + index}"
-        self.spec = spec
-        self.records: list[P.ReplicaRecord] = []
+        self.frames = frames
+        self.batch = batch
+        self.ranges: list[tuple[int, int]] = []
 
-    def reregister(self, address: str) -> Any:
+    def batches(self, ranges: list[tuple[int, int]]) -> Iterator[Any]:
+        for first, stop in ranges:
+            for lo in range(first, stop, self.batch):
+                yield self.frames.batch(lo, min(stop, lo + self.batch))
+
+    def send(self, client: MasterClient, ranges: list[tuple[int, int]], *, register: bool) -> float:
+        """Register (when asked: replacing what the master believed) with the first batch and
+        publish the rest; each batch is built while the master indexes the one before.
+        Returns the seconds spent waiting for the master."""
+        waited = 0.0
+        batches = self.batches(ranges)
+        nxt: list[Any] = [next(batches, None)]
+        if nxt[0] is None and register:
+            nxt[0] = self.frames.batch(0, 0)
+
+        def build() -> None:
+            nxt[0] = next(batches, None)
+
+        first = True
+        while nxt[0] is not None:
+            objects = nxt[0]
+            if first and register:
+                op, body = P.REGISTER, {"node_id": self.node_id, "address": self.address, "host_id": "scale-host",
+                                        "tiers": TIERS, "objects": objects}
+            else:
+                op, body = P.PUBLISH, {"node_id": self.node_id, "objects": objects}
+            first = False
+            started = time.perf_counter()
+            client.call(op, body, meanwhile=build)
+            waited += time.perf_counter() - started
+        return waited
+
+    def reregister(self, connect: Any) -> Any:
         def send_all() -> None:
-            with MasterClient(address, request_timeout_s=120) as client:
-                client.register(self.node_id, self.address, "scale-host", TIERS, self.records)
+            with connect() as client:
+                self.send(client, self.ranges, register=True)
         return send_all
-
-    def add(self, first: int, stop: int) -> list[P.ReplicaRecord]:
-        checksums = tuple(range(self.spec.layers))
-        new = []
-        for i in range(first, stop):
-            key = b"scale-%012d" % i
-            header = ObjectHeader.for_key(key, self.spec, checksums).pack()
-            new.append(P.replica_record("dram", self.spec, self.spec.total_nbytes, key=key, header=header))
-        self.records += new
-        return new
 
 
 def lookup_rate(address: str, keys: list[bytes], seconds: float) -> tuple[float, float, float]:
@@ -168,14 +270,28 @@ def _keys(address: str) -> int:
         return -1
 
 
-def publish_all(address: str, work: list[tuple[KeyNode, list[P.ReplicaRecord]]]) -> float:
-    """The nodes publish their new records one after the other (one thread: this process's
-    heartbeat threads must not starve behind eight threads packing huge batches); seconds taken."""
-    started = time.perf_counter()
+def publish_all(address: str, work: list[tuple[KeyNode, tuple[int, int]]]) -> float:
+    """The nodes publish their new keys one after the other (one thread: this process's
+    heartbeat threads must not starve behind eight threads packing huge batches); seconds
+    spent in publish round trips (the next batch is built during each)."""
+    waited = 0.0
     with MasterClient(address, request_timeout_s=120) as client:
-        for node, records in work:
-            client.publish(node.node_id, records)
-    return time.perf_counter() - started
+        for node, span in work:
+            node.ranges.append(span)
+            waited += node.send(client, [span], register=False)
+    return waited
+
+
+def chain_lookup(address: str, keys: list[bytes], iters: int) -> tuple[float, float]:
+    """(p50, p99) ms of one ``lookup`` of the whole chain ``keys`` (all cached), one in flight."""
+    samples = []
+    with MasterClient(address, request_timeout_s=10) as client:
+        assert client.lookup(keys) == len(keys)
+        for _ in range(iters):
+            t = time.perf_counter()
+            client.lookup(keys)
+            samples.append(time.perf_counter() - t)
+    return percentile(samples, 50) * 1e3, percentile(samples, 99) * 1e3
 
 
 def main() -> int:
@@ -183,19 +299,34 @@ def main() -> int:
     parser.add_argument("--keys", default="10000,100000,1000000", help="key counts to measure at (ascending)")
     parser.add_argument("--layers", type=int, default=32, help="layers per object (the header holds a checksum each)")
     parser.add_argument("--nodes-with-keys", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=65536, help="records per publish request")
     parser.add_argument("--lookup-seconds", type=float, default=2.0)
+    parser.add_argument("--chain", type=int, default=1000, help="hashes in the prefix-lookup chain")
+    parser.add_argument("--chain-iters", type=int, default=500)
     parser.add_argument("--heartbeat-nodes", type=int, default=100)
     parser.add_argument("--heartbeat-seconds", type=float, default=120.0)
+    parser.add_argument("--no-failover", action="store_true", help="skip the kill -9 and cold re-registration")
+    parser.add_argument("--master-arg", action="append", default=[], help="extra master flag (repeatable)")
+    parser.add_argument("--ha", action="store_true",
+                        help="two masters in etcd (etcd on PATH): index the keys on the leader, let the standby "
+                             "catch up, kill -9 the leader, time until every sampled key is a hit again")
     args = parser.parse_args()
+    if args.ha:
+        return ha_failover(args)
     steps = sorted(int(k) for k in args.keys.split(","))
     spec = ObjectSpec("float16", args.layers, 256, 8, 128)
     address = f"tcp://127.0.0.1:{_free_port()}"
-    master = Master(address)
+    master = Master(address, args.master_arg)
     master.start()
-    nodes = [KeyNode(i, spec) for i in range(args.nodes_with_keys)]
+    frames = RecordFrames(spec)
+    nodes = [KeyNode(i, frames, args.batch) for i in range(args.nodes_with_keys)]
     print(f"master {address} (pid {master.proc.pid if master.proc else '?'}); {os.cpu_count()} CPUs; "
           f"{args.layers}-layer objects, header {len(ObjectHeader.for_key(b'k', spec, (0,) * args.layers).pack())} B",
           file=sys.stderr)
+    headers = ["keys", "master RSS MiB", "RSS B/key", "B/key over empty", "publish keys/s",
+               "per master CPU s",
+               "lookups/s (1 in flight)", "p50 us", "p99 us", "exists keys/s (1000/req)",
+               f"lookup {args.chain}-chain p50 ms", "p99 ms"]
     rows: list[list[Any]] = []
     key_beaters: list[Heartbeater] = []
     beaters: list[Heartbeater] = []
@@ -204,7 +335,9 @@ def main() -> int:
             # Registered by its first beat; after a master restart the beat's answer makes it
             # re-register everything it holds, as a real node does.
             key_beaters.append(Heartbeater(lambda: MasterClient(address, request_timeout_s=120), node.node_id, 1.0,
-                                           lambda: TIERS, node.reregister(address)).start())
+                                           lambda: TIERS,
+                                           node.reregister(lambda: MasterClient(address, request_timeout_s=120)))
+                               .start())
             key_beaters[-1].beat_now()
         wait_until(lambda: _alive(address) >= len(nodes), 30)
         base_rss = rss_mib(master.proc.pid)  # type: ignore[union-attr]
@@ -215,19 +348,26 @@ def main() -> int:
             for n, node in enumerate(nodes):
                 first = indexed + n * per_node
                 stop = target if n == len(nodes) - 1 else first + per_node
-                work.append((node, node.add(first, stop)))
+                work.append((node, (first, stop)))
+            cpu_before = cpu_s(master.proc.pid)  # type: ignore[union-attr]
             publish_s = publish_all(address, work)
+            publish_cpu_s = cpu_s(master.proc.pid) - cpu_before  # type: ignore[union-attr]
             indexed = target
             with MasterClient(address, request_timeout_s=60) as client:
                 assert client.stats()["keys"] == target
-            keys = [b"scale-%012d" % i for i in range(0, target, max(1, target // 5000))]
+            keys = [bench_key(i) for i in range(0, target, max(1, target // 5000))]
             rate, p50, p99 = lookup_rate(address, keys, args.lookup_seconds)
-            rows.append([f"{target:,}", f"{rss_mib(master.proc.pid):.0f}",  # type: ignore[union-attr]
-                         f"{(rss_mib(master.proc.pid) - base_rss) * (1 << 20) / target:.0f}",  # type: ignore[union-attr]
-                         f"{target / publish_s:,.0f}", f"{rate:,.0f}", f"{p50:.0f}", f"{p99:.0f}",
-                         f"{exists_rate(address, keys):,.0f}"])
-            print(format_table(["keys", "master RSS MiB", "B/key", "publish keys/s", "lookups/s (1 in flight)",
-                                "p50 us", "p99 us", "exists keys/s (1000/req)"], rows[-1:]), file=sys.stderr)
+            chain_at = (target // 2) // args.chain * args.chain
+            chain = [bench_key(i) for i in range(chain_at, chain_at + min(args.chain, target))]
+            chain_p50, chain_p99 = chain_lookup(address, chain, args.chain_iters)
+            rss = rss_mib(master.proc.pid)  # type: ignore[union-attr]
+            rows.append([f"{target:,}", f"{rss:.0f}", f"{rss * (1 << 20) / target:.0f}",
+                         f"{(rss - base_rss) * (1 << 20) / target:.0f}",
+                         f"{sum(b - a for _, (a, b) in work) / publish_s:,.0f}",
+                         f"{sum(b - a for _, (a, b) in work) / max(publish_cpu_s, 1e-3):,.0f}",
+                         f"{rate:,.0f}", f"{p50:.0f}", f"{p99:.0f}", f"{exists_rate(address, keys):,.0f}",
+                         f"{chain_p50:.2f}", f"{chain_p99:.2f}"])
+            print(format_table(headers, rows[-1:]), file=sys.stderr)
 
         # Heartbeats from many nodes: none may be declared dead.
         for i in range(args.heartbeat_nodes):
@@ -248,30 +388,148 @@ def main() -> int:
         beaters.clear()
         dead = stats["counters"]["nodes_dead"]
         alive_beaters = sum(1 for nid, n in stats["nodes"].items() if nid.startswith("beat-node") and n["alive"])
-
-        # Failover: a new master with nothing; every key-holding node is told to re-register at
-        # its next beat and sends everything it holds.
-        master.kill()
-        started = time.monotonic()
-        up_s = master.start()
-        found = wait_until(lambda: _keys(address) == indexed, 600) and _keys(address)
-        register_s = time.monotonic() - started
+        checks = [[f"{args.heartbeat_nodes} nodes beating 1/s for {args.heartbeat_seconds:.0f} s",
+                   f"{alive_beaters} alive, {dead} declared dead"],
+                  ["index", str(stats.get("index"))]]
+        found = indexed
+        if not args.no_failover:
+            # Failover without a standby: a new master with nothing; every key-holding node is
+            # told to re-register at its next beat and sends everything it holds.
+            master.kill()
+            started = time.monotonic()
+            up_s = master.start()
+            found = wait_until(lambda: _keys(address) == indexed, 900) and _keys(address)
+            register_s = time.monotonic() - started
+            checks += [["master restart (no standby): up and answering", f"{up_s:.2f} s"],
+                       [f"restart -> all {indexed:,} keys of {len(nodes)} nodes indexed again",
+                        f"{register_s:.2f} s ({indexed / register_s:,.0f} keys/s), {found:,} found"]]
         print()
-        print(format_table(["keys", "master RSS MiB", "B/key", "publish keys/s", "lookups/s (1 in flight)",
-                            "p50 us", "p99 us", "exists keys/s (1000/req)"], rows))
+        print(format_table(headers, rows))
         print()
-        print(format_table(["check", "result"], [
-            [f"{args.heartbeat_nodes} nodes beating 1/s for {args.heartbeat_seconds:.0f} s",
-             f"{alive_beaters} alive, {dead} declared dead"],
-            ["master restart: up and answering", f"{up_s:.2f} s"],
-            [f"restart -> all {indexed:,} keys of {len(nodes)} nodes indexed again",
-             f"{register_s:.2f} s ({indexed / register_s:,.0f} keys/s), {found:,} found"],
-        ]))
+        print(format_table(["check", "result"], checks))
         return 0 if dead == 0 and found == indexed else 1
     finally:
         for beater in key_beaters + beaters:  # before the master goes, and before zmq is torn down
             beater.stop()
         master.stop()
+
+
+def ha_failover(args: Any) -> int:
+    """--ha: warm standby failover at the largest of --keys (see --help)."""
+    import shutil
+    import tempfile
+
+    etcd_bin = shutil.which("etcd")
+    if etcd_bin is None:
+        print("no etcd binary on PATH (Debian: apt-get install etcd-server)", file=sys.stderr)
+        return 2
+    keys_total = max(int(k) for k in args.keys.split(","))
+    spec = ObjectSpec("float16", args.layers, 256, 8, 128)
+    tmp = tempfile.mkdtemp(prefix="kvpool-ha-bench-")
+    port, peer = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{port}"
+    etcd = subprocess.Popen([etcd_bin, "--name", "bench", "--data-dir", f"{tmp}/etcd",
+                             "--listen-client-urls", url, "--advertise-client-urls", url,
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"bench=http://127.0.0.1:{peer}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prefix = f"/kvpool-bench-{os.getpid()}"
+    flags = ["--master.etcd", url, "--master.etcd_prefix", prefix, *args.master_arg]
+    config = Config.load({"master": {"etcd": url, "etcd_prefix": prefix}})
+    from kvpool.cluster.etcd import masters as etcd_masters
+
+    def connect() -> MasterClient:
+        return MasterClient(config=config, request_timeout_s=120)
+
+    def leader(other_than: str | None = None) -> str:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                current = etcd_masters(url, prefix)[0]
+            except errors.KVPoolError:
+                current = None
+            if current is not None and current != other_than:
+                return current
+            time.sleep(0.02)
+        raise TimeoutError("no leader")
+
+    started_masters = [Master(f"tcp://127.0.0.1:{_free_port()}", flags) for _ in range(2)]
+    beaters: list[Heartbeater] = []
+    rows: list[list[str]] = []
+    try:
+        time.sleep(0.5)
+        for m in started_masters:
+            m.start()
+        first = leader()
+        frames = RecordFrames(spec)
+        nodes = [KeyNode(i, frames, args.batch) for i in range(args.nodes_with_keys)]
+        for node in nodes:
+            beaters.append(Heartbeater(connect, node.node_id, 1.0, lambda: TIERS, node.reregister(connect)).start())
+            beaters[-1].beat_now()
+        per_node = keys_total // len(nodes)
+        t = time.perf_counter()
+        waited = 0.0
+        with connect() as client:
+            for n, node in enumerate(nodes):
+                span = (n * per_node, keys_total if n == len(nodes) - 1 else (n + 1) * per_node)
+                node.ranges.append(span)
+                waited += node.send(client, [span], register=False)
+        rows.append([f"{keys_total:,} keys published to the leader (standby following)",
+                     f"{time.perf_counter() - t:.1f} s ({keys_total / waited:,.0f} keys/s in publish round trips)"])
+
+        def caught_up() -> dict[str, Any] | None:
+            with connect() as client:
+                stats = client.stats()
+            followers = (stats.get("change_stream") or {}).get("followers", {})
+            done = [f for f in followers.values() if f["behind"] == 0 and f["asked_s_ago"] < 1.0]
+            return stats if done else None
+
+        t = time.perf_counter()
+        wait_until(lambda: caught_up() is not None, 900)
+        rows.append(["standby caught up after the last publish", f"{time.perf_counter() - t:.1f} s"])
+        pids = {m.address: m.proc.pid for m in started_masters if m.proc is not None}
+        rows.append(["RSS leader / standby", " / ".join(
+            f"{rss_mib(pids[a]):.0f} MiB" for a in (first, next(a for a in pids if a != first)))])
+        sample = [bench_key(i) for i in range(0, keys_total, max(1, keys_total // 5000))]
+        old = next(m for m in started_masters if m.address == first)
+        killed = time.monotonic()
+        old.kill()
+        new = leader(other_than=first)
+        elected_s = time.monotonic() - killed
+        with MasterClient(new, config=config, request_timeout_s=10) as client:
+            while True:
+                try:
+                    if all(client.exists_many(sample)):
+                        break
+                except errors.KVPoolError:
+                    pass
+                time.sleep(0.01)
+            hits_s = time.monotonic() - killed
+            stats = client.stats()
+        rows += [["kill -9 leader -> standby elected", f"{elected_s:.2f} s"],
+                 [f"kill -9 leader -> all {len(sample):,} sampled keys hit", f"{hits_s:.2f} s"],
+                 ["new leader: takeover", str(stats["takeover"])],
+                 ["new leader: keys indexed / nodes re-registered",
+                  f"{stats['keys']:,} / {stats['counters']['registers']}"]]
+        # A fresh standby joining the new leader: snapshot, then the stream.
+        joiner = Master(f"tcp://127.0.0.1:{_free_port()}", flags)
+        started_masters.append(joiner)
+        t = time.perf_counter()
+        joiner.start()
+        wait_until(lambda: caught_up() is not None, 900)
+        rows.append([f"a new standby loads a snapshot of {stats['keys']:,} keys and catches up",
+                     f"{time.perf_counter() - t:.1f} s"])
+        print(format_table(["HA check", "result"], rows))
+        return 0 if stats["keys"] == keys_total and stats["takeover"]["warm"] else 1
+    finally:
+        for beater in beaters:
+            beater.stop()
+        for m in started_masters:
+            m.stop()
+        etcd.kill()
+        etcd.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,9 @@ class MasterSection:
     max_batch: int = _opt(
         65536, "most keys/items/records in one request; more is RequestTooLargeError "
         "(MasterClient splits larger batches into several requests)")
+    max_keys: int = _opt(
+        100_000_000, "most keys the master indexes (about 50 bytes of memory each); a publish, commit or "
+        "register that would index more is refused whole with PoolFullError (0: no limit)")
     max_address_bytes: int = _size("64KiB", "longest node address a node may register with (RequestTooLargeError)")
     tcp_queries: bool = _opt(True, "also answer exists / lookup / ping on a plain TCP port (ephemeral, on the "
                                    "listen address, found through ping; both ends prove the cluster key, the "
@@ -379,6 +382,8 @@ class Config:
             raise bad("master.max_request_bytes", "must be at least 1MiB")
         if self.master.max_batch < 1:
             raise bad("master.max_batch", "must be >= 1")
+        if self.master.max_keys < 0:
+            raise bad("master.max_keys", "must be >= 0")
         if not 256 <= self.master.max_address_bytes <= self.master.max_request_bytes // 16:
             raise bad("master.max_address_bytes", "must be at least 256 bytes and at most max_request_bytes / 16")
         if self.node.replicas < 1:

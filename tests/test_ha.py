@@ -336,3 +336,72 @@ def test_health_of_leader_and_standby(ha: HA) -> None:
         wanted = "leader" if address == leader else "standby"
         got = wait_for(lambda address=address: (h := health(address)).get("master") and h, 10, "health")
         assert got["ready"] is True and got["master"] == wanted, (address, got)
+
+
+def _followers_caught_up(ha: HA, standbys: int) -> Callable[[], bool]:
+    """The leader's stats show ``standbys`` followers with nothing left to fetch."""
+    def caught_up() -> bool:
+        with MasterClient(config=ha.config(), request_timeout_s=5.0) as client:
+            stream = client.stats()["change_stream"]
+        followers = stream["followers"] if stream else {}
+        return sum(f["behind"] == 0 and f["asked_s_ago"] < 1.0 for f in followers.values()) >= standbys
+    return caught_up
+
+
+def test_a_standby_that_followed_the_leader_takes_over_warm(ha: HA) -> None:
+    """Warm standby: the standby follows the leader's change stream, so after a kill -9 of the
+    leader it answers from the full index at once: gets succeed again within 5 s with no wrong
+    bytes, every key is indexed the moment it leads, and no node had to re-register. A standby
+    restarted meanwhile loads a snapshot and catches up before it is eligible."""
+    ha.start_master()
+    standby = ha.start_master()
+    leader = ha.leader()
+    if standby == leader:
+        standby = next(a for a in ha.masters if a != leader)
+    ha.start_node("storage")
+    ha.start_actor("writer", "plain", "--keys", "6", "--first", "0")
+    durable = ha.start_actor("writer", "durable", "--keys", "6", "--first", "6", "--durable")
+    assert durable.stop() == 0
+    # The standby is stopped and started again: it reloads from a snapshot before it may lead.
+    ha.masters[standby].kill()
+    standby = ha.start_master()
+    wait_for(_followers_caught_up(ha, 1), 20, "the restarted standby to catch up")
+    reader = ha.start_actor("stream", "reader", "--keys", "12", "--seconds", "10")
+    time.sleep(2.0)
+    killed_at = time.time()
+    ha.masters[leader].kill()
+    assert ha.leader(other_than=leader, timeout_s=10.0) == standby
+    with MasterClient(standby, config=ha.config(), request_timeout_s=5.0) as fixed:
+        stats = fixed.stats()
+    assert stats["takeover"]["warm"] is True, stats["takeover"]
+    assert stats["takeover"]["keys"] == 12 and stats["durable_keys"] == 6
+    wait_for(lambda: reader.popen.poll() is not None, 60, "the reader to finish")
+    assert reader.popen.returncode == 0, reader.output()
+    events = json.loads(reader.output().strip().splitlines()[-1])["events"]
+    outcomes = [outcome for _t, outcome in events]
+    assert "wrong" not in outcomes and "miss" not in outcomes, sorted(set(outcomes))
+    last_failure = max((t for t, o in events if o != "ok"), default=killed_at)
+    after = [t for t, o in events if t > last_failure]
+    assert after and after[0] - killed_at <= 5.0, outcomes[-20:]
+    print(f"warm failover gap {after[0] - killed_at:.2f} s ({len(events)} gets)")
+    with MasterClient(standby, config=ha.config(), request_timeout_s=5.0) as fixed:
+        stats = fixed.stats()
+    assert stats["counters"]["registers"] == 0  # the nodes kept beating: nothing re-registered
+    assert "warm:" in ha.masters[standby].output()
+
+
+def test_a_master_without_a_copy_leads_cold_and_says_so(ha: HA) -> None:
+    """A master started after the leader died has nothing to follow: it waits for a warm standby
+    a while, then leads cold (log and stats say so) and the nodes re-register what they hold."""
+    first = ha.start_master()
+    assert ha.leader() == first
+    ha.start_node("storage")
+    ha.start_actor("writer", "plain", "--keys", "4", "--first", "0")
+    ha.masters[first].kill()
+    late = ha.start_master()
+    assert ha.leader(other_than=first, timeout_s=20.0) == late
+    with MasterClient(late, config=ha.config(), request_timeout_s=5.0) as fixed:
+        takeover = fixed.stats()["takeover"]
+        assert takeover["warm"] is False and "cold" in takeover["how"], takeover
+        wait_for(lambda: fixed.stats()["keys"] == 4, 20, "the nodes to re-register their keys")
+    assert "leading cold" in ha.masters[late].output() or "cold:" in ha.masters[late].output()

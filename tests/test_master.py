@@ -1118,3 +1118,29 @@ def test_a_master_without_a_query_port_is_asked_over_zeromq(tmp_path):
             assert c.ping()["query_port"] == 0
             assert c.exists_many([b"a", b"b"]) == [False, False] and c.lookup([b"a"]) == 0
             assert c.query_calls == 0
+
+
+def test_a_master_with_max_keys_refuses_more_with_a_typed_error_and_keeps_serving(tmp_path: Any) -> None:
+    """master.max_keys bounds the index (never an out-of-memory kill): a publish past it is
+    refused whole with PoolFullError over the wire, nothing of it is indexed, the master keeps
+    answering, and a delete makes room again."""
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    settings = {**SETTINGS, "master.max_keys": 100}
+    with python_process(master_args(address, settings), ready=answers_ping(address),
+                        log_path=tmp_path / "master.log") as child:
+        node = SimNode(address).start()
+        try:
+            first, more = new_keys(90), new_keys(20)
+            node.publish(first)
+            with pytest.raises(errors.PoolFullError, match="master.max_keys = 100"):
+                node.publish(more)
+            with MasterClient(address, request_timeout_s=2.0) as c:
+                assert c.stats()["keys"] == 90 and not any(c.exists_many(more))
+                assert all(c.exists_many(first))
+                c.delete(first[:10])
+            node.publish(more)
+            with MasterClient(address, request_timeout_s=2.0) as c:
+                assert c.stats()["keys"] == 100 and all(c.exists_many(more))
+        finally:
+            node.stop()
+        assert child.popen.poll() is None

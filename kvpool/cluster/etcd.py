@@ -196,8 +196,15 @@ class Election:
     """
 
     def __init__(self, client: EtcdClient, prefix: str, address: str, ttl_s: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, eligible: Callable[[], bool] | None = None,
+                 cold_after_s: float = 0.0) -> None:
         self.client = client
+        # A master for which eligible() is false (a standby without a recent copy of the
+        # leader's state) campaigns only once no leader has been seen for cold_after_s.
+        self.eligible = eligible
+        self.cold_after_s = cold_after_s
+        self._leaderless_since: float | None = None
+        self._looked_up = -1.0
         self.prefix = prefix
         self.address = address
         self.ttl_s = ttl_s
@@ -267,6 +274,8 @@ class Election:
             self._lease = 0
             return
         self._renewed(sent, ttl)
+        if self.eligible is not None and not self.eligible() and not self._may_lead_cold():
+            return
         raw_term, term_revision = self.client.get_versioned(term_key(self.prefix))
         try:
             last_term = int(raw_term or b"0")
@@ -286,6 +295,39 @@ class Election:
             log.info("standby: the master leader is %s", leader or "(none: campaigning)")
         self.leader = leader
         self._stop.wait(min(POLL_S, self.ttl_s / 6))
+
+    def known_leader(self) -> str | None:
+        """The leader, for a standby's refusals: as last seen, or asked of etcd (at most every
+        50 ms) while none has been seen yet."""
+        now = self.clock()
+        if self.leader is None and now - self._looked_up >= 0.05:
+            self._looked_up = now
+            try:
+                current = self.client.get(leader_key(self.prefix))
+            except errors.KVPoolError:
+                return None
+            return current.decode(errors="replace") if current else None
+        return self.leader
+
+    def _may_lead_cold(self) -> bool:
+        """A master without a copy to lead from: True once no leader has been seen in etcd for
+        cold_after_s (then it campaigns, and leads cold); meanwhile it notes the leader."""
+        current = self.client.get(leader_key(self.prefix))
+        now = self.clock()
+        if current is not None:
+            self._leaderless_since = None
+            leader = current.decode(errors="replace")
+            if leader != self.leader:
+                log.info("standby: the master leader is %s", leader)
+            self.leader = leader
+        elif self._leaderless_since is None:
+            self._leaderless_since = now
+        elif now - self._leaderless_since >= self.cold_after_s:
+            log.warning("no master leader for %.1f s and no standby copy of its state here: campaigning to "
+                        "lead cold", now - self._leaderless_since)
+            return True
+        self._stop.wait(min(POLL_S, self.ttl_s / 6))
+        return False
 
     def _hold(self) -> None:
         self._stop.wait(self.ttl_s / 4)

@@ -19,7 +19,9 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
+from kvpool.cluster.bulk import BULK_MIN_BYTES, collector_paused, unpack_bulk
 from kvpool.cluster.etcd import Election, EtcdClient, check_address_for_etcd
+from kvpool.cluster.follow import ChangeLog, Follower
 from kvpool.cluster.ops import MasterState
 from kvpool.cluster.query import QUERY_OPS, QueryServer, query_host
 from kvpool.cluster.records import loggable
@@ -35,6 +37,7 @@ class MasterServer:
     """The ROUTER socket and the single thread that serves :class:`MasterState`."""
 
     election: Election | None = None  # with master.etcd: this master serves only while it leads
+    follower: Follower | None = None  # with master.etcd: follows the leader's changes while standing by
     queries: QueryServer | None = None  # the query port (master.tcp_queries)
 
     def __init__(self, config: MasterSection, *, max_key_bytes: int = 256,
@@ -61,21 +64,27 @@ class MasterServer:
         # With master.etcd this master serves only while it leads (see kvpool.cluster.etcd); a
         # standby answers every request with NotLeaderError naming the leader.
         self._term = 0
+        # One request at a time: the ZeroMQ loop holds this for each of its turns, the query
+        # port's threads for each of their questions (and a standby's follower for each change).
+        self._turn = threading.Lock()
         if config.etcd:
             try:
                 check_address_for_etcd(self.endpoint)
             except errors.ConfigError:
                 self.close()
                 raise
+            # A standby follows the leader's changes (kvpool.cluster.follow) and campaigns only
+            # with a copy the leader answered for lately, or once no leader has come for a while.
+            window_s = 2.0 * config.leader_ttl_s + 2.0
+            self.follower = Follower(self, window_s)
             self.election = Election(EtcdClient(config.etcd), config.etcd_prefix, self.endpoint,
-                                     config.leader_ttl_s).start()
+                                     config.leader_ttl_s, eligible=self.follower.eligible,
+                                     cold_after_s=config.leader_ttl_s + 1.0).start()
+            self.follower.start()
         # Timers (dead nodes, reservation and lease expiry) run at least this
         # often; between requests the socket poll blocks for at most this long.
         heartbeat_s = config.heartbeat_ms / 1000
         self.tick_s = max(0.01, min(0.25, heartbeat_s / 2))
-        # One request at a time: the ZeroMQ loop holds this for each of its turns, the query
-        # port's threads for each of their questions.
-        self._turn = threading.Lock()
         if config.tcp_queries:
             try:
                 self.queries = QueryServer(self._answer_query, query_host(self.endpoint), self.cluster_key)
@@ -85,25 +94,66 @@ class MasterServer:
                 self.state.query_port = self.queries.port
 
     def _fresh_state(self) -> tuple[MasterState, Rereplicator]:
+        state = self.new_state()
+        return state, Rereplicator(state, self._context, self.config, self.cluster_key)
+
+    def new_state(self) -> MasterState:
         state = MasterState(self.config, max_key_bytes=self.max_key_bytes)
         state.cluster_key = self.cluster_key
         state.query_port = self.queries.port if self.queries is not None else 0
-        return state, Rereplicator(state, self._context, self.config, self.cluster_key)
+        return state
+
+    def adopt(self, state: MasterState) -> None:
+        """Serve ``state`` from now on (a standby's copy of the leader's; under the turn)."""
+        self.rereplicator.close()
+        state.query_port = self.state.query_port
+        self.state, self.rereplicator = state, Rereplicator(state, self._context, self.config, self.cluster_key)
 
     def leading(self) -> bool:
-        """Serve requests now? Always without etcd; with it, only while this master's term lasts
-        (a new term starts from an empty index, rebuilt by the nodes' re-registration)."""
+        """Serve requests now? Always without etcd; with it, only while this master's term lasts.
+        A term starts warm from the copy this master followed as a standby, or cold from an
+        empty index that the nodes' re-registration rebuilds (see kvpool.cluster.follow)."""
         election = self.election
         if election is None:
             return True
         if election.term != self._term:
             self._term = election.term
+            self._take_over(election)
+        return election.leading()
+
+    def _take_over(self, election: Election) -> None:
+        follower = self.follower
+        now = time.monotonic()
+        warm = follower is not None and follower.eligible()
+        if warm:
+            assert follower is not None
+            state = self.state
+            # The nodes it knows beat to this master from now on: none is dead for the silence
+            # of the takeover, and re-replication waits as after a restart.
+            state.started = now
+            for node in state.nodes.values():
+                if node.alive:
+                    node.last_seen = now
+            self.rereplicator.close()
+            self.rereplicator = Rereplicator(state, self._context, self.config, self.cluster_key)
+            why = (f"warm: {len(state.index):,} keys of {sum(n.alive for n in state.nodes.values())} nodes "
+                   f"followed from the last leader up to its change {follower.seq} "
+                   f"({now - follower.answered_at:.2f} s before, {follower.behind} behind)")
+        else:
             self.rereplicator.close()
             self.state, self.rereplicator = self._fresh_state()
-            self.state.ha = {"etcd": election.client.urls, "prefix": election.prefix, "term": self._term,
-                             "endpoint": self.endpoint}
-            log.info("serving as master leader, term %d: nodes re-register what they hold", self._term)
-        return election.leading()
+            why = ("cold: " + ("no leader was followed" if follower is None or not follower.loaded else
+                               f"the followed copy is {now - follower.answered_at:.1f} s old") +
+                   "; nodes re-register what they hold")
+        state = self.state
+        state.record_changes(ChangeLog())
+        state.ha = {"etcd": election.client.urls, "prefix": election.prefix, "term": self._term,
+                    "endpoint": self.endpoint}
+        state.takeover = {"warm": warm, "term": self._term, "keys": len(state.index), "how": why}
+        if follower is not None:
+            state.takeover["followed_change"] = follower.seq
+            follower.forget()
+        (log.info if warm else log.warning)("serving as master leader, term %d, %s", self._term, why)
 
     def serve(self, stop_event: threading.Event) -> None:
         sock, tick_s = self._socket, self.tick_s
@@ -157,15 +207,18 @@ class MasterServer:
         op = "?"
         try:
             if request is None:
-                request = P.unpack_request(frame)
+                request = unpack_bulk(frame) or P.unpack_request(frame)
             request_id, op = request.request_id, request.op
             if questions_only and op not in QUERY_OPS:
                 raise P.MalformedRequest(
                     f"{op} is not answered on the query port (only {', '.join(sorted(QUERY_OPS))})", request_id)
             if not self.leading():
-                leader = self.election.leader if self.election is not None else None
+                leader = self.election.known_leader() if self.election is not None else None
                 raise errors.NotLeaderError(
                     f"master {self.endpoint} is a standby; the leader is {leader or '(being elected)'}")
+            if len(frame) >= BULK_MIN_BYTES:
+                with collector_paused():
+                    return P.pack_reply(request_id, self.state.handle(op, request.body))
             return P.pack_reply(request_id, self.state.handle(op, request.body))
         except errors.KVPoolError as exc:
             return self._refused(exc, request_id)
@@ -192,6 +245,8 @@ class MasterServer:
     def close(self) -> None:
         if self.queries is not None:
             self.queries.close()
+        if self.follower is not None:
+            self.follower.stop()
         if self.election is not None:
             self.election.stop()  # the lease is revoked: a standby takes over at once
         self.rereplicator.close()

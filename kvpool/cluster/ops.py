@@ -15,7 +15,7 @@ from typing import Any
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster import schema as S
-from kvpool.cluster.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address
+from kvpool.cluster.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address, node_wire
 from kvpool.cluster.state import IndexState
 
 log = logging.getLogger("kvpool.master")
@@ -34,7 +34,7 @@ class MasterState(IndexState):
             P.REVOKE: self.op_revoke, P.PUBLISH: self.op_publish,
             P.EVICT_REQUEST: self.op_evict_request, P.REMOVED: self.op_removed,
             P.DELETE: self.op_delete, P.PLACE: self.op_place, P.STATS: self.op_stats,
-            P.LIST: self.op_list,
+            P.LIST: self.op_list, P.FOLLOW: self.op_follow,
         }
 
     # -- operations -----------------------------------------------------------------
@@ -56,31 +56,38 @@ class MasterState(IndexState):
         endpoint, control = describe_address(address)
         if body.control is not None:
             control = body.control
-        records = [self._record(raw, with_key=True) for raw in raw_objects]
+        keys, sids, sums, offsets, whole, durable = self._encode_records(raw_objects)
         now = self.clock()
         node = self.nodes.get(node_id)
+        # Refused whole (PoolFullError) before anything changes if the new keys do not fit.
+        self.index.check_room(keys)
         if node is None:
             node = self.nodes[node_id] = NodeInfo(node_id, address, host_id, tiers, now)
             previously: list[bytes] = []
         else:
             # The list is authoritative: forget what we believed the node held.
-            previously = list(node.objects)
+            previously = self._durable_held_by(node)
             self._drop_replicas_of(node)
             node.address, node.host_id, node.tiers = address, host_id, tiers
             node.last_seen, node.alive, node.committed_since_beat = now, True, 0
         node.role, node.persistent_tiers, node.control = role, tuple(persistent), control
         node.endpoint, node.state = endpoint, "alive"
+        self._journal(["node", node_wire(node)])
         skipped = 0
-        for key, record in records:
-            if key in node.pending_deletes:  # deleted by a client while the node was away
-                skipped += 1
-                continue
-            self._note_durable(key, record)
-            self._add_replica(node, key, record)
+        pending = node.pending_deletes
+        if pending:  # deleted by a client while the node was away
+            keep = [i for i, key in enumerate(keys) if key not in pending]
+            skipped = len(keys) - len(keep)
+            durable = [(key, wanted) for key, wanted in durable if key not in pending]
+            keys = [keys[i] for i in keep]
+            sids, sums, offsets = ([seq[i] for i in keep] for seq in (sids, sums, offsets))
+            whole = [whole[i] for i in keep] if whole else whole
+        self.index.add_many(node_id, keys, sids, sums, offsets, whole)
+        self.durable.update(durable)
         # Keys this node lost, and keys it brings back (maybe the only copy left of a
         # durable key whose other holders died), may need copies.
         self._check_durable(previously)
-        self._check_durable(node.objects)
+        self._check_durable(self._durable_held_by(node))
         if node.stores_durably and node.control:
             # A new target: keys waiting for one are looked at in the next round.
             check = self.to_check
@@ -96,13 +103,13 @@ class MasterState(IndexState):
             kind = "storage node without a persistent tier (takes no durable copies)"
         log.info(
             "node %s registered: %s, host=%.64s, %d objects (%d skipped: deleted meanwhile)",
-            node.label, kind, host_id, len(records) - skipped, skipped,
+            node.label, kind, host_id, len(keys), skipped,
         )
         return {
             "heartbeat_ms": self.config.heartbeat_ms,
             "dead_after_missed": self.config.dead_after_missed,
             "lease_s": self.config.lease_s,
-            "indexed": len(records) - skipped,
+            "indexed": len(keys),
             "skipped_deleted": skipped,
         }
 
@@ -144,8 +151,7 @@ class MasterState(IndexState):
 
     def op_lookup(self, body: S.Keys) -> Any:
         keys = self._keys(body.keys, strict=False)
-        present = list(map(self.index.__contains__, keys))
-        prefix = present.index(False) if False in present else len(present)
+        prefix = self.index.prefix(keys)
         c = self.counters
         c["lookups"] += 1
         c["lookup_hashes"] += len(keys)
@@ -154,7 +160,7 @@ class MasterState(IndexState):
 
     def op_exists(self, body: S.Keys) -> Any:
         keys = self._keys(body.keys, strict=False)
-        found = list(map(self.index.__contains__, keys))
+        found = self.index.contains_many(keys)
         hits = sum(found)
         self.counters["key_hits"] += hits
         self.counters["key_misses"] += len(found) - hits
@@ -212,6 +218,8 @@ class MasterState(IndexState):
     def op_commit(self, body: S.Commit) -> Any:
         checked = [(item.reservation, self._record(item.replica, with_key=False)[1])
                    for item in self._batch(body.items, "items")]
+        # Refused whole (PoolFullError) before any reservation is used if the keys do not fit.
+        self.index.check_room([res.key for rid, _ in checked if (res := self.reservations.get(rid)) is not None])
         committed = []
         for rid, record in checked:
             res = self.reservations.pop(rid, None)
@@ -242,16 +250,20 @@ class MasterState(IndexState):
 
     def op_publish(self, body: S.Publish) -> Any:
         node = self._alive_node(body.node_id)
-        records = [self._record(raw, with_key=True) for raw in self._batch(body.objects, "objects")]
+        raws = self._batch(body.objects, "objects")
+        keys, sids, sums, offsets, whole, durable = self._encode_records(raws)
         # A node sending what it holds is alive: one that re-registers a large index in many
         # batches is never declared dead between them for want of a heartbeat.
         node.last_seen = max(node.last_seen, self.clock())
-        for key, record in records:
-            self._note_durable(key, record)
-            if self._add_replica(node, key, record):
-                node.committed_since_beat += record["nbytes"]
-        self.counters["published"] += len(records)
-        return {"indexed": len(records)}
+        _, new_bytes = self.index.add_many(node.node_id, keys, sids, sums, offsets, whole)
+        node.committed_since_beat += new_bytes
+        self.durable.update(durable)
+        pending = node.pending_deletes
+        if pending:  # a new copy supersedes a delete the node has not carried out yet
+            for key in keys:
+                pending.pop(key, None)
+        self.counters["published"] += len(raws)
+        return {"indexed": len(raws)}
 
     def op_evict_request(self, body: S.NodeKeys) -> Any:
         node_id = body.node_id
@@ -294,14 +306,13 @@ class MasterState(IndexState):
         nodes = self.nodes
         deleted = []
         for key in keys:
-            replicas = self.index.pop(key, None)
-            deleted.append(replicas is not None)
+            holders = self.index.pop(key)
+            deleted.append(holders is not None)
             self.durable.pop(key, None)
             self.to_check.pop(key, None)
             self._attempts.pop(key, None)
-            for node_id in replicas or ():
+            for node_id in holders or ():
                 node = nodes[node_id]
-                node.objects.discard(key)
                 if node_id != caller:
                     node.pending_deletes[key] = 0
         self.counters["deletes"] += sum(deleted)
@@ -357,15 +368,19 @@ class MasterState(IndexState):
         prefix = body.prefix
         limit = min(body.limit, self.config.max_batch)  # a reply stays as bounded as a request
         out: list[dict[str, Any]] = []
-        for key, replicas in self.index.items():
-            if not key.startswith(prefix):
-                continue
+        for key, replicas in self.index.items(prefix):
             if len(out) == limit:
                 return {"keys": out, "truncated": True}
             first = next(iter(replicas.values()))
             out.append({"key": key, "nbytes": first.get("nbytes", 0), "spec": first.get("spec"),
                         "replicas": [{"node_id": nid, "tier": r.get("tier")} for nid, r in replicas.items()]})
         return {"keys": out, "truncated": False}
+
+    def op_follow(self, body: S.Follow) -> Any:
+        """A standby's question for the changes it has not seen (kvpool.cluster.follow)."""
+        from kvpool.cluster.follow import answer_follow
+
+        return answer_follow(self, body)
 
     def op_stats(self, body: Any) -> Any:  # no fields (tests call it with {})
         now = self.clock()
@@ -377,7 +392,7 @@ class MasterState(IndexState):
                     "alive": n.alive, "state": n.state, "role": n.role, "endpoint": n.endpoint,
                     "persistent_tiers": list(n.persistent_tiers), "stores_durably": n.stores_durably,
                     "address": n.address, "host_id": n.host_id,
-                    "tiers": n.tiers, "objects": len(n.objects),
+                    "tiers": n.tiers, "objects": self.index.node_count(n.node_id),
                     "reserved_bytes": n.reserved_bytes,
                     "effective_free_bytes": n.effective_free_bytes,
                     "pending_deletes": len(n.pending_deletes),
@@ -386,7 +401,8 @@ class MasterState(IndexState):
                 for n in self.nodes.values()
             },
             "keys": len(self.index),
-            "replicas": sum(len(r) for r in self.index.values()),
+            "replicas": self.index.replicas,
+            "index": self.index.stats(),
             "reservations": len(self.reservations),
             "leases": len(self.leases),
             "pinned_replicas": len(self.pins),
@@ -395,4 +411,6 @@ class MasterState(IndexState):
             "rereplications_in_flight": sum(len(t) for t in self.rereplicating.values()),
             "counters": dict(self.counters),
             "ha": self.ha,
+            "takeover": self.takeover,
+            "change_stream": None if self.change_log is None else self.change_log.stats(now),
         }

@@ -130,6 +130,7 @@ DELETE = "delete"
 PLACE = "place"
 STATS = "stats"
 LIST = "list"
+FOLLOW = "follow"  # a standby master following the leader's changes (kvpool.cluster.follow)
 
 __all__ = ["ROLE_CLIENT", "ROLE_STORAGE"]
 
@@ -141,7 +142,7 @@ SCHEMA: dict[str, tuple[type[S.Body], type[S.Body] | None]] = {
     RESERVE: (S.Reserve, S.ReserveReply), COMMIT: (S.Commit, S.CommitReply), REVOKE: (S.Revoke, S.RevokeReply),
     PUBLISH: (S.Publish, S.PublishReply), EVICT_REQUEST: (S.NodeKeys, S.EvictReply),
     REMOVED: (S.NodeKeys, S.RemovedReply), DELETE: (S.Delete, S.DeleteReply), PLACE: (S.Place, S.PlaceReply),
-    STATS: (S.Stats, None), LIST: (S.ListKeys, S.ListReply),
+    STATS: (S.Stats, None), LIST: (S.ListKeys, S.ListReply), FOLLOW: (S.Follow, None),
 }
 OPS = frozenset(SCHEMA)
 

@@ -75,7 +75,6 @@ class NodeInfo:
     last_seen: float
     alive: bool = True
     died_at: float = 0.0
-    objects: set[bytes] = field(default_factory=set)
     reserved_bytes: int = 0        # reserved, neither committed nor revoked yet
     committed_since_beat: int = 0  # not yet reflected in the free bytes the node reported
     # key -> seq of the heartbeat reply that last carried it (0: not sent yet)
@@ -125,6 +124,23 @@ class NodeInfo:
     @property
     def effective_free_bytes(self) -> int:
         return self.free_bytes - self.reserved_bytes - self.committed_since_beat
+
+
+def node_wire(node: NodeInfo) -> dict[str, Any]:
+    """What a standby needs of a node (kvpool.cluster.follow): msgpack-able."""
+    return {"node_id": node.node_id, "address": node.address, "host_id": node.host_id, "tiers": node.tiers,
+            "alive": node.alive, "state": node.state, "role": node.role,
+            "persistent_tiers": list(node.persistent_tiers), "control": node.control, "endpoint": node.endpoint}
+
+
+def node_from_wire(wire: dict[str, Any], now: float) -> NodeInfo:
+    node = NodeInfo(wire["node_id"], wire["address"], wire["host_id"], wire["tiers"], now)
+    node.alive, node.state, node.role = wire["alive"], wire["state"], wire["role"]
+    node.persistent_tiers, node.control, node.endpoint = tuple(wire["persistent_tiers"]), wire["control"], \
+        wire["endpoint"]
+    if not node.alive:
+        node.died_at = now
+    return node
 
 
 @dataclass(slots=True)

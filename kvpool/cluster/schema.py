@@ -219,6 +219,23 @@ class Stats(Body):
     pass
 
 
+class Follow(Body):
+    """A standby asking the leader for its changes after ``since`` in ``stream``, or for
+    ``part`` of ``snapshot`` (kvpool.cluster.follow)."""
+
+    stream: str = ""
+    since: int = 0
+    snapshot: int = 0
+    part: int = 0
+    follower: str = ""  # the standby's endpoint (shown in the leader's stats)
+
+    def __post_init__(self) -> None:
+        _bounded("stream", self.stream, MAX_ID_BYTES)
+        _bounded("follower", self.follower, MAX_CONTROL_BYTES)
+        _non_negative("since", self.since)
+        _non_negative("part", self.part)
+
+
 class ListKeys(Body):
     prefix: bytes = b""
     limit: int = 1000

@@ -7,7 +7,10 @@ placement of durable puts. It serves these over one ZeroMQ ROUTER socket with
 the protocol of :mod:`kvpool.cluster.protocol`, from one thread, and never sees KV
 bytes. It does not own storage (nodes do) or persistence: after a restart the
 state is rebuilt by nodes re-registering everything they hold (heartbeat
-replies to an unknown node say ``reregister``).
+replies to an unknown node say ``reregister``); with ``master.etcd`` a standby
+that followed the leader's changes takes over with the full index instead
+(:mod:`kvpool.cluster.follow`). The key index itself is compact and bounded by
+``master.max_keys`` (:mod:`kvpool.cluster.index`).
 
 Semantics worth knowing:
 
@@ -83,12 +86,12 @@ from typing import Any
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster import schema as S
+from kvpool.cluster.index import WHOLE, KeyIndex
 from kvpool.cluster.records import (
     COUNTERS,
     REREPLICATE_BACKOFF_S,
     REREPLICATE_EXAMINE_PER_ROUND,
     STALL_CREDIT_MIN_S,
-    Holders,
     Lease,
     NodeInfo,
     Replica,
@@ -100,6 +103,29 @@ from kvpool.config import MasterSection
 from kvpool.objformat import ObjectSpec
 
 log = logging.getLogger("kvpool.master")
+
+
+class Durable(dict[bytes, int]):
+    """key -> replicas wanted, telling ``journal`` (when set) of every change (a standby keeps
+    the same map)."""
+
+    journal: Callable[[list[Any]], None] | None = None
+
+    def __setitem__(self, key: bytes, replicas: int) -> None:
+        super().__setitem__(key, replicas)
+        if self.journal is not None:
+            self.journal(["durable", key, replicas])
+
+    def update(self, pairs: Any = (), /, **_: Any) -> None:
+        for key, replicas in (pairs.items() if isinstance(pairs, dict) else pairs):
+            self[key] = replicas
+
+    def pop(self, key: bytes, *default: Any) -> Any:
+        found = key in self
+        value = super().pop(key, *default)
+        if found and self.journal is not None:
+            self.journal(["undurable", key])
+        return value
 
 
 class IndexState:
@@ -120,7 +146,7 @@ class IndexState:
         self.dead_after_s = config.heartbeat_ms / 1000 * config.dead_after_missed
         self.started = clock()
         self.nodes: dict[str, NodeInfo] = {}
-        self.index: dict[bytes, Holders] = {}  # key -> node_id -> record
+        self.index = KeyIndex(config.max_keys)  # key -> node_id -> record (compact: see index.py)
         # Every reservation (lease) gets the same timeout, so insertion order is
         # deadline order and expiry pops from the front.
         self.reservations: OrderedDict[int, Reservation] = OrderedDict()
@@ -135,7 +161,7 @@ class IndexState:
         # re-registered records); keys whose copies may be short, each with the
         # time before which it is not looked at again (retry backoff); the
         # targets of copies in flight per key; failed attempts per key.
-        self.durable: dict[bytes, int] = {}
+        self.durable: Durable = Durable()
         self.to_check: OrderedDict[bytes, float] = OrderedDict()
         self.rereplicating: dict[bytes, set[str]] = {}
         self._attempts: dict[bytes, int] = {}
@@ -146,6 +172,21 @@ class IndexState:
         self.ha: dict[str, Any] | None = None
         #: the master's query port (kvpool.cluster.query), told to clients by ping; 0: none
         self.query_port = 0
+        #: with master.etcd, on the leader: every change, for standbys to follow (a
+        #: kvpool.cluster.follow.ChangeLog), and its append
+        self.change_log: Any = None
+        #: with master.etcd: how this leader's term began (warm from a followed copy, or cold)
+        self.takeover: dict[str, Any] | None = None
+        self.changes: Callable[[list[Any]], None] | None = None
+
+    def record_changes(self, change_log: Any) -> None:
+        """Send every change of the index, the node registry and durability to ``change_log``."""
+        self.change_log = change_log
+        self.changes = self.index.journal = self.durable.journal = change_log.append
+
+    def _journal(self, change: list[Any]) -> None:
+        if self.changes is not None:
+            self.changes(change)
 
     # -- helpers ----------------------------------------------------------------
 
@@ -197,7 +238,11 @@ class IndexState:
         """One replica record as stored: (key or b"", the record). The schema checked its
         shape; the key's length and the spec's meaning are checked here."""
         key = self._key(raw.key) if with_key else b""
-        spec = raw.spec
+        self._check_spec(raw.spec)
+        # A node that lies about its header checksum only fails its own readers' checks.
+        return key, Replica(raw.tier, raw.spec, raw.nbytes, raw.header_sum, raw.location, raw.durable)
+
+    def _check_spec(self, spec: list[Any]) -> None:
         try:  # each spec is validated once (re-registering a million keys is a handful of specs)
             seen = tuple(spec)
             if seen not in self._specs_checked:
@@ -206,8 +251,48 @@ class IndexState:
                     self._specs_checked.add(seen)
         except (TypeError, ValueError, errors.KVPoolError) as exc:
             raise P.MalformedRequest(f"replica record has a bad spec {spec!r:.100}: {exc}") from None
-        # A node that lies about its header checksum only fails its own readers' checks.
-        return key, Replica(raw.tier, spec, raw.nbytes, raw.header_sum, raw.location, raw.durable)
+
+    def _encode_records(self, raws: list[S.Record]) -> tuple[list[bytes], list[int], list[int], list[int],
+                                                                 list[Replica | None], list[tuple[bytes, int]]]:
+        """Records with keys as the index stores them: (keys, shape ids, header checksums, offsets,
+        whole records where a shape id is WHOLE (else None; [] when there are none), (key,
+        replicas wanted) of the durable ones). Checks every record before the caller changes
+        anything."""
+        keys: list[bytes] = [raw.key for raw in raws]  # type: ignore[misc]
+        n = len(keys)
+        if n and (None in keys or not 0 < min(map(len, keys)) or max(map(len, keys)) > self.max_key_bytes):
+            for key in keys:
+                self._key(key)
+        if not n:
+            return [], [], [], [], [], []
+        durable = [(key, raw.durable) for key, raw in zip(keys, raws) if raw.durable]
+        # The common batch: one kind of object, every record with a checksum, no locations
+        # (dram, nvme): one shape, checked with a few C loops instead of a Python loop.
+        first = raws[0]
+        specs, tiers, sizes = [r.spec for r in raws], [r.tier for r in raws], [r.nbytes for r in raws]
+        sums: list[int] = [raw.header_sum for raw in raws]  # type: ignore[misc]
+        if (specs.count(first.spec) == n and tiers.count(first.tier) == n and sizes.count(first.nbytes) == n
+                and None not in sums and [r.location for r in raws].count({}) == n):
+            self._check_spec(first.spec)
+            sid = self.index.encode(first.tier, first.spec, first.nbytes, first.header_sum, None)[0]
+            if sid != WHOLE:
+                return keys, [sid] * n, sums, [0] * n, [], durable
+        checked, encode = self._specs_checked, self.index.encode
+        sids: list[int] = []
+        sums = []
+        offsets: list[int] = []
+        whole: list[Replica | None] = []
+        for raw in raws:
+            spec = raw.spec
+            if tuple(spec) not in checked:
+                self._check_spec(spec)
+            sid, header_sum, offset = encode(raw.tier, spec, raw.nbytes, raw.header_sum, raw.location)
+            sids.append(sid)
+            sums.append(header_sum)
+            offsets.append(offset)
+            whole.append(None if sid != WHOLE else
+                         Replica(raw.tier, spec, raw.nbytes, raw.header_sum, raw.location, None))
+        return keys, sids, sums, offsets, whole if any(w is not None for w in whole) else [], durable
 
     def _alive_node(self, node_id: Any) -> NodeInfo:
         node = self.nodes.get(node_id) if isinstance(node_id, str) else None
@@ -217,37 +302,21 @@ class IndexState:
 
     def _add_replica(self, node: NodeInfo, key: bytes, record: Replica) -> bool:
         """Index ``record`` for ``key`` on ``node``; True if the node did not hold it before."""
-        record.node_id = node.node_id  # the node's own string: one per node, not one per record
-        replicas = self.index.get(key)
-        if replicas is None:
-            replicas = self.index[key] = Holders()
-        new = node.node_id not in replicas
-        replicas[node.node_id] = record
-        node.objects.add(key)
+        new = self.index.add(key, node.node_id, record)
         # A new copy supersedes a delete the node has not carried out yet.
         node.pending_deletes.pop(key, None)
         return new
 
     def _remove_replica(self, node: NodeInfo, key: bytes) -> bool:
-        node.objects.discard(key)
-        replicas = self.index.get(key)
-        if replicas is None or replicas.pop(node.node_id, None) is None:
-            return False
-        if not replicas:
-            del self.index[key]
-        return True
+        return self.index.remove(key, node.node_id)
 
     def _drop_replicas_of(self, node: NodeInfo) -> int:
-        index, node_id = self.index, node.node_id
-        for key in node.objects:
-            replicas = index.get(key)
-            if replicas is not None:
-                replicas.pop(node_id, None)
-                if not replicas:
-                    del index[key]
-        dropped = len(node.objects)
-        node.objects = set()
-        return dropped
+        return self.index.drop_node(node.node_id)
+
+    def _durable_held_by(self, node: NodeInfo) -> list[bytes]:
+        """The durable keys ``node`` holds (durable keys are few next to the index)."""
+        holds, node_id = self.index.holds, node.node_id
+        return [key for key in self.durable if holds(key, node_id)]
 
     def _unpin(self, lease: Lease) -> None:
         pins = self.pins
@@ -284,6 +353,8 @@ class IndexState:
             elif not node.alive and now - node.died_at > self.config.forget_nodes_after_s:
                 del self.nodes[node.node_id]
                 self._swrr.pop(node.node_id, None)
+                self.index.forget_node(node.node_id)
+                self._journal(["forget", node.node_id])
         reservations = self.reservations
         while reservations:
             rid, res = next(iter(reservations.items()))
@@ -306,7 +377,7 @@ class IndexState:
         node.alive = False
         node.state = state
         node.died_at = now
-        held = list(node.objects)
+        held = self._durable_held_by(node)
         dropped = self._drop_replicas_of(node)
         stale = [rid for rid, res in self.reservations.items() if res.node_id == node.node_id]
         for rid in stale:
@@ -314,6 +385,7 @@ class IndexState:
         node.reserved_bytes = node.committed_since_beat = 0
         self._swrr.pop(node.node_id, None)
         self._check_durable(held)
+        self._journal(["retire", node.node_id, state])
         return dropped, len(stale)
 
     def note_turn(self, now: float, expected_s: float) -> None:
