@@ -250,7 +250,7 @@ def test_the_readme_embedded_example_runs_next_to_a_default_daemon(tmp_path: Pat
     assert (data / "nvme").is_dir() and (data / "nvme-embedded").is_dir()
 
     # The cluster example against that daemon (its address instead of the default port's).
-    example = readme_python_example("Across hosts, the master listens")
+    example = readme_python_example("## Cluster")
     assert 'kvpool.connect("tcp://127.0.0.1:7700")' in example and "durable=True" in example
     done = subprocess.run([sys.executable, "-c", example.replace("tcp://127.0.0.1:7700", master)
                            + "\nprint('read', float(buf.flat[0]))"],
