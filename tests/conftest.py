@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import site
 import socket
 import subprocess
@@ -260,3 +261,19 @@ def etcd(tmp_path: Path) -> Iterator[Etcd]:
         yield server
     finally:
         server.child.kill()
+
+
+@contextmanager
+def bounded(seconds: float) -> Iterator[None]:
+    """Fail (instead of hanging) when the block runs longer than ``seconds``: for property tests,
+    where one example that never ends would otherwise stall the whole run until its timeout."""
+    def expire(*_: Any) -> None:
+        raise TimeoutError(f"example ran longer than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -13,10 +13,7 @@ typed error (a :mod:`kvpool.errors` class).
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import struct
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,25 +30,11 @@ from kvpool.cluster.ops import MasterState
 from kvpool.config import Config, MasterSection
 from kvpool.objformat import LayerRange, ObjectSpec
 from kvpool.transport import frames as T
+from tests.conftest import bounded
 
 SPEC = ObjectSpec("float16", layers=4, tokens=16, kv_heads=2, head_dim=8)
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-
-
-@contextlib.contextmanager
-def bounded(seconds: float = 2.0) -> Iterator[None]:
-    """Fail (instead of hanging) when one example runs longer than ``seconds``."""
-    def expire(*_: Any) -> None:
-        raise TimeoutError(f"example ran longer than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def is_typed(name: Any) -> bool:
@@ -122,7 +105,7 @@ VALID_MASTER_REQUESTS = [
 
 
 def check_master_reply(master: MasterServer, payload: bytes) -> None:
-    with bounded():
+    with bounded(2.0):
         out = master.serve_frames([b"peer", payload])
     assert out[0] == b"peer" and len(out) == 2
     _, ok, body = P.unpack_reply(out[1])
@@ -204,7 +187,7 @@ VALID_CONTROL = [P.pack_control_request(1, P.CONTROL_PING, {}), P.pack_control_r
 
 
 def check_control_reply(node: Node, payload: bytes) -> None:
-    with bounded():
+    with bounded(2.0):
         reply = node.serve_control(payload)
     version, _, status, body = msgpack.unpackb(reply, raw=False)
     assert version == P.CONTROL_PROTOCOL_VERSION and status in (P.OK, P.ERROR)
@@ -274,7 +257,7 @@ def _valid_request_frame(key: bytes = b"some-key", with_address: bool = False,
 def check_request_frame(frame: bytes) -> None:
     buf = bytearray(T._REQUEST_BUFFER_NBYTES)
     buf[:len(frame)] = frame[:len(buf)]
-    with bounded():
+    with bounded(2.0):
         try:
             request = T._parse_request(buf)
         except errors.KVPoolError:
@@ -288,7 +271,7 @@ def check_request_frame(frame: bytes) -> None:
 def check_status_frame(frame: bytes) -> None:
     buf = bytearray(T._STATUS_BUFFER_NBYTES)
     buf[:len(frame)] = frame[:len(buf)]
-    with bounded():
+    with bounded(2.0):
         parsed = T._parse_status(buf, 5)
     if parsed is not None:
         status, nbytes, chunk, body = parsed

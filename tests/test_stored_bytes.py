@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from kvpool.cluster import durable_log
 from kvpool.cluster.security import _read_secret, keygen
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, encode
+from tests.conftest import bounded
 from tiers.cxl.arena import DATA_OFFSET
 from tiers.cxl.index import SharedIndexReader, index_path
 from tiers.cxl.reader import CxlArenaReader
@@ -39,21 +39,6 @@ from tiers.nvme.layout import INDEX_DIR
 
 FILES = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 SPEC = ObjectSpec("float16", layers=3, tokens=8, kv_heads=2, head_dim=8)
-
-
-@contextlib.contextmanager
-def bounded(seconds: float = 5.0) -> Iterator[None]:
-    """Fail (instead of hanging) when one example runs longer than ``seconds``."""
-    def expire(*_: Any) -> None:
-        raise TimeoutError(f"example ran longer than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def mutate(blob: bytes, data: st.DataObject, *, at_most: int = 6) -> bytes:
@@ -101,7 +86,7 @@ def durable_line(key: bytes, replicas: int) -> bytes:
 def test_durable_log_random_bytes(tmp_path_factory: pytest.TempPathFactory, blob: bytes) -> None:
     directory = tmp_path_factory.mktemp("durable")
     (directory / durable_log.FILE_NAME).write_bytes(blob)
-    with bounded():
+    with bounded(5.0):
         found = durable_log.read(directory, max_key_bytes=64)
     for key, replicas in found.items():
         assert 0 < len(key) <= 64 and 1 <= replicas <= durable_log.MAX_REPLICAS
@@ -164,7 +149,7 @@ auth = true
 
 
 def load_config(path: Path) -> None:
-    with bounded():
+    with bounded(5.0):
         try:
             Config.load(path)
         except errors.KVPoolError:
@@ -207,7 +192,7 @@ def test_config_that_is_a_directory_is_a_config_error(tmp_path: Path) -> None:
 
 def read_key(path: Path) -> None:
     os.chmod(path, 0o600)
-    with bounded():
+    with bounded(5.0):
         try:
             secret = _read_secret(path)
         except errors.ConfigError:
@@ -267,7 +252,7 @@ def read_arena(directory: Path, arena: bytes, index: bytes, offsets: list[int]) 
     path = directory / "kvpool-fuzz-cxl"
     path.write_bytes(arena)
     index_path(path).write_bytes(index)
-    with bounded():
+    with bounded(5.0):
         try:
             reader = CxlArenaReader.open(path, require_owner=False, prefault=False)
         except errors.KVPoolError:
@@ -313,7 +298,7 @@ def test_arena_index_mutated(tmp_path_factory: pytest.TempPathFactory,
 def test_arena_index_random_bytes(tmp_path_factory: pytest.TempPathFactory, blob: bytes) -> None:
     path = tmp_path_factory.mktemp("index") / "x.index"
     path.write_bytes(blob)
-    with bounded():
+    with bounded(5.0):
         try:
             reader = SharedIndexReader(path)
         except errors.KVPoolError:

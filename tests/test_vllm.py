@@ -76,6 +76,21 @@ def corrupt_object(data_dir: Path, key: bytes) -> None:
     raise AssertionError(f"object of {key.hex()} not found in {data_dir}")
 
 
+
+def model_and_prompts(tmp_path: Path, *make_model: str) -> tuple[list[str], list[list[int]]]:
+    """A tiny random-weight model (``tests.vllm_engine make-model``; ``make_model``: its options)
+    and two shared prefixes of 3 full blocks + 20 tokens with two different tails each: the
+    arguments every engine of a test gets, and the two prefixes."""
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model), *make_model],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    rng = random.Random(7)
+    bases = [[rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)] for _ in range(2)]
+    prompts = [base + [500 + i] for base in bases for i in range(2)]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    return [str(model), str(prompts_file), "--max-tokens", "16"], bases
+
 def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_tokens(tmp_path: Path, spawn_python):
     master = f"tcp://127.0.0.1:{free_tcp_port()}"
     metrics_port = free_tcp_port()
@@ -90,16 +105,7 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
                              '[tiers.dram]\ncapacity = "64MiB"\nmlock = false\n'
                              '[tiers.cxl]\ncapacity = 0\n[tiers.nvme]\ncapacity = 0\n'
                              f'[master]\nlisten = "{master}"\nheartbeat_ms = 200\n')
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)], cwd=REPO_ROOT,
-                   check=True, capture_output=True, timeout=300)
-    # Two shared prefixes of 3 full blocks + 20 tokens, two different tails each.
-    rng = random.Random(7)
-    bases = [[rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)] for _ in range(2)]
-    prompts = [base + [500 + i] for base in bases for i in range(2)]
-    prompts_file = tmp_path / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    common = [str(model), str(prompts_file), "--max-tokens", "16"]
+    common, bases = model_and_prompts(tmp_path)
     kv = ["--connector", "kvpool", "--master", master, "--config", str(engine_config)]
 
     plain = engine(tmp_path, "plain", *common)  # no connector at all: the reference
@@ -155,15 +161,7 @@ def test_a_sliding_window_model_loads_its_prefix_from_kvpool_and_generates_the_s
                              '[tiers.dram]\ncapacity = "64MiB"\nmlock = false\n'
                              '[tiers.cxl]\ncapacity = 0\n[tiers.nvme]\ncapacity = 0\n'
                              f'[master]\nlisten = "{master}"\nheartbeat_ms = 200\n[node]\ndurable = true\n')
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model), "--kind", "gemma3"],
-                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
-    rng = random.Random(7)
-    bases = [[rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)] for _ in range(2)]
-    prompts = [base + [500 + i] for base in bases for i in range(2)]
-    prompts_file = tmp_path / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    common = [str(model), str(prompts_file), "--max-tokens", "16"]
+    common, _ = model_and_prompts(tmp_path, "--kind", "gemma3")
     kv = ["--connector", "kvpool", "--master", master, "--config", str(engine_config)]
 
     plain = engine(tmp_path, "plain", *common)
