@@ -193,8 +193,11 @@ def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     config = Config.load(args.config)
     located = master.locate(key, lease=True)
     # What the master says is checked before use: only arenas in the shared-memory dirs are mapped.
+    # Objects up to node.tcp_pull_max come over the holder's TCP port (both ends prove the cluster
+    # key); UCX (and its import) only for larger ones or holders without a TCP port.
     reader = ReplicaReader(local_host_id(), transport=args.transport, pull_timeout_s=args.timeout,
-                           allowed_dirs=shared_dirs_of(config), host=node_host(config, master.address))
+                           allowed_dirs=shared_dirs_of(config), host=node_host(config, master.address),
+                           tcp_pull_max=config.node.tcp_pull_max, cluster_key=master.cluster_key)
     replicas = replicas_at(located, 0)
     try:
         arr = reader.read(key, replicas, layers, None, Pool._out_view)

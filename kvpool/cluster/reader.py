@@ -20,6 +20,7 @@ using a replica once its token expired.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -60,8 +61,13 @@ class ReplicaReader:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
-        # ``engine``: the node's, shared (one UCX worker and progress thread per process)
-        self.puller = PullClient(transport=transport, max_message=max_message, host=host, engine=engine)
+        # ``engine``: the node's, shared (one UCX worker and progress thread per process). The UCX
+        # pull client is made at the first pull over UCX: a reader whose pulls all go over plain
+        # TCP (a CLI ``kvpool get``) never imports ucxx.
+        self._make_ucx_puller = functools.partial(PullClient, transport=transport, max_message=max_message,
+                                                  host=host, engine=engine)
+        self._ucx_puller: PullClient | None = None
+        self._ucx_lock = threading.Lock()
         self.transport = transport
         #: pulls of at most this many bytes from a holder with a TCP port go over plain TCP (at
         #: most SAME_HOST_TCP_PULL_MAX from a same-host holder that UCX reaches by shared memory)
@@ -575,12 +581,23 @@ class ReplicaReader:
         self._guess_wasted()
         return None
 
+    @property
+    def puller(self) -> PullClient:
+        """The UCX pull client, made on first use."""
+        if self._ucx_puller is None:
+            with self._ucx_lock:
+                if self._ucx_puller is None:
+                    self._ucx_puller = self._make_ucx_puller()
+        return self._ucx_puller
+
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "pull_client": self.puller.stats(),
+        ucx = self._ucx_puller.stats() if self._ucx_puller is not None else {}
+        return {**self.counters, "pull_client": ucx,
                 "tcp_pull_client": self.tcp_puller.stats() if self.tcp_puller is not None else {}}
 
     def close(self) -> None:
-        self.puller.close()
+        if self._ucx_puller is not None:
+            self._ucx_puller.close()
         if self.tcp_puller is not None:
             self.tcp_puller.close()
         self.arenas.close()

@@ -83,8 +83,9 @@ Failure rules
     verify per-layer checksums.
 
 UCX environment
-    Importing ``ucxx`` sets ``UCX_MEMTYPE_CACHE=n``, ``UCX_RNDV_THRESH=8192``
-    and ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` unless already set. This module adds
+    ``ucxx`` is imported at the first UCX use, not with this package. Importing
+    it sets ``UCX_MEMTYPE_CACHE=n``, ``UCX_RNDV_THRESH=8192``
+    and ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` unless already set. kvpool then adds
     ``UCX_WARN_UNUSED_ENV_VARS=n`` (ucxx's own variable otherwise triggers a
     warning) and passes :data:`DEFAULT_UCX_OPTIONS` to its contexts unless the
     matching ``UCX_*`` variable is set, so the environment always wins. Every

@@ -23,13 +23,44 @@ from typing import Any
 from kvpool import errors
 from kvpool.transport.frames import _INDEX_BITS
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-# ucxx sets UCX_RNDV_THRESH=8192 when it is imported (for GPU buffers): a value found before
-# that import is the user's, one found after it is ucxx's and our default replaces it.
-_USER_RNDV_THRESH = "UCX_RNDV_THRESH" in os.environ
+# ucxx is imported on first use, not with this module: importing it takes ~0.5-1 s here, and
+# a process that pulls only over plain TCP (a CLI ``kvpool get``, a reader of small objects)
+# never needs it. It sets UCX_RNDV_THRESH=8192 when imported (for GPU buffers): a value found
+# before that import is the user's, one found after it is ucxx's and our default replaces it.
+_ucx_modules: tuple[Any, Any] | None = None
+_ucx_import_lock = threading.Lock()
+_USER_RNDV_THRESH = False
 
-import ucxx._lib.libucxx as ucx_api  # noqa: E402  (after the env var above)
-from ucxx._lib.arr import Array as Array  # noqa: E402  (re-exported to the server and client)
+
+def _ucx() -> tuple[Any, Any]:
+    """``(ucxx._lib.libucxx, ucxx._lib.arr.Array)``, imported on the first call."""
+    global _ucx_modules, _USER_RNDV_THRESH
+    if _ucx_modules is None:
+        with _ucx_import_lock:
+            if _ucx_modules is None:
+                _USER_RNDV_THRESH = "UCX_RNDV_THRESH" in os.environ
+                # ucxx's own variable otherwise triggers a warning about unused UCX variables
+                os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+                import ucxx._lib.libucxx as libucxx
+                from ucxx._lib.arr import Array as array_type
+
+                _ucx_modules = (libucxx, array_type)
+    return _ucx_modules
+
+
+class _LazyUcxApi:
+    """``ucxx._lib.libucxx``, imported when an attribute is first asked for."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_ucx()[0], name)
+
+
+ucx_api: Any = _LazyUcxApi()
+
+
+def Array(obj: Any) -> Any:  # noqa: N802  (stands in for ucxx's Array class)
+    """``ucxx._lib.arr.Array(obj)``: a buffer UCX can send from or receive into."""
+    return _ucx()[1](obj)
 
 log = logging.getLogger("kvpool.transport")
 
@@ -501,6 +532,7 @@ class Engine:
 
 
 def _effective_ucx_options(extra: Mapping[str, str] | None) -> dict[str, str]:
+    _ucx()  # whether UCX_RNDV_THRESH is the user's is known once ucxx is imported
     options = {**DEFAULT_UCX_OPTIONS, **(extra or {})}
     # The environment wins, so UCX_* variables keep their usual meaning (except ucxx's own
     # UCX_RNDV_THRESH, set on its import: see _USER_RNDV_THRESH).
