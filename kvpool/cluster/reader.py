@@ -591,7 +591,8 @@ class ReplicaReader:
         return self._ucx_puller
 
     def stats(self) -> dict[str, Any]:
-        ucx = self._ucx_puller.stats() if self._ucx_puller is not None else {}
+        ucx = (self._ucx_puller.stats() if self._ucx_puller is not None  # none yet: nothing pulled over UCX
+               else {"peers": 0, "pulls": 0, "failures": 0, "timeouts": 0, "bytes_received": 0})
         return {**self.counters, "pull_client": ucx,
                 "tcp_pull_client": self.tcp_puller.stats() if self.tcp_puller is not None else {}}
 
