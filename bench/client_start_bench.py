@@ -9,6 +9,7 @@ the default data dir, key file and state dir are its own):
   (every page touched, locked and allocated at start, as every pool did before);
 * ``kvpool.connect()``: a client of a ``kvpool-server`` started here with the defaults;
 * ``kvpool get``: the CLI reading one 1 MiB object that a durable put left on that server;
+* ``kvpool get (a miss)``: the CLI asking for a key nobody holds (exit status 1);
 * ``kvpool-server``: the daemon itself, from exec to "ready".
 
 ``start s`` is the process's wall time from exec to exit (p50 over ``--iters`` runs; the
@@ -80,12 +81,13 @@ def run_json(argv: list[str], env: dict[str, str], timeout_s: float) -> dict[str
     return json.loads(last) if last.startswith("{") else {}
 
 
-def measure(argv: list[str], env: dict[str, str], iters: int, timeout_s: float) -> dict[str, Any]:
-    """``iters`` runs of ``argv``; peak RSS measured in a fresh grandchild so that earlier, larger
-    children do not mask it (RUSAGE_CHILDREN is a running maximum)."""
+def measure(argv: list[str], env: dict[str, str], iters: int, timeout_s: float, exit_code: int = 0) -> dict[str, Any]:
+    """``iters`` runs of ``argv`` (each must exit with ``exit_code``); peak RSS measured in a fresh
+    grandchild so that earlier, larger children do not mask it (RUSAGE_CHILDREN is a running
+    maximum)."""
     walls, opens, rss, lines = [], [], [], 0
     for _ in range(iters):
-        probe = [sys.executable, "-c", _PROBE, json.dumps(argv), str(timeout_s)]
+        probe = [sys.executable, "-c", _PROBE, json.dumps(argv), str(timeout_s), str(exit_code)]
         got = run_json(probe, env, timeout_s + 30)
         walls.append(got["wall_s_child"])
         rss.append(got["maxrss_mib"])
@@ -100,11 +102,11 @@ def measure(argv: list[str], env: dict[str, str], iters: int, timeout_s: float) 
 # child is the measured one, so RUSAGE_CHILDREN is that child's alone).
 _PROBE = """
 import json, resource, subprocess, sys, time
-argv, timeout_s = json.loads(sys.argv[1]), float(sys.argv[2])
+argv, timeout_s, exit_code = json.loads(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 start = time.perf_counter()
 done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
 wall = time.perf_counter() - start
-if done.returncode != 0:
+if done.returncode != exit_code:
     sys.stderr.write(done.stderr[-3000:])
     sys.exit(done.returncode)
 last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
@@ -148,13 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-prefault", action="store_true", help="leave out the prefault row (it maps 2 GiB)")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvpool-start-") as scratch:
         env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
         env.update(HOME=scratch, PYTHONPATH=str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
         py = sys.executable
 
-        def row(what: str, argv: list[str]) -> None:
-            got = measure(argv, env, args.iters, args.timeout)
+        def row(what: str, argv: list[str], exit_code: int = 0) -> None:
+            got = measure(argv, env, args.iters, args.timeout, exit_code)
             rows.append({"what": what, **got})
             print(f"  {what}: {got['start_s']:.2f} s", file=sys.stderr, flush=True)
 
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             measure([py, "-c", DURABLE_PUT, master], env, 1, args.timeout)  # the object `kvpool get` reads
             row("kvpool get", [py, "-m", "kvpool.cli", "get", "636c69656e742d73746172742d62656e6368",
                                "--master", master, "--out", str(Path(scratch) / "kv.npy")])
+            row("kvpool get (a miss)", [py, "-m", "kvpool.cli", "get", "6e6f2073756368206b6579",
+                                        "--master", master, "--out", str(Path(scratch) / "miss.npy")], exit_code=1)
         finally:
             server.terminate()
             try:
@@ -182,8 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     table = [[r["what"], r["start_s"], r["open_s"], r["rss_mib"], r["stderr_lines"], r["start_s"] / floor]
              for r in rows]
     print(format_table(["what", "start s", "open s", "RSS MiB", "log lines", "x floor"], table, align="lrrrrr"))
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min) before: {' '.join(f'{x:.2f}' for x in load_before)}, "
+          f"after: {' '.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "load_before": load_before, "load_after": load_after},
+                                              indent=1))
     return 0
 
 
