@@ -339,6 +339,10 @@ class Node:
         self.manager.may_drop_many = None
         if self.heartbeater is not None:
             self.heartbeater.stop()
+        with self._ucx_lock:  # (no UCX thread starts once stopping)
+            ucx_thread = self._ucx_thread
+        if ucx_thread is not None:  # its register, if under way, before the leave below
+            ucx_thread.join(30.0)  # (UCX cannot be stopped while it starts)
         self._events.put(("stop", b"", None))
         for thread in (self._publisher, self._control_thread):
             if thread.is_alive():
@@ -354,8 +358,6 @@ class Node:
         except errors.KVPoolError as exc:
             log.info("node %s could not deregister from the master on close: %s", self.node_id[:8], exc)
         self._control.close(0)
-        if self._ucx_thread is not None:
-            self._ucx_thread.join(30.0)  # UCX cannot be stopped while it starts
         if self._replicator is not None:
             self._replicator.close()
         if self._tcp_replicator is not None:
