@@ -105,6 +105,27 @@ def parse_size(value: Any) -> int:
     raise ValueError(f"expected a size like 1073741824 or '1GiB', got {value!r}")
 
 
+def headroom_bytes(value: Any, filesystem_bytes: int) -> int:
+    """The bytes an nvme tier leaves free on a filesystem of ``filesystem_bytes``
+    (``tiers.nvme.headroom``): ``"auto"`` is the larger of 64 MiB and 2% of the filesystem, at
+    most a quarter of it; ``"N%"`` is N percent of it (0 <= N < 100); anything else is a size
+    (:func:`parse_size`; 0: none). ValueError for anything else."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return min(max(64 * MiB, filesystem_bytes // 50), filesystem_bytes // 4)
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            percent = float(value.strip()[:-1])
+        except ValueError:
+            percent = -1.0
+        if not 0 <= percent < 100:
+            raise ValueError(f"expected a percentage from 0% to 99%, got {value!r}")
+        return int(filesystem_bytes * percent / 100)
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise ValueError(f"expected auto, a size like '256MiB' or a percentage like '5%', got {value!r}") from None
+
+
 def format_size(nbytes: float) -> str:
     for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if abs(nbytes) >= scale:
@@ -180,6 +201,10 @@ class NvmeSection:
     fsync: bool = _opt(False, "fdatasync data and index on every put (survive power loss, not only crashes)")
     io_threads: int = _opt(4, "parallel I/Os per large read/write")
     io_chunk: int = _size("4MiB", "bytes per I/O when a read or write is split across threads")
+    headroom: str = field(default="auto", metadata={
+        "headroom": True, "doc": "free space the tier leaves on its filesystem (for its index, durable.log and "
+                                 "everything else there): auto (the larger of 64MiB and 2% of the filesystem, "
+                                 "at most a quarter of it), a size, or a percentage like \"5%\"; 0: none"})
 
 
 @dataclass
@@ -491,6 +516,11 @@ def _is_number(text: str) -> bool:
 def _coerce(f: dataclasses.Field[Any], current: Any, value: Any) -> Any:
     if f.metadata.get("size"):
         return parse_size(value)
+    if f.metadata.get("headroom"):  # auto, a size or a percentage: kept as given, checked here
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected auto, a size or a percentage, got {value!r}")
+        headroom_bytes(value, TiB)
+        return str(value)
     # Durations: settings named *_us, *_ms and *_s also take "1s", "250ms", "2m", "100us".
     unit_s = next((scale for suffix, scale in (("_us", 1e-6), ("_ms", 0.001), ("_s", 1.0)) if f.name.endswith(suffix)),
                   None)
@@ -587,7 +617,7 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         shown = format_size(default) if f.metadata.get("size") else default
         group.add_argument(
             f"--{dotted}", dest=f"set:{dotted}", default=None, metavar="VALUE",
-            help=f"{f.metadata.get('doc', '')} (default: {shown!r})",
+            help=f"{f.metadata.get('doc', '')} (default: {shown!r})".replace("%", "%%"),  # (argparse formats it)
         )
 
 

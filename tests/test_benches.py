@@ -50,10 +50,11 @@ def test_client_start_bench_runs_and_a_default_client_maps_what_it_uses(tmp_path
     proc = run_or_dump([str(REPO_ROOT / "bench" / "client_start_bench.py"), "--iters", "1", "--no-prefault",
                         "--json", str(rows_json)], timeout_s=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[0].split() == ["what", "start", "s", "open", "s", "RSS", "MiB", "log", "lines",
-                                                   "x", "floor"]
-    rows = {r["what"]: r for r in json.loads(rows_json.read_text())}
-    assert set(rows) == {"python + numpy", "kvpool.Pool()", "kvpool-server", "kvpool.connect()", "kvpool get"}
+    assert proc.stdout.splitlines()[0].split() == ["what", "start", "s", "cpu", "s", "open", "s", "RSS", "MiB", "log",
+                                                   "lines", "x", "floor"]
+    rows = {r["what"]: r for r in json.loads(rows_json.read_text())["rows"]}
+    assert set(rows) == {"python + numpy", "kvpool.Pool()", "kvpool-server", "kvpool.connect()", "kvpool get",
+                         "kvpool get (a miss)"}
     assert all(r["start_s"] > 0 for r in rows.values())
     # Not speed: memory. A default pool and client (1 GiB dram + 1 GiB cxl configured) hold
     # nothing yet, so they map next to nothing; and neither prints a line.

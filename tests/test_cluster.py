@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +20,9 @@ from kvpool.cluster.checks import Speculation
 from kvpool.cluster.control import control_call
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.reader import ReplicaReader
 from kvpool.objformat import ObjectSpec
+from kvpool.transport import local_host_id
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
 from tests.test_metrics import sample, scrape
@@ -343,10 +347,12 @@ def test_a_guess_pulled_over_ucx_is_used_only_once_the_master_confirms_it(cluste
     cluster key): with every pull over UCX (node.tcp_pull_max = 0) a guess always waits for
     the master's confirmation."""
     cluster.start_master()
-    holder, reader = cluster.connect("holder"), cluster.connect("reader", node__tcp_pull_max=0)
+    holder = cluster.connect("holder", node__tcp_pull_max=LAYER_NBYTES)  # (its first put starts its UCX)
+    reader = cluster.connect("reader", node__tcp_pull_max=0)
     try:
         for i in range(3):
             holder.put(key_of(i), content(i))
+        ucx_published(cluster, holder)
         asked = cluster.client.stats()["counters"]["key_hits"]
         for i in range(3):
             np.testing.assert_array_equal(reader.get(key_of(i)), content(i))
@@ -376,12 +382,94 @@ def test_speculative_pulls_can_be_turned_off(cluster: Cluster) -> None:
         reader.close()
 
 
+def ucx_published(cluster: Cluster, pool: kvpool.Pool) -> None:
+    """Wait until the master has ``pool``'s node's UCX worker address (a client node starts UCX
+    after connect() returns, and registers it then)."""
+    node_id = pool.cluster.node.node_id
+    wait_for(lambda: NodeAddress.decode(cluster.client.stats()["nodes"][node_id]["address"]).peer.worker_address,
+             30, "the client's UCX address at the master")
+
+
+def test_a_client_serves_over_tcp_whatever_the_size_until_its_ucx_has_started(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's connect() starts no UCX: it registers with its TCP port only, and small puts
+    leave it so. Its first object above its node.tcp_pull_max starts UCX on a thread; until
+    its UCX worker address is registered, peers pull what it holds over TCP even above their
+    node.tcp_pull_max (a reader's get, a storage node's durable copy), exact; then the large
+    pulls go over UCX."""
+    cluster.start_master()
+    log = cluster.tmp_path / "store.log"
+    (cluster.tmp_path / "store.toml").write_text(node_config("store", cluster.tmp_path / "store",
+                                                             cluster.master_address))
+    cluster.spawn(["-m", "kvpool.cli.server", "--role", "node", "--config", str(cluster.tmp_path / "store.toml"),
+                   "--node.tcp_pull_max", "64KiB"], log_path=log, ready=lambda: "ready" in log.read_text(),
+                  timeout_s=30)
+    reader = cluster.connect("reader", node__tcp_pull_max=64 << 10, node__speculative_pulls=False)
+    from kvpool.cluster import node as node_module
+
+    gate = threading.Event()
+    real_engine = node_module.Engine
+
+    def gated_engine(*args: Any, **kwargs: Any) -> Any:  # the real Engine, once the test lets it start
+        gate.wait(30)
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(node_module, "Engine", gated_engine)
+    holder = cluster.connect("holder", node__tcp_pull_max=64 << 10)
+    try:
+        node = holder.cluster.node
+        small = content(9)[:1]  # one layer: 32 KiB
+        holder.put(key_of(9), small)
+        np.testing.assert_array_equal(reader.get(key_of(9)), small)
+        assert node.engine is None and node._ucx_thread is None  # no UCX wanted yet
+        assert node.address is not None and not node.address.peer.worker_address
+        assert content(0).nbytes > 64 << 10  # above every tcp_pull_max here
+        holder.put(key_of(0), content(0))  # starts UCX, which waits for the gate
+        assert node._ucx_thread is not None and node.engine is None
+        holder.put(key_of(1), content(1), durable=True)  # the storage node pulled it: over TCP
+        np.testing.assert_array_equal(reader.get(key_of(0)), content(0))  # (holder joined after it)
+        remote = reader.stats()["remote"]
+        assert remote["tcp_pull_client"]["pulls"] == 2 and remote["pull_client"]["pulls"] == 0, remote
+        served = node.stats()["transfer_by_path"]
+        assert served["tcp"]["requests_served"] == 3 and served["ucx"]["requests_served"] == 0, served
+        store_id = next(i for i, n in cluster.client.stats()["nodes"].items()
+                        if i not in (node.node_id, reader.cluster.node.node_id))
+        assert cluster.node_stats(store_id)["counters"]["replicated_objects"] == 1
+        gate.set()
+        ucx_published(cluster, holder)
+        holder.put(key_of(2), content(2))
+        np.testing.assert_array_equal(reader.get(key_of(2)), content(2))
+        np.testing.assert_array_equal(reader.get(key_of(1)), content(1))  # from the holder or the store
+        remote = reader.stats()["remote"]
+        assert remote["pull_client"]["pulls"] >= 1, remote
+        assert node.stats()["transfer_by_path"]["ucx"]["requests_served"] >= 1
+    finally:
+        gate.set()
+        holder.close()
+        reader.close()
+
+
+def test_a_holder_that_joined_since_the_last_alive_list_is_not_taken_for_gone() -> None:
+    """A reader refreshes the master's list of alive nodes once a heartbeat; a node the master
+    names that joined since is read from (a get right after a new writer's put is no miss),
+    and only a node once listed alive and no longer is known gone."""
+    reader = ReplicaReader(local_host_id(), tcp_pull_max=0)
+    try:
+        reader.forget_nodes_except({"a"})
+        assert reader.holder_alive({"node_id": "b"})  # type: ignore[typeddict-item]
+        reader.forget_nodes_except({"b"})
+        assert not reader.holder_alive({"node_id": "a"})  # type: ignore[typeddict-item]
+        assert reader.holder_alive({"node_id": "b"})  # type: ignore[typeddict-item]
+    finally:
+        reader.close()
+
+
 def test_small_pulls_go_over_tcp_and_large_ones_over_ucx(cluster: Cluster) -> None:
     """A reader pulls layer ranges up to its node.tcp_pull_max over the holder's TCP port and
     larger ones over UCX; a holder with node.tcp_pull_max = 0 opens no TCP port and is pulled
     from over UCX only."""
     cluster.start_master()
-    holder = cluster.connect("holder")
+    holder = cluster.connect("holder", node__tcp_pull_max=2 * LAYER_NBYTES)  # (it starts UCX at its first put)
     config = small_config(cluster.master_address, "no-tcp", str(cluster.tmp_path / "no-tcp"), HEARTBEAT_MS)
     config.set("node.tcp_pull_max", 0, origin="test")
     untcp = kvpool.connect(cluster.master_address, config=config)
@@ -395,6 +483,7 @@ def test_small_pulls_go_over_tcp_and_large_ones_over_ucx(cluster: Cluster) -> No
         for i in range(4):
             holder.put(key_of(i), content(i))
             untcp.put(key_of(10 + i), content(10 + i))
+        ucx_published(cluster, holder)  # (until then, every pull from it goes over TCP)
         np.testing.assert_array_equal(reader.get(key_of(0), layers=(1, 3)), content(0)[1:3])  # 2 layers: TCP
         np.testing.assert_array_equal(reader.get(key_of(1)), content(1))  # 8 layers: UCX
         got = reader.get_many([key_of(2), key_of(3)], layers=(5, 6))  # one TCP connection for both

@@ -3,23 +3,28 @@ clean departures and malformed master addresses. Every process is stopped at the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import kvpool
 from kvpool import errors
+from kvpool.cluster import durable_log
 from kvpool.cluster.master_client import MasterClient
 from tests.cluster_actor import content, key_of
 from tests.conftest import REPO_ROOT, wait_for
-from tests.test_cluster import HEARTBEAT_MS, Cluster
+from tests.test_cluster import HEARTBEAT_MS, Cluster, node_config
 
 pytestmark = pytest.mark.timeout(180)
 
 FORGET_S = 1.5
+MiB = 1 << 20
 KEYS = 3
 
 
@@ -223,3 +228,34 @@ def test_durable_copies_follow_one_rule() -> None:
     for bad in ({"replicas": 0}, {"replicas": True}, {"durable": "yes"}):
         with pytest.raises(errors.InvalidArgumentError):
             durable_copies(durable, bad.get("durable"), bad.get("replicas"))  # type: ignore[arg-type]
+
+
+def test_a_storage_node_on_a_small_filesystem_keeps_room_for_its_durable_log(
+        cluster: Cluster, tmpfs: Callable[[str], Path]) -> None:
+    """A storage node whose nvme tier (64 MiB configured) sits on a real 16 MiB tmpfs: durable
+    puts of 24 MiB in all, far past the filesystem's size, every one succeeds — the tier keeps
+    tiers.nvme.headroom free there (auto: a quarter of so small a filesystem, 4 MiB), so each
+    copy's durable.log line is written (the fault soak saw DiskFullError once the segments had
+    taken the last byte)."""
+    disk = tmpfs("16m")
+    start_master(cluster)
+    config = cluster.tmp_path / "store.toml"
+    config.write_text(node_config("store", cluster.tmp_path / "store", cluster.master_address).replace(
+        'capacity = "16MiB"\nsegment_size = "8MiB"',
+        f'capacity = "64MiB"\nsegment_size = "2MiB"\npath = "{disk}/nvme"'))
+    log = cluster.tmp_path / "store.log"
+    store = cluster.spawn(["-m", "kvpool.cli.server", "--role", "node", "--config", str(config)],
+                          log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=30)
+    writer = cluster.connect("writer")
+    try:
+        wait_for(lambda: len(cluster.alive_nodes()) == 2, 10, "nodes to register")
+        for i in range(96):  # 256 KiB each
+            writer.put(key_of(i), content(i), durable=True)  # raises if the copy failed
+        st = os.statvfs(disk)
+        assert st.f_bavail * st.f_frsize >= 3 * MiB  # the headroom, less the index's own growth
+        # a line per copy made (re-replications of copies evicted to make room add lines)
+        assert set(durable_log.read(disk / "nvme", 256)) == {key_of(i) for i in range(96)}
+        assert list(storage_holders(cluster, key_of(95)).values()) == ["nvme"]
+        assert "DiskFullError" not in store.output() and "headroom" in store.output()
+    finally:
+        writer.close()

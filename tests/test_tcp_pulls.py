@@ -456,5 +456,10 @@ def test_which_pulls_a_reader_sends_over_tcp() -> None:
     off = ReplicaReader(local_host_id(), tcp_pull_max=0)
     try:
         assert off.tcp_puller is None and off._client_for(elsewhere, 4096) is off.puller
+        # A client node that has not started UCX publishes its TCP port alone: TCP, whatever
+        # the size, also for this reader (and its pulls elsewhere stay UCX).
+        no_ucx = PeerAddress("10.0.0.3", 0, b"", "another-host", tcp_port=1)
+        assert off._client_for(no_ucx, 1 << 30) is off.tcp_puller is not None
+        assert off._client_for(elsewhere, 4096) is off.puller
     finally:
         off.close()

@@ -67,6 +67,8 @@ from tiers.manager import TierManager
 log = logging.getLogger("kvpool.node")
 
 _PUBLISH_BATCH = 512
+#: the UCX pull server's counters (:meth:`PullServer.stats`), all 0 before UCX has started
+_UCX_COUNTERS = ("bytes_sent", "messages_sent", "requests_served", "misses", "errors", "refused", "in_flight")
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,12 @@ class NodeAddress:
         return cls(PeerAddress(host, port, worker, host_id, tcp_port), control, arena)
 
 
+def ucx_reachable(peer: PeerAddress) -> bool:
+    """Whether ``peer`` has published a UCX way in (a listener port or a worker address): a node
+    whose UCX is still starting has not, and is pulled from over TCP whatever the size."""
+    return bool(peer.port or peer.worker_address)
+
+
 def _is_port(value: Any) -> bool:
     return type(value) is int and 0 <= value < 65536
 
@@ -154,18 +162,18 @@ class Node:
         # its control socket.
         self._zmq: zmq.Context = zmq.Context.instance()
         self.master = MasterClient(master_address, config=config, cluster_key=self.cluster_key, context=self._zmq)
-        # The provider only pins and takes a view (or hands nvme reads to a worker), so it
-        # runs on the progress thread: a thread hand-off per pull costs ~50-140 us here.
-        # Every pull must carry a token the master (or a key holder) minted for this node; with
-        # node.port 0 there is no UCX sockaddr listener (ucxx binds those to every interface):
-        # peers reach this node by its worker address, over UCX transports kept on node.host.
-        # One UCX worker and progress thread for the process: this server's, and the pull
-        # client of a ClusterPool around this node (ReplicaReader(engine=node.engine)).
-        self.engine = Engine(f"kvpool-node-{self.node_id[:8]}", ucx_interface_options(self.host))
-        self.server = PullServer(self._provide, host=self.host, port=config.node.port,
-                                 max_message=config.node.max_message, inline_provider=True,
-                                 name=f"kvpool-node-{self.node_id[:8]}", authorize=self._authorize,
-                                 listener=bool(config.node.port), engine=self.engine)
+        # One UCX worker and progress thread for the process (:meth:`ucx_engine`): the UCX pull
+        # server's, and the pull client of a ClusterPool around this node. Made at start by a
+        # storage node, a node with a UCX listener port, or one without a TCP pull port; else
+        # when first wanted (importing ucxx alone takes ~0.5-1 s): see :meth:`start`.
+        self.engine: Engine | None = None
+        self.server: PullServer | None = None
+        self._ucx_lock = threading.Lock()
+        self._ucx_thread: threading.Thread | None = None
+        from kvpool.cluster.reader import SAME_HOST_TCP_PULL_MAX  # (reader imports this module)
+
+        #: a client node starts UCX once it holds an object larger than this
+        self.ucx_wanted_above = min(config.node.tcp_pull_max, SAME_HOST_TCP_PULL_MAX)
         # Small pulls over plain TCP (node.tcp_pull_max): a thread per reader connection, which
         # may block in the provider, so the manager's lock is simply taken there.
         self.tcp_server = TcpPullServer(self._provide, self.host, authorize=self._authorize,
@@ -196,7 +204,6 @@ class Node:
             port = self._control.bind_to_random_port(f"tcp://{self.host}")
         except zmq.ZMQError:
             self._control.close(0)
-            self.engine.stop(lambda: None)
             raise
         self.control_address = f"tcp://{self.host}:{port}"
         self._replicator: PullClient | None = None
@@ -211,11 +218,32 @@ class Node:
 
     # -- lifecycle -----------------------------------------------------------------
 
+    @property
+    def ucx_later(self) -> bool:
+        """Whether UCX starts on a thread after :meth:`start` (see there)."""
+        return getattr(self, "role", "client") != "storage" and self.tcp_server is not None \
+            and not self.config.node.port
+
     def start(self) -> Node:
-        self.server.start()
-        peer = self.server.peer_address
-        if self.tcp_server is not None:
-            peer = dataclasses.replace(peer, tcp_port=self.tcp_server.start().port)
+        """Serve pulls, register with the master, heartbeat.
+
+        A client node (``kvpool.connect``) with a TCP pull port and no UCX listener port does
+        not start UCX here, so that ``connect()`` does not wait for it: it registers with its
+        TCP port only, and peers pull whatever it holds over TCP, whatever the size
+        (:func:`ucx_reachable`). It starts UCX on a thread once it is wanted: this node holds
+        an object larger than ``ucx_wanted_above`` (``node.tcp_pull_max``, at most the 1 MiB
+        above which same-host readers prefer UCX's shared memory), or this process pulls over
+        UCX; then it registers again, with its UCX worker address. A client that puts and
+        reads only small objects never loads UCX. A storage node starts UCX before it
+        registers: it registers its whole nvme index, which it should send once.
+        """
+        tcp_port = self.tcp_server.start().port if self.tcp_server is not None else 0
+        if self.ucx_later:
+            peer = PeerAddress(self.host, 0, b"", self.host_id, tcp_port)
+        else:
+            self.ucx_engine()
+            assert self.server is not None
+            peer = dataclasses.replace(self.server.peer_address, tcp_port=tcp_port)
         arena = next((info for t in self.manager.tiers if (info := t.arena_info()) is not None), None)
         self.address = NodeAddress(peer, self.control_address, arena)
         self.manager.listener = self
@@ -231,10 +259,75 @@ class Node:
         ).start()
         peer = self.address.peer
         ways = [f"TCP port {peer.tcp_port}"] if peer.tcp_port else []
-        ways.append(f"UCX port {peer.port}" if peer.port else "UCX by worker address")
+        ways.append(f"UCX port {peer.port}" if peer.port else "UCX by worker address" if peer.worker_address
+                    else "UCX by worker address once started")
         log.info("node %s serving pulls on %s (%s), control %s, master %s", self.node_id[:8], peer.host,
                  ", ".join(ways), self.control_address, self.master.address)
         return self
+
+    def ucx_engine(self) -> Engine:
+        """The node's UCX engine, its pull server serving: made now (waiting for a start already
+        under way on the UCX thread) if it is not yet. TransferError if UCX cannot start."""
+        with self._ucx_lock:
+            if self.engine is None:
+                if self._stopping.is_set():
+                    raise errors.PoolClosedError(f"node {self.node_id[:8]} is closed")
+                # The provider only pins and takes a view (or hands nvme reads to a worker), so
+                # it runs on the progress thread: a thread hand-off per pull costs ~50-140 us.
+                # Every pull must carry a token the master (or a key holder) minted for this
+                # node; with node.port 0 there is no UCX sockaddr listener (ucxx binds those to
+                # every interface): peers reach this node by its worker address, over UCX
+                # transports kept on node.host.
+                engine = Engine(f"kvpool-node-{self.node_id[:8]}", ucx_interface_options(self.host))
+                server = PullServer(self._provide, host=self.host, port=self.config.node.port,
+                                    max_message=self.config.node.max_message, inline_provider=True,
+                                    name=f"kvpool-node-{self.node_id[:8]}", authorize=self._authorize,
+                                    listener=bool(self.config.node.port), engine=engine)
+                try:
+                    server.start()
+                except BaseException:
+                    engine.stop(lambda: None)
+                    raise
+                self.engine, self.server = engine, server
+            engine = self.engine
+        if self.ucx_later:
+            self.want_ucx()  # (made here for this process's own pulls: publish it too)
+        return engine
+
+    def want_ucx(self) -> None:
+        """Start UCX on a thread (once), and then register its address (see :meth:`start`)."""
+        with self._ucx_lock:
+            if self._ucx_thread is None and not self._stopping.is_set():
+                self._ucx_thread = threading.Thread(target=self._start_ucx_later, name="kvpool-node-ucx",
+                                                    daemon=True)
+                self._ucx_thread.start()
+
+    def _want_ucx_for(self, records: list[ReplicaRecord]) -> None:
+        if self.ucx_later and self._ucx_thread is None and any(
+                r.get("nbytes", 0) > self.ucx_wanted_above for r in records):
+            self.want_ucx()
+
+    def _start_ucx_later(self) -> None:
+        """The UCX thread: start UCX, then publish the worker address (a register: the master
+        keeps one address per node). A node whose UCX cannot start keeps serving over TCP."""
+        try:
+            self.ucx_engine()
+        except errors.KVPoolError as exc:
+            if not self._stopping.is_set():
+                log.warning("node %s: UCX did not start (%s): serving pulls over TCP only", self.node_id[:8], exc)
+            return
+        assert self.server is not None and self.address is not None
+        # Under both locks: a put's publish cannot fall between the snapshot this register
+        # sends and the master replacing this node's replicas with it.
+        with self._register_lock, self._publish_lock:
+            self.address = dataclasses.replace(
+                self.address, peer=dataclasses.replace(self.server.peer_address, tcp_port=self.address.peer.tcp_port))
+            if not self._registered or self._stopping.is_set():
+                return  # the first register (still to come) carries it
+            try:
+                self._register()
+            except errors.KVPoolError as exc:  # the heartbeat's next register carries it
+                log.info("node %s: registering the UCX address failed: %s", self.node_id[:8], exc)
 
     def close(self) -> None:
         """Stop serving and withdraw this node's replicas from the master (best effort: a dead
@@ -246,6 +339,10 @@ class Node:
         self.manager.may_drop_many = None
         if self.heartbeater is not None:
             self.heartbeater.stop()
+        with self._ucx_lock:  # (no UCX thread starts once stopping)
+            ucx_thread = self._ucx_thread
+        if ucx_thread is not None:  # its register, if under way, before the leave below
+            ucx_thread.join(30.0)  # (UCX cannot be stopped while it starts)
         self._events.put(("stop", b"", None))
         for thread in (self._publisher, self._control_thread):
             if thread.is_alive():
@@ -267,8 +364,11 @@ class Node:
             self._tcp_replicator.close()
         if self.tcp_server is not None:
             self.tcp_server.close()
-        self.server.close()
-        self.engine.stop(lambda: None)  # after every server and client on it closed
+        with self._ucx_lock:  # (no new engine once stopping)
+            if self.server is not None:
+                self.server.close()
+            if self.engine is not None:
+                self.engine.stop(lambda: None)  # after every server and client on it closed
         self._unpinner.shutdown(wait=True)
         self.master.close()
 
@@ -295,6 +395,7 @@ class Node:
         know this node (it restarted, or a new HA leader took over, and this node's
         re-registration is still to come), register everything now instead: the register
         carries these records too, so they are visible when this returns either way."""
+        self._want_ucx_for(records)
         try:
             with self._publish_lock:
                 self.master.publish(self.node_id, records)
@@ -313,6 +414,7 @@ class Node:
                 durable.update(durable_log.read(path, self.config.pool.max_key_bytes))
         records = [record_for(key, tier, extent, header, durable.get(key) if tier.persistent else None)
                    for key, tier, extent, header in self.manager.snapshot()]
+        self._want_ucx_for(records)
         assert self.address is not None  # started
         reply = self.master.register(self.node_id, self.address.encode(), self.host_id,
                                      self.tier_state(), records, role=role,
@@ -424,7 +526,7 @@ class Node:
 
     def stats(self) -> dict[str, Any]:
         """Tiers, counters and pull-server counters of this node (also served on the control socket)."""
-        ucx = self.server.stats()
+        ucx = self.server.stats() if self.server is not None else dict.fromkeys(_UCX_COUNTERS, 0)
         tcp = self.tcp_server.stats() if self.tcp_server is not None else {}
         return {"node_id": self.node_id, "host_id": self.host_id, "objects": len(self.manager),
                 "tiers": self.manager.tier_stats(), "counters": {**self.manager.counters, **self.counters},
@@ -485,7 +587,7 @@ class Node:
         with self._replicator_lock:
             if self._replicator is None:
                 self._replicator = PullClient(transport="auto", max_message=self.config.node.max_message,
-                                              host=self.host, engine=self.engine)
+                                              host=self.host, engine=self.ucx_engine())
             return self._replicator
 
     def _replicate(self, body: S.Replicate) -> dict[str, Any]:
@@ -553,7 +655,7 @@ class Node:
         results: list[int | BaseException | None] = [None] * len(requests)
         limit = self.config.node.tcp_pull_max
         if limit and source.tcp_port:
-            over_tcp = [i for i, r in enumerate(requests) if r.out.nbytes <= limit]
+            over_tcp = [i for i, r in enumerate(requests) if r.out.nbytes <= limit or not ucx_reachable(source)]
             if over_tcp:
                 tcp = self._tcp_puller()
                 for i, outcome in zip(over_tcp, tcp.pull_many([requests[i] for i in over_tcp],

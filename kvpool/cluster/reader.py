@@ -20,12 +20,11 @@ using a replica once its token expired.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +46,7 @@ SAME_HOST_TCP_PULL_MAX = 1 << 20
 _TOKEN_MARGIN_S = 1.0  # a cached replica whose token expires sooner is not used (locate again)
 _SPECULATION_MAX_SCORE = 8
 _SPECULATION_RETRY_EVERY = 32  # with speculation off (guesses kept missing), still try this often
+_GONE_REMEMBERED = 65536  # node ids known gone (each process that joins is a new node id)
 _DELETED_REMEMBERED = 65536  # keys deleted through this process that are never guessed (LRU)
 
 
@@ -56,16 +56,16 @@ class ReplicaReader:
     def __init__(self, host_id: str, *, node_id: str | None = None, transport: str = "auto",
                  max_message: int = 16 << 20, pull_timeout_s: float = 10.0,
                  location_cache_size: int = 0, allowed_dirs: Sequence[str] | None = None,
-                 host: str = "127.0.0.1", engine: Engine | None = None, tcp_pull_max: int = 0,
+                 host: str = "127.0.0.1", engine: Engine | Callable[[], Engine] | None = None, tcp_pull_max: int = 0,
                  cluster_key: ClusterKey | None = None, poll_s: float = 0.0) -> None:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
-        # ``engine``: the node's, shared (one UCX worker and progress thread per process). The UCX
-        # pull client is made at the first pull over UCX: a reader whose pulls all go over plain
-        # TCP (a CLI ``kvpool get``) never imports ucxx.
-        self._make_ucx_puller = functools.partial(PullClient, transport=transport, max_message=max_message,
-                                                  host=host, engine=engine)
+        # ``engine``: the node's, shared (one UCX worker and progress thread per process), or what
+        # makes it (``Node.ucx_engine``). The UCX pull client is made at the first pull over UCX:
+        # a reader whose pulls all go over plain TCP (a CLI ``kvpool get``) never imports ucxx.
+        self._make_ucx_puller = lambda: PullClient(transport=transport, max_message=max_message, host=host,
+                                                   engine=engine() if callable(engine) else engine)
         self._ucx_puller: PullClient | None = None
         self._ucx_lock = threading.Lock()
         self.transport = transport
@@ -73,18 +73,23 @@ class ReplicaReader:
         #: most SAME_HOST_TCP_PULL_MAX from a same-host holder that UCX reaches by shared memory)
         self.tcp_pull_max = tcp_pull_max
         # ``cluster_key``: TCP pulls go only to holders that prove they hold it, and this reader
-        # proves it holds it too (its pulls there then need no token)
-        self.tcp_puller = TcpPullClient(
+        # proves it holds it too (its pulls there then need no token). With tcp_pull_max 0, made
+        # only for a holder that serves TCP pulls alone (:meth:`_client_for`).
+        self._make_tcp_puller = lambda: TcpPullClient(
             check_proof=None if cluster_key is None else cluster_key.check_holder_proof,
-            prove=None if cluster_key is None else cluster_key.reader_proof, poll_s=poll_s) if tcp_pull_max else None
+            prove=None if cluster_key is None else cluster_key.reader_proof, poll_s=poll_s)
+        self.tcp_puller = self._make_tcp_puller() if tcp_pull_max else None
         self.counters: Counter[str] = Counter()
         #: same-host nodes' cxl arenas, read in place (only inside ``allowed_dirs``)
         self.arenas = SameHostArenas(host_id, node_id, allowed_dirs, self.counters)
         self.location_cache_size = location_cache_size
         self._locations: OrderedDict[bytes, list[LocatedReplica]] = OrderedDict()  # key -> replicas, LRU
-        #: node ids the master last reported alive (None until the first report): a replica on
-        #: any other node is skipped, and a pull from it is abandoned as soon as it is known dead
+        #: node ids the master last reported alive (None until the first report), and those it
+        #: reported alive once and no longer does (LRU): a replica on a gone node is skipped, and
+        #: a pull from it is abandoned as soon as it is known gone. A node that joined since the
+        #: last report is not gone: the master names only alive nodes' replicas.
         self._alive_nodes: set[str] | None = None
+        self._gone_nodes: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         # Speculative pulls (:meth:`speculate`): the replica last pulled from, and how well
         # guessing it has done lately (a hit adds one, a wasted guess takes two; off at zero).
@@ -210,6 +215,13 @@ class ReplicaReader:
     def forget_nodes_except(self, alive: set[str]) -> None:
         """Remember which nodes are alive; drop remembered replicas on any other node."""
         with self._lock:
+            gone = self._gone_nodes
+            for node_id in (self._alive_nodes or set()) - alive:
+                gone[node_id] = None
+            for node_id in alive:
+                gone.pop(node_id, None)
+            while len(gone) > _GONE_REMEMBERED:
+                gone.popitem(last=False)
             self._alive_nodes = set(alive)
             for key in list(self._locations):
                 replicas = self._locations[key]
@@ -223,8 +235,7 @@ class ReplicaReader:
         """False once the holder is known gone: the master no longer lists it alive, or (same
         host) its cxl arena's owner lock is free. Cheap; asked while a pull waits."""
         node_id = replica.get("node_id")
-        alive = self._alive_nodes
-        if alive is not None and node_id not in alive:
+        if node_id in self._gone_nodes:
             return False
         return self.arenas.owner_alive(node_id) is not False
 
@@ -381,8 +392,8 @@ class ReplicaReader:
         (unverified, or checked as it arrives by ``check``), abandoned as soon as the holder is
         known gone."""
         peer = replica["_node"].peer  # type: ignore[typeddict-item]
-        tcp = self.tcp_puller
-        if tcp is not None and self._client_for(peer, buf.nbytes) is tcp:  # one pull: no batch machinery
+        tcp = self._client_for(peer, buf.nbytes)
+        if isinstance(tcp, TcpPullClient):  # one pull: no batch machinery
             try:
                 sent = tcp.start(peer, key, layer_range, buf.nbytes, token=token, timeout_s=self.pull_timeout_s)
                 tcp.finish(sent, buf, raw_header, progress=check, alive=lambda: self.holder_alive(replica))
@@ -397,10 +408,22 @@ class ReplicaReader:
 
     def _client_for(self, peer: PeerAddress | tuple[str, int], nbytes: int) -> PullClient | TcpPullClient:
         """Plain TCP for a pull of at most ``tcp_pull_max`` bytes from a holder that serves it
-        (and whose port worked lately), else UCX. From a same-host holder that UCX reaches by
-        shared memory (``transport="auto"``), plain TCP only up to SAME_HOST_TCP_PULL_MAX:
-        above it UCX's shared memory was faster (bench/transfer_bench.py)."""
-        if self.tcp_puller is None or not isinstance(peer, PeerAddress):
+        (and whose port worked lately), or of any size from one that has no UCX address yet,
+        else UCX. From a same-host holder that UCX reaches by shared memory
+        (``transport="auto"``), plain TCP only up to SAME_HOST_TCP_PULL_MAX: above it UCX's
+        shared memory was faster (bench/transfer_bench.py)."""
+        if not isinstance(peer, PeerAddress):
+            return self.puller
+        if peer.tcp_port and not (peer.port or peer.worker_address):
+            # A client node that has not started UCX (Node.start): TCP whatever the size, also
+            # for a reader whose tcp_pull_max is 0.
+            if self.tcp_puller is None:
+                with self._ucx_lock:
+                    if self.tcp_puller is None:
+                        self.tcp_puller = self._make_tcp_puller()
+            if self.tcp_puller.reachable(peer):
+                return self.tcp_puller
+        if self.tcp_puller is None:
             return self.puller
         limit = self.tcp_pull_max
         if self.transport == "auto" and peer.host_id == self.host_id and peer.worker_address:
@@ -413,15 +436,15 @@ class ReplicaReader:
         port proved unusable then go over UCX with the rest."""
         results: list[int | BaseException | None] = [None] * len(requests)
         over_ucx = list(range(len(requests)))
-        if self.tcp_puller is not None:
-            over_tcp = [i for i in over_ucx if self._client_for(requests[i].address, requests[i].out.nbytes)
-                        is self.tcp_puller]
-            if over_tcp:
-                for i, outcome in zip(over_tcp, self.tcp_puller.pull_many(
-                        [requests[i] for i in over_tcp], timeout_s=self.pull_timeout_s)):
-                    results[i] = outcome
-                    self.counters["tcp_fallbacks"] += isinstance(outcome, TcpPathUnusable)
-                over_ucx = [i for i in over_ucx if results[i] is None or isinstance(results[i], TcpPathUnusable)]
+        over_tcp = [i for i in over_ucx
+                    if isinstance(self._client_for(requests[i].address, requests[i].out.nbytes), TcpPullClient)]
+        if over_tcp:
+            assert self.tcp_puller is not None
+            for i, outcome in zip(over_tcp, self.tcp_puller.pull_many(
+                    [requests[i] for i in over_tcp], timeout_s=self.pull_timeout_s)):
+                results[i] = outcome
+                self.counters["tcp_fallbacks"] += isinstance(outcome, TcpPathUnusable)
+            over_ucx = [i for i in over_ucx if results[i] is None or isinstance(results[i], TcpPathUnusable)]
         if over_ucx:
             for i, outcome in zip(over_ucx, self.puller.pull_many([requests[i] for i in over_ucx],
                                                                   timeout_s=self.pull_timeout_s)):
@@ -474,9 +497,8 @@ class ReplicaReader:
         the cluster key: only such a pull may be used as the holder answers (:meth:`accept`).
         (A UCX endpoint proves nothing: whatever took over a dead holder's address would be
         believed.) This reader proves the key to that holder in turn, so the pull needs no token."""
-        tcp = self.tcp_puller
-        return tcp is not None and tcp.check_proof is not None and \
-            self._client_for(guess.replica["_node"].peer, guess.nbytes) is tcp  # type: ignore[typeddict-item]
+        tcp = self._client_for(guess.replica["_node"].peer, guess.nbytes)  # type: ignore[typeddict-item]
+        return isinstance(tcp, TcpPullClient) and tcp.check_proof is not None
 
     def run(self, guess: Speculation, token: bytes) -> None:
         """Pull the guessed bytes into the buffer :meth:`Speculation.bind` took (unverified until

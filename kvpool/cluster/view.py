@@ -151,7 +151,7 @@ class ClusterView:
                                         pull_timeout_s=config.node.pull_timeout_s,
                                         location_cache_size=config.node.location_cache,
                                         allowed_dirs=shared_dirs_of(config), host=self.node.host,
-                                        engine=self.node.engine, tcp_pull_max=config.node.tcp_pull_max,
+                                        engine=self.node.ucx_engine, tcp_pull_max=config.node.tcp_pull_max,
                                         cluster_key=self.node.cluster_key,
                                         poll_s=config.node.reply_poll_us * 1e-6)
             self._parts.append(self.reader)

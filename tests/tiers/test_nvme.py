@@ -1039,10 +1039,11 @@ def test_segment_preallocation_past_the_file_size_limit_in_a_child(disk_dir: Pat
 
 
 def test_tiny_filesystem_runs_out_of_space(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A real 8 MiB tmpfs under a 32 MiB tier: DiskFullError once, then a lower capacity that fits."""
+    """A real 8 MiB tmpfs under a 32 MiB tier that keeps no headroom (as when another writer
+    takes the space): DiskFullError once, then a lower capacity that fits."""
     with _mount(tmp_path, "tmpfs", "size=8m") as mount:
         directory = mount / "nvme"
-        tier = NvmeTier(directory, 32 * MiB, segment_size=2 * MiB)
+        tier = NvmeTier(directory, 32 * MiB, segment_size=2 * MiB, headroom=0)
         live: list[tuple[bytes, Extent]] = []
         arrays: dict[bytes, np.ndarray] = {}
         failures = 0
@@ -1084,6 +1085,69 @@ def test_tiny_filesystem_runs_out_of_space(tmp_path: Path, caplog: pytest.LogCap
             assert {key for key, _, _ in tier.recover()} == set(arrays)
         finally:
             tier.close()
+
+
+def test_the_tier_keeps_headroom_on_a_small_filesystem(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real 16 MiB tmpfs under a 64 MiB tier with the default headroom (auto: a quarter of a
+    filesystem this small, 4 MiB): ~60 MiB of puts never meet DiskFullError, the filesystem
+    keeps the headroom free throughout, one warning says why the capacity is lower, and the
+    small writes beside the segments (durable.log lines) still fit afterwards."""
+    from kvpool.cluster import durable_log
+
+    def free_bytes(path: Path) -> int:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
+    with _mount(tmp_path, "tmpfs", "size=16m") as mount:
+        directory = mount / "nvme"
+        tier = NvmeTier(directory, 64 * MiB, segment_size=2 * MiB)
+        live: list[tuple[bytes, Extent]] = []
+        arrays: dict[bytes, np.ndarray] = {}
+        try:
+            with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+                for seed in range(120):  # 512 KiB each, evicting the oldest as the tier manager would
+                    key = b"obj-%d" % seed
+                    arr, header, payload = keyed_object(key, seed=seed, layers=4, tokens=512)
+                    while (extent := tier.allocate(header.spec.total_nbytes)) is None:
+                        old_key, old = live.pop(0)
+                        tier.forget(old_key, old)
+                        tier.free(old)
+                        arrays.pop(old_key)
+                    tier.write_object(extent, header, payload)  # never DiskFullError
+                    tier.commit(key, extent, header)
+                    live.append((key, extent))
+                    arrays[key] = arr
+                    assert free_bytes(mount) >= 3 * MiB  # the headroom, less the index's own growth
+            stats = tier.stats()
+            assert stats["headroom_bytes"] == 4 * MiB and stats["disk_full_events"] == 0
+            assert 8 * MiB <= tier.capacity_bytes <= 12 * MiB and "tiers.nvme.headroom" in stats["disk_limited"]
+            warnings = [r for r in caplog.records if "effective capacity lowered" in r.message]
+            assert len(warnings) == 1 and "tiers.nvme.headroom" in warnings[0].message
+            for i in range(2000):  # ~270 KiB of durable.log lines
+                durable_log.append(directory, b"k" * 64 + i.to_bytes(4, "big"), 2)
+            assert len(durable_log.read(directory, 256)) == 2000
+            for key, extent in live:  # nothing stored was damaged
+                np.testing.assert_array_equal(read_all(tier, extent, tier_header(tier, key)), arrays[key])
+        finally:
+            tier.close()
+
+
+def test_headroom_settings() -> None:
+    from kvpool.config import headroom_bytes
+
+    GiB = 1 << 30
+    assert headroom_bytes("auto", 16 * MiB) == 4 * MiB  # at most a quarter of a small filesystem
+    assert headroom_bytes("auto", 1 * GiB) == 64 * MiB
+    assert headroom_bytes("auto", 1000 * GiB) == 20 * GiB  # 2%
+    assert headroom_bytes("5%", 100 * MiB) == 5 * MiB and headroom_bytes("256MiB", GiB) == 256 * MiB
+    assert headroom_bytes(0, GiB) == 0
+    config = Config.load({"tiers": {"nvme": {"headroom": 0}}})
+    assert config.tiers.nvme.headroom == "0"
+    for bad in ("lots", "100%", "-1%", True):
+        with pytest.raises(errors.ConfigError, match="tiers.nvme.headroom"):
+            Config.load({"tiers": {"nvme": {"headroom": bad}}})
+        with pytest.raises(errors.TierError, match="headroom"):
+            NvmeTier("/nonexistent/never-made", 4 * MiB, headroom=bad)  # type: ignore[arg-type]
 
 
 # -- configuration ------------------------------------------------------------------------------

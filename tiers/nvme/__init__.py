@@ -58,11 +58,20 @@ lower generations; ties go to the live one, since a moved object keeps its
 generation); superseded live records are tombstoned. One line logs the
 counts (recovered / dropped / superseded / tombstones).
 
+Headroom. Before a segment file is first prepared, the tier checks the
+filesystem: if preallocating it would leave less than ``tiers.nvme.headroom``
+free (auto: the larger of 64 MiB and 2% of the filesystem, at most a quarter of
+it), only the part that keeps it free is used and the effective capacity is
+lowered as for a full disk below (one warning; ``stats()["headroom_bytes"]``),
+so the segments never take the bytes the index, ``durable.log`` and every other
+writer on that filesystem need.
+
 Full disk. Segment files are preallocated with ``posix_fallocate``, so a full
 filesystem shows up when a segment is prepared, not as a torn write later.
 ENOSPC/EDQUOT/EFBIG there (or from any write) lowers the tier's *effective*
 capacity, ``capacity_bytes``, to what the filesystem really holds (space
-already preallocated plus what is free now, less a reserve for the index;
+already preallocated plus what is free now, less the headroom or at least a
+reserve for the index;
 with EFBIG the process's RLIMIT_FSIZE caps every segment file), logs one
 warning naming the directory and that capacity, and raises
 :class:`kvpool.errors.DiskFullError` for the failed operation. The space above

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 
 from kvpool import errors
-from kvpool.config import GiB, MiB
+from kvpool.config import GiB, MiB, TiB, headroom_bytes
 from kvpool.objformat import ObjectHeader, stored_header_checksum
 from tiers.base import Extent, round_up
 from tiers.nvme.fs import _file_size_limit
@@ -60,6 +60,7 @@ class NvmeTier(IndexedSegments):
         fsync: bool = False,
         io_threads: int = 4,
         io_chunk: int = 4 * MiB,
+        headroom: str | int = "auto",
     ) -> None:
         """Open (or create) the tier in directory ``path``.
 
@@ -74,6 +75,10 @@ class NvmeTier(IndexedSegments):
             raise errors.TierError(f"nvme: direct_io must be 'auto', 'on' or 'off', got {direct_io!r}")
         if io_threads < 1:
             raise errors.TierError(f"nvme: io_threads must be >= 1, got {io_threads}")
+        try:
+            headroom_bytes(headroom, TiB)
+        except ValueError as exc:
+            raise errors.TierError(f"nvme: headroom: {exc}") from None
         segment_bytes = segment_size // ALIGN * ALIGN
         if segment_bytes < 2 * ALIGN:
             raise errors.TierError(f"nvme: segment_size {segment_size} is below two {ALIGN}-byte blocks "
@@ -101,6 +106,9 @@ class NvmeTier(IndexedSegments):
         self._file_limit: int | None = None  # no segment byte at or past this offset is usable (EFBIG)
         self.disk_limited = ""  # why capacity_bytes is below the configured capacity
         self.disk_full_events = 0
+        #: tiers.nvme.headroom, and the bytes it came to when a segment was last prepared
+        self.headroom: str | int = headroom
+        self.headroom_bytes = 0
         self.recovered_objects = 0  # found at open (from the index or a rescan)
         # What the open checked, kept for the first recover() (else the index is parsed twice);
         # dropped at the first index write.
@@ -120,7 +128,8 @@ class NvmeTier(IndexedSegments):
         path = (Path(os.path.expandvars(os.path.expanduser(section.path))) if section.path
                 else config.pool.resolved_data_dir() / ("nvme" if name == "default" else f"nvme-{name}"))
         return cls(path, section.capacity, segment_size=section.segment_size, direct_io=section.direct_io,
-                   fsync=section.fsync, io_threads=section.io_threads, io_chunk=section.io_chunk)
+                   fsync=section.fsync, io_threads=section.io_threads, io_chunk=section.io_chunk,
+                   headroom=section.headroom)
 
     # -- space ------------------------------------------------------------------
     #
@@ -140,6 +149,8 @@ class NvmeTier(IndexedSegments):
         size = self.allocated_size(nbytes)
         with self._alloc_lock:
             for index, segment in enumerate(self._segments):
+                if index not in self._prepared:
+                    self._keep_headroom(index)
                 start = segment.allocate(size)
                 if start is None:
                     continue
@@ -181,6 +192,42 @@ class NvmeTier(IndexedSegments):
                 self._blocked[index] += hi - lo
                 self.capacity_bytes -= hi - lo
 
+    def _keep_headroom(self, index: int) -> None:
+        """Before segment ``index`` is first prepared (alloc lock held): take out of service the
+        part of it that would leave less than the headroom free on the filesystem, so the
+        segments never take the last bytes that the index, ``durable.log`` and every other
+        writer there need. Like a full disk, it lowers the capacity until the tier is reopened."""
+        segment = self._segments[index]
+        wanted = segment.capacity - self._blocked[index]
+        if wanted <= 0:
+            return
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return
+        headroom = self.headroom_bytes = headroom_bytes(self.headroom, st.f_blocks * st.f_frsize)
+        if not headroom:
+            return
+        try:  # a segment file found at open holds its space already
+            held = os.stat(self._segment_path(index)).st_blocks * 512
+        except OSError:
+            held = 0
+        room = max(0, st.f_bavail * st.f_frsize - headroom)
+        if wanted - held <= room:
+            return
+        preallocated = held + sum(s.capacity - b for i, (s, b) in enumerate(zip(self._segments, self._blocked))
+                                  if i in self._prepared)
+        before = self.capacity_bytes
+        self._block_excess(self.capacity_bytes - (preallocated + room) // ALIGN * ALIGN)
+        if self.capacity_bytes < before:
+            first = not self.disk_limited
+            self.disk_limited = (f"the filesystem under {self.path} keeps {headroom} bytes free "
+                                 f"(tiers.nvme.headroom {self.headroom}): {self.capacity_bytes} bytes for this tier")
+            (log.warning if first else log.info)(
+                "nvme tier at %s: the filesystem holds less than tiers.nvme.capacity (%d bytes) while %d bytes are "
+                "kept free on it (tiers.nvme.headroom %s): effective capacity lowered to %d bytes",
+                self.path, self.configured_capacity_bytes, headroom, self.headroom, self.capacity_bytes)
+
     def _lower_capacity(self, err: int | None, preallocated: int, why: str) -> None:
         """Lower ``capacity_bytes`` to what the filesystem holds (alloc lock held).
 
@@ -200,21 +247,11 @@ class NvmeTier(IndexedSegments):
         try:
             st = os.statvfs(self.path)
             free = st.f_bavail * st.f_frsize
+            headroom = headroom_bytes(self.headroom, st.f_blocks * st.f_frsize)
         except OSError:
-            free = 0
-        usable = max(0, free - _INDEX_RESERVE_BYTES - free // 128)
-        excess = self.capacity_bytes - (preallocated + usable) // ALIGN * ALIGN
-        # Block the highest free space first: new segments are prepared from the
-        # front, so a partly usable segment keeps a usable head [0, x).
-        for index in range(len(self._segments) - 1, -1, -1):
-            if excess <= 0:
-                break
-            for offset, size in sorted(self._segments[index]._by_offset.items(), reverse=True):
-                if excess <= 0:
-                    break
-                take = min(size, excess)
-                self._block(index, offset + size - take, offset + size)
-                excess -= take
+            free = headroom = 0
+        usable = max(0, free - max(headroom, _INDEX_RESERVE_BYTES + free // 128))
+        self._block_excess(self.capacity_bytes - (preallocated + usable) // ALIGN * ALIGN)
         if self.capacity_bytes < before:
             first = not self.disk_limited
             self.disk_limited = (f"the filesystem under {self.path} holds {self.capacity_bytes} bytes for this tier "
@@ -224,6 +261,24 @@ class NvmeTier(IndexedSegments):
                 "nvme tier at %s: the filesystem is smaller than tiers.nvme.capacity (%d bytes): "
                 "effective capacity lowered to %d bytes (%s)",
                 self.path, self.configured_capacity_bytes, self.capacity_bytes, why)
+
+    def _block_excess(self, excess: int) -> None:
+        """Take ``excess`` bytes of free space out of service (alloc lock held): the highest
+        first, in segments not prepared yet before prepared ones (their space is held on disk
+        already). New segments are prepared from the front, so a partly usable segment keeps a
+        usable head [0, x)."""
+        for prepared in (False, True):
+            for index in range(len(self._segments) - 1, -1, -1):
+                if excess <= 0:
+                    return
+                if (index in self._prepared) != prepared:
+                    continue
+                for offset, size in sorted(self._segments[index]._by_offset.items(), reverse=True):
+                    if excess <= 0:
+                        break
+                    take = min(size, excess)
+                    self._block(index, offset + size - take, offset + size)
+                    excess -= take
 
     def _disk_full_on_write(self, exc: errors.DiskFullError, extent: Extent) -> None:
         with self._alloc_lock:
@@ -480,6 +535,7 @@ class NvmeTier(IndexedSegments):
             "configured_capacity_bytes": self.configured_capacity_bytes,
             "disk_limited": self.disk_limited,
             "disk_full_events": self.disk_full_events,
+            "headroom_bytes": self.headroom_bytes,
             "path": str(self.path),
             "segment_bytes": self.segment_bytes,
             "segments_created": len(self._fds),
