@@ -225,8 +225,12 @@ class OpeningLoop:
         self.malformed = 0  # openings of another protocol
 
     def run(self) -> None:
-        self._listener.setblocking(False)
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        try:
+            self._listener.setblocking(False)
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
+        except (OSError, ValueError):  # the port closed before this thread ran: nothing to serve
+            self._selector.close()
+            return
         try:
             while not self._closing():
                 now = time.monotonic()
