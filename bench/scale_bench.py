@@ -136,21 +136,25 @@ def _splitmix_vec(x: np.ndarray) -> np.ndarray:
 
 
 class RecordFrames:
-    """The msgpack of a node's publish batches, built with numpy from one fixed-width record
-    (the master decodes them as any node's): a ``--layers``-layer object's spec, its size,
-    a 16-byte key and a distinct header checksum (the master keeps only that of the header),
-    tier dram, no location."""
+    """The msgpack of a node's publish batches, built with numpy: every record is byte for byte
+    what a real node sends for a ``--layers``-layer object in dram (``replica_record`` of tier
+    dram, the spec, its size, the key, the header checksum and an empty location, encoded by
+    msgspec as ``MasterClient`` does; only key and checksum differ from record to record).
+    Keys are :func:`bench_key`; each checksum a distinct 64-bit value at or above 2**32 (as
+    good as every real one: a 64-bit checksum is below that once in four billion)."""
 
     def __init__(self, spec: ObjectSpec) -> None:
         import msgspec
 
-        enc = msgspec.msgpack.encode
-        self.head = enc({"tier": "dram", "spec": spec.to_wire(), "nbytes": spec.total_nbytes})
-        # A map of 5 entries: tier, spec, nbytes (from head, whose map header says 3), key, header_sum.
-        assert self.head[0] == 0x83
-        self.head = bytes([0x85]) + self.head[1:] + enc("key") + b"\xc4\x10"
-        self.middle = enc("header_sum") + b"\xcf"  # header_sum as a u64, always 8 bytes
-        self.width = len(self.head) + 16 + len(self.middle) + 8
+        from kvpool.cluster.bulk import record_layout
+
+        template = msgspec.msgpack.encode(P.replica_record("dram", spec, spec.total_nbytes, key=bytes(16),
+                                                           header_sum=1 << 63, location={}))
+        layout = record_layout(template)
+        assert layout is not None
+        _, self.key_at, self.sum_at = layout
+        self.template = np.frombuffer(template, np.uint8)
+        self.width = len(template)
 
     def batch(self, first: int, stop: int) -> Any:
         """msgspec.Raw of the list of records of keys [first, stop)."""
@@ -159,12 +163,12 @@ class RecordFrames:
         n = stop - first
         ids = np.arange(first, stop, dtype=np.uint64)
         rows = np.empty((n, self.width), np.uint8)
-        h, m = len(self.head), len(self.middle)
-        rows[:, :h] = np.frombuffer(self.head, np.uint8)
-        rows[:, h:h + 8] = _splitmix_vec(ids).astype("<u8").view(np.uint8).reshape(n, 8)
-        rows[:, h + 8:h + 16] = _splitmix_vec(ids ^ np.uint64(_M64)).astype("<u8").view(np.uint8).reshape(n, 8)
-        rows[:, h + 16:h + 16 + m] = np.frombuffer(self.middle, np.uint8)
-        rows[:, h + 16 + m:] = ids.astype(">u8").view(np.uint8).reshape(n, 8)
+        rows[:] = self.template
+        k, c = self.key_at, self.sum_at
+        rows[:, k:k + 8] = _splitmix_vec(ids).astype("<u8").view(np.uint8).reshape(n, 8)
+        rows[:, k + 8:k + 16] = _splitmix_vec(ids ^ np.uint64(_M64)).astype("<u8").view(np.uint8).reshape(n, 8)
+        sums = _splitmix_vec(ids ^ np.uint64(0x5555555555555555)) | np.uint64(1 << 32)
+        rows[:, c:c + 8] = sums.astype(">u8").view(np.uint8).reshape(n, 8)
         return msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + rows.tobytes())
 
 

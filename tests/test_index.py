@@ -126,6 +126,29 @@ class IndexMachine(RuleBasedStateMachine):
             if key not in pending:
                 self.model.setdefault(key, {})[node] = rec
 
+    @rule(node=st.sampled_from(NODES),
+          keys=st.one_of(st.lists(st.sampled_from(KEYS[:60]), min_size=16, max_size=40, unique=True),
+                         st.lists(st.sampled_from(KEYS[:60]), min_size=16, max_size=40)),
+          spec=st.sampled_from(SPECS), tier=st.sampled_from(["dram", "nvme"]),
+          sums=st.lists(st.integers(1 << 32, (1 << 64) - 1), min_size=40, max_size=40),
+          small_sum=st.booleans(), register=st.booleans())
+    def publish_one_kind(self, node: str, keys: list[bytes], spec: ObjectSpec, tier: str, sums: list[int],
+                         small_sum: bool, register: bool) -> None:
+        """A node's dram or nvme puts: records of one kind of object, 16-byte keys (some
+        repeated, some held by other nodes), which the master takes as columns; with
+        ``small_sum`` one checksum is encoded shorter and the batch goes record by record."""
+        if small_sum:
+            sums = [7, *sums[1:]]
+        items = [(key, {"tier": tier, "spec": spec.to_wire(), "nbytes": spec.total_nbytes, "header_sum": header_sum,
+                        "location": {}}) for key, header_sum in zip(keys, sums)]
+        body = {"node_id": node, "objects": [self._wire(k, r) for k, r in items]}
+        objects = bulk.unpack_bulk(P.pack_request(1, P.PUBLISH, body)).body.objects  # type: ignore[union-attr]
+        assert isinstance(objects, bulk.RecordColumns) != small_sum
+        if register:
+            self.register(node, items, via_bulk=True)
+        else:
+            self.publish(node, items, via_bulk=True)
+
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=8), caller=st.sampled_from(["", *NODES]))
     def delete(self, keys: list[bytes], caller: str) -> None:
         reply = self.state.handle(P.DELETE, {"keys": keys, "node_id": caller})

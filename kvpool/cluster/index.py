@@ -40,6 +40,7 @@ MAX_NODES = 0xFFFE       # node ids 1..0xFFFE
 MAX_LOAD = 0.6           # full + deleted slots, as a fraction of the table, before it is rebuilt
 MIN_CAPACITY = 16
 MAX_SHAPES = 1 << 20
+REBUILD_CHUNK = 1 << 18  # table slots moved per numpy step of a rebuild (bounds its temporaries)
 WHOLE = 0                # shape id of a record kept whole in a side table
 _C1, _C2, _M64 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, (1 << 64) - 1
 _U64 = np.uint64
@@ -62,8 +63,55 @@ def _hash_vec(lo: U64Array, hi: U64Array) -> U64Array:
 
 def split_keys(keys: Sequence[bytes]) -> tuple[U64Array, U64Array]:
     """16-byte keys as their (low, high) u64 halves, little-endian."""
-    halves = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+    return split_key_bytes(b"".join(keys))
+
+
+def split_key_bytes(keys: bytes) -> tuple[U64Array, U64Array]:
+    """16-byte keys end to end as their (low, high) u64 halves, little-endian."""
+    halves = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
     return np.ascontiguousarray(halves[:, 0]), np.ascontiguousarray(halves[:, 1])
+
+
+def key_list(keys: bytes) -> list[bytes]:
+    """16-byte keys end to end, one by one."""
+    return [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
+
+
+def distinct(h: U64Array, lo: U64Array, hi: U64Array) -> bool:
+    """Whether the keys (``lo``, ``hi``; ``h`` their hashes) are all different, in O(n): each
+    key writes its position into a claim table at its hash's bucket; a key whose write did not
+    stay is compared with the one whose did, and the keys that lost go round again (equal keys
+    share a bucket every round, so one of them wins one and the other is compared with it)."""
+    n = h.size
+    bits = max(4, (2 * n - 1).bit_length())
+    claim = np.empty(1 << bits, np.int64)
+    bucket = (h & _U64((1 << bits) - 1)).astype(np.int64)
+    cand = np.arange(n)
+    while cand.size:
+        b = bucket[cand]
+        claim[b] = cand
+        winner = claim[b]
+        lost = winner != cand
+        if not lost.any():
+            return True
+        cand, winner = cand[lost], winner[lost]
+        if ((lo[cand] == lo[winner]) & (hi[cand] == hi[winner])).any():
+            return False
+    return True
+
+
+def no_huge_page_advice() -> None:
+    """Stop numpy asking the kernel for transparent huge pages for its arrays (it does for
+    every array of 4 MiB or more), for this process. Where the kernel compacts memory to find
+    them (THP defrag "madvise", a common default) a first touch of such an array stalled 70 us
+    per fault on a shared machine, and the index's table rebuilds and batch temporaries touch
+    fresh memory all the time: publishing 10M keys took 7.3 s with the advice and 4.3 s
+    without (docs/master_index.md). The master process calls this at start."""
+    for module in ("_core", "core"):  # numpy 2, numpy 1
+        setter = getattr(getattr(np, module, None), "multiarray", None)
+        if setter is not None and hasattr(setter, "_set_madvise_hugepage"):
+            setter._set_madvise_hugepage(False)
+            return
 
 
 class Shape(tuple[Any, ...]):
@@ -118,34 +166,47 @@ class KeyIndex:
         self._sh, self._hs, self._off = self.sh.data, self.hs.data, self.off.data
 
     def _rebuild(self, capacity: int) -> None:
-        """A new table of ``capacity`` slots holding the live keys (no deleted slots left)."""
-        live = np.flatnonzero((self.nd != EMPTY) & (self.nd != TOMB))
-        k0, k1, nd, sh, hs = self.k0[live], self.k1[live], self.nd[live], self.sh[live], self.hs[live]
-        off = self.off[live] if self._has_offsets else None
-        del live
+        """A new table of ``capacity`` slots holding the live keys (no deleted slots left). The
+        old table is moved over in slices of REBUILD_CHUNK slots: nothing larger than a slice is
+        copied, and a slice's keys land in one or two narrow ranges of the new table."""
+        old = self.k0, self.k1, self.nd, self.sh, self.hs, self.off if self._has_offsets else None
+        old_capacity = self.capacity
         self._alloc(capacity)
         self._used = self._tombs = 0
-        self._place(k0, k1, nd, sh, hs, off)
+        for start in range(0, old_capacity, REBUILD_CHUNK):
+            part = [None if a is None else a[start:start + REBUILD_CHUNK] for a in old]
+            nd = part[2]
+            live = np.flatnonzero((nd != EMPTY) & (nd != TOMB))  # type: ignore[operator]
+            if live.size:
+                k0, k1, nd, sh, hs, off = (None if a is None else a[live] for a in part)
+                self._place(k0, k1, nd, sh, hs, off)  # type: ignore[arg-type]
         self.generation += 1
 
-    def _reserve_slots(self, more: int) -> None:
+    def _reserve_slots(self, more: int) -> bool:
         """Room for ``more`` new keys within MAX_LOAD: rebuilt larger, or the same size without
-        its deleted slots."""
+        its deleted slots. True if the table was rebuilt (slots found before have moved)."""
         if self._used + self._tombs + more <= self.capacity * MAX_LOAD:
-            return
+            return False
         capacity = self.capacity  # the same size if it was mostly deleted slots, else larger
         while self._used + more > capacity * MAX_LOAD * 0.75:
             capacity *= 2
         self._rebuild(capacity)
+        return True
 
-    def _place(self, lo: U64Array, hi: U64Array, nd: Any, sh: Any, hs: Any, off: Any) -> None:
-        """Put keys known to be absent (and distinct) into free slots; vectorised over the batch."""
+    def _place(self, lo: U64Array, hi: U64Array, nd: Any, sh: Any, hs: Any, off: Any,
+               start: I64Array | None = None) -> None:
+        """Put keys known to be absent (and distinct) into free slots; vectorised over the batch.
+        ``nd`` and ``sh`` may be one value for all; ``start``: where each key's probe may begin
+        (its home slot when not given; else a slot no further than its first free one, as
+        :meth:`_probe` finds)."""
         n = lo.size
         if not n:
             return
         mask = self._mask
-        cur = (_hash_vec(lo, hi) & _U64(mask)).astype(np.int64)
+        cur = (_hash_vec(lo, hi) & _U64(mask)).astype(np.int64) if start is None else start
         pend = np.arange(n)
+        ndc = self.nd
+        one_nd, one_sh = np.isscalar(nd), np.isscalar(sh)
         # Two keys of the batch may want one free slot: each writes its position into a small
         # claim table at the slot's bucket, and the one whose write stayed takes it (O(n), no
         # sort). A loser of a free slot tries it again; a key at a full slot moves on.
@@ -153,46 +214,77 @@ class KeyIndex:
         claim = np.empty(buckets, np.int64)
         bmask = buckets - 1
         while pend.size:
-            state = self.nd[cur]
+            state = ndc[cur]
             free_here = (state == EMPTY) | (state == TOMB)
             free = np.flatnonzero(free_here)
-            done = None
-            if free.size:
-                b = cur[free] & bmask
-                claim[b] = free
-                won = free[claim[b] == free]
-                slots, win = cur[won], pend[won]
-                self._tombs -= int(np.count_nonzero(self.nd[slots] == TOMB))
-                self.k0[slots], self.k1[slots] = lo[win], hi[win]
-                self.nd[slots] = nd if np.isscalar(nd) else nd[win]
-                self.sh[slots] = sh[win]
-                self.hs[slots] = hs[win]
-                if off is not None:
-                    self.off[slots] = off[win]
-                self._used += slots.size
-                done = np.zeros(pend.size, bool)
-                done[won] = True
-            full = ~free_here
-            cur[full] = (cur[full] + 1) & mask
-            if done is not None:
-                keep = ~done
-                pend, cur = pend[keep], cur[keep]
+            if not free.size:
+                cur = (cur + 1) & mask
+                continue
+            b = cur[free] & bmask
+            claim[b] = free
+            won = free[claim[b] == free]
+            slots, win = cur[won], pend[won]
+            if self._tombs:
+                self._tombs -= int(np.count_nonzero(state[won] == TOMB))
+            self.k0[slots], self.k1[slots] = lo[win], hi[win]
+            ndc[slots] = nd if one_nd else nd[win]
+            self.sh[slots] = sh if one_sh else sh[win]
+            self.hs[slots] = hs[win]
+            if off is not None:
+                self.off[slots] = off[win]
+            self._used += slots.size
+            if won.size == pend.size:
+                return
+            keep = np.ones(pend.size, bool)
+            keep[won] = False
+            cur = np.where(free_here, cur, (cur + 1) & mask)[keep]
+            pend = pend[keep]
 
     def _find_many(self, lo: U64Array, hi: U64Array) -> I64Array:
         """Table slot of each key, -1 where absent."""
+        return self._probe(lo, hi)[0]
+
+    def _probe(self, lo: U64Array, hi: U64Array, h: U64Array | None = None,
+               free: bool = False) -> tuple[I64Array, I64Array]:
+        """(table slot of each key or -1 where absent, and with ``free`` where each absent key
+        would go: the first deleted or empty slot of its probe). ``h``: the keys' hashes."""
         mask = self._mask
-        cur = (_hash_vec(lo, hi) & _U64(mask)).astype(np.int64)
-        out = np.full(lo.size, -1, np.int64)
-        pend = np.arange(lo.size)
+        cur = ((_hash_vec(lo, hi) if h is None else h) & _U64(mask)).astype(np.int64)
+        n = lo.size
+        out = np.full(n, -1, np.int64)
+        ins = np.full(n, -1, np.int64) if free else out
+        pend = np.arange(n)
+        plo, phi = lo, hi
         k0, k1, ndc = self.k0, self.k1, self.nd
+        tombs = self._tombs
         while pend.size:
             state = ndc[cur]
-            hit = (k0[cur] == lo[pend]) & (k1[cur] == hi[pend]) & (state != EMPTY) & (state != TOMB)
-            if hit.any():
-                out[pend[hit]] = cur[hit]
-            go = (state != EMPTY) & ~hit
-            pend, cur = pend[go], (cur[go] + 1) & mask
-        return out
+            # The low halves first: the high half is read only where the low one matched.
+            match = np.flatnonzero(k0[cur] == plo)
+            hit = None
+            if match.size:
+                at, st = cur[match], state[match]
+                ok = (k1[at] == phi[match]) & (st != EMPTY) & (st != TOMB)
+                if ok.any():
+                    hit = match[ok]
+                    out[pend[hit]] = cur[hit]
+            empty = state == EMPTY
+            if free:
+                if tombs:
+                    first = np.flatnonzero(empty | (state == TOMB))
+                    first = first[ins[pend[first]] < 0]
+                else:
+                    first = np.flatnonzero(empty)
+                ins[pend[first]] = cur[first]
+            go = ~empty
+            if hit is not None:
+                go[hit] = False
+            if go.all():
+                cur = (cur + 1) & mask
+                continue
+            keep = np.flatnonzero(go)
+            pend, cur, plo, phi = pend[keep], (cur[keep] + 1) & mask, plo[keep], phi[keep]
+        return out, ins
 
     def _find(self, key: bytes) -> tuple[int, int, int]:
         """(slot or -1, low half, high half) of a 16-byte key."""
@@ -534,6 +626,69 @@ class KeyIndex:
             new_bytes += sum(int(c) * nbytes_of[s] for s, c in enumerate(counts.tolist()) if c)
         return new, new_bytes
 
+    def add_columns(self, node_id: str, keys: bytes, lo: U64Array, hi: U64Array, sid: int,
+                    header_sums: U64Array) -> tuple[int, int]:
+        """:meth:`add_many` for a batch of one node's records of one shape ``sid`` (not WHOLE)
+        without offsets, as columns: 16-byte ``keys`` end to end, the same keys as (``lo``,
+        ``hi``) halves, and their header checksums. Probed, checked and written with numpy only
+        (no Python object per key) unless some keys repeat in the batch or are already held by
+        another node."""
+        h = _hash_vec(lo, hi)
+        if lo.size < 16 or not distinct(h, lo, hi):
+            n = lo.size
+            return self.add_many(node_id, key_list(keys), [sid] * n, header_sums.tolist(), [0] * n)
+        added = self._add_columns(self.node_index(node_id), keys, lo, hi, h, sid, header_sums)
+        if self.journal is not None:
+            self.journal(["addc", node_id, keys, sid, header_sums.astype("<u8").tobytes()])
+        return added
+
+    def _add_columns(self, idx: int, keys: bytes, lo: U64Array, hi: U64Array, h: U64Array, sid: int,
+                     header_sums: U64Array) -> tuple[int, int]:
+        slots, free = self._probe(lo, hi, h, free=True)
+        absent = slots < 0
+        fresh = int(np.count_nonzero(absent))
+        self._check_room(fresh)
+        new = fresh
+        if fresh < lo.size:
+            present = np.flatnonzero(~absent)
+            at = slots[present]
+            mine = self.nd[at] == idx
+            same, other = present[mine], present[~mine]
+            ss = at[mine]
+            self.sh[ss], self.hs[ss] = sid, header_sums[same]
+            if self._has_offsets:
+                self.off[ss] = 0
+            # Another node's key: this node's copy is an extra replica.
+            for i, header_sum in zip(other.tolist(), header_sums[other].tolist()):
+                key = keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+                if self._replace_in(self._extra.setdefault(key, []), (idx, sid, header_sum, 0)):
+                    new += 1
+                elif self._whole:
+                    self._whole.pop((key, idx), None)
+            if self._whole:
+                for i in same.tolist():
+                    self._whole.pop((keys[i * KEY_BYTES:(i + 1) * KEY_BYTES], idx), None)
+        if fresh:
+            sel = np.flatnonzero(absent) if fresh < lo.size else None
+            start = None if self._reserve_slots(fresh) else free if sel is None else free[sel]
+            if sel is None:
+                self._place(lo, hi, idx, sid, header_sums, None, start)
+            else:
+                self._place(lo[sel], hi[sel], idx, sid, header_sums[sel], None, start)
+        self.replicas += new
+        self._node_counts[idx] += new
+        return new, new * self._shape_nbytes[sid]
+
+    def check_room_columns(self, keys: bytes, lo: U64Array, hi: U64Array) -> None:
+        """:meth:`check_room` for keys given as :meth:`add_columns` takes them."""
+        if not self.max_keys:
+            return
+        h = _hash_vec(lo, hi)
+        if distinct(h, lo, hi):
+            self._check_room(int(np.count_nonzero(self._probe(lo, hi, h)[0] < 0)))
+        else:
+            self.check_room(key_list(keys))
+
     def _new_keys(self, keys: Sequence[bytes]) -> int:
         if not self.max_keys:
             return 0
@@ -676,8 +831,10 @@ class KeyIndex:
         self._has_offsets = bool(tables["has_offsets"])
         self._alloc(capacity)
         self._used = self._tombs = 0
-        k0, k1, nd, sh, hs = columns[:5]
-        self._place(k0, k1, nd, sh, hs, columns[5] if self._has_offsets else None)
+        parts = columns[:6] if self._has_offsets else columns[:5]
+        for start in range(0, live, REBUILD_CHUNK):
+            k0, k1, nd, sh, hs, *off = (c[start:start + REBUILD_CHUNK] for c in parts)
+            self._place(k0, k1, nd, sh, hs, off[0] if off else None)
         self.generation += 1
         self._shapes = [None]
         self._shape_ids = {}
