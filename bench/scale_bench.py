@@ -169,7 +169,9 @@ class RecordFrames:
         rows[:, k + 8:k + 16] = _splitmix_vec(ids ^ np.uint64(_M64)).astype("<u8").view(np.uint8).reshape(n, 8)
         sums = _splitmix_vec(ids ^ np.uint64(0x5555555555555555)) | np.uint64(1 << 32)
         rows[:, c:c + 8] = sums.astype(">u8").view(np.uint8).reshape(n, 8)
-        return msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + rows.tobytes())
+        header = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else \
+            b"\xdd" + n.to_bytes(4, "big")  # msgpack's array header, as msgspec writes it
+        return msgspec.Raw(header + rows.tobytes())
 
 
 class KeyNode:
@@ -219,6 +221,20 @@ class KeyNode:
             with connect() as client:
                 self.send(client, self.ranges, register=True)
         return send_all
+
+
+def real_node_encoding(spec: ObjectSpec, n: int) -> tuple[float, float]:
+    """(records/s, records/s) a real node builds its records (``replica_record``, as
+    ``record_for`` does, less the header checksum it computes) and encodes them into a publish
+    (``pack_request``, as ``MasterClient`` does): the CPU a real node spends, on its own
+    machine, for what the simulated nodes build with numpy."""
+    keys = [bench_key(i) for i in range(n)]
+    started = time.perf_counter()
+    records = [P.replica_record("dram", spec, spec.total_nbytes, key=key, header_sum=(1 << 63) | i, location={})
+               for i, key in enumerate(keys)]
+    built = time.perf_counter()
+    P.pack_request(1, P.PUBLISH, {"node_id": "n", "objects": records})
+    return n / (built - started), n / (time.perf_counter() - built)
 
 
 def lookup_rate(address: str, keys: list[bytes], seconds: float) -> tuple[float, float, float]:
@@ -395,6 +411,10 @@ def main() -> int:
         checks = [[f"{args.heartbeat_nodes} nodes beating 1/s for {args.heartbeat_seconds:.0f} s",
                    f"{alive_beaters} alive, {dead} declared dead"],
                   ["index", str(stats.get("index"))]]
+        build_rate, encode_rate = real_node_encoding(spec, min(args.batch, 65536))
+        checks.append(["a real node's records for a publish (replica_record / pack_request)",
+                       f"built {build_rate:,.0f}/s, encoded {encode_rate:,.0f}/s (the simulated nodes build "
+                       f"the same bytes with numpy)"])
         found = indexed
         if not args.no_failover:
             # Failover without a standby: a new master with nothing; every key-holding node is

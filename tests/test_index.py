@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
@@ -338,3 +338,130 @@ def test_max_keys_refuses_a_commit_whole_and_keeps_its_reservations() -> None:
     assert len(state.index) == 0 and len(state.reservations) == 3  # nothing used up
     assert state.handle(P.COMMIT, {"items": [{"reservation": r, "replica": replica} for r in rids[:2]]}) == \
         {"committed": [True, True]}
+
+
+# -- publishes decoded as columns (kvpool.cluster.bulk) --------------------------------------
+
+_CHANGES: dict[str, Any] = {
+    "tier": lambda r: {**r, "tier": "nvme"},                    # same width, another byte
+    "nbytes": lambda r: {**r, "nbytes": r["nbytes"] + 1},
+    "small checksum": lambda r: {**r, "header_sum": 7},          # msgpack encodes it shorter
+    "no checksum": lambda r: {k: v for k, v in r.items() if k != "header_sum"},
+    "short key": lambda r: {**r, "key": r["key"][:15]},
+    "long key": lambda r: {**r, "key": r["key"] + b"x"},
+    "durable": lambda r: {**r, "durable": 2},
+    "location": lambda r: {**r, "location": {"offset": 5}},
+    "order": lambda r: {"key": r["key"], **{k: v for k, v in r.items() if k != "key"}},
+}
+
+
+def _one_kind(n: int, sums: list[int], durable: int | None = None) -> list[dict[str, Any]]:
+    spec = SPECS[1]
+    records = [P.replica_record("dram", spec, spec.total_nbytes, key=i.to_bytes(16, "little"), header_sum=sums[i],
+                                location={}, durable=durable) for i in range(n)]
+    return records  # type: ignore[return-value]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@pytest.mark.parametrize("op", [P.PUBLISH, P.REGISTER])
+@given(n=st.integers(16, 40), sums=st.lists(st.integers(1 << 32, (1 << 64) - 1), min_size=40, max_size=40),
+       changed=st.lists(st.tuples(st.integers(0, 39), st.sampled_from(sorted(_CHANGES))), max_size=2),
+       durable=st.sampled_from([None, 3]))
+def test_columns_decode_exactly_as_record_by_record(op: str, n: int, sums: list[int],
+                                                    changed: list[tuple[int, str]], durable: int | None) -> None:
+    """A batch is taken as columns only when every record is the first one's but for key and
+    checksum, and then it decodes to what the general decoder gives; one record changed in any
+    field (or encoded in another order) sends the batch the general way."""
+    records = _one_kind(n, sums, durable)
+    changed = [(i, how) for i, how in changed if i < n]
+    for i, how in changed:
+        records[i] = _CHANGES[how](records[i])
+    body: dict[str, Any] = {"node_id": "n", "objects": records}
+    if op == P.REGISTER:
+        body.update(address="tcp://127.0.0.1:1", host_id="h", tiers=TIERS)
+    frame = P.pack_request(7, op, body)
+    general = P.unpack_request(frame)
+    fast = bulk._unpack_columns(frame)
+    assert (fast is not None) == (not changed)
+    if fast is not None:
+        columns = fast.body.objects
+        assert isinstance(columns, bulk.RecordColumns) and len(columns) == n
+        assert (fast.request_id, fast.op) == (general.request_id, general.op)
+        assert [msgspec.structs.asdict(r) for r in columns.records()] == \
+            [msgspec.structs.asdict(r) for r in general.body.objects]
+        assert columns.durable_pairs() == [(r.key, r.durable) for r in general.body.objects if r.durable]
+        rest = {f: getattr(fast.body, f) for f in fast.body.__struct_fields__ if f != "objects"}
+        assert rest == {f: getattr(general.body, f) for f in general.body.__struct_fields__ if f != "objects"}
+
+
+def test_columns_and_records_index_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same large batches, as columns and record by record, give the same index: new keys,
+    keys this node re-publishes (new checksums), keys another node holds, repeats in a batch,
+    durable copies; and the change stream replays the columns on a standby."""
+    states = {}
+    for way in ("columns", "records"):
+        monkeypatch.setattr(bulk, "BULK_MIN_BYTES", 0 if way == "columns" else 1 << 60)
+        state = MasterState(MasterSection())
+        state.record_changes(ChangeLog())
+        for node in ("a", "b"):
+            body = {"node_id": node, "address": "tcp://127.0.0.1:1", "host_id": "h", "tiers": TIERS,
+                    "role": "storage", "persistent_tiers": ["dram"]}
+            state.handle(P.REGISTER, body)
+        spec = SPECS[1]
+
+        def publish(node: str, keys: range, salt: int, durable: int | None = None, *,
+                    state: MasterState = state, spec: ObjectSpec = spec) -> None:
+            objects = [P.replica_record("dram", spec, spec.total_nbytes, key=i.to_bytes(16, "little"),
+                                        header_sum=(1 << 40) + i * 7 + salt, location={}, durable=durable)
+                       for i in keys]
+            frame = P.pack_request(1, P.PUBLISH, {"node_id": node, "objects": objects})
+            request = bulk.unpack_bulk(frame) or P.unpack_request(frame)
+            assert isinstance(request.body.objects, bulk.RecordColumns) == (way == "columns")
+            state.handle(request.op, request.body)
+
+        publish("a", range(0, 3000), 1)
+        publish("a", range(1000, 4000), 2)          # re-published with new checksums, 1000 new
+        publish("b", range(3500, 4500), 3, 2)       # 500 held by a: extra replicas; durable
+        publish("a", list(range(4400, 4450)) * 2, 4)  # type: ignore[arg-type]  # repeats
+        keys = [i.to_bytes(16, "little") for i in range(4600)]
+        located = state.handle(P.LOCATE, {"keys": keys, "lease": False})["replicas"]
+        states[way] = ([None if r is None else sorted((x["node_id"], _comparable(x)) for x in r) for r in located],
+                       state.handle(P.STATS, {})["replicas"], dict(state.durable))
+        standby = MasterState(MasterSection())
+        reply = answer_follow(state, S.Follow(stream="", since=0))
+        assert "snapshot" in reply  # a new follower starts from a snapshot ...
+        reply = answer_follow(state, S.Follow(stream=reply["stream"], since=0))
+        assert "changes" in reply  # ... but the log from change 0 still holds everything: replay it
+        kinds = set()
+        for change in reply["changes"]:
+            decoded = msgspec.msgpack.decode(change)
+            kinds.add(decoded[0])
+            apply_change(standby, decoded)
+        assert ("addc" in kinds) == (way == "columns")
+
+        def everything(state: MasterState, keys: list[bytes] = keys) -> Any:
+            located = state.handle(P.LOCATE, {"keys": keys, "lease": False})["replicas"]
+            return ([None if r is None else sorted((x["node_id"], _comparable(x)) for x in r) for r in located],
+                    state.handle(P.STATS, {})["replicas"], dict(state.durable))
+
+        assert everything(standby) == everything(state) == states[way]
+    assert states["columns"] == states["records"]
+    # 4500 keys; b's copies of 500 of a's keys, and a's of 50 of b's
+    assert states["columns"][1] == 4500 + 500 + 50 and len(states["columns"][2]) == 1000
+
+
+def test_the_scale_bench_sends_a_real_nodes_bytes() -> None:
+    """bench/scale_bench.py builds its nodes' publishes with numpy; every record must be byte
+    for byte what a real node's MasterClient sends for that key and checksum."""
+    from bench.scale_bench import RecordFrames, bench_key
+
+    spec = SPECS[1]
+    frames = RecordFrames(spec)
+    raw = bytes(frames.batch(100, 120))
+    columns = bulk.record_columns(msgspec.Raw(raw))
+    assert columns is not None
+    sums = columns.sums.tolist()
+    real = [P.replica_record("dram", spec, spec.total_nbytes, key=bench_key(i), header_sum=sums[i - 100],
+                             location={}) for i in range(100, 120)]
+    assert raw == msgspec.msgpack.encode(real)
+    assert len(set(sums)) == 20 and min(sums) >= 1 << 32

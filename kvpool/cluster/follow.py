@@ -44,9 +44,9 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
+from kvpool.cluster.index import split_key_bytes
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.records import Replica, node_from_wire, node_wire
-from kvpool.cluster.index import split_key_bytes
 
 if TYPE_CHECKING:
     from kvpool.cluster.master import MasterServer

@@ -259,15 +259,9 @@ class KeyIndex:
         tombs = self._tombs
         while pend.size:
             state = ndc[cur]
-            # The low halves first: the high half is read only where the low one matched.
-            match = np.flatnonzero(k0[cur] == plo)
-            hit = None
-            if match.size:
-                at, st = cur[match], state[match]
-                ok = (k1[at] == phi[match]) & (st != EMPTY) & (st != TOMB)
-                if ok.any():
-                    hit = match[ok]
-                    out[pend[hit]] = cur[hit]
+            hit = (k0[cur] == plo) & (k1[cur] == phi) & (state != EMPTY) & (state != TOMB)
+            if hit.any():
+                out[pend[hit]] = cur[hit]
             empty = state == EMPTY
             if free:
                 if tombs:
@@ -276,14 +270,8 @@ class KeyIndex:
                 else:
                     first = np.flatnonzero(empty)
                 ins[pend[first]] = cur[first]
-            go = ~empty
-            if hit is not None:
-                go[hit] = False
-            if go.all():
-                cur = (cur + 1) & mask
-                continue
-            keep = np.flatnonzero(go)
-            pend, cur, plo, phi = pend[keep], (cur[keep] + 1) & mask, plo[keep], phi[keep]
+            go = ~(empty | hit)
+            pend, cur, plo, phi = pend[go], (cur[go] + 1) & mask, plo[go], phi[go]
         return out, ins
 
     def _find(self, key: bytes) -> tuple[int, int, int]:
