@@ -213,7 +213,7 @@ def _unpack_columns(frame: bytes | memoryview) -> P.Request | None:
     columns = record_columns(body.objects)
     if columns is None:
         return None
-    body.objects = columns
+    body.objects = columns  # type: ignore[assignment]
     return P.Request(request_id, op, body)
 
 

@@ -169,17 +169,18 @@ class KeyIndex:
         """A new table of ``capacity`` slots holding the live keys (no deleted slots left). The
         old table is moved over in slices of REBUILD_CHUNK slots: nothing larger than a slice is
         copied, and a slice's keys land in one or two narrow ranges of the new table."""
-        old = self.k0, self.k1, self.nd, self.sh, self.hs, self.off if self._has_offsets else None
+        old: list[npt.NDArray[Any]] = [self.k0, self.k1, self.nd, self.sh, self.hs]
+        old_off = self.off if self._has_offsets else None
         old_capacity = self.capacity
         self._alloc(capacity)
         self._used = self._tombs = 0
         for start in range(0, old_capacity, REBUILD_CHUNK):
-            part = [None if a is None else a[start:start + REBUILD_CHUNK] for a in old]
-            nd = part[2]
-            live = np.flatnonzero((nd != EMPTY) & (nd != TOMB))  # type: ignore[operator]
+            part = slice(start, start + REBUILD_CHUNK)
+            nd = old[2][part]
+            live = np.flatnonzero((nd != EMPTY) & (nd != TOMB))
             if live.size:
-                k0, k1, nd, sh, hs, off = (None if a is None else a[live] for a in part)
-                self._place(k0, k1, nd, sh, hs, off)  # type: ignore[arg-type]
+                k0, k1, nd, sh, hs = (column[part][live] for column in old)
+                self._place(k0, k1, nd, sh, hs, None if old_off is None else old_off[part][live])
         self.generation += 1
 
     def _reserve_slots(self, more: int) -> bool:
