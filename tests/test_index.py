@@ -465,3 +465,53 @@ def test_the_scale_bench_sends_a_real_nodes_bytes() -> None:
                              location={}) for i in range(100, 120)]
     assert raw == msgspec.msgpack.encode(real)
     assert len(set(sums)) == 20 and min(sums) >= 1 << 32
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(capacity_bits=st.integers(4, 12), fill=st.floats(0.05, 0.97), removed=st.floats(0, 0.5),
+       seed=st.integers(0, 2**32 - 1), chunk_bits=st.integers(2, 18))
+def test_a_doubling_rebuild_keeps_every_key_findable(capacity_bits: int, fill: float, removed: float, seed: int,
+                                                     chunk_bits: int) -> None:
+    """The rebuild into a table twice the size places keys without probing (sorted runs); every
+    key stays findable by both probes, each one's slots from its home on are all taken (linear
+    probing's rule), and the records travel with their keys."""
+    import numpy as np
+
+    from kvpool.cluster import index as ix
+
+    rng = np.random.default_rng(seed)
+    capacity = 1 << capacity_bits
+    index = KeyIndex(capacity=capacity)
+    n = int(capacity * fill)
+    keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(n)]
+    keys = list(dict.fromkeys(keys))
+    sid = index.encode("dram", SPECS[0].to_wire(), SPECS[0].total_nbytes, 1, None)[0]
+    nodes = [index.node_index(f"n{i}") for i in range(3)]
+    for i in range(0, len(keys), 7):  # fuller than MAX_LOAD lets it: long runs, probes past the end
+        lo, hi = split_keys(keys[i:i + 7])
+        ids = np.arange(i, i + lo.size)
+        index._place(lo, hi, np.array(nodes, np.uint16)[ids % 3], np.full(lo.size, sid, np.uint32),
+                     (ids + 1).astype(np.uint64), None)
+        index.replicas += lo.size
+        for j in ids.tolist():
+            index._node_counts[nodes[j % 3]] += 1
+    gone = set(keys[:int(len(keys) * removed)])
+    for key in gone:
+        index.pop(key)
+    old_chunk, ix.REBUILD_CHUNK = ix.REBUILD_CHUNK, 1 << chunk_bits
+    try:
+        index._rebuild(index.capacity * 2)
+    finally:
+        ix.REBUILD_CHUNK = old_chunk
+    live = [k for k in keys if k not in gone]
+    assert len(index) == len(live) and index._tombs == 0
+    if keys:
+        assert index.contains_many(keys) == [k not in gone for k in keys] == [k in index for k in keys]
+    for i, key in enumerate(keys):
+        if key not in gone:
+            s = index._find(key)[0]
+            assert (index.node_ids[index._nd[s]], index._hs[s]) == (f"n{i % 3}", i + 1)
+    nd = index.nd
+    for s in np.flatnonzero((nd != ix.EMPTY) & (nd != ix.TOMB)).tolist():
+        home = ix._hash(index._k0[s], index._k1[s]) & index._mask
+        assert all(nd[(home + d) & index._mask] != ix.EMPTY for d in range(((s - home) & index._mask) + 1))

@@ -188,6 +188,10 @@ class KeyIndex:
         old_capacity = self.capacity
         self._alloc(capacity)
         self._used = self._tombs = 0
+        if capacity == 2 * old_capacity:
+            self._move_doubled(old, old_off, old_capacity)
+            self.generation += 1
+            return
         for start in range(0, old_capacity, REBUILD_CHUNK):
             part = slice(start, start + REBUILD_CHUNK)
             nd = old[2][part]
@@ -196,6 +200,60 @@ class KeyIndex:
                 k0, k1, nd, sh, hs = (column[part][live] for column in old)
                 self._place(k0, k1, nd, sh, hs, None if old_off is None else old_off[part][live])
         self.generation += 1
+
+    def _move_doubled(self, old: list[npt.NDArray[Any]], old_off: I64Array | None, old_capacity: int) -> None:
+        """Move the old table's keys into this empty one of twice its size, without probing.
+
+        A key's new home is its old home, or that plus the old capacity: the two halves of the
+        new table. Read in the old table's slot order, a slice's keys are nearly in the order
+        of their homes; sorted (a stable sort of nearly sorted numbers) and placed each at
+        ``max(home, the slot after the one placed before it in that half)`` (a running maximum,
+        vectorised), every slot from a key's home to its own is taken, as linear probing
+        requires. Keys that would break the order go in last, by probing (:meth:`_place`):
+        those whose old probe wrapped past the table's end, those that come after a key of a
+        later home (the edges of slices), and those that would run past their half's end."""
+        half = old_capacity
+        last = [-1, half - 1]         # the last slot placed in each half
+        top = [-1, -1]                # the largest home placed in each half
+        later: list[tuple[npt.NDArray[Any], ...]] = []
+        for start in range(0, old_capacity, REBUILD_CHUNK):
+            part = slice(start, start + REBUILD_CHUNK)
+            nd = old[2][part]
+            live = np.flatnonzero((nd != EMPTY) & (nd != TOMB))
+            if not live.size:
+                continue
+            k0, k1, nd, sh, hs = (column[part][live] for column in old)
+            off = None if old_off is None else old_off[part][live]
+            home = (_hash_vec(k0, k1) & _U64(2 * half - 1)).astype(np.int64)
+            wrapped = live + start < (home & (half - 1))  # its old probe passed the table's end
+            for b in (0, 1):
+                mine = (home >= half) if b else (home < half)
+                late = mine & (wrapped | (home < top[b]))
+                if late.any():
+                    later.append(tuple(a[late] for a in (k0, k1, nd, sh, hs, off) if a is not None))
+                pick = np.flatnonzero(mine & ~late)
+                if not pick.size:
+                    continue
+                order = pick[np.argsort(home[pick], kind="stable")]
+                homes = home[order]
+                steps = np.arange(order.size)
+                slots = np.maximum(np.maximum.accumulate(homes - steps), last[b] + 1) + steps
+                fits = int(np.searchsorted(slots, (b + 1) * half))  # slots only grow
+                if fits < order.size:
+                    rest = order[fits:]
+                    later.append(tuple(a[rest] for a in (k0, k1, nd, sh, hs, off) if a is not None))
+                    order, slots = order[:fits], slots[:fits]
+                    if not fits:
+                        continue
+                self.k0[slots], self.k1[slots], self.nd[slots] = k0[order], k1[order], nd[order]
+                self.sh[slots], self.hs[slots] = sh[order], hs[order]
+                if off is not None:
+                    self.off[slots] = off[order]
+                self._used += fits
+                last[b] = int(slots[-1])
+                top[b] = int(homes[fits - 1])
+        for columns in later:
+            self._place(*columns[:5], columns[5] if old_off is not None else None)
 
     def _reserve_slots(self, more: int) -> bool:
         """Room for ``more`` new keys within MAX_LOAD: rebuilt larger, or the same size without
