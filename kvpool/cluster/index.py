@@ -253,7 +253,8 @@ class KeyIndex:
                 last[b] = int(slots[-1])
                 top[b] = int(homes[fits - 1])
         for columns in later:
-            self._place(*columns[:5], columns[5] if old_off is not None else None)
+            k0, k1, nd, sh, hs = columns[:5]
+            self._place(k0, k1, nd, sh, hs, columns[5] if old_off is not None else None)
 
     def _reserve_slots(self, more: int) -> bool:
         """Room for ``more`` new keys within MAX_LOAD: rebuilt larger, or the same size without
