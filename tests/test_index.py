@@ -291,6 +291,7 @@ def test_batches_and_single_keys_probe_alike() -> None:
     and deletions."""
     index = KeyIndex()
     keys = [i.to_bytes(16, "little") for i in range(5000)]
+    keys[1::7] = [(i << 64).to_bytes(16, "little") for i in range(1, 5000, 7)]  # low halves 0, as empty slots'
     spec = SPECS[0]
     sid = index.encode("dram", spec.to_wire(), spec.total_nbytes, 1, None)[0]
     assert index.add_many("n", keys[:3000], [sid] * 3000, [7] * 3000, [0] * 3000) == (3000, 3000 * spec.total_nbytes)
@@ -302,6 +303,8 @@ def test_batches_and_single_keys_probe_alike() -> None:
     assert index.contains_many(keys) == want == [k in index for k in keys]
     assert len(index) == sum(want) and index.node_count("n") == sum(want)
     assert (index._find_many(*split_keys(keys)) >= 0).tolist() == want
+    assert index.contains_many(keys[:300]) == want[:300]  # both ways of a probe step (SPARSE_PROBE)
+    assert index.contains_many(keys[:200]) == want[:200]
 
 
 def test_max_keys_refuses_a_publish_whole_and_says_why() -> None:
@@ -366,9 +369,10 @@ def _one_kind(n: int, sums: list[int], durable: int | None = None) -> list[dict[
 @pytest.mark.parametrize("op", [P.PUBLISH, P.REGISTER])
 @given(n=st.integers(16, 40), sums=st.lists(st.integers(1 << 32, (1 << 64) - 1), min_size=40, max_size=40),
        changed=st.lists(st.tuples(st.integers(0, 39), st.sampled_from(sorted(_CHANGES))), max_size=2),
-       durable=st.sampled_from([None, 3]))
+       durable=st.sampled_from([None, 3]), node_id=st.sampled_from(["n", "objects"]), objects_first=st.booleans())
 def test_columns_decode_exactly_as_record_by_record(op: str, n: int, sums: list[int],
-                                                    changed: list[tuple[int, str]], durable: int | None) -> None:
+                                                    changed: list[tuple[int, str]], durable: int | None,
+                                                    node_id: str, objects_first: bool) -> None:
     """A batch is taken as columns only when every record is the first one's but for key and
     checksum, and then it decodes to what the general decoder gives; one record changed in any
     field (or encoded in another order) sends the batch the general way."""
@@ -376,9 +380,11 @@ def test_columns_decode_exactly_as_record_by_record(op: str, n: int, sums: list[
     changed = [(i, how) for i, how in changed if i < n]
     for i, how in changed:
         records[i] = _CHANGES[how](records[i])
-    body: dict[str, Any] = {"node_id": "n", "objects": records}
+    body: dict[str, Any] = {"node_id": node_id, "objects": records}
     if op == P.REGISTER:
         body.update(address="tcp://127.0.0.1:1", host_id="h", tiers=TIERS)
+    if objects_first:  # not as MasterClient sends it: decoded the longer way
+        body = {"objects": records, **{k: v for k, v in body.items() if k != "objects"}}
     frame = P.pack_request(7, op, body)
     general = P.unpack_request(frame)
     fast = bulk._unpack_columns(frame)

@@ -171,7 +171,7 @@ def record_layout(row: bytes) -> tuple[S.Record, int, int] | None:
     return record, key_at, sum_at
 
 
-def record_columns(objects: msgspec.Raw) -> RecordColumns | None:
+def record_columns(objects: msgspec.Raw | memoryview) -> RecordColumns | None:
     """The records of a publish or register as :class:`RecordColumns`, or None where they are
     not all of one layout (they are then decoded record by record)."""
     header = _array_payload(memoryview(objects))
@@ -201,7 +201,29 @@ def record_columns(objects: msgspec.Raw) -> RecordColumns | None:
                          np.ascontiguousarray(halves[:, 1]), sums)
 
 
+_OBJECTS = msgspec.msgpack.encode("objects")
+_HEAD_BYTES = 4096  # a publish's fields before its records: ids of at most 256 characters
+
+
 def _unpack_columns(frame: bytes | memoryview) -> P.Request | None:
+    # A publish whose records come last (as MasterClient sends one): everything before them is
+    # decoded with an empty list in their place, so msgspec does not walk the records only to
+    # find where they end. That decodes cleanly only if the records are the body's last field
+    # and the body the frame's last item; the rest of the frame must then be their array, and
+    # record_columns takes it only if it is.
+    head = bytes(frame[:_HEAD_BYTES])
+    at = head.find(_OBJECTS)
+    if at >= 0:
+        start = at + len(_OBJECTS)
+        try:
+            _, request_id, _, publish = _RAW_DECODERS[0].decode(head[:start] + b"\x90")
+        except (msgspec.ValidationError, msgspec.DecodeError, errors.KVPoolError, ValueError):
+            pass
+        else:
+            columns = record_columns(memoryview(frame)[start:])
+            if columns is not None:
+                publish.objects = columns  # type: ignore[assignment]
+                return P.Request(request_id, P.PUBLISH, publish)
     for decoder in _RAW_DECODERS:
         try:
             _, request_id, op, body = decoder.decode(frame)

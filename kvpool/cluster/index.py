@@ -41,6 +41,7 @@ MAX_NODES = 0xFFFE       # node ids 1..0xFFFE
 MAX_LOAD = 0.6           # full + deleted slots, as a fraction of the table, before it is rebuilt
 MIN_CAPACITY = 16
 MAX_SHAPES = 1 << 20
+SPARSE_PROBE = 256       # keys still probing from which a probe step reads the low halves first
 REBUILD_CHUNK = 1 << 18  # table slots moved per numpy step of a rebuild (bounds its temporaries)
 WHOLE = 0                # shape id of a record kept whole in a side table
 _C1, _C2, _M64 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, (1 << 64) - 1
@@ -340,6 +341,30 @@ class KeyIndex:
         k0, k1, ndc = self.k0, self.k1, self.nd
         tombs = self._tombs
         while pend.size:
+            if pend.size >= SPARSE_PROBE and not (free and tombs):
+                # Most probes of many keys meet other keys: the low halves are read first, the
+                # node column and the high half only where the low half matched or is zero (an
+                # empty slot's key is zero; so is a key's now and then: the node column decides).
+                g = k0[cur]
+                go = np.ones(pend.size, bool)
+                maybe = np.flatnonzero(g == plo)
+                if maybe.size:
+                    at = cur[maybe]
+                    st = ndc[at]
+                    hits = maybe[(k1[at] == phi[maybe]) & (st != EMPTY) & (st != TOMB)]
+                    out[pend[hits]] = cur[hits]
+                    go[hits] = False
+                zero = np.flatnonzero(g == 0)
+                if zero.size:
+                    ends = zero[ndc[cur[zero]] == EMPTY]
+                    if free:
+                        ins[pend[ends]] = cur[ends]
+                    go[ends] = False
+                if go.all():
+                    cur = (cur + 1) & mask
+                else:
+                    pend, cur, plo, phi = pend[go], (cur[go] + 1) & mask, plo[go], phi[go]
+                continue
             state = ndc[cur]
             hit = (k0[cur] == plo) & (k1[cur] == phi) & (state != EMPTY) & (state != TOMB)
             if hit.any():
