@@ -7,10 +7,11 @@ and drives it with the real client (``MasterClient``) from this process:
 
 * keys: ``--nodes-with-keys`` simulated nodes publish records like a node's own (a
   ``--layers``-layer float16 object's spec and size, a 16-byte key, a header checksum, tier
-  dram; built with numpy, ``--batch`` per request, the next built while the master indexes
-  one) until 10k, 100k, 1M ... keys are indexed (``--keys``); at each step the master's RSS
-  (and per key), the publish rate (keys per second of publish round trips, and per CPU second
-  of the master, which a shared machine does not skew), the single-key ``lookup`` rate and
+  dram; built with numpy, byte for byte what a real node sends, ``--batch`` per request, the
+  next built while the master indexes one; ``--publishers`` nodes at a time) until 10k, 100k,
+  1M ... keys are indexed (``--keys``); at each step the master's RSS (and per key), the
+  publish rate (keys per wall-clock second of the step's publishing, and per CPU second of
+  the master, which a shared machine skews less), the single-key ``lookup`` rate and
   latency with one request in flight, batched ``exists`` of 1000 keys (keys/s), and the
   latency of one ``lookup`` of a ``--chain``-hash prefix (a 128k-token prompt is 1000 chunks).
 * heartbeats: ``--heartbeat-nodes`` nodes, each with its own ``Heartbeater`` thread and
@@ -290,16 +291,34 @@ def _keys(address: str) -> int:
         return -1
 
 
-def publish_all(address: str, work: list[tuple[KeyNode, tuple[int, int]]]) -> float:
-    """The nodes publish their new keys one after the other (one thread: this process's
-    heartbeat threads must not starve behind eight threads packing huge batches); seconds
-    spent in publish round trips (the next batch is built during each)."""
-    waited = 0.0
-    with MasterClient(address, request_timeout_s=120) as client:
-        for node, span in work:
-            node.ranges.append(span)
-            waited += node.send(client, [span], register=False)
-    return waited
+def publish_all(address: str, work: list[tuple[KeyNode, tuple[int, int]]], publishers: int = 1) -> float:
+    """The nodes publish their new keys, ``publishers`` of them at a time (each on its own
+    thread and connection, so the master finds the next request waiting when it answers one;
+    more would starve this process's heartbeat threads); wall seconds until all are done
+    (each builds its next batch while the master indexes the one before)."""
+    import threading
+
+    for node, span in work:
+        node.ranges.append(span)
+    failed: list[BaseException] = []
+
+    def run(share: list[tuple[KeyNode, tuple[int, int]]]) -> None:
+        try:
+            with MasterClient(address, request_timeout_s=120) as client:
+                for node, span in share:
+                    node.send(client, [span], register=False)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            failed.append(exc)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(work[i::publishers],)) for i in range(publishers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return time.perf_counter() - started
 
 
 def chain_lookup(address: str, keys: list[bytes], iters: int) -> tuple[float, float]:
@@ -319,6 +338,8 @@ def main() -> int:
     parser.add_argument("--keys", default="10000,100000,1000000", help="key counts to measure at (ascending)")
     parser.add_argument("--layers", type=int, default=32, help="layers per object (the header holds a checksum each)")
     parser.add_argument("--nodes-with-keys", type=int, default=8)
+    parser.add_argument("--publishers", type=int, default=1,
+                        help="nodes publishing at the same time (each on its own thread and connection)")
     parser.add_argument("--batch", type=int, default=65536, help="records per publish request")
     parser.add_argument("--lookup-seconds", type=float, default=2.0)
     parser.add_argument("--chain", type=int, default=1000, help="hashes in the prefix-lookup chain")
@@ -370,7 +391,7 @@ def main() -> int:
                 stop = target if n == len(nodes) - 1 else first + per_node
                 work.append((node, (first, stop)))
             cpu_before = cpu_s(master.proc.pid)  # type: ignore[union-attr]
-            publish_s = publish_all(address, work)
+            publish_s = publish_all(address, work, args.publishers)
             publish_cpu_s = cpu_s(master.proc.pid) - cpu_before  # type: ignore[union-attr]
             indexed = target
             with MasterClient(address, request_timeout_s=60) as client:
