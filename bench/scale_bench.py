@@ -512,6 +512,7 @@ def ha_failover(args: Any) -> int:
         for node in nodes:
             beaters.append(Heartbeater(connect, node.node_id, 1.0, lambda: TIERS, node.reregister(connect)).start())
             beaters[-1].beat_now()
+        wait_until(lambda: _alive(first) >= len(nodes), 30)  # registered by their first beats
         per_node = keys_total // len(nodes)
         t = time.perf_counter()
         waited = 0.0
