@@ -7,10 +7,11 @@ and drives it with the real client (``MasterClient``) from this process:
 
 * keys: ``--nodes-with-keys`` simulated nodes publish records like a node's own (a
   ``--layers``-layer float16 object's spec and size, a 16-byte key, a header checksum, tier
-  dram; built with numpy, ``--batch`` per request, the next built while the master indexes
-  one) until 10k, 100k, 1M ... keys are indexed (``--keys``); at each step the master's RSS
-  (and per key), the publish rate (keys per second of publish round trips, and per CPU second
-  of the master, which a shared machine does not skew), the single-key ``lookup`` rate and
+  dram; built with numpy, byte for byte what a real node sends, ``--batch`` per request, the
+  next built while the master indexes one; ``--publishers`` nodes at a time) until 10k, 100k,
+  1M ... keys are indexed (``--keys``); at each step the master's RSS (and per key), the
+  publish rate (keys per wall-clock second of the step's publishing, and per CPU second of
+  the master, which a shared machine skews less), the single-key ``lookup`` rate and
   latency with one request in flight, batched ``exists`` of 1000 keys (keys/s), and the
   latency of one ``lookup`` of a ``--chain``-hash prefix (a 128k-token prompt is 1000 chunks).
 * heartbeats: ``--heartbeat-nodes`` nodes, each with its own ``Heartbeater`` thread and
@@ -136,21 +137,25 @@ def _splitmix_vec(x: np.ndarray) -> np.ndarray:
 
 
 class RecordFrames:
-    """The msgpack of a node's publish batches, built with numpy from one fixed-width record
-    (the master decodes them as any node's): a ``--layers``-layer object's spec, its size,
-    a 16-byte key and a distinct header checksum (the master keeps only that of the header),
-    tier dram, no location."""
+    """The msgpack of a node's publish batches, built with numpy: every record is byte for byte
+    what a real node sends for a ``--layers``-layer object in dram (``replica_record`` of tier
+    dram, the spec, its size, the key, the header checksum and an empty location, encoded by
+    msgspec as ``MasterClient`` does; only key and checksum differ from record to record).
+    Keys are :func:`bench_key`; each checksum a distinct 64-bit value at or above 2**32 (as
+    good as every real one: a 64-bit checksum is below that once in four billion)."""
 
     def __init__(self, spec: ObjectSpec) -> None:
         import msgspec
 
-        enc = msgspec.msgpack.encode
-        self.head = enc({"tier": "dram", "spec": spec.to_wire(), "nbytes": spec.total_nbytes})
-        # A map of 5 entries: tier, spec, nbytes (from head, whose map header says 3), key, header_sum.
-        assert self.head[0] == 0x83
-        self.head = bytes([0x85]) + self.head[1:] + enc("key") + b"\xc4\x10"
-        self.middle = enc("header_sum") + b"\xcf"  # header_sum as a u64, always 8 bytes
-        self.width = len(self.head) + 16 + len(self.middle) + 8
+        from kvpool.cluster.bulk import record_layout
+
+        template = msgspec.msgpack.encode(P.replica_record("dram", spec, spec.total_nbytes, key=bytes(16),
+                                                           header_sum=1 << 63, location={}))
+        layout = record_layout(template)
+        assert layout is not None
+        _, self.key_at, self.sum_at = layout
+        self.template = np.frombuffer(template, np.uint8)
+        self.width = len(template)
 
     def batch(self, first: int, stop: int) -> Any:
         """msgspec.Raw of the list of records of keys [first, stop)."""
@@ -159,13 +164,15 @@ class RecordFrames:
         n = stop - first
         ids = np.arange(first, stop, dtype=np.uint64)
         rows = np.empty((n, self.width), np.uint8)
-        h, m = len(self.head), len(self.middle)
-        rows[:, :h] = np.frombuffer(self.head, np.uint8)
-        rows[:, h:h + 8] = _splitmix_vec(ids).astype("<u8").view(np.uint8).reshape(n, 8)
-        rows[:, h + 8:h + 16] = _splitmix_vec(ids ^ np.uint64(_M64)).astype("<u8").view(np.uint8).reshape(n, 8)
-        rows[:, h + 16:h + 16 + m] = np.frombuffer(self.middle, np.uint8)
-        rows[:, h + 16 + m:] = ids.astype(">u8").view(np.uint8).reshape(n, 8)
-        return msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + rows.tobytes())
+        rows[:] = self.template
+        k, c = self.key_at, self.sum_at
+        rows[:, k:k + 8] = _splitmix_vec(ids).astype("<u8").view(np.uint8).reshape(n, 8)
+        rows[:, k + 8:k + 16] = _splitmix_vec(ids ^ np.uint64(_M64)).astype("<u8").view(np.uint8).reshape(n, 8)
+        sums = _splitmix_vec(ids ^ np.uint64(0x5555555555555555)) | np.uint64(1 << 32)
+        rows[:, c:c + 8] = sums.astype(">u8").view(np.uint8).reshape(n, 8)
+        header = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else \
+            b"\xdd" + n.to_bytes(4, "big")  # msgpack's array header, as msgspec writes it
+        return msgspec.Raw(header + rows.tobytes())
 
 
 class KeyNode:
@@ -215,6 +222,20 @@ class KeyNode:
             with connect() as client:
                 self.send(client, self.ranges, register=True)
         return send_all
+
+
+def real_node_encoding(spec: ObjectSpec, n: int) -> tuple[float, float]:
+    """(records/s, records/s) a real node builds its records (``replica_record``, as
+    ``record_for`` does, less the header checksum it computes) and encodes them into a publish
+    (``pack_request``, as ``MasterClient`` does): the CPU a real node spends, on its own
+    machine, for what the simulated nodes build with numpy."""
+    keys = [bench_key(i) for i in range(n)]
+    started = time.perf_counter()
+    records = [P.replica_record("dram", spec, spec.total_nbytes, key=key, header_sum=(1 << 63) | i, location={})
+               for i, key in enumerate(keys)]
+    built = time.perf_counter()
+    P.pack_request(1, P.PUBLISH, {"node_id": "n", "objects": records})
+    return n / (built - started), n / (time.perf_counter() - built)
 
 
 def lookup_rate(address: str, keys: list[bytes], seconds: float) -> tuple[float, float, float]:
@@ -270,16 +291,34 @@ def _keys(address: str) -> int:
         return -1
 
 
-def publish_all(address: str, work: list[tuple[KeyNode, tuple[int, int]]]) -> float:
-    """The nodes publish their new keys one after the other (one thread: this process's
-    heartbeat threads must not starve behind eight threads packing huge batches); seconds
-    spent in publish round trips (the next batch is built during each)."""
-    waited = 0.0
-    with MasterClient(address, request_timeout_s=120) as client:
-        for node, span in work:
-            node.ranges.append(span)
-            waited += node.send(client, [span], register=False)
-    return waited
+def publish_all(address: str, work: list[tuple[KeyNode, tuple[int, int]]], publishers: int = 1) -> float:
+    """The nodes publish their new keys, ``publishers`` of them at a time (each on its own
+    thread and connection, so the master finds the next request waiting when it answers one;
+    more would starve this process's heartbeat threads); wall seconds until all are done
+    (each builds its next batch while the master indexes the one before)."""
+    import threading
+
+    for node, span in work:
+        node.ranges.append(span)
+    failed: list[BaseException] = []
+
+    def run(share: list[tuple[KeyNode, tuple[int, int]]]) -> None:
+        try:
+            with MasterClient(address, request_timeout_s=120) as client:
+                for node, span in share:
+                    node.send(client, [span], register=False)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            failed.append(exc)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(work[i::publishers],)) for i in range(publishers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return time.perf_counter() - started
 
 
 def chain_lookup(address: str, keys: list[bytes], iters: int) -> tuple[float, float]:
@@ -299,6 +338,8 @@ def main() -> int:
     parser.add_argument("--keys", default="10000,100000,1000000", help="key counts to measure at (ascending)")
     parser.add_argument("--layers", type=int, default=32, help="layers per object (the header holds a checksum each)")
     parser.add_argument("--nodes-with-keys", type=int, default=8)
+    parser.add_argument("--publishers", type=int, default=1,
+                        help="nodes publishing at the same time (each on its own thread and connection)")
     parser.add_argument("--batch", type=int, default=65536, help="records per publish request")
     parser.add_argument("--lookup-seconds", type=float, default=2.0)
     parser.add_argument("--chain", type=int, default=1000, help="hashes in the prefix-lookup chain")
@@ -350,7 +391,7 @@ def main() -> int:
                 stop = target if n == len(nodes) - 1 else first + per_node
                 work.append((node, (first, stop)))
             cpu_before = cpu_s(master.proc.pid)  # type: ignore[union-attr]
-            publish_s = publish_all(address, work)
+            publish_s = publish_all(address, work, args.publishers)
             publish_cpu_s = cpu_s(master.proc.pid) - cpu_before  # type: ignore[union-attr]
             indexed = target
             with MasterClient(address, request_timeout_s=60) as client:
@@ -391,6 +432,10 @@ def main() -> int:
         checks = [[f"{args.heartbeat_nodes} nodes beating 1/s for {args.heartbeat_seconds:.0f} s",
                    f"{alive_beaters} alive, {dead} declared dead"],
                   ["index", str(stats.get("index"))]]
+        build_rate, encode_rate = real_node_encoding(spec, min(args.batch, 65536))
+        checks.append(["a real node's records for a publish (replica_record / pack_request)",
+                       f"built {build_rate:,.0f}/s, encoded {encode_rate:,.0f}/s (the simulated nodes build "
+                       f"the same bytes with numpy)"])
         found = indexed
         if not args.no_failover:
             # Failover without a standby: a new master with nothing; every key-holding node is
@@ -467,6 +512,7 @@ def ha_failover(args: Any) -> int:
         for node in nodes:
             beaters.append(Heartbeater(connect, node.node_id, 1.0, lambda: TIERS, node.reregister(connect)).start())
             beaters[-1].beat_now()
+        wait_until(lambda: _alive(first) >= len(nodes), 30)  # registered by their first beats
         per_node = keys_total // len(nodes)
         t = time.perf_counter()
         waited = 0.0

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
@@ -125,6 +125,29 @@ class IndexMachine(RuleBasedStateMachine):
         for key, rec in items:
             if key not in pending:
                 self.model.setdefault(key, {})[node] = rec
+
+    @rule(node=st.sampled_from(NODES),
+          keys=st.one_of(st.lists(st.sampled_from(KEYS[:60]), min_size=16, max_size=40, unique=True),
+                         st.lists(st.sampled_from(KEYS[:60]), min_size=16, max_size=40)),
+          spec=st.sampled_from(SPECS), tier=st.sampled_from(["dram", "nvme"]),
+          sums=st.lists(st.integers(1 << 32, (1 << 64) - 1), min_size=40, max_size=40),
+          small_sum=st.booleans(), register=st.booleans())
+    def publish_one_kind(self, node: str, keys: list[bytes], spec: ObjectSpec, tier: str, sums: list[int],
+                         small_sum: bool, register: bool) -> None:
+        """A node's dram or nvme puts: records of one kind of object, 16-byte keys (some
+        repeated, some held by other nodes), which the master takes as columns; with
+        ``small_sum`` one checksum is encoded shorter and the batch goes record by record."""
+        if small_sum:
+            sums = [7, *sums[1:]]
+        items = [(key, {"tier": tier, "spec": spec.to_wire(), "nbytes": spec.total_nbytes, "header_sum": header_sum,
+                        "location": {}}) for key, header_sum in zip(keys, sums)]
+        body = {"node_id": node, "objects": [self._wire(k, r) for k, r in items]}
+        objects = bulk.unpack_bulk(P.pack_request(1, P.PUBLISH, body)).body.objects  # type: ignore[union-attr]
+        assert isinstance(objects, bulk.RecordColumns) != small_sum
+        if register:
+            self.register(node, items, via_bulk=True)
+        else:
+            self.publish(node, items, via_bulk=True)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=8), caller=st.sampled_from(["", *NODES]))
     def delete(self, keys: list[bytes], caller: str) -> None:
@@ -268,6 +291,7 @@ def test_batches_and_single_keys_probe_alike() -> None:
     and deletions."""
     index = KeyIndex()
     keys = [i.to_bytes(16, "little") for i in range(5000)]
+    keys[1::7] = [(i << 64).to_bytes(16, "little") for i in range(1, 5000, 7)]  # low halves 0, as empty slots'
     spec = SPECS[0]
     sid = index.encode("dram", spec.to_wire(), spec.total_nbytes, 1, None)[0]
     assert index.add_many("n", keys[:3000], [sid] * 3000, [7] * 3000, [0] * 3000) == (3000, 3000 * spec.total_nbytes)
@@ -279,6 +303,8 @@ def test_batches_and_single_keys_probe_alike() -> None:
     assert index.contains_many(keys) == want == [k in index for k in keys]
     assert len(index) == sum(want) and index.node_count("n") == sum(want)
     assert (index._find_many(*split_keys(keys)) >= 0).tolist() == want
+    assert index.contains_many(keys[:300]) == want[:300]  # both ways of a probe step (SPARSE_PROBE)
+    assert index.contains_many(keys[:200]) == want[:200]
 
 
 def test_max_keys_refuses_a_publish_whole_and_says_why() -> None:
@@ -315,3 +341,183 @@ def test_max_keys_refuses_a_commit_whole_and_keeps_its_reservations() -> None:
     assert len(state.index) == 0 and len(state.reservations) == 3  # nothing used up
     assert state.handle(P.COMMIT, {"items": [{"reservation": r, "replica": replica} for r in rids[:2]]}) == \
         {"committed": [True, True]}
+
+
+# -- publishes decoded as columns (kvpool.cluster.bulk) --------------------------------------
+
+_CHANGES: dict[str, Any] = {
+    "tier": lambda r: {**r, "tier": "nvme"},                    # same width, another byte
+    "nbytes": lambda r: {**r, "nbytes": r["nbytes"] + 1},
+    "small checksum": lambda r: {**r, "header_sum": 7},          # msgpack encodes it shorter
+    "no checksum": lambda r: {k: v for k, v in r.items() if k != "header_sum"},
+    "short key": lambda r: {**r, "key": r["key"][:15]},
+    "long key": lambda r: {**r, "key": r["key"] + b"x"},
+    "durable": lambda r: {**r, "durable": 2},
+    "location": lambda r: {**r, "location": {"offset": 5}},
+    "order": lambda r: {"key": r["key"], **{k: v for k, v in r.items() if k != "key"}},
+}
+
+
+def _one_kind(n: int, sums: list[int], durable: int | None = None) -> list[dict[str, Any]]:
+    spec = SPECS[1]
+    records = [P.replica_record("dram", spec, spec.total_nbytes, key=i.to_bytes(16, "little"), header_sum=sums[i],
+                                location={}, durable=durable) for i in range(n)]
+    return records  # type: ignore[return-value]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@pytest.mark.parametrize("op", [P.PUBLISH, P.REGISTER])
+@given(n=st.integers(16, 40), sums=st.lists(st.integers(1 << 32, (1 << 64) - 1), min_size=40, max_size=40),
+       changed=st.lists(st.tuples(st.integers(0, 39), st.sampled_from(sorted(_CHANGES))), max_size=2),
+       durable=st.sampled_from([None, 3]), node_id=st.sampled_from(["n", "objects"]), objects_first=st.booleans())
+def test_columns_decode_exactly_as_record_by_record(op: str, n: int, sums: list[int],
+                                                    changed: list[tuple[int, str]], durable: int | None,
+                                                    node_id: str, objects_first: bool) -> None:
+    """A batch is taken as columns only when every record is the first one's but for key and
+    checksum, and then it decodes to what the general decoder gives; one record changed in any
+    field (or encoded in another order) sends the batch the general way."""
+    records = _one_kind(n, sums, durable)
+    changed = [(i, how) for i, how in changed if i < n]
+    for i, how in changed:
+        records[i] = _CHANGES[how](records[i])
+    body: dict[str, Any] = {"node_id": node_id, "objects": records}
+    if op == P.REGISTER:
+        body.update(address="tcp://127.0.0.1:1", host_id="h", tiers=TIERS)
+    if objects_first:  # not as MasterClient sends it: decoded the longer way
+        body = {"objects": records, **{k: v for k, v in body.items() if k != "objects"}}
+    frame = P.pack_request(7, op, body)
+    general = P.unpack_request(frame)
+    fast = bulk._unpack_columns(frame)
+    assert (fast is not None) == (not changed)
+    if fast is not None:
+        columns = fast.body.objects
+        assert isinstance(columns, bulk.RecordColumns) and len(columns) == n
+        assert (fast.request_id, fast.op) == (general.request_id, general.op)
+        assert [msgspec.structs.asdict(r) for r in columns.records()] == \
+            [msgspec.structs.asdict(r) for r in general.body.objects]
+        assert columns.durable_pairs() == [(r.key, r.durable) for r in general.body.objects if r.durable]
+        rest = {f: getattr(fast.body, f) for f in fast.body.__struct_fields__ if f != "objects"}
+        assert rest == {f: getattr(general.body, f) for f in general.body.__struct_fields__ if f != "objects"}
+
+
+def test_columns_and_records_index_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same large batches, as columns and record by record, give the same index: new keys,
+    keys this node re-publishes (new checksums), keys another node holds, repeats in a batch,
+    durable copies; and the change stream replays the columns on a standby."""
+    states = {}
+    for way in ("columns", "records"):
+        monkeypatch.setattr(bulk, "BULK_MIN_BYTES", 0 if way == "columns" else 1 << 60)
+        state = MasterState(MasterSection())
+        state.record_changes(ChangeLog())
+        for node in ("a", "b"):
+            body = {"node_id": node, "address": "tcp://127.0.0.1:1", "host_id": "h", "tiers": TIERS,
+                    "role": "storage", "persistent_tiers": ["dram"]}
+            state.handle(P.REGISTER, body)
+        spec = SPECS[1]
+
+        def publish(node: str, keys: range, salt: int, durable: int | None = None, *,
+                    state: MasterState = state, spec: ObjectSpec = spec) -> None:
+            objects = [P.replica_record("dram", spec, spec.total_nbytes, key=i.to_bytes(16, "little"),
+                                        header_sum=(1 << 40) + i * 7 + salt, location={}, durable=durable)
+                       for i in keys]
+            frame = P.pack_request(1, P.PUBLISH, {"node_id": node, "objects": objects})
+            request = bulk.unpack_bulk(frame) or P.unpack_request(frame)
+            assert isinstance(request.body.objects, bulk.RecordColumns) == (way == "columns")
+            state.handle(request.op, request.body)
+
+        publish("a", range(0, 3000), 1)
+        publish("a", range(1000, 4000), 2)          # re-published with new checksums, 1000 new
+        publish("b", range(3500, 4500), 3, 2)       # 500 held by a: extra replicas; durable
+        publish("a", list(range(4400, 4450)) * 2, 4)  # type: ignore[arg-type]  # repeats
+        keys = [i.to_bytes(16, "little") for i in range(4600)]
+        located = state.handle(P.LOCATE, {"keys": keys, "lease": False})["replicas"]
+        states[way] = ([None if r is None else sorted((x["node_id"], _comparable(x)) for x in r) for r in located],
+                       state.handle(P.STATS, {})["replicas"], dict(state.durable))
+        standby = MasterState(MasterSection())
+        reply = answer_follow(state, S.Follow(stream="", since=0))
+        assert "snapshot" in reply  # a new follower starts from a snapshot ...
+        reply = answer_follow(state, S.Follow(stream=reply["stream"], since=0))
+        assert "changes" in reply  # ... but the log from change 0 still holds everything: replay it
+        kinds = set()
+        for change in reply["changes"]:
+            decoded = msgspec.msgpack.decode(change)
+            kinds.add(decoded[0])
+            apply_change(standby, decoded)
+        assert ("addc" in kinds) == (way == "columns")
+
+        def everything(state: MasterState, keys: list[bytes] = keys) -> Any:
+            located = state.handle(P.LOCATE, {"keys": keys, "lease": False})["replicas"]
+            return ([None if r is None else sorted((x["node_id"], _comparable(x)) for x in r) for r in located],
+                    state.handle(P.STATS, {})["replicas"], dict(state.durable))
+
+        assert everything(standby) == everything(state) == states[way]
+    assert states["columns"] == states["records"]
+    # 4500 keys; b's copies of 500 of a's keys, and a's of 50 of b's
+    assert states["columns"][1] == 4500 + 500 + 50 and len(states["columns"][2]) == 1000
+
+
+def test_the_scale_bench_sends_a_real_nodes_bytes() -> None:
+    """bench/scale_bench.py builds its nodes' publishes with numpy; every record must be byte
+    for byte what a real node's MasterClient sends for that key and checksum."""
+    from bench.scale_bench import RecordFrames, bench_key
+
+    spec = SPECS[1]
+    frames = RecordFrames(spec)
+    raw = bytes(frames.batch(100, 120))
+    columns = bulk.record_columns(msgspec.Raw(raw))
+    assert columns is not None
+    sums = columns.sums.tolist()
+    real = [P.replica_record("dram", spec, spec.total_nbytes, key=bench_key(i), header_sum=sums[i - 100],
+                             location={}) for i in range(100, 120)]
+    assert raw == msgspec.msgpack.encode(real)
+    assert len(set(sums)) == 20 and min(sums) >= 1 << 32
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(capacity_bits=st.integers(4, 12), fill=st.floats(0.05, 0.97), removed=st.floats(0, 0.5),
+       seed=st.integers(0, 2**32 - 1), chunk_bits=st.integers(2, 18))
+def test_a_doubling_rebuild_keeps_every_key_findable(capacity_bits: int, fill: float, removed: float, seed: int,
+                                                     chunk_bits: int) -> None:
+    """The rebuild into a table twice the size places keys without probing (sorted runs); every
+    key stays findable by both probes, each one's slots from its home on are all taken (linear
+    probing's rule), and the records travel with their keys."""
+    import numpy as np
+
+    from kvpool.cluster import index as ix
+
+    rng = np.random.default_rng(seed)
+    capacity = 1 << capacity_bits
+    index = KeyIndex(capacity=capacity)
+    n = int(capacity * fill)
+    keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(n)]
+    keys = list(dict.fromkeys(keys))
+    sid = index.encode("dram", SPECS[0].to_wire(), SPECS[0].total_nbytes, 1, None)[0]
+    nodes = [index.node_index(f"n{i}") for i in range(3)]
+    for i in range(0, len(keys), 7):  # fuller than MAX_LOAD lets it: long runs, probes past the end
+        lo, hi = split_keys(keys[i:i + 7])
+        ids = np.arange(i, i + lo.size)
+        index._place(lo, hi, np.array(nodes, np.uint16)[ids % 3], np.full(lo.size, sid, np.uint32),
+                     (ids + 1).astype(np.uint64), None)
+        index.replicas += lo.size
+        for j in ids.tolist():
+            index._node_counts[nodes[j % 3]] += 1
+    gone = set(keys[:int(len(keys) * removed)])
+    for key in gone:
+        index.pop(key)
+    old_chunk, ix.REBUILD_CHUNK = ix.REBUILD_CHUNK, 1 << chunk_bits
+    try:
+        index._rebuild(index.capacity * 2)
+    finally:
+        ix.REBUILD_CHUNK = old_chunk
+    live = [k for k in keys if k not in gone]
+    assert len(index) == len(live) and index._tombs == 0
+    if keys:
+        assert index.contains_many(keys) == [k not in gone for k in keys] == [k in index for k in keys]
+    for i, key in enumerate(keys):
+        if key not in gone:
+            s = index._find(key)[0]
+            assert (index.node_ids[index._nd[s]], index._hs[s]) == (f"n{i % 3}", i + 1)
+    nd = index.nd
+    for s in np.flatnonzero((nd != ix.EMPTY) & (nd != ix.TOMB)).tolist():
+        home = ix._hash(index._k0[s], index._k1[s]) & index._mask
+        assert all(nd[(home + d) & index._mask] != ix.EMPTY for d in range(((s - home) & index._mask) + 1))

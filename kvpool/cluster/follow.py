@@ -44,6 +44,7 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
+from kvpool.cluster.index import split_key_bytes
 from kvpool.cluster.master_client import MasterClient
 from kvpool.cluster.records import Replica, node_from_wire, node_wire
 
@@ -211,6 +212,10 @@ def apply_change(state: IndexState, change: list[Any]) -> None:
                 records[i] = Replica(wire["tier"], wire["spec"], wire["nbytes"], wire["header_sum"],
                                      wire["location"], None)
         index.add_many(node_id, keys, sids, sums, offsets, records)
+    elif kind == "addc":
+        _, node_id, keys, sid, sums = change
+        lo, hi = split_key_bytes(keys)
+        index.add_columns(node_id, keys, lo, hi, sid, np.frombuffer(sums, "<u8").astype(np.uint64))
     elif kind == "shape":
         index.put_shape(*change[1:])
     elif kind == "rm":

@@ -25,6 +25,7 @@ Bounds
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,6 +41,8 @@ MAX_NODES = 0xFFFE       # node ids 1..0xFFFE
 MAX_LOAD = 0.6           # full + deleted slots, as a fraction of the table, before it is rebuilt
 MIN_CAPACITY = 16
 MAX_SHAPES = 1 << 20
+SPARSE_PROBE = 256       # keys still probing from which a probe step reads the low halves first
+REBUILD_CHUNK = 1 << 18  # table slots moved per numpy step of a rebuild (bounds its temporaries)
 WHOLE = 0                # shape id of a record kept whole in a side table
 _C1, _C2, _M64 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, (1 << 64) - 1
 _U64 = np.uint64
@@ -62,8 +65,68 @@ def _hash_vec(lo: U64Array, hi: U64Array) -> U64Array:
 
 def split_keys(keys: Sequence[bytes]) -> tuple[U64Array, U64Array]:
     """16-byte keys as their (low, high) u64 halves, little-endian."""
-    halves = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+    return split_key_bytes(b"".join(keys))
+
+
+def split_key_bytes(keys: bytes) -> tuple[U64Array, U64Array]:
+    """16-byte keys end to end as their (low, high) u64 halves, little-endian."""
+    halves = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
     return np.ascontiguousarray(halves[:, 0]), np.ascontiguousarray(halves[:, 1])
+
+
+def key_list(keys: bytes) -> list[bytes]:
+    """16-byte keys end to end, one by one."""
+    return [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
+
+
+def distinct(h: U64Array, lo: U64Array, hi: U64Array) -> bool:
+    """Whether the keys (``lo``, ``hi``; ``h`` their hashes) are all different, in O(n): each
+    key writes its position into a claim table at its hash's bucket; a key whose write did not
+    stay is compared with the one whose did, and the keys that lost go round again (equal keys
+    share a bucket every round, so one of them wins one and the other is compared with it)."""
+    n = h.size
+    bits = max(4, (2 * n - 1).bit_length())
+    claim = np.empty(1 << bits, np.int64)
+    bucket = (h & _U64((1 << bits) - 1)).astype(np.int64)
+    cand = np.arange(n)
+    while cand.size:
+        b = bucket[cand]
+        claim[b] = cand
+        winner = claim[b]
+        lost = winner != cand
+        if not lost.any():
+            return True
+        cand, winner = cand[lost], winner[lost]
+        if ((lo[cand] == lo[winner]) & (hi[cand] == hi[winner])).any():
+            return False
+    return True
+
+
+def tune_process_memory() -> None:
+    """Memory settings for a process serving a large index (the master calls this at start).
+
+    * numpy stops asking the kernel for transparent huge pages for its arrays (it does for
+      every array of 4 MiB or more). Where the kernel compacts memory to find them (THP defrag
+      "madvise", a common default) a first touch stalled ~70 us per fault on a shared machine,
+      and table rebuilds and batch temporaries touch fresh memory all the time: indexing 10M
+      keys took 7.3 s with the advice and 4.3 s without (docs/master_index.md).
+    * glibc's malloc keeps up to 64 MiB of freed memory instead of giving it back at once,
+      and maps blocks of 32 MiB or more on their own: a batch's temporaries (a few MiB each)
+      then reuse memory instead of faulting fresh pages in for every batch (a third fewer page
+      faults indexing 30M keys); the table's columns, larger than that, still go back to the
+      system when a rebuild frees them.
+    """
+    for module in ("_core", "core"):  # numpy 2, numpy 1
+        setter = getattr(getattr(np, module, None), "multiarray", None)
+        if setter is not None and hasattr(setter, "_set_madvise_hugepage"):
+            setter._set_madvise_hugepage(False)
+            break
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # glibc; elsewhere nothing to tune
+    except (AttributeError, OSError):
+        return
+    mallopt(-1, 64 << 20)   # M_TRIM_THRESHOLD
+    mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
 
 
 class Shape(tuple[Any, ...]):
@@ -118,81 +181,205 @@ class KeyIndex:
         self._sh, self._hs, self._off = self.sh.data, self.hs.data, self.off.data
 
     def _rebuild(self, capacity: int) -> None:
-        """A new table of ``capacity`` slots holding the live keys (no deleted slots left)."""
-        live = np.flatnonzero((self.nd != EMPTY) & (self.nd != TOMB))
-        k0, k1, nd, sh, hs = self.k0[live], self.k1[live], self.nd[live], self.sh[live], self.hs[live]
-        off = self.off[live] if self._has_offsets else None
-        del live
+        """A new table of ``capacity`` slots holding the live keys (no deleted slots left). The
+        old table is moved over in slices of REBUILD_CHUNK slots: nothing larger than a slice is
+        copied, and a slice's keys land in one or two narrow ranges of the new table."""
+        old: list[npt.NDArray[Any]] = [self.k0, self.k1, self.nd, self.sh, self.hs]
+        old_off = self.off if self._has_offsets else None
+        old_capacity = self.capacity
         self._alloc(capacity)
         self._used = self._tombs = 0
-        self._place(k0, k1, nd, sh, hs, off)
+        if capacity == 2 * old_capacity:
+            self._move_doubled(old, old_off, old_capacity)
+            self.generation += 1
+            return
+        for start in range(0, old_capacity, REBUILD_CHUNK):
+            part = slice(start, start + REBUILD_CHUNK)
+            nd = old[2][part]
+            live = np.flatnonzero((nd != EMPTY) & (nd != TOMB))
+            if live.size:
+                k0, k1, nd, sh, hs = (column[part][live] for column in old)
+                self._place(k0, k1, nd, sh, hs, None if old_off is None else old_off[part][live])
         self.generation += 1
 
-    def _reserve_slots(self, more: int) -> None:
+    def _move_doubled(self, old: list[npt.NDArray[Any]], old_off: I64Array | None, old_capacity: int) -> None:
+        """Move the old table's keys into this empty one of twice its size, without probing.
+
+        A key's new home is its old home, or that plus the old capacity: the two halves of the
+        new table. Read in the old table's slot order, a slice's keys are nearly in the order
+        of their homes; sorted (a stable sort of nearly sorted numbers) and placed each at
+        ``max(home, the slot after the one placed before it in that half)`` (a running maximum,
+        vectorised), every slot from a key's home to its own is taken, as linear probing
+        requires. Keys that would break the order go in last, by probing (:meth:`_place`):
+        those whose old probe wrapped past the table's end, those that come after a key of a
+        later home (the edges of slices), and those that would run past their half's end."""
+        half = old_capacity
+        last = [-1, half - 1]         # the last slot placed in each half
+        top = [-1, -1]                # the largest home placed in each half
+        later: list[tuple[npt.NDArray[Any], ...]] = []
+        for start in range(0, old_capacity, REBUILD_CHUNK):
+            part = slice(start, start + REBUILD_CHUNK)
+            nd = old[2][part]
+            live = np.flatnonzero((nd != EMPTY) & (nd != TOMB))
+            if not live.size:
+                continue
+            k0, k1, nd, sh, hs = (column[part][live] for column in old)
+            off = None if old_off is None else old_off[part][live]
+            home = (_hash_vec(k0, k1) & _U64(2 * half - 1)).astype(np.int64)
+            wrapped = live + start < (home & (half - 1))  # its old probe passed the table's end
+            for b in (0, 1):
+                mine = (home >= half) if b else (home < half)
+                late = mine & (wrapped | (home < top[b]))
+                if late.any():
+                    later.append(tuple(a[late] for a in (k0, k1, nd, sh, hs, off) if a is not None))
+                pick = np.flatnonzero(mine & ~late)
+                if not pick.size:
+                    continue
+                order = pick[np.argsort(home[pick], kind="stable")]
+                homes = home[order]
+                steps = np.arange(order.size)
+                slots = np.maximum(np.maximum.accumulate(homes - steps), last[b] + 1) + steps
+                fits = int(np.searchsorted(slots, (b + 1) * half))  # slots only grow
+                if fits < order.size:
+                    rest = order[fits:]
+                    later.append(tuple(a[rest] for a in (k0, k1, nd, sh, hs, off) if a is not None))
+                    order, slots = order[:fits], slots[:fits]
+                    if not fits:
+                        continue
+                self.k0[slots], self.k1[slots], self.nd[slots] = k0[order], k1[order], nd[order]
+                self.sh[slots], self.hs[slots] = sh[order], hs[order]
+                if off is not None:
+                    self.off[slots] = off[order]
+                self._used += fits
+                last[b] = int(slots[-1])
+                top[b] = int(homes[fits - 1])
+        for columns in later:
+            k0, k1, nd, sh, hs = columns[:5]
+            self._place(k0, k1, nd, sh, hs, columns[5] if old_off is not None else None)
+
+    def _reserve_slots(self, more: int) -> bool:
         """Room for ``more`` new keys within MAX_LOAD: rebuilt larger, or the same size without
-        its deleted slots."""
+        its deleted slots. True if the table was rebuilt (slots found before have moved)."""
         if self._used + self._tombs + more <= self.capacity * MAX_LOAD:
-            return
+            return False
         capacity = self.capacity  # the same size if it was mostly deleted slots, else larger
         while self._used + more > capacity * MAX_LOAD * 0.75:
             capacity *= 2
         self._rebuild(capacity)
+        return True
 
-    def _place(self, lo: U64Array, hi: U64Array, nd: Any, sh: Any, hs: Any, off: Any) -> None:
-        """Put keys known to be absent (and distinct) into free slots; vectorised over the batch."""
+    def _place(self, lo: U64Array, hi: U64Array, nd: Any, sh: Any, hs: Any, off: Any,
+               start: I64Array | None = None) -> None:
+        """Put keys known to be absent (and distinct) into free slots; vectorised over the batch.
+        ``nd`` and ``sh`` may be one value for all; ``start``: where each key's probe may begin
+        (its home slot when not given; else a slot no further than its first free one, as
+        :meth:`_probe` finds)."""
         n = lo.size
         if not n:
             return
         mask = self._mask
-        cur = (_hash_vec(lo, hi) & _U64(mask)).astype(np.int64)
+        cur = (_hash_vec(lo, hi) & _U64(mask)).astype(np.int64) if start is None else start
         pend = np.arange(n)
+        ndc = self.nd
+        one_nd, one_sh = np.isscalar(nd), np.isscalar(sh)
         # Two keys of the batch may want one free slot: each writes its position into a small
         # claim table at the slot's bucket, and the one whose write stayed takes it (O(n), no
         # sort). A loser of a free slot tries it again; a key at a full slot moves on.
         buckets = 1 << max(4, (2 * n - 1).bit_length())
         claim = np.empty(buckets, np.int64)
         bmask = buckets - 1
+        # From where _probe found them free, with no deleted slots to count: every start is
+        # free but for the batch's own claims (no need to read the node column again).
+        known_free = start is not None and not self._tombs
         while pend.size:
-            state = self.nd[cur]
-            free_here = (state == EMPTY) | (state == TOMB)
-            free = np.flatnonzero(free_here)
-            done = None
-            if free.size:
-                b = cur[free] & bmask
-                claim[b] = free
-                won = free[claim[b] == free]
-                slots, win = cur[won], pend[won]
-                self._tombs -= int(np.count_nonzero(self.nd[slots] == TOMB))
-                self.k0[slots], self.k1[slots] = lo[win], hi[win]
-                self.nd[slots] = nd if np.isscalar(nd) else nd[win]
-                self.sh[slots] = sh[win]
-                self.hs[slots] = hs[win]
-                if off is not None:
-                    self.off[slots] = off[win]
-                self._used += slots.size
-                done = np.zeros(pend.size, bool)
-                done[won] = True
-            full = ~free_here
-            cur[full] = (cur[full] + 1) & mask
-            if done is not None:
-                keep = ~done
-                pend, cur = pend[keep], cur[keep]
+            if known_free:
+                known_free = False
+                state = free_here = None
+                free = np.arange(pend.size)
+            else:
+                state = ndc[cur]
+                free_here = (state == EMPTY) | (state == TOMB)
+                free = np.flatnonzero(free_here)
+                if not free.size:
+                    cur = (cur + 1) & mask
+                    continue
+            b = cur[free] & bmask
+            claim[b] = free
+            won = free[claim[b] == free]
+            slots, win = cur[won], pend[won]
+            if self._tombs and state is not None:
+                self._tombs -= int(np.count_nonzero(state[won] == TOMB))
+            self.k0[slots], self.k1[slots] = lo[win], hi[win]
+            ndc[slots] = nd if one_nd else nd[win]
+            self.sh[slots] = sh if one_sh else sh[win]
+            self.hs[slots] = hs[win]
+            if off is not None:
+                self.off[slots] = off[win]
+            self._used += slots.size
+            if won.size == pend.size:
+                return
+            keep = np.ones(pend.size, bool)
+            keep[won] = False
+            cur = (cur if free_here is None else np.where(free_here, cur, (cur + 1) & mask))[keep]
+            pend = pend[keep]
 
     def _find_many(self, lo: U64Array, hi: U64Array) -> I64Array:
         """Table slot of each key, -1 where absent."""
+        return self._probe(lo, hi)[0]
+
+    def _probe(self, lo: U64Array, hi: U64Array, h: U64Array | None = None,
+               free: bool = False) -> tuple[I64Array, I64Array]:
+        """(table slot of each key or -1 where absent, and with ``free`` where each absent key
+        would go: the first deleted or empty slot of its probe). ``h``: the keys' hashes."""
         mask = self._mask
-        cur = (_hash_vec(lo, hi) & _U64(mask)).astype(np.int64)
-        out = np.full(lo.size, -1, np.int64)
-        pend = np.arange(lo.size)
+        cur = ((_hash_vec(lo, hi) if h is None else h) & _U64(mask)).astype(np.int64)
+        n = lo.size
+        out = np.full(n, -1, np.int64)
+        ins = np.full(n, -1, np.int64) if free else out
+        pend = np.arange(n)
+        plo, phi = lo, hi
         k0, k1, ndc = self.k0, self.k1, self.nd
+        tombs = self._tombs
         while pend.size:
+            if pend.size >= SPARSE_PROBE and not (free and tombs):
+                # Most probes of many keys meet other keys: the low halves are read first, the
+                # node column and the high half only where the low half matched or is zero (an
+                # empty slot's key is zero; so is a key's now and then: the node column decides).
+                g = k0[cur]
+                go = np.ones(pend.size, bool)
+                maybe = np.flatnonzero(g == plo)
+                if maybe.size:
+                    at = cur[maybe]
+                    st = ndc[at]
+                    hits = maybe[(k1[at] == phi[maybe]) & (st != EMPTY) & (st != TOMB)]
+                    out[pend[hits]] = cur[hits]
+                    go[hits] = False
+                zero = np.flatnonzero(g == 0)
+                if zero.size:
+                    ends = zero[ndc[cur[zero]] == EMPTY]
+                    if free:
+                        ins[pend[ends]] = cur[ends]
+                    go[ends] = False
+                if go.all():
+                    cur = (cur + 1) & mask
+                else:
+                    pend, cur, plo, phi = pend[go], (cur[go] + 1) & mask, plo[go], phi[go]
+                continue
             state = ndc[cur]
-            hit = (k0[cur] == lo[pend]) & (k1[cur] == hi[pend]) & (state != EMPTY) & (state != TOMB)
+            hit = (k0[cur] == plo) & (k1[cur] == phi) & (state != EMPTY) & (state != TOMB)
             if hit.any():
                 out[pend[hit]] = cur[hit]
-            go = (state != EMPTY) & ~hit
-            pend, cur = pend[go], (cur[go] + 1) & mask
-        return out
+            empty = state == EMPTY
+            if free:
+                if tombs:
+                    first = np.flatnonzero(empty | (state == TOMB))
+                    first = first[ins[pend[first]] < 0]
+                else:
+                    first = np.flatnonzero(empty)
+                ins[pend[first]] = cur[first]
+            go = ~(empty | hit)
+            pend, cur, plo, phi = pend[go], (cur[go] + 1) & mask, plo[go], phi[go]
+        return out, ins
 
     def _find(self, key: bytes) -> tuple[int, int, int]:
         """(slot or -1, low half, high half) of a 16-byte key."""
@@ -534,6 +721,69 @@ class KeyIndex:
             new_bytes += sum(int(c) * nbytes_of[s] for s, c in enumerate(counts.tolist()) if c)
         return new, new_bytes
 
+    def add_columns(self, node_id: str, keys: bytes, lo: U64Array, hi: U64Array, sid: int,
+                    header_sums: U64Array) -> tuple[int, int]:
+        """:meth:`add_many` for a batch of one node's records of one shape ``sid`` (not WHOLE)
+        without offsets, as columns: 16-byte ``keys`` end to end, the same keys as (``lo``,
+        ``hi``) halves, and their header checksums. Probed, checked and written with numpy only
+        (no Python object per key) unless some keys repeat in the batch or are already held by
+        another node."""
+        h = _hash_vec(lo, hi)
+        if lo.size < 16 or not distinct(h, lo, hi):
+            n = lo.size
+            return self.add_many(node_id, key_list(keys), [sid] * n, header_sums.tolist(), [0] * n)
+        added = self._add_columns(self.node_index(node_id), keys, lo, hi, h, sid, header_sums)
+        if self.journal is not None:
+            self.journal(["addc", node_id, keys, sid, header_sums.astype("<u8").tobytes()])
+        return added
+
+    def _add_columns(self, idx: int, keys: bytes, lo: U64Array, hi: U64Array, h: U64Array, sid: int,
+                     header_sums: U64Array) -> tuple[int, int]:
+        slots, free = self._probe(lo, hi, h, free=True)
+        absent = slots < 0
+        fresh = int(np.count_nonzero(absent))
+        self._check_room(fresh)
+        new = fresh
+        if fresh < lo.size:
+            present = np.flatnonzero(~absent)
+            at = slots[present]
+            mine = self.nd[at] == idx
+            same, other = present[mine], present[~mine]
+            ss = at[mine]
+            self.sh[ss], self.hs[ss] = sid, header_sums[same]
+            if self._has_offsets:
+                self.off[ss] = 0
+            # Another node's key: this node's copy is an extra replica.
+            for i, header_sum in zip(other.tolist(), header_sums[other].tolist()):
+                key = keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+                if self._replace_in(self._extra.setdefault(key, []), (idx, sid, header_sum, 0)):
+                    new += 1
+                elif self._whole:
+                    self._whole.pop((key, idx), None)
+            if self._whole:
+                for i in same.tolist():
+                    self._whole.pop((keys[i * KEY_BYTES:(i + 1) * KEY_BYTES], idx), None)
+        if fresh:
+            sel = np.flatnonzero(absent) if fresh < lo.size else None
+            start = None if self._reserve_slots(fresh) else free if sel is None else free[sel]
+            if sel is None:
+                self._place(lo, hi, idx, sid, header_sums, None, start)
+            else:
+                self._place(lo[sel], hi[sel], idx, sid, header_sums[sel], None, start)
+        self.replicas += new
+        self._node_counts[idx] += new
+        return new, new * self._shape_nbytes[sid]
+
+    def check_room_columns(self, keys: bytes, lo: U64Array, hi: U64Array) -> None:
+        """:meth:`check_room` for keys given as :meth:`add_columns` takes them."""
+        if not self.max_keys:
+            return
+        h = _hash_vec(lo, hi)
+        if distinct(h, lo, hi):
+            self._check_room(int(np.count_nonzero(self._probe(lo, hi, h)[0] < 0)))
+        else:
+            self.check_room(key_list(keys))
+
     def _new_keys(self, keys: Sequence[bytes]) -> int:
         if not self.max_keys:
             return 0
@@ -676,8 +926,10 @@ class KeyIndex:
         self._has_offsets = bool(tables["has_offsets"])
         self._alloc(capacity)
         self._used = self._tombs = 0
-        k0, k1, nd, sh, hs = columns[:5]
-        self._place(k0, k1, nd, sh, hs, columns[5] if self._has_offsets else None)
+        parts = columns[:6] if self._has_offsets else columns[:5]
+        for start in range(0, live, REBUILD_CHUNK):
+            k0, k1, nd, sh, hs, *off = (c[start:start + REBUILD_CHUNK] for c in parts)
+            self._place(k0, k1, nd, sh, hs, off[0] if off else None)
         self.generation += 1
         self._shapes = [None]
         self._shape_ids = {}

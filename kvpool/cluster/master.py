@@ -22,6 +22,7 @@ from kvpool.cluster import protocol as P
 from kvpool.cluster.bulk import BULK_MIN_BYTES, collector_paused, unpack_bulk
 from kvpool.cluster.etcd import Election, EtcdClient, check_address_for_etcd
 from kvpool.cluster.follow import ChangeLog, Follower
+from kvpool.cluster.index import tune_process_memory
 from kvpool.cluster.ops import MasterState
 from kvpool.cluster.query import QUERY_OPS, QueryServer, query_host
 from kvpool.cluster.records import loggable
@@ -278,6 +279,7 @@ def run_master(
     Raises ConfigError when the listen address cannot be bound.
     """
     section, max_key_bytes = _sections(config)
+    tune_process_memory()
     stop = stop_event if stop_event is not None else threading.Event()
     previous: dict[signal.Signals, Any] = {}
     if stop_event is None and threading.current_thread() is threading.main_thread():

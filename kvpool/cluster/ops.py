@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster import schema as S
+from kvpool.cluster.bulk import RecordColumns
 from kvpool.cluster.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address, node_wire
 from kvpool.cluster.state import IndexState
 
@@ -52,15 +53,29 @@ class MasterState(IndexState):
         node_id, host_id, role, persistent = body.node_id, body.host_id, body.role, body.persistent_tiers
         address = self._bounded_str("address", body.address, self.config.max_address_bytes)
         tiers = self._tiers(body.tiers)
-        raw_objects = self._batch(body.objects, "objects")
+        raw_objects: Any = self._batch(body.objects, "objects")
         endpoint, control = describe_address(address)
         if body.control is not None:
             control = body.control
-        keys, sids, sums, offsets, whole, durable = self._encode_records(raw_objects)
-        now = self.clock()
         node = self.nodes.get(node_id)
-        # Refused whole (PoolFullError) before anything changes if the new keys do not fit.
-        self.index.check_room(keys)
+        columns: RecordColumns | None = None
+        if isinstance(raw_objects, RecordColumns):
+            # As columns (kvpool.cluster.bulk) unless deletes wait for this node (they are
+            # matched key by key) or the records do not fit the index's columns.
+            sid = None if node is not None and node.pending_deletes else self._encode_columns(raw_objects)
+            if sid is None:
+                raw_objects = raw_objects.records()
+            else:
+                columns = raw_objects
+        if columns is not None:
+            keys: list[bytes] = []
+            durable = columns.durable_pairs()
+            # Refused whole (PoolFullError) before anything changes if the new keys do not fit.
+            self.index.check_room_columns(columns.keys, columns.lo, columns.hi)
+        else:
+            keys, sids, sums, offsets, whole, durable = self._encode_records(raw_objects)
+            self.index.check_room(keys)
+        now = self.clock()
         if node is None:
             node = self.nodes[node_id] = NodeInfo(node_id, address, host_id, tiers, now)
             previously: list[bytes] = []
@@ -82,7 +97,11 @@ class MasterState(IndexState):
             keys = [keys[i] for i in keep]
             sids, sums, offsets = ([seq[i] for i in keep] for seq in (sids, sums, offsets))
             whole = [whole[i] for i in keep] if whole else whole
-        self.index.add_many(node_id, keys, sids, sums, offsets, whole)
+        if columns is not None:
+            self.index.add_columns(node_id, columns.keys, columns.lo, columns.hi, sid, columns.sums)  # type: ignore[arg-type]
+        else:
+            self.index.add_many(node_id, keys, sids, sums, offsets, whole)
+        indexed = len(columns) if columns is not None else len(keys)
         self.durable.update(durable)
         # Keys this node lost, and keys it brings back (maybe the only copy left of a
         # durable key whose other holders died), may need copies.
@@ -103,13 +122,13 @@ class MasterState(IndexState):
             kind = "storage node without a persistent tier (takes no durable copies)"
         log.info(
             "node %s registered: %s, host=%.64s, %d objects (%d skipped: deleted meanwhile)",
-            node.label, kind, host_id, len(keys), skipped,
+            node.label, kind, host_id, indexed, skipped,
         )
         return {
             "heartbeat_ms": self.config.heartbeat_ms,
             "dead_after_missed": self.config.dead_after_missed,
             "lease_s": self.config.lease_s,
-            "indexed": len(keys),
+            "indexed": indexed,
             "skipped_deleted": skipped,
         }
 
@@ -250,12 +269,21 @@ class MasterState(IndexState):
 
     def op_publish(self, body: S.Publish) -> Any:
         node = self._alive_node(body.node_id)
-        raws = self._batch(body.objects, "objects")
-        keys, sids, sums, offsets, whole, durable = self._encode_records(raws)
+        raws: Any = self._batch(body.objects, "objects")
+        sid = self._encode_columns(raws) if isinstance(raws, RecordColumns) else None
+        if sid is None and isinstance(raws, RecordColumns):
+            raws = raws.records()
         # A node sending what it holds is alive: one that re-registers a large index in many
         # batches is never declared dead between them for want of a heartbeat.
-        node.last_seen = max(node.last_seen, self.clock())
-        _, new_bytes = self.index.add_many(node.node_id, keys, sids, sums, offsets, whole)
+        if sid is not None:  # one kind of record, as columns (kvpool.cluster.bulk)
+            node.last_seen = max(node.last_seen, self.clock())
+            _, new_bytes = self.index.add_columns(node.node_id, raws.keys, raws.lo, raws.hi, sid, raws.sums)
+            durable = raws.durable_pairs()
+            keys: Iterable[bytes] = raws.key_list() if node.pending_deletes else ()
+        else:
+            keys, sids, sums, offsets, whole, durable = self._encode_records(raws)
+            node.last_seen = max(node.last_seen, self.clock())
+            _, new_bytes = self.index.add_many(node.node_id, keys, sids, sums, offsets, whole)
         node.committed_since_beat += new_bytes
         self.durable.update(durable)
         pending = node.pending_deletes

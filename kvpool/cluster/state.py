@@ -86,7 +86,8 @@ from typing import Any
 from kvpool import errors
 from kvpool.cluster import protocol as P
 from kvpool.cluster import schema as S
-from kvpool.cluster.index import WHOLE, KeyIndex
+from kvpool.cluster.bulk import RecordColumns
+from kvpool.cluster.index import KEY_BYTES, WHOLE, KeyIndex
 from kvpool.cluster.records import (
     COUNTERS,
     REREPLICATE_BACKOFF_S,
@@ -293,6 +294,17 @@ class IndexState:
             whole.append(None if sid != WHOLE else
                          Replica(raw.tier, spec, raw.nbytes, raw.header_sum, raw.location, None))
         return keys, sids, sums, offsets, whole if any(w is not None for w in whole) else [], durable
+
+    def _encode_columns(self, columns: RecordColumns) -> int | None:
+        """The shape id of a batch decoded as columns (checked as :meth:`_encode_records` checks
+        each record), or None: it does not fit the index's columns (decode it record by record)."""
+        if not len(columns):
+            return None
+        self._key(columns.keys[:KEY_BYTES])  # every key is 16 bytes: allowed if the first is
+        first = columns.first
+        self._check_spec(first.spec)
+        sid, _, offset = self.index.encode(first.tier, first.spec, first.nbytes, 0, None)
+        return None if sid == WHOLE or offset else sid
 
     def _alive_node(self, node_id: Any) -> NodeInfo:
         node = self.nodes.get(node_id) if isinstance(node_id, str) else None
