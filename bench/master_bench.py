@@ -35,9 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvpool.cluster import protocol as P  # noqa: E402
-from kvpool.cluster.master_client import MasterClient  # noqa: E402
-from kvpool.cluster.security import ClusterKey  # noqa: E402
+from kvpool.cluster.wire import protocol as P  # noqa: E402
+from kvpool.cluster.wire.master_client import MasterClient  # noqa: E402
+from kvpool.cluster.wire.security import ClusterKey  # noqa: E402
 from kvpool.hashing import prefix_hashes  # noqa: E402
 from kvpool.objformat import ObjectSpec  # noqa: E402
 

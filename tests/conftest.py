@@ -209,8 +209,8 @@ def nobody_python() -> tuple[str, dict[str, str]]:
         if not candidate:
             continue
         try:
-            probe = subprocess.run([candidate, "-c", "import kvpool.cluster.node, zmq, numpy"], capture_output=True,
-                                   timeout=60, env=env, preexec_fn=as_nobody, cwd="/")
+            probe = subprocess.run([candidate, "-c", "import kvpool.cluster.node.server, zmq, numpy"],
+                                   capture_output=True, timeout=60, env=env, preexec_fn=as_nobody, cwd="/")
         except OSError:  # nobody may not even execute it
             continue
         if probe.returncode == 0:
@@ -241,7 +241,7 @@ class Etcd:
                  "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.child = ChildProcess(popen, self.log_path)
-        from kvpool.cluster.etcd import EtcdClient
+        from kvpool.cluster.wire.etcd import EtcdClient
 
         client = EtcdClient(self.url)
         try:

@@ -23,9 +23,9 @@ import pytest
 
 import kvpool
 from kvpool import errors
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.security import ClusterKey, keygen
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.security import ClusterKey, keygen
 from kvpool.config import Config
 from tests.conftest import REPO_ROOT, as_nobody, free_tcp_port, nobody_python, wait_for
 from tests.test_daemon import http_get

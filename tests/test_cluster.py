@@ -14,10 +14,10 @@ import pytest
 
 import kvpool
 from kvpool import errors
-from kvpool.cluster.checks import Speculation
-from kvpool.cluster.control import control_call
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.node.checks import Speculation
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import ChildProcess, free_tcp_port, wait_for
@@ -603,7 +603,7 @@ def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
     import zmq
 
     cluster.start_master()
-    from kvpool.cluster.security import ClusterKey
+    from kvpool.cluster.wire.security import ClusterKey
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvpool.cluster.control import control_call
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.transport.tcp.admission import Admission, connection_cap, raise_descriptor_limit, reserved_descriptors
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import REPO_ROOT, free_tcp_port, wait_for

@@ -12,7 +12,7 @@ import pytest
 
 import kvpool
 from kvpool import errors
-from kvpool.cluster.master_client import MasterClient
+from kvpool.cluster.wire.master_client import MasterClient
 from tests.cluster_actor import content, key_of
 from tests.conftest import REPO_ROOT, wait_for
 from tests.test_cluster import HEARTBEAT_MS, Cluster

@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.master import MasterServer
-from kvpool.cluster.node import Node
-from kvpool.cluster.ops import MasterState
+from kvpool.cluster.master.ops import MasterState
+from kvpool.cluster.master.server import MasterServer
+from kvpool.cluster.node.server import Node
+from kvpool.cluster.wire import protocol as P
 from kvpool.config import Config, MasterSection
 from kvpool.objformat import LayerRange, ObjectSpec
 from kvpool.transport import frames as T

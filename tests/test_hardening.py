@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.cluster.located import alive_nodes_of
-from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.reader import ReplicaReader
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.node.located import alive_nodes_of
+from kvpool.cluster.node.reader import ReplicaReader
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import Config
 from kvpool.objformat import ObjectHeader, encode
 from kvpool.pool import Pool

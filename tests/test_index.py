@@ -1,4 +1,4 @@
-"""The master's compact key index (kvpool.cluster.index), against a plain dict model.
+"""The master's compact key index (kvpool.cluster.master.index), against a plain dict model.
 
 A Hypothesis state machine drives a real MasterState (the compact index inside it) and a
 model that keeps what the old master kept, key -> {node: record} in dicts, through random
@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from kvpool import errors
-from kvpool.cluster import bulk
-from kvpool.cluster import protocol as P
-from kvpool.cluster import schema as S
-from kvpool.cluster.follow import ChangeLog, answer_follow, apply_change, load_snapshot
-from kvpool.cluster.index import KeyIndex, split_keys
-from kvpool.cluster.ops import MasterState
+from kvpool.cluster.master import bulk
+from kvpool.cluster.master.follow import ChangeLog, answer_follow, apply_change, load_snapshot
+from kvpool.cluster.master.index import KeyIndex, split_keys
+from kvpool.cluster.master.ops import MasterState
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire import schema as S
 from kvpool.config import MasterSection
 from kvpool.objformat import ObjectSpec
 
@@ -61,7 +61,7 @@ class IndexMachine(RuleBasedStateMachine):
         config = MasterSection(max_keys=MAX_KEYS)
         self.state = MasterState(config)
         self.state.record_changes(ChangeLog())
-        # A standby following the state's change stream (kvpool.cluster.follow).
+        # A standby following the state's change stream (kvpool.cluster.master.follow).
         self.standby = MasterState(config)
         self.stream, self.since = "", 0
         self.model: Model = {}

@@ -1,6 +1,6 @@
 """Bounded everywhere: request sizes, batch sizes, field sizes, liveness under a busy master.
 
-In-process tests drive :class:`kvpool.cluster.ops.MasterState` / ``MasterServer.serve_frames``;
+In-process tests drive :class:`kvpool.cluster.master.ops.MasterState` / ``MasterServer.serve_frames``;
 ``test_real_master_stays_live_under_maximum_requests`` runs a real master and two real nodes.
 """
 
@@ -17,14 +17,14 @@ import pytest
 import zmq
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.control import control_call
-from kvpool.cluster.heartbeat import Heartbeater
-from kvpool.cluster.master import MasterServer
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.ops import MasterState
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.master.ops import MasterState
+from kvpool.cluster.master.server import MasterServer
+from kvpool.cluster.node.heartbeat import Heartbeater
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import Config, MasterSection
 from kvpool.objformat import ObjectSpec
 from tests.conftest import wait_for
@@ -109,7 +109,7 @@ def test_oversized_fields_are_refused_and_never_echoed(server: MasterServer) -> 
 
 
 def test_an_unforeseen_error_in_a_question_is_a_typed_reply_on_the_query_port(server: MasterServer) -> None:
-    from kvpool.cluster.query import QueryClient, query_host
+    from kvpool.cluster.wire.query import QueryClient, query_host
 
     def broken(body: Any) -> Any:
         raise RuntimeError("a bug")

@@ -20,10 +20,10 @@ import pytest
 import zmq
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.heartbeat import Heartbeater
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.node.heartbeat import Heartbeater
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.hashing import prefix_hashes
 from kvpool.objformat import ObjectSpec
 from tests.conftest import ChildProcess, free_tcp_port, python_process, wait_for
@@ -280,7 +280,7 @@ def test_revoke_releases_the_reservation(make_node, client):
 
 class SyntheticMaster:
     def __init__(self, **settings: Any) -> None:
-        from kvpool.cluster.ops import MasterState
+        from kvpool.cluster.master.ops import MasterState
         from kvpool.config import MasterSection
 
         self.now = 1000.0
@@ -625,7 +625,7 @@ def test_a_handshake_monitor_left_unread_never_stops_its_context() -> None:
     per reconnect that nobody reads. libzmq sends them from the context's I/O thread with a
     blocking send: with the monitor's default limit (1000) that thread stopped, and every
     socket of the context with it (seen with a script before the limit was lifted)."""
-    from kvpool.cluster.security import HandshakeWatch, stop_authenticator
+    from kvpool.cluster.wire.security import HandshakeWatch, stop_authenticator
 
     server_ctx, ctx = zmq.Context(), zmq.Context()
     server = server_ctx.socket(zmq.ROUTER)
@@ -678,7 +678,7 @@ _STUCK: list[Any] = []
 
 _DIES_ON_REQUEST = """
 import os, sys, zmq
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.wire.security import ClusterKey
 sock = zmq.Context.instance().socket(zmq.ROUTER)
 ClusterKey.default().secure_server(sock)
 print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
@@ -688,7 +688,7 @@ os._exit(1)  # dies holding it
 
 
 def test_a_node_control_call_the_node_died_holding_fails_at_once_not_at_its_deadline(spawn_python, tmp_path):
-    from kvpool.cluster.control import control_call
+    from kvpool.cluster.wire.control import control_call
 
     log = tmp_path / "node.log"
     server = spawn_python(["-c", _DIES_ON_REQUEST], log_path=log, ready=lambda: log.read_text().strip())
@@ -977,8 +977,8 @@ def test_malformed_master_address_is_a_config_error_at_once(address):
 
 def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():
     """MasterState + Rereplicator in-process, on a synthetic clock (targets never answer)."""
-    from kvpool.cluster.ops import MasterState
-    from kvpool.cluster.rereplicate import Rereplicator
+    from kvpool.cluster.master.ops import MasterState
+    from kvpool.cluster.master.rereplicate import Rereplicator
     from kvpool.config import MasterSection
 
     clock = [1000.0]
@@ -1011,7 +1011,7 @@ def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():
 
 
 def test_holders_behave_like_a_dict_of_replicas_by_node() -> None:
-    from kvpool.cluster.records import Holders, Replica
+    from kvpool.cluster.master.records import Holders, Replica
 
     def replica(tier: str) -> Replica:
         return Replica(tier, SPEC.to_wire(), SPEC.total_nbytes, 7, None, None)
@@ -1034,7 +1034,7 @@ def test_holders_behave_like_a_dict_of_replicas_by_node() -> None:
         held["a"]
 
 
-# -- the query port (kvpool.cluster.query) -------------------------------------------------------
+# -- the query port (kvpool.cluster.wire.query) -------------------------------------------------------
 
 
 def test_questions_are_answered_on_the_query_port_as_over_zeromq(make_node, client):
@@ -1054,7 +1054,7 @@ def test_questions_are_answered_on_the_query_port_as_over_zeromq(make_node, clie
 
 
 def test_the_query_port_answers_only_questions_and_only_to_holders_of_the_key(make_node, client):
-    from kvpool.cluster.query import QUERY_HELLO, QueryClient, query_host
+    from kvpool.cluster.wire.query import QUERY_HELLO, QueryClient, query_host
 
     node = make_node()
     [key] = new_keys(1)

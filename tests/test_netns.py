@@ -22,9 +22,9 @@ KEYS = 4
 
 PROBE = """
 import json, sys
-from kvpool.cluster.control import control_call
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.node.server import NodeAddress
 with MasterClient(sys.argv[1], request_timeout_s=5) as client:
     stats = client.stats()
     alive = {nid: n for nid, n in stats["nodes"].items() if n["alive"]}
@@ -181,7 +181,7 @@ def test_ha_masters_on_two_hosts_fail_over_to_each_other(tmp_path: Path) -> None
             return json.loads(lines[-1])
 
         def leader() -> str | None:
-            done = lab.run(h3, [sys.executable, "-c", "import sys; from kvpool.cluster.etcd import masters; "
+            done = lab.run(h3, [sys.executable, "-c", "import sys; from kvpool.cluster.wire.etcd import masters; "
                                 "print(masters(sys.argv[1], '/kvpool')[0])", url])
             return done.stdout.strip() if done.returncode == 0 else None
 

@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster import schema as S
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire import schema as S
 from kvpool.objformat import ObjectSpec
 
 SPEC = ObjectSpec(layers=2, tokens=4, kv_heads=2, head_dim=8, dtype="float16").to_wire()

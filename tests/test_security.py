@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvpool import errors
-from kvpool.cluster.security import TOKEN_NBYTES, ClusterKey, keygen, load_or_create
+from kvpool.cluster.wire.security import TOKEN_NBYTES, ClusterKey, keygen, load_or_create
 from tests.conftest import communicate_all
 
 
@@ -30,7 +30,7 @@ def test_key_file_is_created_private_and_reused(tmp_path: Path) -> None:
 def test_processes_starting_together_on_a_fresh_host_agree_on_one_key(tmp_path: Path) -> None:
     # Each may be the first to need the key: none may read a half-written one or make its own.
     path = tmp_path / "fresh" / "cluster.key"
-    code = ("import sys; from kvpool.cluster.security import load_or_create; "
+    code = ("import sys; from kvpool.cluster.wire.security import load_or_create; "
             "print(load_or_create(sys.argv[1]).hex())")
     for _ in range(3):
         procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE,
@@ -94,7 +94,7 @@ def _roundtrip(server_key: ClusterKey, client_key: ClusterKey | None) -> bool:
             client.close(0)
             server.close(0)
     finally:
-        from kvpool.cluster.security import stop_authenticator
+        from kvpool.cluster.wire.security import stop_authenticator
 
         stop_authenticator(ctx)
         ctx.destroy(linger=0)

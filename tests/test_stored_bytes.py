@@ -1,7 +1,7 @@
 """Any bytes in any file kvpool reads back: skipped or refused with a typed error, never a crash.
 
 One Hypothesis test (or two: random contents, and mutations of a valid file) per reader of a
-file: ``durable.log`` (:mod:`kvpool.cluster.durable_log`), the nvme tier's segment files and
+file: ``durable.log`` (:mod:`kvpool.cluster.node.durable_log`), the nvme tier's segment files and
 LMDB index records, a cxl arena and its shared index, a config TOML, the cluster key file.
 "Typed" means a :class:`kvpool.errors.KVPoolError`; anything else escaping is a failure.
 Example counts are bounded so the file runs in seconds.
@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool import errors
-from kvpool.cluster import durable_log
-from kvpool.cluster.security import _read_secret, keygen
+from kvpool.cluster.node import durable_log
+from kvpool.cluster.wire.security import _read_secret, keygen
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, encode
 from tests.conftest import bounded

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.cluster.reader import SAME_HOST_TCP_PULL_MAX, ReplicaReader
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.node.reader import SAME_HOST_TCP_PULL_MAX, ReplicaReader
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullRequest, ServeSource, local_host_id
 from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient, TcpPullServer

@@ -226,7 +226,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                                         "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0,
                                         "plan_loaded_blocks": 0, "plan_recomputed_blocks": 0}
         if role == KVConnectorRole.SCHEDULER:
-            from kvpool.cluster.master_client import MasterClient
+            from kvpool.cluster.wire.master_client import MasterClient
             from kvpool.config import Config
 
             # A block kvpool cannot deliver intact is recomputed, not the request failed: vLLM's

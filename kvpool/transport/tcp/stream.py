@@ -31,7 +31,7 @@ class MutualHello:
     3. the client's proof of the server's nonce (PROOF_NBYTES; zeros from a client without
        the key), sent before its first request.
 
-    Proofs are the callers' (:class:`~kvpool.cluster.security.ClusterKey`, labelled per side,
+    Proofs are the callers' (:class:`~kvpool.cluster.wire.security.ClusterKey`, labelled per side,
     so neither end's answer can be replayed as the other's). Fresh nonces on both ends: a
     recorded opening cannot be replayed. ``what`` names the server in errors. The server's
     side runs in :class:`kvpool.transport.tcp.admission.OpeningLoop`."""

@@ -3,7 +3,7 @@
 What it owns
     key -> replicas (node, tier, spec, size, header checksum, location) for every key the
     master knows, and a replica count per node. Not the node registry, leases, durability or
-    deletes sent to nodes (:mod:`kvpool.cluster.state` keeps those).
+    deletes sent to nodes (:mod:`kvpool.cluster.master.state` keeps those).
 
 How (see docs/master_index.md for the numbers and the choice)
     Keys are 16-byte prefix hashes, so a key is two u64 in a table with open addressing
@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool import errors
-from kvpool.cluster.records import Holders, Replica
+from kvpool.cluster.master.records import Holders, Replica
 
 KEY_BYTES = 16
 EMPTY, TOMB = 0, 0xFFFF  # node column: a slot never used / a slot whose key was removed
@@ -95,7 +95,7 @@ class KeyIndex:
         self._node_counts: list[int] = [0]
         self._free_nodes: list[int] = []
         #: every change, as a list of msgpack-able values, for a standby to replay (see
-        #: kvpool.cluster.follow); None: changes are not recorded
+        #: kvpool.cluster.master.follow); None: changes are not recorded
         self.journal: Callable[[list[Any]], None] | None = None
 
     # -- table storage -------------------------------------------------------------------
@@ -638,7 +638,7 @@ class KeyIndex:
             self.journal(["drop", node_id])
         return dropped
 
-    # -- a standby's copy (kvpool.cluster.follow) ------------------------------------------
+    # -- a standby's copy (kvpool.cluster.master.follow) ------------------------------------------
 
     def put_shape(self, sid: int, tier: str, spec: list[Any], nbytes: int, template: list[list[Any]],
                   has_sum: bool, has_offset: bool) -> None:

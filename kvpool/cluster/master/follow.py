@@ -43,14 +43,14 @@ import msgspec
 import numpy as np
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.records import Replica, node_from_wire, node_wire
+from kvpool.cluster.master.records import Replica, node_from_wire, node_wire
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.master_client import MasterClient
 
 if TYPE_CHECKING:
-    from kvpool.cluster.master import MasterServer
-    from kvpool.cluster.ops import MasterState
-    from kvpool.cluster.state import IndexState
+    from kvpool.cluster.master.ops import MasterState
+    from kvpool.cluster.master.server import MasterServer
+    from kvpool.cluster.master.state import IndexState
 
 log = logging.getLogger("kvpool.master.follow")
 

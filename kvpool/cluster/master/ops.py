@@ -1,6 +1,6 @@
 """The master's requests: one ``op_*`` per protocol operation on :class:`IndexState`.
 
-Each ``op_*`` takes its op's struct from :mod:`kvpool.cluster.schema` (shape and fixed
+Each ``op_*`` takes its op's struct from :mod:`kvpool.cluster.wire.schema` (shape and fixed
 limits already checked) and checks what depends on settings and state before changing
 anything, so a bad request never leaves half an update behind.
 """
@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster import schema as S
-from kvpool.cluster.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address, node_wire
-from kvpool.cluster.state import IndexState
+from kvpool.cluster.master.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address, node_wire
+from kvpool.cluster.master.state import IndexState
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire import schema as S
 
 log = logging.getLogger("kvpool.master")
 
@@ -377,8 +377,8 @@ class MasterState(IndexState):
         return {"keys": out, "truncated": False}
 
     def op_follow(self, body: S.Follow) -> Any:
-        """A standby's question for the changes it has not seen (kvpool.cluster.follow)."""
-        from kvpool.cluster.follow import answer_follow
+        """A standby's question for the changes it has not seen (kvpool.cluster.master.follow)."""
+        from kvpool.cluster.master.follow import answer_follow
 
         return answer_follow(self, body)
 

@@ -1,9 +1,9 @@
 """The master's and the node control socket's wire protocol: versioned msgpack messages
-over ZeroMQ, with the bodies typed by :mod:`kvpool.cluster.schema`.
+over ZeroMQ, with the bodies typed by :mod:`kvpool.cluster.wire.schema`.
 
 Owns the framing, the list of operations, the shape of every request and reply
 body, and the mapping of error replies to :mod:`kvpool.errors` classes. It does
-not own sockets (:mod:`kvpool.cluster.master`, :mod:`kvpool.cluster.master_client`) or any
+not own sockets (:mod:`kvpool.cluster.master.server`, :mod:`kvpool.cluster.wire.master_client`) or any
 state.
 
 Framing. A client (DEALER) sends one frame; the master (ROUTER) sees the
@@ -22,7 +22,7 @@ msgpack is packed with ``use_bin_type``: keys (prefix hashes) are ``bytes``,
 names are ``str``.
 
 Bodies (every batch is one message, whatever its size) are msgpack maps; their typed
-schema — the authority on every field, type and fixed limit — is :mod:`kvpool.cluster.schema`,
+schema — the authority on every field, type and fixed limit — is :mod:`kvpool.cluster.wire.schema`,
 and :data:`SCHEMA` maps each op to its request and reply struct. A request decodes straight
 into its struct (a body that does not fit is ProtocolError, naming the field); a client
 decodes each reply into its op's reply struct the same way::
@@ -99,8 +99,8 @@ import msgpack
 import msgspec
 
 from kvpool import errors
-from kvpool.cluster import schema as S
-from kvpool.cluster.schema import ROLE_CLIENT, ROLE_STORAGE
+from kvpool.cluster.wire import schema as S
+from kvpool.cluster.wire.schema import ROLE_CLIENT, ROLE_STORAGE
 from kvpool.objformat import ObjectSpec, stored_header_checksum
 
 PROTOCOL_VERSION = 2  # v2: records carry header_sum, not the header
@@ -130,11 +130,11 @@ DELETE = "delete"
 PLACE = "place"
 STATS = "stats"
 LIST = "list"
-FOLLOW = "follow"  # a standby master following the leader's changes (kvpool.cluster.follow)
+FOLLOW = "follow"  # a standby master following the leader's changes (kvpool.cluster.master.follow)
 
 __all__ = ["ROLE_CLIENT", "ROLE_STORAGE"]
 
-#: op -> (request body, reply body) in :mod:`kvpool.cluster.schema`; a reply of None is free-form
+#: op -> (request body, reply body) in :mod:`kvpool.cluster.wire.schema`; a reply of None is free-form
 SCHEMA: dict[str, tuple[type[S.Body], type[S.Body] | None]] = {
     PING: (S.Ping, S.PingReply), REGISTER: (S.Register, S.RegisterReply), LEAVE: (S.Leave, S.LeaveReply),
     HEARTBEAT: (S.Heartbeat, S.HeartbeatReply), LOOKUP: (S.Keys, S.LookupReply),

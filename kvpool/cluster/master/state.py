@@ -4,13 +4,13 @@ Owns, in memory, which node holds which key in which tier (with the object's
 spec, its header's checksum and an opaque location), the node registry and its liveness,
 two-phase put reservations, read leases, delete/evict coordination and
 placement of durable puts. It serves these over one ZeroMQ ROUTER socket with
-the protocol of :mod:`kvpool.cluster.protocol`, from one thread, and never sees KV
+the protocol of :mod:`kvpool.cluster.wire.protocol`, from one thread, and never sees KV
 bytes. It does not own storage (nodes do) or persistence: after a restart the
 state is rebuilt by nodes re-registering everything they hold (heartbeat
 replies to an unknown node say ``reregister``); with ``master.etcd`` a standby
 that followed the leader's changes takes over with the full index instead
-(:mod:`kvpool.cluster.follow`). The key index itself is compact and bounded by
-``master.max_keys`` (:mod:`kvpool.cluster.index`).
+(:mod:`kvpool.cluster.master.follow`). The key index itself is compact and bounded by
+``master.max_keys`` (:mod:`kvpool.cluster.master.index`).
 
 Semantics worth knowing:
 
@@ -84,10 +84,8 @@ from itertools import islice
 from typing import Any
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster import schema as S
-from kvpool.cluster.index import WHOLE, KeyIndex
-from kvpool.cluster.records import (
+from kvpool.cluster.master.index import WHOLE, KeyIndex
+from kvpool.cluster.master.records import (
     COUNTERS,
     REREPLICATE_BACKOFF_S,
     REREPLICATE_EXAMINE_PER_ROUND,
@@ -98,7 +96,9 @@ from kvpool.cluster.records import (
     RereplicationTask,
     Reservation,
 )
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire import schema as S
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import MasterSection
 from kvpool.objformat import ObjectSpec
 
@@ -130,7 +130,7 @@ class Durable(dict[bytes, int]):
 
 class IndexState:
     """The master's state and its transitions (index, registry, timers, durability planning);
-    no sockets, no threads. The requests that drive it are :class:`kvpool.cluster.ops.MasterState`'s.
+    no sockets, no threads. The requests that drive it are :class:`kvpool.cluster.master.ops.MasterState`'s.
     """
 
     def __init__(
@@ -170,10 +170,10 @@ class IndexState:
         self.cluster_key: ClusterKey | None = None
         #: with master.etcd: {"etcd", "prefix", "term", "endpoint"} of this leader's term (shown in stats)
         self.ha: dict[str, Any] | None = None
-        #: the master's query port (kvpool.cluster.query), told to clients by ping; 0: none
+        #: the master's query port (kvpool.cluster.wire.query), told to clients by ping; 0: none
         self.query_port = 0
         #: with master.etcd, on the leader: every change, for standbys to follow (a
-        #: kvpool.cluster.follow.ChangeLog), and its append
+        #: kvpool.cluster.master.follow.ChangeLog), and its append
         self.change_log: Any = None
         #: with master.etcd: how this leader's term began (warm from a followed copy, or cold)
         self.takeover: dict[str, Any] | None = None

@@ -2,7 +2,7 @@
 
 :class:`ArrivalCheck` verifies a pull's layers while they arrive; :class:`Speculation` is a
 pull from a guessed holder whose bytes count only once the holder's own header (or the
-master's ``locate``) vouches for them. See :class:`kvpool.cluster.reader.ReplicaReader`.
+master's ``locate``) vouches for them. See :class:`kvpool.cluster.node.reader.ReplicaReader`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
-from kvpool.cluster.protocol import LocatedReplica
-from kvpool.cluster.same_host import OutView
+from kvpool.cluster.node.same_host import OutView
+from kvpool.cluster.wire.protocol import LocatedReplica
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 
 

@@ -2,9 +2,9 @@
 
 Owns the choice among replicas (same host first, ``cxl`` first, this node's
 own skipped), the ways to read one (in place from a same-host ``cxl`` arena,
-:mod:`kvpool.cluster.same_host`; else a pull over TCP or UCX into the caller's
+:mod:`kvpool.cluster.node.same_host`; else a pull over TCP or UCX into the caller's
 buffer), checksum verification of every layer received
-(:mod:`kvpool.cluster.checks`), guessed holders (speculative pulls), the
+(:mod:`kvpool.cluster.node.checks`), guessed holders (speculative pulls), the
 location cache, and the miss reasons. The master keeps only each replica's
 spec and header checksum; the header comes from the holder (its arena, or the
 pull's reply) and must match that checksum before any layer is verified
@@ -12,7 +12,7 @@ against it. Used by the cluster client and by the operators' CLI; it does not
 talk to the master (callers locate and lease replicas first).
 
 What the master says is not trusted blindly: every located replica is checked
-before use (:mod:`kvpool.cluster.located`), and a bad one is a miss
+before use (:mod:`kvpool.cluster.node.located`), and a bad one is a miss
 (``miss_malformed``) plus one log line, never an exception. Each replica
 carries the pull token the master minted for it; the location cache stops
 using a replica once its token expired.
@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
-from kvpool.cluster.checks import ArrivalCheck, Speculation, check_same, located_check
-from kvpool.cluster.located import checked_quietly, clean_replica, is_clean
-from kvpool.cluster.protocol import LocatedReplica
-from kvpool.cluster.same_host import OutView, SameHostArenas
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.node.checks import ArrivalCheck, Speculation, check_same, located_check
+from kvpool.cluster.node.located import checked_quietly, clean_replica, is_clean
+from kvpool.cluster.node.same_host import OutView, SameHostArenas
+from kvpool.cluster.wire.protocol import LocatedReplica
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.transport import Engine, PeerAddress, PullClient, PullRequest, TcpPullClient
 from kvpool.transport.tcp import TcpPathUnusable

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.cluster import protocol as P
+from kvpool.cluster.wire import protocol as P
 
 # Deletes sent to one node per heartbeat reply; the rest follow on later beats
 # so a heartbeat stays a small message.
@@ -127,7 +127,7 @@ class NodeInfo:
 
 
 def node_wire(node: NodeInfo) -> dict[str, Any]:
-    """What a standby needs of a node (kvpool.cluster.follow): msgpack-able."""
+    """What a standby needs of a node (kvpool.cluster.master.follow): msgpack-able."""
     return {"node_id": node.node_id, "address": node.address, "host_id": node.host_id, "tiers": node.tiers,
             "alive": node.alive, "state": node.state, "role": node.role,
             "persistent_tiers": list(node.persistent_tiers), "control": node.control, "endpoint": node.endpoint}

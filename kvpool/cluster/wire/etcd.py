@@ -5,7 +5,7 @@ lives under ``<master.etcd_prefix>/leader``, attached to the leader's lease,
 and every master (leader or standby) announces itself under
 ``<prefix>/masters/<listen address>`` with the same lease. The index is
 rebuilt on a new leader by the nodes re-registering what they hold, exactly as
-after a master restart (see :mod:`kvpool.cluster.master`).
+after a master restart (see :mod:`kvpool.cluster.master.server`).
 
 No split brain: a leader serves only while ``leading()``, which holds until the
 time its last lease renewal was *sent* plus the TTL etcd granted, minus a safety

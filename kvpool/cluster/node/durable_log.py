@@ -1,7 +1,7 @@
 """``durable.log``: the keys a storage node holds as durable copies, one line each.
 
 A line is ``<key hex> <replicas>\\n``, appended by the node's control thread when it stores a
-durable copy (:meth:`kvpool.cluster.node.Node._replicate`) and read back at every
+durable copy (:meth:`kvpool.cluster.node.server.Node._replicate`) and read back at every
 registration (start, and after a master restart or failover), so the master learns those
 copies are durable again. Owns only the file's format: which keys are durable is the master's.
 

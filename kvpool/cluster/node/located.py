@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool import errors
-from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.protocol import LocatedReplica
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.protocol import LocatedReplica
 from kvpool.objformat import ObjectSpec
 
 _MAX_ID = 256

@@ -35,8 +35,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.transport.tcp.admission import Admission, OpeningLoop, connection_cap
 from kvpool.transport.tcp.stream import (
     MutualHello,

@@ -1,7 +1,7 @@
 """Calls to a node's control socket (``replicate``, ``stats``, ``ping``): :func:`control_call`.
 
-The node side (the ROUTER socket and its handlers) is :class:`kvpool.cluster.node.Node`;
-the messages are :mod:`kvpool.cluster.protocol`'s control section.
+The node side (the ROUTER socket and its handlers) is :class:`kvpool.cluster.node.server.Node`;
+the messages are :mod:`kvpool.cluster.wire.protocol`'s control section.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import zmq
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.security import ClusterKey, HandshakeWatch, recv_or_refused
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.security import ClusterKey, HandshakeWatch, recv_or_refused
 
 
 def control_call(control: str, op: str, body: Mapping[str, Any], timeout_s: float,

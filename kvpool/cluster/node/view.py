@@ -32,14 +32,14 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.api import out_view
-from kvpool.cluster.checks import Speculation
-from kvpool.cluster.control import control_call
-from kvpool.cluster.located import alive_nodes_of, replicas_at
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import Node, NodeAddress
-from kvpool.cluster.protocol import Located, LocatedReplica, Placement, ReplicaRecord
-from kvpool.cluster.reader import ReplicaReader
-from kvpool.cluster.same_host import shared_dirs_of
+from kvpool.cluster.node.checks import Speculation
+from kvpool.cluster.node.located import alive_nodes_of, replicas_at
+from kvpool.cluster.node.reader import ReplicaReader
+from kvpool.cluster.node.same_host import shared_dirs_of
+from kvpool.cluster.node.server import Node, NodeAddress
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.protocol import Located, LocatedReplica, Placement, ReplicaRecord
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from tiers.manager import TierManager

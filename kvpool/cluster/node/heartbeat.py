@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import zmq
 
 from kvpool import errors
-from kvpool.cluster.master_client import MasterClient
+from kvpool.cluster.wire.master_client import MasterClient
 
 log = logging.getLogger("kvpool.master_client")
 

@@ -1,6 +1,6 @@
 """Client side of the master protocol: :class:`MasterClient` (a node's heartbeats are
-:mod:`kvpool.cluster.heartbeat`, calls to another node's control socket
-:mod:`kvpool.cluster.control`).
+:mod:`kvpool.cluster.node.heartbeat`, calls to another node's control socket
+:mod:`kvpool.cluster.wire.control`).
 
 Owns talking to the master: one DEALER socket per calling thread (ZeroMQ
 sockets are not thread-safe, and a socket per thread needs no lock and no
@@ -29,12 +29,12 @@ import msgspec
 import zmq
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.etcd import LeaderFinder
-from kvpool.cluster.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
-from kvpool.cluster.query import QueryPorts
-from kvpool.cluster.schema import LocateReply
-from kvpool.cluster.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.etcd import LeaderFinder
+from kvpool.cluster.wire.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
+from kvpool.cluster.wire.query import QueryPorts
+from kvpool.cluster.wire.schema import LocateReply
+from kvpool.cluster.wire.security import ClusterKey, HandshakeWatch, recv_or_refused, refused_error
 from kvpool.config import Config, MasterSection, check_master_address
 
 log = logging.getLogger("kvpool.master_client")
@@ -142,7 +142,7 @@ class MasterClient:
         self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
-        # The master's query port (kvpool.cluster.query): exists and lookup go there first.
+        # The master's query port (kvpool.cluster.wire.query): exists and lookup go there first.
         # Following a leader, a frozen one costs at most a second there before the ZeroMQ
         # call looks for a new one.
         self._queries = QueryPorts(
@@ -367,7 +367,7 @@ class MasterClient:
     ) -> dict[str, Any]:
         """Announce a node and everything it holds (replaces what the master believed).
 
-        Each object is a :func:`kvpool.cluster.protocol.replica_record` with ``key`` set.
+        Each object is a :func:`kvpool.cluster.wire.protocol.replica_record` with ``key`` set.
         ``role`` ``"storage"`` plus a persistent tier makes the node eligible for
         durable copies; ``control`` is its control socket (for re-replication).
         The reply carries the master's ``heartbeat_ms``/``dead_after_missed``.
@@ -449,7 +449,7 @@ class MasterClient:
             nonlocal meanwhile
             work, meanwhile = meanwhile, None
             # The schema checks the reply's shape; each replica record is checked where it is used
-            # (kvpool.cluster.located), so one bad record costs only that replica.
+            # (kvpool.cluster.node.located), so one bad record costs only that replica.
             return self.call(P.LOCATE, {"keys": list(batch), "lease": lease}, meanwhile=work)
 
         replies = self._batched(_keys(keys), locate)

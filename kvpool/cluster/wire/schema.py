@@ -1,7 +1,7 @@
 """The typed schema of the control plane: every request and reply body of the master, and
 every request of a node's control socket, as msgspec structs.
 
-The wire stays msgpack maps with these field names (:mod:`kvpool.cluster.protocol` has the
+The wire stays msgpack maps with these field names (:mod:`kvpool.cluster.wire.protocol` has the
 framing and the table of operations); a struct decodes straight from the frame, in C, and
 anything that does not fit — a missing field, a wrong type, a negative size — is refused
 with the path of the offending field before a handler runs. Limits that are settings
@@ -10,7 +10,7 @@ handlers' to check; the fixed ones are checked here. Unknown fields are ignored,
 peer may add optional fields without a version bump.
 
 A located replica in a ``locate`` reply stays a plain map: the reader checks each one on its
-own (:func:`kvpool.cluster.located.clean_replica`), so one bad record from a wrong or hostile
+own (:func:`kvpool.cluster.node.located.clean_replica`), so one bad record from a wrong or hostile
 master costs that replica, not the whole answer.
 """
 
@@ -221,7 +221,7 @@ class Stats(Body):
 
 class Follow(Body):
     """A standby asking the leader for its changes after ``since`` in ``stream``, or for
-    ``part`` of ``snapshot`` (kvpool.cluster.follow)."""
+    ``part`` of ``snapshot`` (kvpool.cluster.master.follow)."""
 
     stream: str = ""
     since: int = 0
@@ -250,7 +250,7 @@ class ListKeys(Body):
 class PingReply(Body):
     version: int
     uptime_s: float
-    query_port: int = 0  # the master's query port (kvpool.cluster.query); 0: none
+    query_port: int = 0  # the master's query port (kvpool.cluster.wire.query); 0: none
 
 
 class RegisterReply(Body):

@@ -1,5 +1,5 @@
 """The master process: :class:`MasterServer` serves :class:`MasterState` over one ZeroMQ ROUTER
-socket from one thread (see :mod:`kvpool.cluster.state` for the semantics); ``python -m
+socket from one thread (see :mod:`kvpool.cluster.master.state` for the semantics); ``python -m
 kvpool.cluster.master`` runs one.
 """
 
@@ -18,15 +18,15 @@ from typing import Any
 import zmq
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.bulk import BULK_MIN_BYTES, collector_paused, unpack_bulk
-from kvpool.cluster.etcd import Election, EtcdClient, check_address_for_etcd
-from kvpool.cluster.follow import ChangeLog, Follower
-from kvpool.cluster.ops import MasterState
-from kvpool.cluster.query import QUERY_OPS, QueryServer, query_host
-from kvpool.cluster.records import loggable
-from kvpool.cluster.rereplicate import Rereplicator
-from kvpool.cluster.security import ClusterKey, stop_authenticator
+from kvpool.cluster.master.bulk import BULK_MIN_BYTES, collector_paused, unpack_bulk
+from kvpool.cluster.master.follow import ChangeLog, Follower
+from kvpool.cluster.master.ops import MasterState
+from kvpool.cluster.master.records import loggable
+from kvpool.cluster.master.rereplicate import Rereplicator
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.etcd import Election, EtcdClient, check_address_for_etcd
+from kvpool.cluster.wire.query import QUERY_OPS, QueryServer, query_host
+from kvpool.cluster.wire.security import ClusterKey, stop_authenticator
 from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
 from kvpool.transport.tcp.admission import raise_descriptor_limit
 
@@ -61,7 +61,7 @@ class MasterServer:
             self.close()
             raise errors.ConfigError(f"master.listen = {config.listen!r}: cannot bind: {exc}") from None
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        # With master.etcd this master serves only while it leads (see kvpool.cluster.etcd); a
+        # With master.etcd this master serves only while it leads (see kvpool.cluster.wire.etcd); a
         # standby answers every request with NotLeaderError naming the leader.
         self._term = 0
         # One request at a time: the ZeroMQ loop holds this for each of its turns, the query
@@ -73,7 +73,7 @@ class MasterServer:
             except errors.ConfigError:
                 self.close()
                 raise
-            # A standby follows the leader's changes (kvpool.cluster.follow) and campaigns only
+            # A standby follows the leader's changes (kvpool.cluster.master.follow) and campaigns only
             # with a copy the leader answered for lately, or once no leader has come for a while.
             window_s = 2.0 * config.leader_ttl_s + 2.0
             self.follower = Follower(self, window_s)
@@ -112,7 +112,7 @@ class MasterServer:
     def leading(self) -> bool:
         """Serve requests now? Always without etcd; with it, only while this master's term lasts.
         A term starts warm from the copy this master followed as a standby, or cold from an
-        empty index that the nodes' re-registration rebuilds (see kvpool.cluster.follow)."""
+        empty index that the nodes' re-registration rebuilds (see kvpool.cluster.master.follow)."""
         election = self.election
         if election is None:
             return True

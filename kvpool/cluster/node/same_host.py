@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
-from kvpool.cluster.located import clean_node_address
+from kvpool.cluster.node.located import clean_node_address
 from kvpool.objformat import LayerRange, ObjectSpec
 
 log = logging.getLogger("kvpool.remote")

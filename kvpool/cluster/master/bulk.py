@@ -1,11 +1,11 @@
 """Large ``publish`` and ``register`` requests decoded in one pass in C, for the master.
 
-:class:`kvpool.cluster.schema.Record` checks each record in a ``__post_init__``: a Python call
+:class:`kvpool.cluster.wire.schema.Record` checks each record in a ``__post_init__``: a Python call
 per record, which at a million records is most of what a publish costs. Here the same checks
 are msgspec constraints, checked while decoding, and a batch of one kind of object without
 locations (a node's dram or nvme puts) decodes its spec once. A frame this decoder refuses
 for any reason (or a batch of mixed specs, or with locations)
-goes the general way (:func:`kvpool.cluster.protocol.unpack_request`), which names what is
+goes the general way (:func:`kvpool.cluster.wire.protocol.unpack_request`), which names what is
 wrong with it, so errors read the same either way.
 """
 
@@ -19,15 +19,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster import schema as S
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire import schema as S
 
 # Frames shorter than this are decoded the general way: the bulk path pays off for batches.
 BULK_MIN_BYTES = 16 << 10
 
 
 class BulkRecord(S.Body, gc=False):
-    """:class:`~kvpool.cluster.schema.Record` with its checks as constraints (untracked by the
+    """:class:`~kvpool.cluster.wire.schema.Record` with its checks as constraints (untracked by the
     garbage collector: a record holds no cycles). ``spec`` and ``location`` stay encoded while
     the batch is decoded: a batch of one kind of object with no locations gets one shared
     spec list and location map (anything else goes the general way)."""
@@ -76,7 +76,7 @@ def collector_paused() -> Iterator[None]:
 
 
 def unpack_bulk(frame: bytes | memoryview) -> P.Request | None:
-    """A large publish or register frame parsed as :func:`~kvpool.cluster.protocol.unpack_request`
+    """A large publish or register frame parsed as :func:`~kvpool.cluster.wire.protocol.unpack_request`
     would, or None: anything else, or anything it would refuse (decode it the general way)."""
     if len(frame) < BULK_MIN_BYTES:
         return None

@@ -34,13 +34,13 @@ import numpy as np
 import zmq
 
 from kvpool import errors
-from kvpool.cluster import durable_log
-from kvpool.cluster import protocol as P
-from kvpool.cluster import schema as S
-from kvpool.cluster.heartbeat import Heartbeater
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.protocol import ReplicaRecord, replica_record
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.node import durable_log
+from kvpool.cluster.node.heartbeat import Heartbeater
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire import schema as S
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.protocol import ReplicaRecord, replica_record
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import Config, node_host
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.transport import (

@@ -11,10 +11,10 @@ from typing import Any
 import zmq
 
 from kvpool import errors
-from kvpool.cluster.control import control_call
-from kvpool.cluster.ops import MasterState
-from kvpool.cluster.records import REREPLICATE_MAX_IN_FLIGHT, REREPLICATE_WORKERS, RereplicationTask, loggable
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.master.ops import MasterState
+from kvpool.cluster.master.records import REREPLICATE_MAX_IN_FLIGHT, REREPLICATE_WORKERS, RereplicationTask, loggable
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import MasterSection
 
 log = logging.getLogger("kvpool.master")
