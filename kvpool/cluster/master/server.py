@@ -21,11 +21,12 @@ from kvpool import errors
 from kvpool.cluster.master.bulk import BULK_MIN_BYTES, collector_paused, unpack_bulk
 from kvpool.cluster.master.follow import ChangeLog, Follower
 from kvpool.cluster.master.ops import MasterState
+from kvpool.cluster.master.query_server import QueryServer
 from kvpool.cluster.master.records import loggable
 from kvpool.cluster.master.rereplicate import Rereplicator
 from kvpool.cluster.wire import protocol as P
 from kvpool.cluster.wire.etcd import Election, EtcdClient, check_address_for_etcd
-from kvpool.cluster.wire.query import QUERY_OPS, QueryServer, query_host
+from kvpool.cluster.wire.query import QUERY_OPS, query_host
 from kvpool.cluster.wire.security import ClusterKey, stop_authenticator
 from kvpool.config import Config, MasterSection, add_setting_flags, apply_setting_flags
 from kvpool.transport.tcp.admission import raise_descriptor_limit

@@ -5,12 +5,16 @@ Why
     between two pinned processes measured ~142 us here, which is what a one-key ``exists``
     cost. A blocking socket answered by a thread of the master's own is one wake-up each way.
 
+This module is what both ends speak (:data:`QUERY_OPS`, :data:`QUERY_HELLO`, the framing)
+and the client end (:class:`QueryClient`, :class:`QueryPorts`); the master's end is
+:class:`kvpool.cluster.master.query_server.QueryServer`.
+
 What it serves
     Only questions (:data:`QUERY_OPS`): they change nothing on the master, and their answers
     are booleans and counts about keys, never bytes or pull tokens. Everything else is
     refused with a ProtocolError reply: writes stay on the CURVE-encrypted ZeroMQ socket.
     Requests and replies are the master protocol's own frames (:mod:`.protocol`), each
-    behind a u32 length, answered by :meth:`MasterServer._answer_query` under the lock the
+    behind a u32 length, answered by the master's ``MasterServer._answer_query`` under the lock the
     ZeroMQ loop holds for each of its requests (one request at a time, as ever).
 
 Security
@@ -37,14 +41,11 @@ from typing import Any
 from kvpool import errors
 from kvpool.cluster.wire import protocol as P
 from kvpool.cluster.wire.security import ClusterKey
-from kvpool.transport.tcp.admission import Admission, OpeningLoop, connection_cap
 from kvpool.transport.tcp.stream import (
     MutualHello,
     ReplyPoll,
-    listen_on,
     recv_exactly,
     set_timeouts,
-    shutdown,
 )
 
 log = logging.getLogger("kvpool.master.query")
@@ -55,74 +56,6 @@ _LENGTH = struct.Struct("<I")
 MAX_QUERY_BYTES = 4 << 20  # a query or its answer larger than this ends the connection
 _RETRY_S = 30.0  # a master without a query port, or whose port failed, is asked for it again after this
 _FIRST_READ = 4096  # a frame's first recv asks for this much (a one-key question is ~100 bytes)
-
-
-class QueryServer:
-    """Serves :data:`QUERY_OPS` on ``host`` (an ephemeral port): a thread accepting and running
-    openings, and one per connection that proved the key, each blocked in ``recv``.
-    ``serve(frame)`` answers one request frame."""
-
-    def __init__(self, serve: Callable[[bytes], bytes], host: str, cluster_key: ClusterKey, *,
-                 max_connections: int | None = None, idle_timeout_s: float = 600.0,
-                 hello_timeout_s: float = 3.0, max_unproven_per_address: int = 16) -> None:
-        self._serve = serve
-        self._key = cluster_key
-        # Under a cap sized from the descriptor limit; a connection is unproven (few, cut
-        # first) until its peer proved the key: a flood without it never takes the
-        # descriptors the master's ZeroMQ socket needs (see :class:`Admission`).
-        self.admission = Admission(connection_cap(0.25, 256) if max_connections is None else max_connections,
-                                   max_unproven_per_address=max_unproven_per_address)
-        self.idle_timeout_s = idle_timeout_s
-        self.hello_timeout_s = hello_timeout_s
-        self._listener = listen_on(host, 1024)  # a burst queues, a keyed client's SYN is not dropped
-        self.port: int = self._listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
-        self._closing = False
-        # Openings run on the accepting thread; a connection gets a thread once it proved the key.
-        self._openings = OpeningLoop(self._listener, QUERY_HELLO, lambda nonce: self._key.query_proof(b"server", nonce),
-                                     self.admission, hello_timeout_s, self._opened, lambda: self._closing)
-        self._accepter = threading.Thread(target=self._openings.run, name="kvpool-master-queries", daemon=True)
-        self._accepter.start()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closing = True
-            connections = list(self._connections)
-        for sock in [self._listener, *connections]:
-            shutdown(sock)
-        self._listener.close()
-        self._accepter.join(timeout=5.0)
-
-    def _opened(self, conn: socket.socket, nonce: bytes, proof: bytes) -> None:
-        with self._lock:
-            refused = self._closing or not self._key.check_query_proof(b"client", nonce, proof)
-            if not refused:
-                self._connections.add(conn)
-        if refused:
-            conn.close()
-            self.admission.release(conn)
-            return
-        self.admission.proven(conn)
-        threading.Thread(target=self._connection, args=(conn,), name="kvpool-master-query", daemon=True).start()
-
-    def _connection(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_timeouts(conn, self.idle_timeout_s, 30.0)  # BlockingIOError past either: dropped
-            while True:
-                frame = _read_frame(conn)
-                if frame is None:
-                    return
-                _write_frame(conn, self._serve(frame))
-        except (OSError, errors.KVPoolError) as exc:
-            if not self._closing:
-                log.debug("query connection dropped: %s", exc)
-        finally:
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()
-            self.admission.release(conn)
 
 
 class QueryClient:
@@ -157,8 +90,8 @@ class QueryClient:
     def call(self, frame: bytes) -> bytes:
         """Send one request frame and return the reply frame."""
         mark = self.poll.mark()
-        _write_frame(self._sock, frame)
-        reply = _read_frame(self._sock, self.poll, mark)
+        write_frame(self._sock, frame)
+        reply = read_frame(self._sock, self.poll, mark)
         if reply is None:
             raise errors.TransferError("the query port closed the connection")
         return reply
@@ -261,13 +194,13 @@ class QueryPorts:
                 f"master at {address} did not answer {op} within {self.timeout_s:.3g} s") from None
 
 
-def _write_frame(sock: socket.socket, frame: bytes) -> None:
+def write_frame(sock: socket.socket, frame: bytes) -> None:
     if len(frame) > MAX_QUERY_BYTES:
         raise errors.RequestTooLargeError(f"{len(frame)}-byte query frame (at most {MAX_QUERY_BYTES})")
     sock.sendall(_LENGTH.pack(len(frame)) + frame)
 
 
-def _read_frame(sock: socket.socket, poll: ReplyPoll | None = None, mark: int = 0) -> bytes | None:
+def read_frame(sock: socket.socket, poll: ReplyPoll | None = None, mark: int = 0) -> bytes | None:
     """The next length-prefixed frame; None if the stream ended cleanly before it. One ``recv``
     brings a small frame whole (neither end sends a second frame before the answer); it is
     polled for first with ``poll`` (``mark``: its mark before the request was sent)."""
