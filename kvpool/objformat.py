@@ -50,7 +50,7 @@ import numpy as np
 import xxhash
 
 from kvpool import errors
-from kvpool._native import extension
+from kvpool.native import extension
 
 if TYPE_CHECKING:
     from kvpool import _layersum

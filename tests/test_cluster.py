@@ -519,7 +519,7 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
     """The master keeps only a checksum of each replica's header; the holder sends the header
     with the bytes. A record located before the key was put again names a version the holder
     no longer has: reading it is a miss ("stale"), never the new or a mixed object."""
-    from kvpool.pool import Pool
+    from kvpool.api import out_view
 
     cluster.start_master()
     writer, reader = cluster.connect("writer"), cluster.connect("reader")
@@ -528,13 +528,13 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
         writer.put(key, old)
         [[located]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         assert "header" not in located and isinstance(located["header_sum"], int)  # no header in the index
-        np.testing.assert_array_equal(reader.cluster.reader.read(key, [located], None, None, Pool._out_view), old)
+        np.testing.assert_array_equal(reader.cluster.reader.read(key, [located], None, None, out_view), old)
         writer.delete(key)
         writer.put(key, new)
         [[current]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         assert current["header_sum"] != located["header_sum"]  # a new generation, a new header
         for layers in (None, range(2, 5)):
-            assert reader.cluster.reader.read(key, [located], layers, None, Pool._out_view) is None
+            assert reader.cluster.reader.read(key, [located], layers, None, out_view) is None
         assert reader.cluster.reader.counters["miss_stale"] == 2
         np.testing.assert_array_equal(reader.get(key), new)
         np.testing.assert_array_equal(reader.get(key, layers=range(2, 5)), new[2:5])

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from kvpool import errors
 from kvpool.cluster.node import durable_log
-from kvpool.cluster.wire.security import _read_secret, keygen
+from kvpool.cluster.wire.security import keygen, read_secret
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, encode
 from tests.conftest import bounded
@@ -194,7 +194,7 @@ def read_key(path: Path) -> None:
     os.chmod(path, 0o600)
     with bounded(5.0):
         try:
-            secret = _read_secret(path)
+            secret = read_secret(path)
         except errors.ConfigError:
             return
     assert len(secret) >= 16
@@ -222,7 +222,7 @@ def test_key_file_with_non_utf8_bytes_is_a_config_error(tmp_path: Path) -> None:
     keygen(path)
     path.write_bytes(path.read_bytes()[:10] + b"\xff\xfe" + path.read_bytes()[10:])
     with pytest.raises(errors.ConfigError, match="does not hold a kvpool key"):
-        _read_secret(path)
+        read_secret(path)
 
 
 # -- cxl arena and its shared index ----------------------------------------------------------------

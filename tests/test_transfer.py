@@ -699,8 +699,8 @@ def test_rendezvous_threshold_default_yields_to_the_users_variable(user_value: s
     env = {k: v for k, v in os.environ.items() if k != "UCX_RNDV_THRESH"}
     if user_value is not None:
         env["UCX_RNDV_THRESH"] = user_value
-    code = ("import json, os; from kvpool.transport.engine import _effective_ucx_options, _host_without_rdma_or_gpu; "
-            "print(json.dumps([_effective_ucx_options({}).get('RNDV_THRESH'), _host_without_rdma_or_gpu(), "
+    code = ("import json, os; from kvpool.transport.engine import effective_ucx_options, _host_without_rdma_or_gpu; "
+            "print(json.dumps([effective_ucx_options({}).get('RNDV_THRESH'), _host_without_rdma_or_gpu(), "
             "os.environ['UCX_RNDV_THRESH']]))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     option, tcp_and_shm_only, variable = json.loads(out.stdout.strip().splitlines()[-1])

@@ -37,8 +37,8 @@ from kvpool.objformat import LayerRange, ObjectHeader, byte_view, layer_checksum
 from kvpool.testing import TierTests, make_object, store
 from tiers.base import Extent
 from tiers.nvme import NvmeTier
-from tiers.nvme.fs import _filesystem_type
-from tiers.nvme.layout import _MEMORY_FILESYSTEMS, ALIGN, INDEX_DIR
+from tiers.nvme.fs import filesystem_type
+from tiers.nvme.layout import ALIGN, INDEX_DIR, MEMORY_FILESYSTEMS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KiB, MiB = 1 << 10, 1 << 20
@@ -47,7 +47,7 @@ KiB, MiB = 1 << 10, 1 << 20
 @pytest.fixture
 def disk_dir(tmp_path: Path) -> Iterator[Path]:
     """A directory on a real disk (so O_DIRECT is exercised), never tmpfs."""
-    if _filesystem_type(tmp_path) not in _MEMORY_FILESYSTEMS:
+    if filesystem_type(tmp_path) not in MEMORY_FILESYSTEMS:
         yield tmp_path / "nvme"
         return
     base = Path(tempfile.mkdtemp(prefix="kvpool-nvme-test-", dir="/var/tmp"))
@@ -895,7 +895,7 @@ def test_second_tier_on_the_same_directory_is_refused(disk_dir: Path) -> None:
 
 
 def test_tmpfs_falls_back_to_buffered_io_and_says_so() -> None:
-    if _filesystem_type(Path("/dev/shm")) != 0x01021994:
+    if filesystem_type(Path("/dev/shm")) != 0x01021994:
         pytest.skip("/dev/shm is not tmpfs here")
     base = Path(tempfile.mkdtemp(prefix="kvpool-nvme-test-", dir="/dev/shm"))
     try:
@@ -952,7 +952,7 @@ def tier_header(tier: NvmeTier, key: bytes) -> ObjectHeader:
 
 
 @contextlib.contextmanager
-def _file_size_limit(nbytes: int) -> Iterator[None]:
+def file_size_limit(nbytes: int) -> Iterator[None]:
     """The kernel refuses to grow any file of this process past ``nbytes`` (EFBIG)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
@@ -972,7 +972,7 @@ def test_file_size_limit_is_disk_full_lowers_capacity_and_loses_nothing(
         kept_header = tier_header(tier, b"kept")
         record = tier.allocated_size(kept.nbytes)
         _, header, payload = keyed_object(b"next", seed=2, layers=4, tokens=256)
-        with _file_size_limit(record), caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+        with file_size_limit(record), caplog.at_level(logging.WARNING, logger="tiers.nvme"):
             # Space in an existing segment, but the write past the limit fails.
             extent = tier.allocate(header.spec.total_nbytes)
             assert extent is not None and extent.segment == 0

@@ -20,9 +20,9 @@ from kvpool import errors
 from kvpool.config import GiB, MiB
 from kvpool.objformat import ObjectHeader, stored_header_checksum
 from tiers.base import Extent, round_up
-from tiers.nvme.fs import _file_size_limit
+from tiers.nvme.fs import file_size_limit
 from tiers.nvme.index import IndexedSegments
-from tiers.nvme.layout import _INDEX_RESERVE_BYTES, _LIVE, _TOMBSTONE, ALIGN, MAX_KEY_NBYTES, PREFIX_NBYTES, pack_prefix
+from tiers.nvme.layout import ALIGN, INDEX_RESERVE_BYTES, LIVE, MAX_KEY_NBYTES, PREFIX_NBYTES, TOMBSTONE, pack_prefix
 
 if TYPE_CHECKING:
     from kvpool.config import Config, NvmeSection
@@ -191,7 +191,7 @@ class NvmeTier(IndexedSegments):
         before = self.capacity_bytes
         self.disk_full_events += 1
         if err == errno.EFBIG:
-            limit = _file_size_limit()
+            limit = file_size_limit()
             if limit is not None:
                 limit = limit // ALIGN * ALIGN
                 self._file_limit = limit if self._file_limit is None else min(limit, self._file_limit)
@@ -202,7 +202,7 @@ class NvmeTier(IndexedSegments):
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = 0
-        usable = max(0, free - _INDEX_RESERVE_BYTES - free // 128)
+        usable = max(0, free - INDEX_RESERVE_BYTES - free // 128)
         excess = self.capacity_bytes - (preallocated + usable) // ALIGN * ALIGN
         # Block the highest free space first: new segments are prepared from the
         # front, so a partly usable segment keeps a usable head [0, x).
@@ -385,7 +385,7 @@ class NvmeTier(IndexedSegments):
         header.check_identity(key)
         header_sum = stored_header_checksum(header.packed)
         try:
-            self._write_prefix(extent, pack_prefix(_LIVE, key, extent.nbytes, header.generation, header_sum))
+            self._write_prefix(extent, pack_prefix(LIVE, key, extent.nbytes, header.generation, header_sum))
             if self.fsync:
                 os.fdatasync(self._fd(extent))
         except OSError as exc:  # DiskFullError is an OSError too
@@ -418,7 +418,7 @@ class NvmeTier(IndexedSegments):
 
     def _tombstone_quietly(self, key: bytes, extent: Extent, generation: int, header_sum: int) -> None:
         try:
-            self._write_prefix(extent, pack_prefix(_TOMBSTONE, key, extent.nbytes, generation, header_sum))
+            self._write_prefix(extent, pack_prefix(TOMBSTONE, key, extent.nbytes, generation, header_sum))
         except (OSError, errors.KVPoolError) as exc:
             log.warning("nvme tier at %s: could not tombstone the record of %s: %s", self.path, key[:64].hex(), exc)
 
@@ -433,7 +433,7 @@ class NvmeTier(IndexedSegments):
             prefix = self._read_prefix(self._fd(extent), extent.offset - PREFIX_NBYTES)
         except errors.KVPoolError:
             prefix = None  # unreadable: nothing a rescan could take for an object either
-        if prefix is not None and prefix.state == _LIVE and prefix.key == key:
+        if prefix is not None and prefix.state == LIVE and prefix.key == key:
             self._tombstone_quietly(key, extent, prefix.generation, prefix.header_sum)
 
         def delete_if_same(txn: Any) -> None:

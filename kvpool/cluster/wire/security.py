@@ -101,7 +101,7 @@ def keygen(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
     return path
 
 
-def _read_secret(path: Path) -> bytes:
+def read_secret(path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -140,7 +140,7 @@ def load_or_create(path: str | os.PathLike[str] | None) -> bytes:
                 pass  # another process created it first: read theirs
     except OSError as exc:  # e.g. a directory on the way this user may not enter: one line, no traceback
         raise errors.ConfigError(f"security.key_file: cannot use {path}: {exc.strerror}") from None
-    return _read_secret(path)
+    return read_secret(path)
 
 
 class ClusterKey:

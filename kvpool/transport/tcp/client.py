@@ -11,15 +11,15 @@ from typing import Any
 
 from kvpool import errors
 from kvpool.objformat import LayerRange
-from kvpool.transport.engine import _describe
+from kvpool.transport.engine import describe
 from kvpool.transport.frames import (
-    _MAX_STATUS_TEXT,
-    _STATUS,
-    _STATUS_MAGIC,
+    MAX_STATUS_TEXT,
     OK_STATUSES,
     PROTOCOL_VERSION,
+    STATUS,
+    STATUS_MAGIC,
     PeerAddress,
-    _pack_request,
+    pack_request,
     status_error,
 )
 from kvpool.transport.pulls import PullRequest, checked_out, checked_pull, checked_request, header_room
@@ -195,7 +195,7 @@ class TcpPullClient:
         header of exactly ``header_out``'s size for exactly ``out`` (the usual small pull); else
         0, with what was received put back in front of the stream for :meth:`finish` to read
         the general way."""
-        status = bytearray(_STATUS.size)
+        status = bytearray(STATUS.size)
         views: list[bytearray | memoryview] = [status, header_out, out]
         try:
             got = conn.polled(pull, views)
@@ -204,9 +204,9 @@ class TcpPullClient:
         except OSError:  # nothing came within the wait, or the connection failed: finish decides
             return 0
         nbytes = out.nbytes
-        if got == _STATUS.size + len(header_out) + nbytes:
-            magic, version, code, body_len, request_id, sent, _ = _STATUS.unpack_from(status)
-            if magic == _STATUS_MAGIC and version == PROTOCOL_VERSION and request_id == pull.request_id \
+        if got == STATUS.size + len(header_out) + nbytes:
+            magic, version, code, body_len, request_id, sent, _ = STATUS.unpack_from(status)
+            if magic == STATUS_MAGIC and version == PROTOCOL_VERSION and request_id == pull.request_id \
                     and code in OK_STATUSES and body_len == len(header_out) and sent == nbytes:
                 pull.conn = None
                 self._checkin(pull.where, conn)
@@ -266,7 +266,7 @@ class TcpPullClient:
             if not isinstance(conn, _Conn):
                 self._unreachable[where] = time.monotonic() + self.retry_after_s
                 error = (errors.TransferError if isinstance(conn, ConnectionRefusedError) else TcpPathUnusable)
-                return [self._failed(pull, error(f"{pull.label}: TCP port unusable: {_describe(conn)}"))
+                return [self._failed(pull, error(f"{pull.label}: TCP port unusable: {describe(conn)}"))
                         for pull in pulls]
             try:
                 self._exchange(conn, pulls, outcomes)
@@ -324,7 +324,7 @@ class TcpPullClient:
         status and header in small buffers, the payload straight in ``out``. Any other is read
         piece by piece, after the bytes already received are put back in front of the stream.
         """
-        status_buf = bytearray(_STATUS.size)
+        status_buf = bytearray(STATUS.size)
         header_out = pull.header_out
         if header_out is None:
             header = _EMPTY
@@ -334,14 +334,14 @@ class TcpPullClient:
             header = memoryview(bytearray(pull.header_room))
         views = [memoryview(status_buf), header, pull.out]
         got = conn.receive_some(pull, views if header.nbytes else [views[0], views[2]], replied)
-        while got < _STATUS.size:
+        while got < STATUS.size:
             got += conn.receive_some(pull, _skip(views, got), True)
-        magic, version, status, body_len, request_id, nbytes, _ = _STATUS.unpack_from(status_buf)
-        if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
+        magic, version, status, body_len, request_id, nbytes, _ = STATUS.unpack_from(status_buf)
+        if magic != STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
         if status in OK_STATUSES and body_len == header.nbytes and (body_len or pull.header_out is None) \
                 and nbytes <= pull.out.nbytes:
-            head = _STATUS.size + body_len
+            head = STATUS.size + body_len
             end = head + nbytes
             if got > end:  # the start of the next reply, received into the out buffer's tail
                 conn.unread(pull.out[nbytes:got - head])
@@ -357,14 +357,14 @@ class TcpPullClient:
                     break
                 got += conn.receive_some(pull, _skip(views, got), True)
         else:
-            received = got - _STATUS.size
+            received = got - STATUS.size
             conn.unread(bytes(header[:received]) + bytes(pull.out[:max(0, received - header.nbytes)]))
             if header is not _EMPTY:
                 header.release()  # header_out is free to take the header's own length below
             body = bytearray(body_len)
             conn.receive(pull, memoryview(body), True)
             if status not in OK_STATUSES:
-                if body_len > _MAX_STATUS_TEXT:
+                if body_len > MAX_STATUS_TEXT:
                     raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
                 return self._failed(pull, status_error(status)(f"{pull.label}: {body.decode('utf-8', 'replace')}"))
             if nbytes > pull.out.nbytes:
@@ -399,7 +399,7 @@ class TcpPullClient:
         try:
             sock = socket.create_connection(where, timeout=min(self.connect_timeout_s, pull.timeout_s))
         except OSError as exc:
-            log.debug("tcp pull connect to %s:%d failed: %s", *where, _describe(exc))
+            log.debug("tcp pull connect to %s:%d failed: %s", *where, describe(exc))
             return exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -436,7 +436,7 @@ class _TcpPull:
         self.where = (address.host, address.tcp_port)
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self.frame = _pack_request(key, token, layer_range, nbytes, want_header=want_header,
+        self.frame = pack_request(key, token, layer_range, nbytes, want_header=want_header,
                                    max_chunk=max(1, nbytes), request_id=_REQUEST_ID)
         self.sent_on: _Conn | None = None  # the connection its request went out on
         # (start) ReplyPoll.mark() before the request went out, for the reply's first receive
@@ -585,4 +585,4 @@ class _ConnectionLost(Exception):
 def _transport_error(pull: _TcpPull, exc: BaseException) -> errors.KVPoolError:
     if isinstance(exc, TimeoutError):
         return errors.KVTimeoutError(f"{pull.label}: no reply within {pull.timeout_s}s")
-    return errors.TransferError(f"{pull.label}: {_describe(exc)}")
+    return errors.TransferError(f"{pull.label}: {describe(exc)}")
