@@ -94,6 +94,7 @@ def reader_result(child: ChildProcess) -> dict:
     return json.loads(child.output().strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
     cluster.start_master()
     cluster.start_node("store-a")
@@ -148,6 +149,7 @@ async def layers_of(pool: kvpool.PoolAPI, key: bytes, **kwargs: object) -> list[
     return [(layer, arr.copy()) async for layer, arr in pool.iter_layers(key, **kwargs)]  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_iter_layers_reads_local_and_remote_objects_through_one_pipeline(cluster: Cluster) -> None:
     cluster.start_master()
     writer = cluster.start_actor("writer", "writer", "--keys", "2")
@@ -376,6 +378,7 @@ def test_speculative_pulls_can_be_turned_off(cluster: Cluster) -> None:
         reader.close()
 
 
+@pytest.mark.slow
 def test_small_pulls_go_over_tcp_and_large_ones_over_ucx(cluster: Cluster) -> None:
     """A reader pulls layer ranges up to its node.tcp_pull_max over the holder's TCP port and
     larger ones over UCX; a holder with node.tcp_pull_max = 0 opens no TCP port and is pulled
@@ -423,6 +426,7 @@ def test_small_pulls_go_over_tcp_and_large_ones_over_ucx(cluster: Cluster) -> No
             pool.close()
 
 
+@pytest.mark.slow
 def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -> None:
     cluster.start_master()
     cluster.start_actor("writer", "writer", "--keys", "6")
@@ -433,6 +437,7 @@ def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -
         assert (result["ok"], result["miss"], result["wrong"]) == (6, 0, 0), child.output()
 
 
+@pytest.mark.slow
 def test_killed_holder_gives_a_miss_and_its_keys_leave_the_index(cluster: Cluster) -> None:
     cluster.start_master()
     writer = cluster.start_actor("writer", "writer", "--keys", "2")
@@ -450,6 +455,7 @@ def test_killed_holder_gives_a_miss_and_its_keys_leave_the_index(cluster: Cluste
         reader.close()
 
 
+@pytest.mark.slow
 def test_durable_put_with_two_replicas_survives_losing_a_holder(cluster: Cluster) -> None:
     cluster.start_master()
     store_a = cluster.start_node("store-a")
@@ -464,6 +470,7 @@ def test_durable_put_with_two_replicas_survives_losing_a_holder(cluster: Cluster
     assert reader_result(reader)["ok"] == 3
 
 
+@pytest.mark.slow
 def test_master_restart_then_nodes_reregister_and_lookup_finds_objects(cluster: Cluster) -> None:
     master = cluster.start_master()
     writer = cluster.start_actor("writer", "writer", "--keys", "4")
@@ -481,6 +488,7 @@ def test_master_restart_then_nodes_reregister_and_lookup_finds_objects(cluster: 
         reader.close()
 
 
+@pytest.mark.slow
 def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them(cluster: Cluster) -> None:
     cluster.start_master()
     writer = cluster.start_actor("writer", "writer", "--keys", "3", "--dram", "0")  # puts land in cxl
@@ -548,6 +556,7 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
         reader.close()
 
 
+@pytest.mark.slow
 def test_unreachable_master_is_a_typed_error_and_local_puts_reappear_after_its_restart(cluster: Cluster) -> None:
     master = cluster.start_master()
     client = cluster.connect("client")
@@ -578,6 +587,7 @@ if sys.argv[4] == "raise":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["return", "raise"])
 def test_a_program_that_exits_without_closing_its_pool_leaves_cleanly(cluster: Cluster, ending: str) -> None:
     """No close(): the pool is closed at exit while its threads still run, so the node says

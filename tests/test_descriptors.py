@@ -149,6 +149,7 @@ def _open_descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.slow  # thousands of connections
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("source", ["127.0.0.2", "127.0.0.1"], ids=["another-address", "the-readers-address"])
 def test_a_node_under_ulimit_1024_survives_2000_idle_connections_without_the_key(

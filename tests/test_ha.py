@@ -30,6 +30,8 @@ from kvpool.config import Config
 from tests.conftest import ChildProcess, Etcd, free_tcp_port, wait_for
 from tests.test_cluster import node_config
 
+pytestmark = pytest.mark.slow  # etcd and several master processes per test
+
 HEARTBEAT_MS = 200
 
 

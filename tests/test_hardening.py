@@ -78,6 +78,7 @@ def test_default_daemon_and_its_clients_listen_only_on_loopback(
         daemon.stop()
 
 
+@pytest.mark.slow
 def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
     cluster.start_master()
     cluster.start_node("storage")

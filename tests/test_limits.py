@@ -230,6 +230,7 @@ def _rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_real_master_stays_live_under_maximum_requests(cluster: Any) -> None:
     # The master credits its own stalls (note_turn); what it cannot see is the OS starving the

@@ -536,6 +536,7 @@ def test_place_accounts_for_pending_reservations(make_node, client):
 # -- restart, protocol robustness, shutdown -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_master_kill9_and_restart_nodes_reregister(spawn_python):
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     first = spawn_python(master_args(address), ready=answers_ping(address))

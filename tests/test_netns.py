@@ -17,6 +17,8 @@ from tests.conftest import wait_for
 from tests.netns import Host, Lab, lab_or_skip
 from tests.test_cluster import node_config
 
+pytestmark = pytest.mark.slow  # clusters across network namespaces
+
 LAYER_NBYTES = content(0)[0].nbytes
 KEYS = 4
 

@@ -27,6 +27,7 @@ def test_key_file_is_created_private_and_reused(tmp_path: Path) -> None:
         keygen(path)
 
 
+@pytest.mark.slow
 def test_processes_starting_together_on_a_fresh_host_agree_on_one_key(tmp_path: Path) -> None:
     # Each may be the first to need the key: none may read a half-written one or make its own.
     path = tmp_path / "fresh" / "cluster.key"
@@ -100,6 +101,7 @@ def _roundtrip(server_key: ClusterKey, client_key: ClusterKey | None) -> bool:
         ctx.destroy(linger=0)
 
 
+@pytest.mark.slow
 def test_curve_admits_only_holders_of_the_cluster_key() -> None:
     ours = ClusterKey(b"a" * 32)
     assert _roundtrip(ours, ClusterKey(b"a" * 32))

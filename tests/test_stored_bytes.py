@@ -397,6 +397,7 @@ def test_nvme_index_records_replaced(tmp_path_factory: pytest.TempPathFactory, n
 # -- a storage node whose durable.log holds any bytes ----------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_node_with_non_ascii_bytes_in_durable_log_starts_and_registers_again(cluster: Any) -> None:
     """The bug of issue 33: one non-ASCII byte in durable.log raised UnicodeDecodeError out of the

@@ -27,7 +27,7 @@ from tests.test_daemon import http_get
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvpool[vllm]')")
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # vLLM engines, minutes each
 
 BLOCK = 128
 _DIGEST_OFFSET = 44  # of the key digest in an object header (kvpool/objformat.py _FIXED)

@@ -500,6 +500,7 @@ def put_args_array(seed: int) -> np.ndarray:
     return make_object(seed=seed, layers=4, tokens=64 * (1 + seed % 5))[0]
 
 
+@pytest.mark.slow
 def test_random_flips_in_the_lmdb_file_never_crash_and_lose_nothing(tmp_path: Path) -> None:
     """Seeded byte flips in data.mdb; each trial opens in a child so a SIGBUS would show, not kill pytest."""
     template = tmp_path / "template"
@@ -813,6 +814,7 @@ def _next_line(proc: subprocess.Popen[str], lines: queue.Queue[str | None], dead
     return line
 
 
+@pytest.mark.slow
 def test_kill_9_mid_stream_loses_nothing_committed_and_leaves_nothing_half_written(disk_dir: Path) -> None:
     committed: set[bytes] = set()
     deleting: set[bytes] = set()
