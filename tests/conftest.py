@@ -33,6 +33,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534  # uid and gid of nobody/nogroup on Debian
 
 
+def default_cluster_key() -> Any:
+    """The cluster key of the default settings (``security.key_file``'s default), as a process
+    started without a config has it: for tests that speak to one past authentication."""
+    from kvpool.cluster.wire.security import ClusterKey
+    from kvpool.config import Config
+
+    return ClusterKey.from_config(Config.load(None))
+
+
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str = "condition", interval_s: float = 0.01) -> Any:
     """Call ``condition`` until it returns something truthy (returned) or fail at the deadline.
 

@@ -20,7 +20,7 @@ from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of, small_config
-from tests.conftest import ChildProcess, free_tcp_port, wait_for
+from tests.conftest import ChildProcess, default_cluster_key, free_tcp_port, wait_for
 from tests.test_metrics import sample, scrape
 
 HEARTBEAT_MS = 200
@@ -75,7 +75,8 @@ class Cluster:
 
     def node_stats(self, node_id: str) -> dict:
         address = self.client.stats()["nodes"][node_id]["address"]
-        return control_call(NodeAddress.decode(address).control, "stats", {}, timeout_s=5.0)
+        return control_call(NodeAddress.decode(address).control, "stats", {}, timeout_s=5.0,
+                            cluster_key=self.client.cluster_key)
 
     def alive_nodes(self) -> set[str]:
         return {nid for nid, n in self.client.stats()["nodes"].items() if n["alive"]}
@@ -613,12 +614,11 @@ def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
     import zmq
 
     cluster.start_master()
-    from kvpool.cluster.wire.security import ClusterKey
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    ClusterKey.default().secure_client(sock)  # garbage from a key holder: past authentication
+    default_cluster_key().secure_client(sock)  # garbage from a key holder: past authentication
     try:
         sock.connect(cluster.master_address)
         for junk in (b"", b"\xff\x00garbage", b"\x93\x01\x02\x03", b"x" * 10000):

@@ -213,7 +213,8 @@ def test_a_node_under_ulimit_1024_survives_2000_idle_connections_without_the_key
             remote = reader.stats()["remote"]
         finally:
             reader.close()
-        stats = control_call(peer.control, "stats", {}, timeout_s=5.0)["transfer_by_path"]["tcp"]
+        stats = control_call(peer.control, "stats", {}, timeout_s=5.0,
+                             cluster_key=master_client.cluster_key)["transfer_by_path"]["tcp"]
         report = attacker_report() or {}
         print("attacker", report, "node tcp", {k: v for k, v in stats.items() if k.startswith("connections")},
               "most descriptors", most_descriptors, "reader tcp pulls", remote["tcp_pull_client"]["pulls"])

@@ -26,6 +26,7 @@ import pytest
 from kvpool import errors
 from kvpool.cluster.wire.etcd import masters
 from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import Config
 from tests.conftest import ChildProcess, Etcd, free_tcp_port, wait_for
 from tests.test_cluster import node_config
@@ -219,7 +220,8 @@ def test_no_leader_and_bad_etcd_settings_are_typed_errors(tmp_path: Path) -> Non
     from kvpool.cluster.master.server import MasterServer
 
     with pytest.raises(errors.ConfigError, match="wildcard"):
-        MasterServer(Config.load({"master": {"etcd": dead, "listen": f"tcp://0.0.0.0:{free_tcp_port()}"}}).master)
+        MasterServer(Config.load({"master": {"etcd": dead, "listen": f"tcp://0.0.0.0:{free_tcp_port()}"}}).master,
+                     cluster_key=ClusterKey(None))
 
 
 def test_kvpool_server_with_etcd_runs_its_own_etcd_for_a_demo(tmp_path: Path,

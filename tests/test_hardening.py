@@ -20,11 +20,10 @@ from kvpool.api import out_view
 from kvpool.cluster.node.located import alive_nodes_of
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.server import NodeAddress
-from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import Config
 from kvpool.objformat import ObjectHeader, encode
 from kvpool.transport import PeerAddress, local_host_id
-from tests.conftest import ChildProcess, free_tcp_port, wait_for
+from tests.conftest import ChildProcess, default_cluster_key, free_tcp_port, wait_for
 
 SHAPE = (2, 2, 4, 2, 8)
 
@@ -90,7 +89,7 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
         by_node = {r["node_id"]: r for r in replicas}
         stored = next(r for nid, r in by_node.items() if nid != writer.node_id)
         assert len(stored["token"]) == 24
-        key = ClusterKey.default()
+        key = default_cluster_key()
         cases = {
             "no token": b"",
             "another node's token": by_node[writer.node_id]["token"],

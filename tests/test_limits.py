@@ -24,10 +24,9 @@ from kvpool.cluster.node.server import NodeAddress
 from kvpool.cluster.wire import protocol as P
 from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.master_client import MasterClient
-from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import Config, MasterSection
 from kvpool.objformat import ObjectSpec
-from tests.conftest import wait_for
+from tests.conftest import default_cluster_key, wait_for
 
 SPEC = ObjectSpec("float16", layers=4, tokens=16, kv_heads=2, head_dim=8)
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}
@@ -39,7 +38,7 @@ def record(key: bytes | None = None) -> P.ReplicaRecord:
 
 @pytest.fixture
 def server() -> Iterator[MasterServer]:
-    srv = MasterServer(MasterSection(listen="tcp://127.0.0.1:*", max_batch=1000))
+    srv = MasterServer(MasterSection(listen="tcp://127.0.0.1:*", max_batch=1000), cluster_key=default_cluster_key())
     try:
         yield srv
     finally:
@@ -131,7 +130,8 @@ def test_client_splits_large_batches_transparently(server: MasterServer) -> None
     thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
     thread.start()
     try:
-        client = MasterClient(server.endpoint, config=MasterSection(max_batch=1000), request_timeout_s=10)
+        client = MasterClient(server.endpoint, config=MasterSection(max_batch=1000), request_timeout_s=10,
+                              cluster_key=server.cluster_key)
         keys = [os.urandom(16) for _ in range(2500)]
         reply = client.register("n1", "tcp://127.0.0.1:1", "h", TIERS, [record(k) for k in keys[:2200]])
         assert reply["indexed"] == 2200 and len(server.state.index) == 2200  # register + publish of the rest
@@ -204,7 +204,7 @@ def test_a_long_request_does_not_starve_liveness_fake_clock() -> None:
 
 def test_a_maximum_request_does_not_starve_liveness_real_clock() -> None:
     section = MasterSection(listen="tcp://127.0.0.1:*", heartbeat_ms=20, dead_after_missed=3)
-    srv = MasterServer(section)
+    srv = MasterServer(section, cluster_key=default_cluster_key())
     try:
         body = {"node_id": "n1", "objects": [record(os.urandom(16)) for _ in range(section.max_batch)]}
         frame = P.pack_request(1, P.PUBLISH, body)
@@ -282,7 +282,7 @@ def _hammer_and_check(cluster: Any, master: Any, client: MasterClient, rss_befor
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    ClusterKey.default().secure_client(raw)  # past authentication: the limits are what is tested
+    default_cluster_key().secure_client(raw)  # past authentication: the limits are what is tested
     raw.connect(cluster.master_address)
     raw.send(b"\x00" * (65 << 20))
     assert not raw.poll(500)  # no reply, no buffering: the connection was dropped
@@ -301,7 +301,7 @@ def _hammer_and_check(cluster: Any, master: Any, client: MasterClient, rss_befor
     control = NodeAddress.decode(stats["nodes"][node_id]["address"]).control
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    ClusterKey.default().secure_client(raw)  # past authentication: the limits are what is tested
+    default_cluster_key().secure_client(raw)  # past authentication: the limits are what is tested
     raw.connect(control)
     raw.send(b"\x01" * (65 << 20))
     assert not raw.poll(500)
@@ -310,11 +310,11 @@ def _hammer_and_check(cluster: Any, master: Any, client: MasterClient, rss_befor
                   msgpack.packb([P.CONTROL_PROTOCOL_VERSION, 5, "replicate", {}])):
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
-        ClusterKey.default().secure_client(raw)  # past authentication: the limits are what is tested
+        default_cluster_key().secure_client(raw)  # past authentication: the limits are what is tested
         raw.connect(control)
         raw.send(frame)
         assert raw.poll(5000)
         version, _, status, body = msgpack.unpackb(raw.recv(), raw=False)
         raw.close()
         assert (version, status, body["type"]) == (P.CONTROL_PROTOCOL_VERSION, "error", "ProtocolError")
-    assert control_call(control, "stats", {}, timeout_s=5.0)["node_id"] == node_id
+    assert control_call(control, "stats", {}, timeout_s=5.0, cluster_key=client.cluster_key)["node_id"] == node_id

@@ -26,7 +26,7 @@ from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.cluster.wire.security import ClusterKey
 from kvpool.hashing import prefix_hashes
 from kvpool.objformat import ObjectSpec
-from tests.conftest import ChildProcess, free_tcp_port, python_process, wait_for
+from tests.conftest import ChildProcess, default_cluster_key, free_tcp_port, python_process, wait_for
 
 MiB = 1 << 20
 SPEC = ObjectSpec("float16", layers=4, tokens=16, kv_heads=2, head_dim=8)
@@ -680,8 +680,9 @@ _STUCK: list[Any] = []
 _DIES_ON_REQUEST = """
 import os, sys, zmq
 from kvpool.cluster.wire.security import ClusterKey
+from kvpool.config import Config
 sock = zmq.Context.instance().socket(zmq.ROUTER)
-ClusterKey.default().secure_server(sock)
+ClusterKey.from_config(Config.load(None)).secure_server(sock)
 print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
 sock.recv_multipart()  # a request, after a handshake that succeeded
 os._exit(1)  # dies holding it
@@ -695,7 +696,7 @@ def test_a_node_control_call_the_node_died_holding_fails_at_once_not_at_its_dead
     server = spawn_python(["-c", _DIES_ON_REQUEST], log_path=log, ready=lambda: log.read_text().strip())
     port = int(log.read_text())
     with pytest.raises(errors.TransferError, match="dropped the connection before answering 'stats'"):
-        control_call(f"tcp://127.0.0.1:{port}", "stats", {}, timeout_s=60.0)
+        control_call(f"tcp://127.0.0.1:{port}", "stats", {}, timeout_s=60.0, cluster_key=default_cluster_key())
     assert server.popen.wait(10) == 1  # it did receive the request
 
 
@@ -732,7 +733,7 @@ def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALE
     ctx = zmq.Context.instance()
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.LINGER, 0)
-    ClusterKey.default().secure_client(sock)  # the master answers only holders of the cluster key
+    default_cluster_key().secure_client(sock)  # the master answers only holders of the cluster key
     try:
         sock.connect(address)
         sock.send_multipart(frames)
@@ -825,7 +826,7 @@ class FakeStorage:
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        ClusterKey.default().secure_server(self.socket)  # as a node's control socket
+        default_cluster_key().secure_server(self.socket)  # as a node's control socket
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.requests: list[Any] = []  # schema.Replicate structs
         self.fail = False
@@ -994,7 +995,7 @@ def test_rereplication_is_rate_limited_and_planned_in_bounded_rounds():
     state.handle(P.REGISTER, {**common, "node_id": "target", "address": "tcp://127.0.0.1:2",
                               "control": f"tcp://127.0.0.1:{free_tcp_port()}", "objects": []})
     context = zmq.Context()
-    rereplicator = Rereplicator(state, context, section)
+    rereplicator = Rereplicator(state, context, section, default_cluster_key())
     try:
         rereplicator.round(clock[0])  # just started: nodes may still be re-registering
         assert state.counters["rereplications_started"] == 0

@@ -31,7 +31,7 @@ with MasterClient(sys.argv[1], request_timeout_s=5) as client:
     stats = client.stats()
     alive = {nid: n for nid, n in stats["nodes"].items() if n["alive"]}
     sent = {nid: control_call(NodeAddress.decode(n["address"]).control, "stats", {},
-                              timeout_s=5)["transfer"]["bytes_sent"]
+                              timeout_s=5, cluster_key=client.cluster_key)["transfer"]["bytes_sent"]
             for nid, n in alive.items()}
     keys = client.lookup([b"cluster-key-%04d" % i for i in range({keys})])
     print(json.dumps({"alive": sorted(alive), "sent": sent, "keys": keys}))

@@ -13,7 +13,7 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster.wire.security import TOKEN_NBYTES, ClusterKey, keygen, load_or_create
-from tests.conftest import communicate_all
+from tests.conftest import communicate_all, free_tcp_port
 
 
 def test_key_file_is_created_private_and_reused(tmp_path: Path) -> None:
@@ -107,3 +107,57 @@ def test_curve_admits_only_holders_of_the_cluster_key() -> None:
     assert _roundtrip(ours, ClusterKey(b"a" * 32))
     assert not _roundtrip(ours, ClusterKey(b"b" * 32))  # another cluster's key
     assert not _roundtrip(ours, None)  # no key at all
+
+
+def test_a_master_started_with_a_key_file_in_its_config_uses_that_file_not_the_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key comes from the settings the master was started with, passed down to every
+    socket it opens; nothing falls back to the default key file (~/.config/kvpool)."""
+    import queue
+    import threading
+
+    from kvpool.cluster.master.server import MasterServer, run_master
+    from kvpool.cluster.wire.master_client import MasterClient
+    from kvpool.config import Config, MasterSection
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    default_file = home / ".config" / "kvpool" / "cluster.key"
+    key_file = keygen(tmp_path / "keys" / "cluster.key")
+    settings = tmp_path / "master.toml"
+    listen = f"tcp://127.0.0.1:{free_tcp_port()}"
+    settings.write_text(f'[master]\nlisten = "{listen}"\n\n[security]\nkey_file = "{key_file}"\n')
+    config = Config.load(str(settings))
+    stop = threading.Event()
+    started: queue.Queue[str | BaseException] = queue.Queue()
+
+    def serve() -> None:
+        try:
+            run_master(config, stop, on_ready=started.put)
+        except BaseException as exc:  # handed to the test
+            started.put(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        endpoint = started.get(timeout=30)
+        assert isinstance(endpoint, str), endpoint
+        with MasterClient(endpoint, config=config, request_timeout_s=5) as holder:
+            assert holder.cluster_key.source == str(key_file)
+            assert holder.ping()["version"] >= 1
+        stranger = ClusterKey(os.urandom(32))
+        with MasterClient(endpoint, config=config, request_timeout_s=5, cluster_key=stranger) as other:
+            with pytest.raises(errors.AuthenticationError):
+                other.ping()
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert not default_file.exists()
+    # A section alone has no [security]: whoever starts from one passes the key down.
+    with pytest.raises(TypeError):
+        MasterServer(MasterSection(listen="tcp://127.0.0.1:*"))  # no cluster_key
+    with pytest.raises(TypeError, match="cluster_key"):
+        MasterClient("tcp://127.0.0.1:1", config=MasterSection())
+    assert not default_file.exists()

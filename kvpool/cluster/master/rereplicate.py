@@ -32,9 +32,9 @@ class Rereplicator:
     """
 
     def __init__(self, state: MasterState, context: zmq.Context, config: MasterSection,
-                 cluster_key: ClusterKey | None = None) -> None:
+                 cluster_key: ClusterKey) -> None:
         self.state = state
-        self.cluster_key = cluster_key or ClusterKey.default()
+        self.cluster_key = cluster_key
         self.rate = config.rereplicate_per_s
         self.timeout_s = config.rereplicate_timeout_s
         self._context = context
@@ -115,7 +115,8 @@ class Rereplicator:
                     "source": task.source_address,
                     "reservation": task.reservation, "replicas": task.replicas, "persistent": True,
                     "token": self.cluster_key.mint_token(task.key, task.source_id),
-                }, self.timeout_s, self._context, self.cluster_key, check=partial(self._check_task, task))
+                }, self.timeout_s, context=self._context, cluster_key=self.cluster_key,
+                    check=partial(self._check_task, task))
             except Exception as exc:  # reported on the serving thread; retried with backoff
                 error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, errors.KVPoolError) else str(exc)
             self._done.put((task, error))

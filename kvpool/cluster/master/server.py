@@ -41,10 +41,10 @@ class MasterServer:
     follower: Follower | None = None  # with master.etcd: follows the leader's changes while standing by
     queries: QueryServer | None = None  # the query port (master.tcp_queries)
 
-    def __init__(self, config: MasterSection, *, max_key_bytes: int = 256,
-                 cluster_key: ClusterKey | None = None) -> None:
-        # Only holders of the cluster key (default: the default key file) get an answer.
-        self.cluster_key = cluster_key or ClusterKey.default()
+    def __init__(self, config: MasterSection, *, cluster_key: ClusterKey, max_key_bytes: int = 256) -> None:
+        # Only holders of the cluster key get an answer: the key of the settings this master was
+        # started with (a MasterSection has no [security]: its caller passes the key down).
+        self.cluster_key = cluster_key
         self.config = config
         raise_descriptor_limit()  # before any socket: the query port's cap is sized from it
         self.max_key_bytes = max_key_bytes
@@ -258,15 +258,8 @@ class MasterServer:
         self._context.destroy(linger=0)
 
 
-def _sections(config: Config | MasterSection | str | os.PathLike[str] | None) -> tuple[MasterSection, int]:
-    if isinstance(config, MasterSection):
-        return config, Config().pool.max_key_bytes
-    full = Config.load(config)
-    return full.master, full.pool.max_key_bytes
-
-
 def run_master(
-    config: Config | MasterSection | str | os.PathLike[str] | None = None,
+    config: Config | str | os.PathLike[str] | None = None,
     stop_event: threading.Event | None = None,
     *,
     on_ready: Callable[[str], None] | None = None,
@@ -278,15 +271,15 @@ def run_master(
     ``on_ready`` gets the bound endpoint once requests are being accepted.
     Raises ConfigError when the listen address cannot be bound.
     """
-    section, max_key_bytes = _sections(config)
+    full = Config.load(config)  # the whole config: [master] and the [security] its key comes from
+    section = full.master
     stop = stop_event if stop_event is not None else threading.Event()
     previous: dict[signal.Signals, Any] = {}
     if stop_event is None and threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: stop.set())
-    cluster_key = ClusterKey.default() if isinstance(config, MasterSection) else ClusterKey.from_config(
-        Config.load(config))
-    server = MasterServer(section, max_key_bytes=max_key_bytes, cluster_key=cluster_key)
+    cluster_key = ClusterKey.from_config(full)
+    server = MasterServer(section, max_key_bytes=full.pool.max_key_bytes, cluster_key=cluster_key)
     try:
         (log.info if cluster_key.enabled else log.warning)(
             "kvpool master authenticates with %s", cluster_key.describe())

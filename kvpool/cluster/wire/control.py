@@ -17,17 +17,17 @@ from kvpool.cluster.wire import protocol as P
 from kvpool.cluster.wire.security import ClusterKey, HandshakeWatch, recv_or_refused
 
 
-def control_call(control: str, op: str, body: Mapping[str, Any], timeout_s: float,
-                 context: zmq.Context | None = None, cluster_key: ClusterKey | None = None,
+def control_call(control: str, op: str, body: Mapping[str, Any], timeout_s: float, *,
+                 cluster_key: ClusterKey, context: zmq.Context | None = None,
                  check: Callable[[], None] | None = None) -> Any:
     """One request to a node's control socket (``replicate``, ``stats``, ``ping``); returns the
     reply body or raises the node's typed error.
 
-    Authenticates with ``cluster_key`` (default: the default key file); a node that refuses it
+    Authenticates with ``cluster_key`` (the caller's, from its settings); a node that refuses it
     is AuthenticationError as soon as the handshake fails. ``check()`` runs every 100 ms of
     waiting and may raise to give up early (a stopping master, a target known to be gone).
     """
-    key = cluster_key or ClusterKey.default()
+    key = cluster_key
     sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # a reply larger than this is dropped unread

@@ -98,8 +98,9 @@ class MasterClient:
     address (``localhost:7700``: no ``tcp://``) is a ConfigError at once.
 
     Every socket is a CURVE client with ``cluster_key`` (default: the key of
-    ``config``'s ``[security]``; a MasterSection or no config means the default
-    key file). A master that refuses the key (another cluster's key, or auth on
+    ``config``'s ``[security]``; no config: the default settings' key file; a
+    MasterSection carries no ``[security]``, so it needs ``cluster_key``: TypeError
+    without one). A master that refuses the key (another cluster's key, or auth on
     one side only) raises AuthenticationError instead of MasterUnreachableError.
 
     With ``master.etcd`` set and no ``address``, the client follows the leader
@@ -120,7 +121,11 @@ class MasterClient:
         full = None if isinstance(config, MasterSection) else Config.load(config)
         section = config if isinstance(config, MasterSection) else full.master  # type: ignore[union-attr]
         # The key before anything is opened: an unreadable key file is a ConfigError at once.
-        self.cluster_key = cluster_key or (ClusterKey.from_config(full) if full is not None else ClusterKey.default())
+        if cluster_key is None:
+            if full is None:
+                raise TypeError("MasterClient(config=MasterSection) needs cluster_key= (a section has no [security])")
+            cluster_key = ClusterKey.from_config(full)
+        self.cluster_key = cluster_key
         self._finder: LeaderFinder | None = None
         if address is None and section.etcd:
             self._fixed: str | None = None

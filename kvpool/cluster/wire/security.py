@@ -162,14 +162,6 @@ class ClusterKey:
             return cls(None, token_ttl_s=section.token_ttl_s)
         return _cached(section.key_file, section.token_ttl_s)
 
-    @classmethod
-    def default(cls) -> ClusterKey:
-        """The key of a default config (``security.key_file`` default, created on first use):
-        what a component built without a Config uses."""
-        from kvpool.config import Config
-
-        return cls.from_config(Config.load(None))
-
     @property
     def enabled(self) -> bool:
         return self.secret is not None
