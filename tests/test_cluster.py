@@ -247,12 +247,12 @@ def test_a_get_pulls_from_the_last_holder_and_uses_its_verified_answer_without_t
         # An out of the guessed size but another shape: the guess's request went out before out
         # was checked; its reply is dropped unread (the connection closed), and the get says
         # what is wrong with out.
-        connects = guesser.tcp_puller.connects
+        connects = guesser.pulls.tcp.connects
         with pytest.raises(errors.OutBufferError):
             reader.get(key_of(11), out=np.empty(content(11).shape[::-1], np.float16))
         assert counter("speculative_wasted") == 4
         np.testing.assert_array_equal(reader.get(key_of(11)), content(21))
-        assert guesser.tcp_puller.connects == connects + 1
+        assert guesser.pulls.tcp.connects == connects + 1
 
         # Deleted through the reader itself while b still holds it: never guessed, a miss.
         assert key_of(12) in b.local.manager  # type: ignore[attr-defined]

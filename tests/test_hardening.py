@@ -66,7 +66,7 @@ def test_default_daemon_and_its_clients_listen_only_on_loopback(
             try:
                 got = reader.read(b"loopback-key", theirs, None, None, out_view)
                 assert got is not None and np.array_equal(got, kv), reader.counters
-                assert (reader.tcp_puller is not None and reader.tcp_puller.pulls == 1) == bool(tcp_pull_max)
+                assert (reader.pulls.tcp is not None and reader.pulls.tcp.pulls == 1) == bool(tcp_pull_max)
             finally:
                 reader.close()
         daemon_listens, own_listens = listeners_of(daemon.pid), listeners_of(os.getpid())
@@ -110,11 +110,11 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
                 peer = NodeAddress.decode(stored["address"]).peer
                 assert peer.tcp_port
                 with pytest.raises(errors.AuthenticationError):
-                    reader.puller.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
-                if reader.tcp_puller is not None:
-                    assert reader.tcp_puller.pulls == 1 and reader.tcp_puller.failures == len(cases)
+                    reader.pulls.ucx.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
+                if reader.pulls.tcp is not None:
+                    assert reader.pulls.tcp.pulls == 1 and reader.pulls.tcp.failures == len(cases)
                     with pytest.raises(errors.AuthenticationError):
-                        reader.tcp_puller.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
+                        reader.pulls.tcp.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
             finally:
                 reader.close()
         # the location cache drops a replica whose token expired: locate again

@@ -52,3 +52,14 @@ def test_every_cluster_module_is_in_a_package() -> None:
     loose = [p.name for p in CLUSTER.glob("*.py") if p.name != "__init__.py"]
     assert loose == []
     assert {p.name for p in CLUSTER.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FORBIDDEN)
+
+
+def test_the_reader_asks_for_bytes_and_never_names_a_transport() -> None:
+    """Which client a pull goes over, and the fallback from TCP to UCX, is
+    :class:`kvpool.transport.Pulls`' choice alone."""
+    transports = ("kvpool.transport.tcp", "kvpool.transport.client", "kvpool.transport.PullClient",
+                  "kvpool.transport.TcpPullClient")
+    for name in ("reader.py", "checks.py", "located.py", "view.py"):
+        named = [module for _, module in imported_modules(CLUSTER / "node" / name)
+                 if any(module == t or module.startswith(t + ".") for t in transports)]
+        assert named == [], name

@@ -115,6 +115,7 @@ from kvpool.transport.engine import (
     ucx_interface_options,
 )
 from kvpool.transport.frames import MAX_HEADER_NBYTES, PeerAddress, plausible_worker_address
+from kvpool.transport.puller import Puller, Pulls
 from kvpool.transport.pulls import PullRequest
 from kvpool.transport.server import PullServer
 from kvpool.transport.source import Provider, ProviderWouldBlock, ServeSource, in_inline_provider
@@ -128,6 +129,8 @@ __all__ = [
     "Provider",
     "ProviderWouldBlock",
     "PullClient",
+    "Puller",
+    "Pulls",
     "PullRequest",
     "PullServer",
     "ServeSource",

@@ -20,7 +20,6 @@ using a replica once its token expired.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -37,13 +36,10 @@ from kvpool.cluster.node.same_host import OutView, SameHostArenas
 from kvpool.cluster.wire.protocol import LocatedReplica
 from kvpool.cluster.wire.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
-from kvpool.transport import Engine, PeerAddress, PullClient, PullRequest, TcpPullClient
-from kvpool.transport.tcp import TcpPathUnusable
+from kvpool.transport import Engine, PullRequest, Pulls
 
 log = logging.getLogger("kvpool.remote")
 
-#: the most bytes pulled over plain TCP from a holder that UCX reaches by shared memory
-SAME_HOST_TCP_PULL_MAX = 1 << 20
 _TOKEN_MARGIN_S = 1.0  # a cached replica whose token expires sooner is not used (locate again)
 _SPECULATION_MAX_SCORE = 8
 _SPECULATION_RETRY_EVERY = 32  # with speculation off (guesses kept missing), still try this often
@@ -61,23 +57,15 @@ class ReplicaReader:
         self.host_id = host_id
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
-        # ``engine``: the node's, shared (one UCX worker and progress thread per process). The UCX
-        # pull client is made at the first pull over UCX: a reader whose pulls all go over plain
-        # TCP (a CLI ``kvpool get``) never imports ucxx.
-        self._make_ucx_puller = functools.partial(PullClient, transport=transport, max_message=max_message,
-                                                  host=host, engine=engine)
-        self._ucx_puller: PullClient | None = None
-        self._ucx_lock = threading.Lock()
-        self.transport = transport
-        #: pulls of at most this many bytes from a holder with a TCP port go over plain TCP (at
-        #: most SAME_HOST_TCP_PULL_MAX from a same-host holder that UCX reaches by shared memory)
-        self.tcp_pull_max = tcp_pull_max
-        # ``cluster_key``: TCP pulls go only to holders that prove they hold it, and this reader
-        # proves it holds it too (its pulls there then need no token)
-        self.tcp_puller = TcpPullClient(
-            check_proof=None if cluster_key is None else cluster_key.check_holder_proof,
-            prove=None if cluster_key is None else cluster_key.reader_proof, poll_s=poll_s) if tcp_pull_max else None
         self.counters: Counter[str] = Counter()
+        # How bytes come from a holder (plain TCP up to ``tcp_pull_max``, else UCX; the fallback
+        # between them). ``engine``: the node's, shared (one UCX worker and progress thread per
+        # process). ``cluster_key``: TCP pulls go only to holders that prove they hold it, and
+        # this reader proves it holds it too (its pulls there then need no token).
+        self.pulls = Pulls(host_id, transport=transport, max_message=max_message, host=host, engine=engine,
+                           tcp_pull_max=tcp_pull_max, poll_s=poll_s, counters=self.counters,
+                           check_proof=None if cluster_key is None else cluster_key.check_holder_proof,
+                           prove=None if cluster_key is None else cluster_key.reader_proof)
         #: same-host nodes' cxl arenas, read in place (only inside ``allowed_dirs``)
         self.arenas = SameHostArenas(host_id, node_id, allowed_dirs, self.counters)
         self.location_cache_size = location_cache_size
@@ -380,53 +368,14 @@ class ReplicaReader:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified, or checked as it arrives by ``check``), abandoned as soon as the holder is
         known gone."""
-        peer = replica["_node"].peer  # type: ignore[typeddict-item]
-        tcp = self.tcp_puller
-        if tcp is not None and self._client_for(peer, buf.nbytes) is tcp:  # one pull: no batch machinery
-            try:
-                sent = tcp.start(peer, key, layer_range, buf.nbytes, token=token, timeout_s=self.pull_timeout_s)
-                tcp.finish(sent, buf, raw_header, progress=check, alive=lambda: self.holder_alive(replica))
-                return
-            except TcpPathUnusable:  # its TCP port is unusable: over UCX, as _pull_many would
-                self.counters["tcp_fallbacks"] += 1
-        (outcome,) = self.puller.pull_many([PullRequest(peer, key, layer_range, buf, token, raw_header,
-                                                        lambda: self.holder_alive(replica))],
-                                           timeout_s=self.pull_timeout_s)
-        if isinstance(outcome, BaseException):
-            raise outcome
-
-    def _client_for(self, peer: PeerAddress | tuple[str, int], nbytes: int) -> PullClient | TcpPullClient:
-        """Plain TCP for a pull of at most ``tcp_pull_max`` bytes from a holder that serves it
-        (and whose port worked lately), else UCX. From a same-host holder that UCX reaches by
-        shared memory (``transport="auto"``), plain TCP only up to SAME_HOST_TCP_PULL_MAX:
-        above it UCX's shared memory was faster (bench/transfer_bench.py)."""
-        if self.tcp_puller is None or not isinstance(peer, PeerAddress):
-            return self.puller
-        limit = self.tcp_pull_max
-        if self.transport == "auto" and peer.host_id == self.host_id and peer.worker_address:
-            limit = min(limit, SAME_HOST_TCP_PULL_MAX)
-        return self.tcp_puller if nbytes <= limit and self.tcp_puller.reachable(peer) else self.puller
+        self.pulls.pull(replica["_node"].peer, key, layer_range, buf, token=token,  # type: ignore[typeddict-item]
+                        header_out=raw_header, progress=check, alive=lambda: self.holder_alive(replica),
+                        timeout_s=self.pull_timeout_s)
 
     def _pull_many(self, requests: list[PullRequest]) -> list[int | BaseException]:
-        """Pulls in flight together (:meth:`PullClient.pull_many`): one result per request, the
-        bytes received or the error. The small ones go over TCP first; those whose holder's TCP
-        port proved unusable then go over UCX with the rest."""
-        results: list[int | BaseException | None] = [None] * len(requests)
-        over_ucx = list(range(len(requests)))
-        if self.tcp_puller is not None:
-            over_tcp = [i for i in over_ucx if self._client_for(requests[i].address, requests[i].out.nbytes)
-                        is self.tcp_puller]
-            if over_tcp:
-                for i, outcome in zip(over_tcp, self.tcp_puller.pull_many(
-                        [requests[i] for i in over_tcp], timeout_s=self.pull_timeout_s)):
-                    results[i] = outcome
-                    self.counters["tcp_fallbacks"] += isinstance(outcome, TcpPathUnusable)
-                over_ucx = [i for i in over_ucx if results[i] is None or isinstance(results[i], TcpPathUnusable)]
-        if over_ucx:
-            for i, outcome in zip(over_ucx, self.puller.pull_many([requests[i] for i in over_ucx],
-                                                                  timeout_s=self.pull_timeout_s)):
-                results[i] = outcome
-        return results  # type: ignore[return-value]
+        """Pulls in flight together (:meth:`Pulls.pull_many`): one result per request, the bytes
+        received or the error."""
+        return self.pulls.pull_many(requests, timeout_s=self.pull_timeout_s)
 
     def _pulled_from(self, replica: LocatedReplica) -> None:
         """Count a verified pull; its holder is the next speculative guess."""
@@ -474,9 +423,7 @@ class ReplicaReader:
         the cluster key: only such a pull may be used as the holder answers (:meth:`accept`).
         (A UCX endpoint proves nothing: whatever took over a dead holder's address would be
         believed.) This reader proves the key to that holder in turn, so the pull needs no token."""
-        tcp = self.tcp_puller
-        return tcp is not None and tcp.check_proof is not None and \
-            self._client_for(guess.replica["_node"].peer, guess.nbytes) is tcp  # type: ignore[typeddict-item]
+        return self.pulls.provable(guess.replica["_node"].peer, guess.nbytes)  # type: ignore[typeddict-item]
 
     def run(self, guess: Speculation, token: bytes) -> None:
         """Pull the guessed bytes into the buffer :meth:`Speculation.bind` took (unverified until
@@ -492,20 +439,18 @@ class ReplicaReader:
         no token), checked as they arrive, for :meth:`accept`; never raises a kvpool error. The
         request goes out first: ``out`` is bound (:meth:`Speculation.bind`) while the holder
         answers. Not pulled at all if its TCP port is unusable or ``out`` does not fit."""
-        tcp = self.tcp_puller
-        assert tcp is not None
         replica = guess.replica
         try:
-            sent = tcp.start(replica["_node"].peer, guess.key, guess.layer_range, guess.nbytes,  # type: ignore[typeddict-item]
-                             timeout_s=self.pull_timeout_s)
+            sent = self.pulls.start_proven(replica["_node"].peer, guess.key,  # type: ignore[typeddict-item]
+                                           guess.layer_range, guess.nbytes, timeout_s=self.pull_timeout_s)
             try:
                 if not guess.bind(out, out_view):
                     raise errors.OutBufferError("out does not fit the guessed spec")
             except BaseException:
-                tcp.cancel(sent)  # its reply is never read
+                self.pulls.cancel_proven(sent)  # its reply is never read
                 raise
-            tcp.finish(sent, guess.buf, guess.raw_header, progress=guess.check,
-                       alive=lambda: self.holder_alive(replica))
+            self.pulls.finish_proven(sent, guess.buf, guess.raw_header, progress=guess.check,
+                                     alive=lambda: self.holder_alive(replica))
             guess.pulled = guess.proven = True
         except errors.KVPoolError as exc:
             self._guess_failed(guess, exc)
@@ -517,7 +462,7 @@ class ReplicaReader:
         if isinstance(exc, errors.KVTimeoutError):
             guess.failure = "timeout"
         elif not isinstance(exc, (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError,
-                                  errors.ProtocolError, errors.AuthenticationError, TcpPathUnusable)):
+                                  errors.ProtocolError, errors.AuthenticationError)) and not Pulls.path_unusable(exc):
             guess.failure = "holder_gone"  # gone, connection lost
         # else: not there, not the guessed spec, or (proven) its TCP port unusable: locate decides
 
@@ -581,24 +526,9 @@ class ReplicaReader:
         self._guess_wasted()
         return None
 
-    @property
-    def puller(self) -> PullClient:
-        """The UCX pull client, made on first use."""
-        if self._ucx_puller is None:
-            with self._ucx_lock:
-                if self._ucx_puller is None:
-                    self._ucx_puller = self._make_ucx_puller()
-        return self._ucx_puller
-
     def stats(self) -> dict[str, Any]:
-        ucx = (self._ucx_puller.stats() if self._ucx_puller is not None  # none yet: nothing pulled over UCX
-               else {"peers": 0, "pulls": 0, "failures": 0, "timeouts": 0, "bytes_received": 0})
-        return {**self.counters, "pull_client": ucx,
-                "tcp_pull_client": self.tcp_puller.stats() if self.tcp_puller is not None else {}}
+        return {**self.counters, **self.pulls.stats()}
 
     def close(self) -> None:
-        if self._ucx_puller is not None:
-            self._ucx_puller.close()
-        if self.tcp_puller is not None:
-            self.tcp_puller.close()
+        self.pulls.close()
         self.arenas.close()

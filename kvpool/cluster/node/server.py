@@ -47,18 +47,16 @@ from kvpool.transport import (
     Engine,
     PeerAddress,
     ProviderWouldBlock,
-    PullClient,
     PullRequest,
+    Pulls,
     PullServer,
     ServeSource,
-    TcpPullClient,
     TcpPullServer,
     in_inline_provider,
     local_host_id,
     plausible_worker_address,
     ucx_interface_options,
 )
-from kvpool.transport.tcp import TcpPathUnusable
 from kvpool.transport.tcp.admission import raise_descriptor_limit
 from tiers.base import Extent, Tier
 from tiers.entries import LockBusy
@@ -199,8 +197,7 @@ class Node:
             self.engine.stop(lambda: None)
             raise
         self.control_address = f"tcp://{self.host}:{port}"
-        self._replicator: PullClient | None = None
-        self._tcp_replicator: TcpPullClient | None = None
+        self._replicator: Pulls | None = None  # the pulls of replicas copied here, made on first use
         self._replicator_lock = threading.Lock()
         #: control requests served: ``replicate_requests`` (one per replicate or replicate_many
         #: exchange), ``replicated_objects`` (copies committed)
@@ -263,8 +260,6 @@ class Node:
         self._control.close(0)
         if self._replicator is not None:
             self._replicator.close()
-        if self._tcp_replicator is not None:
-            self._tcp_replicator.close()
         if self.tcp_server is not None:
             self.tcp_server.close()
         self.server.close()
@@ -481,11 +476,17 @@ class Node:
             log.warning("control request failed: %s: %.200s", type(exc).__name__, exc)
             return P.pack_control_error(request_id, "TransferError", f"{type(exc).__name__}: {str(exc):.500}")
 
-    def _puller(self) -> PullClient:
+    def _replica_pulls(self) -> Pulls:
+        """How copies come here: plain TCP up to ``node.tcp_pull_max`` from any holder with a TCP
+        port (pipelined on one connection; ~5x less CPU on both ends than UCX's callbacks here,
+        which matters when the holder is an inference engine saving as it computes), else UCX."""
         with self._replicator_lock:
             if self._replicator is None:
-                self._replicator = PullClient(transport="auto", max_message=self.config.node.max_message,
-                                              host=self.host, engine=self.engine)
+                key = self.cluster_key
+                self._replicator = Pulls(self.host_id, transport="auto", max_message=self.config.node.max_message,
+                                         host=self.host, engine=self.engine, tcp_pull_max=self.config.node.tcp_pull_max,
+                                         check_proof=key.check_holder_proof, prove=key.reader_proof,
+                                         same_host_tcp_pull_max=None)
             return self._replicator
 
     def _replicate(self, body: S.Replicate) -> dict[str, Any]:
@@ -546,32 +547,9 @@ class Node:
         return {"node_id": self.node_id, "tiers": tiers, "committed": committed}
 
     def _pull_replicas(self, source: PeerAddress, requests: list[PullRequest]) -> list[int | BaseException]:
-        """A batch's pulls, all in flight together: those of at most ``node.tcp_pull_max`` bytes
-        over the holder's plain TCP port (pipelined on one connection; ~5x less CPU on both
-        ends than UCX's callbacks here, which matters when the holder is an inference engine
-        saving as it computes), the rest — and any whose TCP path proves unusable — over UCX."""
-        results: list[int | BaseException | None] = [None] * len(requests)
-        limit = self.config.node.tcp_pull_max
-        if limit and source.tcp_port:
-            over_tcp = [i for i, r in enumerate(requests) if r.out.nbytes <= limit]
-            if over_tcp:
-                tcp = self._tcp_puller()
-                for i, outcome in zip(over_tcp, tcp.pull_many([requests[i] for i in over_tcp],
-                                                              timeout_s=self.config.node.pull_timeout_s)):
-                    results[i] = None if isinstance(outcome, TcpPathUnusable) else outcome
-        rest = [i for i, r in enumerate(results) if r is None]
-        if rest:
-            for i, outcome in zip(rest, self._puller().pull_many([requests[i] for i in rest],
-                                                                 timeout_s=self.config.node.pull_timeout_s)):
-                results[i] = outcome
-        return results  # type: ignore[return-value]
-
-    def _tcp_puller(self) -> TcpPullClient:
-        with self._replicator_lock:
-            if self._tcp_replicator is None:
-                self._tcp_replicator = TcpPullClient(check_proof=self.cluster_key.check_holder_proof,
-                                                     prove=self.cluster_key.reader_proof)
-            return self._tcp_replicator
+        """A batch's pulls, all in flight together (see :meth:`_replica_pulls`); those whose TCP
+        path proves unusable go over UCX."""
+        return self._replica_pulls().pull_many(requests, timeout_s=self.config.node.pull_timeout_s)
 
     def _replication_source(self, raw_source: str) -> PeerAddress:
         if len(raw_source) > self.config.master.max_address_bytes:
