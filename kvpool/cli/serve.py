@@ -144,7 +144,7 @@ def _start_metrics(config: Config, role: str, node: Any, master_client: Any, sta
     server.start()
 
 
-def describe_tiers(stats: dict) -> str:
+def describe_tiers(stats: dict[str, Any]) -> str:
     parts = []
     for name, tier in stats["tiers"].items():
         extra = []

@@ -488,7 +488,9 @@ class KvpoolConnector(KVConnectorBase_V1):
 
         def one(at: int) -> list[np.ndarray | None]:
             try:
-                return self._pool.get_many(keys[at:at + step], layers=layers, outs=outs[at:at + step])
+                got: list[np.ndarray | None] = self._pool.get_many(keys[at:at + step], layers=layers,
+                                                                   outs=outs[at:at + step])
+                return got
             except errors.KVPoolError as exc:
                 log.warning("kvpool: loading layers %d..%d of %d blocks failed: %s", layers[0], layers[-1],
                             len(keys[at:at + step]), exc)

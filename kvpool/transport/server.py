@@ -8,7 +8,7 @@ import concurrent.futures
 import logging
 import mmap
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from kvpool import errors
 from kvpool.transport.connections import ReplyEndpoints
@@ -233,7 +233,7 @@ class PullServer:
         if engine is not None and not engine.on_thread():
             try:
                 # The job sets belong to the progress thread: read them there.
-                return engine.call(self.stats, timeout_s=5.0)
+                return cast(dict[str, int], engine.call(self.stats, timeout_s=5.0))
             except (errors.PoolClosedError, errors.KVTimeoutError):
                 pass
         return {

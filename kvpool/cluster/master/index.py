@@ -57,7 +57,8 @@ def _hash(lo: int, hi: int) -> int:
 
 def _hash_vec(lo: U64Array, hi: U64Array) -> U64Array:
     h = lo * _U64(_C1) + hi * _U64(_C2)
-    return h ^ (h >> _U64(31))
+    mixed: U64Array = h ^ (h >> _U64(31))
+    return mixed
 
 
 def split_keys(keys: Sequence[bytes]) -> tuple[U64Array, U64Array]:
@@ -326,7 +327,8 @@ class KeyIndex:
         if min(map(len, keys)) != KEY_BYTES or max(map(len, keys)) != KEY_BYTES:
             return [k in self for k in keys]
         slots = self._find_many(*split_keys(keys))
-        return (slots >= 0).tolist()
+        found: list[bool] = (slots >= 0).tolist()
+        return found
 
     def prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are indexed."""

@@ -248,7 +248,7 @@ class Holders:
         return default
 
     def __getitem__(self, node_id: str) -> Replica:
-        replica = self.get(node_id)
+        replica: Replica | None = self.get(node_id)
         if replica is None:
             raise KeyError(node_id)
         return replica

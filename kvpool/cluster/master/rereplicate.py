@@ -31,7 +31,7 @@ class Rereplicator:
     answers, over the master's normal request path.
     """
 
-    def __init__(self, state: MasterState, context: zmq.Context, config: MasterSection,
+    def __init__(self, state: MasterState, context: zmq.Context[Any], config: MasterSection,
                  cluster_key: ClusterKey) -> None:
         self.state = state
         self.cluster_key = cluster_key

@@ -350,7 +350,7 @@ class ReplicaReader:
         if replica.get("host_id") == self.host_id and replica.get("tier") == "cxl" and location:
             try:
                 reader = self.arenas.at(location)
-                header = reader.header_at(location["offset"], key, header_sum, spec)
+                header: ObjectHeader = reader.header_at(location["offset"], key, header_sum, spec)
                 check_same(header, same_as, layer_range)
                 reader.read_layers_into(location["offset"], header, layer_range, buf, verify=True)
                 self.counters["reads_in_place"] += 1

@@ -123,7 +123,8 @@ class SameHostArenas:
                 found = reader.read_key_into(key, layers, lambda spec, rng: out_view(spec, rng, out))
                 if found is None:
                     continue
-                arr, buf = found
+                arr: np.ndarray = found[0]
+                buf = found[1]
             except (errors.LayerRangeError, errors.OutBufferError):
                 raise
             except (errors.KVPoolError, OSError) as exc:  # freed or reused meanwhile: try elsewhere

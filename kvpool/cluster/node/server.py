@@ -150,7 +150,7 @@ class Node:
         self.cluster_key = ClusterKey.from_config(config)
         # One ZeroMQ context for the process (its I/O thread): this node's master clients and
         # its control socket.
-        self._zmq: zmq.Context = zmq.Context.instance()
+        self._zmq: zmq.Context[Any] = zmq.Context.instance()
         self.master = MasterClient(master_address, config=config, cluster_key=self.cluster_key, context=self._zmq)
         # The provider only pins and takes a view (or hands nvme reads to a worker), so it
         # runs on the progress thread: a thread hand-off per pull costs ~50-140 us here.

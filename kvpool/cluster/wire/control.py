@@ -18,7 +18,7 @@ from kvpool.cluster.wire.security import ClusterKey, HandshakeWatch, recv_or_ref
 
 
 def control_call(control: str, op: str, body: Mapping[str, Any], timeout_s: float, *,
-                 cluster_key: ClusterKey, context: zmq.Context | None = None,
+                 cluster_key: ClusterKey, context: zmq.Context[Any] | None = None,
                  check: Callable[[], None] | None = None) -> Any:
     """One request to a node's control socket (``replicate``, ``stats``, ``ping``); returns the
     reply body or raises the node's typed error.

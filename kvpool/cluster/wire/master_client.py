@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -63,7 +63,7 @@ def _keys(keys: Iterable[KeyLike]) -> list[bytes]:
 class _Connection:
     __slots__ = ("socket", "address", "ids", "watch", "answered", "__weakref__")
 
-    def __init__(self, socket: zmq.Socket, address: str, watch: HandshakeWatch) -> None:
+    def __init__(self, socket: zmq.Socket[Any], address: str, watch: HandshakeWatch) -> None:
         self.socket = socket
         self.address = address
         self.ids = itertools.count(1)
@@ -74,7 +74,7 @@ class _Connection:
         _close(self.socket, self.watch)
 
 
-def _close(socket: zmq.Socket, watch: HandshakeWatch) -> None:
+def _close(socket: zmq.Socket[Any], watch: HandshakeWatch) -> None:
     watch.close()  # first: see HandshakeWatch.close
     socket.close(0)
 
@@ -382,7 +382,7 @@ class MasterClient:
         def send(batch: Sequence[ReplicaRecord]) -> int:
             # The first batch registers (replacing what the master believed); the rest are published.
             if first:
-                return self.call(P.PUBLISH, {"node_id": node_id, "objects": list(batch)}).indexed
+                return cast(int, self.call(P.PUBLISH, {"node_id": node_id, "objects": list(batch)}).indexed)
             body: dict[str, Any] = {
                 "node_id": node_id, "address": address, "host_id": host_id,
                 "tiers": tiers, "objects": list(batch), "role": role, "persistent_tiers": list(persistent_tiers),
@@ -390,7 +390,7 @@ class MasterClient:
             if control is not None:
                 body["control"] = control
             first.append(msgspec.structs.asdict(self.call(P.REGISTER, body)))
-            return first[0]["indexed"]
+            return cast(int, first[0]["indexed"])
 
         indexed = self._batched(objects if isinstance(objects, Sequence) else list(objects), send)
         reply = first[0]
@@ -402,7 +402,7 @@ class MasterClient:
 
         Returns how many replicas were withdrawn.
         """
-        return self.call(P.LEAVE, {"node_id": node_id}, timeout_s=timeout_s).withdrawn
+        return cast(int, self.call(P.LEAVE, {"node_id": node_id}, timeout_s=timeout_s).withdrawn)
 
     def heartbeat(
         self, node_id: str, tiers: Mapping[str, Mapping[str, int]] | None = None, delete_ack: int = 0
@@ -410,7 +410,7 @@ class MasterClient:
         body: dict[str, Any] = {"node_id": node_id, "delete_ack": delete_ack}
         if tiers is not None:
             body["tiers"] = tiers
-        return self.call(P.HEARTBEAT, body)
+        return cast(HeartbeatReply, self.call(P.HEARTBEAT, body))
 
     @property
     def query_calls(self) -> int:
@@ -424,7 +424,7 @@ class MasterClient:
 
     def _query_port(self) -> int:
         """The query port of the master a call goes to (0: none), asked over ZeroMQ."""
-        return self.call(P.PING, {}).query_port
+        return cast(int, self.call(P.PING, {}).query_port)
 
     def _question(self, op: str, body: Mapping[str, Any]) -> Any:
         """A question (exists, lookup): on the query port if it answers, else over ZeroMQ."""
@@ -455,7 +455,7 @@ class MasterClient:
             work, meanwhile = meanwhile, None
             # The schema checks the reply's shape; each replica record is checked where it is used
             # (kvpool.cluster.node.located), so one bad record costs only that replica.
-            return self.call(P.LOCATE, {"keys": list(batch), "lease": lease}, meanwhile=work)
+            return cast(LocateReply, self.call(P.LOCATE, {"keys": list(batch), "lease": lease}, meanwhile=work))
 
         replies = self._batched(_keys(keys), locate)
         leases = [r.lease for r in replies if r.lease is not None]
@@ -485,7 +485,7 @@ class MasterClient:
         done: list[int] = []
 
         def send(batch: Sequence[dict[str, Any]]) -> list[int]:
-            ids = self.call(P.RESERVE, {"items": list(batch)}).reservations
+            ids: list[int] = self.call(P.RESERVE, {"items": list(batch)}).reservations
             done.extend(ids)
             return ids
 
@@ -589,7 +589,7 @@ class MasterClient:
         ]
 
     def stats(self) -> dict[str, Any]:
-        return self.call(P.STATS, {})
+        return cast(dict[str, Any], self.call(P.STATS, {}))
 
     def list_keys(self, prefix: KeyLike = b"", limit: int = 1000) -> tuple[list[dict[str, Any]], bool]:
         """(keys with their replicas, truncated) for keys starting with ``prefix``."""

@@ -377,7 +377,7 @@ class TcpPullClient:
                 pull.header_out[:] = body
         self.pulls += 1
         self.bytes_received += nbytes
-        return nbytes
+        return int(nbytes)
 
     def _failed(self, pull: TcpPull, exc: BaseException) -> BaseException:
         self.failures += 1
