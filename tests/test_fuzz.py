@@ -17,7 +17,7 @@ import struct
 from types import SimpleNamespace
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -124,7 +124,7 @@ def test_master_random_bytes(master: MasterServer, payload: bytes) -> None:
 @given(op=st.sampled_from(sorted(P.OPS)) | st.text(max_size=10), body=msgpack_values,
        version=st.sampled_from([P.PROTOCOL_VERSION, 0, 2]) | msgpack_values, rid=msgpack_values)
 def test_master_random_msgpack(master: MasterServer, op: Any, body: Any, version: Any, rid: Any) -> None:
-    check_master_reply(master, msgpack.packb([version, rid, op, body], use_bin_type=True))
+    check_master_reply(master, msgspec.msgpack.encode([version, rid, op, body]))
 
 
 @FUZZ
@@ -189,7 +189,7 @@ VALID_CONTROL = [P.pack_control_request(1, P.CONTROL_PING, {}), P.pack_control_r
 def check_control_reply(node: Node, payload: bytes) -> None:
     with bounded(2.0):
         reply = node.serve_control(payload)
-    version, _, status, body = msgpack.unpackb(reply, raw=False)
+    version, _, status, body = msgspec.msgpack.decode(reply)
     assert version == P.CONTROL_PROTOCOL_VERSION and status in (P.OK, P.ERROR)
     if status == P.ERROR:
         assert is_typed(body["type"]), body
@@ -205,8 +205,8 @@ def test_control_random_bytes(node: Node, payload: bytes) -> None:
 @given(op=st.sampled_from(sorted(P.CONTROL_OPS)) | st.text(max_size=10), body=msgpack_values,
        version=st.sampled_from([P.CONTROL_PROTOCOL_VERSION, 1]) | msgpack_values, rid=msgpack_values)
 def test_control_random_msgpack(node: Node, op: Any, body: Any, version: Any, rid: Any) -> None:
-    check_control_reply(node, msgpack.packb([version, rid, op, body], use_bin_type=True))
-    check_control_reply(node, msgpack.packb([op, body], use_bin_type=True))  # the unversioned protocol 1
+    check_control_reply(node, msgspec.msgpack.encode([version, rid, op, body]))
+    check_control_reply(node, msgspec.msgpack.encode([op, body]))  # the unversioned protocol 1
 
 
 @FUZZ
@@ -219,14 +219,14 @@ def test_control_mutated_valid_requests(node: Node, data: st.DataObject, which: 
 @given(field=st.sampled_from(["key", "spec", "header_sum", "source", "reservation", "replicas", "persistent"]),
        value=msgpack_values)
 def test_control_replicate_with_a_field_replaced(node: Node, field: str, value: Any) -> None:
-    body = msgpack.unpackb(VALID_CONTROL[2], raw=False)[3]
+    body = msgspec.msgpack.decode(VALID_CONTROL[2])[3]
     body[field] = value
     check_control_reply(node, P.pack_control_request(3, P.CONTROL_REPLICATE, body))
 
 
 def test_control_reply_errors_map_to_kvpool_types() -> None:
     def reply(status: str, body: Any, rid: int = 1) -> bytes:
-        return msgpack.packb([P.CONTROL_PROTOCOL_VERSION, rid, status, body])
+        return msgspec.msgpack.encode([P.CONTROL_PROTOCOL_VERSION, rid, status, body])
 
     assert P.unpack_control_reply(reply("ok", {"a": 1}), 1) == {"a": 1}
     with pytest.raises(errors.ObjectTooLargeError):
@@ -238,7 +238,7 @@ def test_control_reply_errors_map_to_kvpool_types() -> None:
     with pytest.raises(errors.ProtocolError):
         P.unpack_control_reply(reply("ok", {}, rid=2), 1)
     with pytest.raises(errors.ProtocolError):
-        P.unpack_control_reply(msgpack.packb(["ok", {}]), 1)
+        P.unpack_control_reply(msgspec.msgpack.encode(["ok", {}]), 1)
 
 
 # -- the pull frame parsers ------------------------------------------------------------------

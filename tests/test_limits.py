@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 import zmq
 
@@ -101,7 +101,7 @@ def test_oversized_fields_are_refused_and_never_echoed(server: MasterServer) -> 
     assert ok and reply == {"prefix": 0}
     ok, reply = call(server, P.DELETE, {"keys": [b"k" * 10_000]})
     assert not ok and reply["type"] == "InvalidKeyError" and len(reply["message"]) < 500
-    frames = server.serve_frames([b"peer", msgpack.packb([1, 1, "o" * 1_000_000, {}])])
+    frames = server.serve_frames([b"peer", msgspec.msgpack.encode([1, 1, "o" * 1_000_000, {}])])
     _, ok, reply = P.unpack_reply(frames[-1])
     assert not ok and reply["type"] == "ProtocolError" and len(reply["message"]) < 1000
     assert server.state.nodes["n1"].address == "tcp://127.0.0.1:1"
@@ -306,15 +306,15 @@ def _hammer_and_check(cluster: Any, master: Any, client: MasterClient, rss_befor
     raw.send(b"\x01" * (65 << 20))
     assert not raw.poll(500)
     raw.close()
-    for frame in (b"\xc1garbage", msgpack.packb(["stats", {}]),
-                  msgpack.packb([P.CONTROL_PROTOCOL_VERSION, 5, "replicate", {}])):
+    for frame in (b"\xc1garbage", msgspec.msgpack.encode(["stats", {}]),
+                  msgspec.msgpack.encode([P.CONTROL_PROTOCOL_VERSION, 5, "replicate", {}])):
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         default_cluster_key().secure_client(raw)  # past authentication: the limits are what is tested
         raw.connect(control)
         raw.send(frame)
         assert raw.poll(5000)
-        version, _, status, body = msgpack.unpackb(raw.recv(), raw=False)
+        version, _, status, body = msgspec.msgpack.decode(raw.recv())
         raw.close()
         assert (version, status, body["type"]) == (P.CONTROL_PROTOCOL_VERSION, "error", "ProtocolError")
     assert control_call(control, "stats", {}, timeout_s=5.0, cluster_key=client.cluster_key)["node_id"] == node_id

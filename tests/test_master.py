@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 import zmq
 
@@ -738,7 +738,7 @@ def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALE
         sock.connect(address)
         sock.send_multipart(frames)
         assert sock.poll(2000), "no reply from master"
-        return msgpack.unpackb(sock.recv(), raw=False)
+        return msgspec.msgpack.decode(sock.recv())
     finally:
         sock.close()
 
@@ -747,20 +747,20 @@ def _raw_request(address: str, frames: list[bytes], socket_type: int = zmq.DEALE
     ("frames", "request_id", "error_type", "says"),
     [
         ([b"\xc1\xc1 not msgpack"], None, "ProtocolError", "not msgpack"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 1, "ping", {}])[:-1]], None, "ProtocolError", "not msgpack"),
-        ([msgpack.packb({"op": "ping"})], None, "ProtocolError", "array"),
-        ([msgpack.packb([99, 7, "ping", {}])], 7, "ProtocolError", "version"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 8, "frobnicate", {}])], 8, "ProtocolError", "unknown op"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 9, "lookup", [1, 2]])], 9, "ProtocolError", "got `array`"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 10, "lookup", {"keys": 5}])], 10, "ProtocolError", "keys"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 11, "lookup", {"keys": [5]}])], 11, "ProtocolError", "$.keys[0]"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 12, "register", {"node_id": "x", "address": "a", "host_id": "h",
+        ([msgspec.msgpack.encode([P.PROTOCOL_VERSION, 1, "ping", {}])[:-1]], None, "ProtocolError", "not msgpack"),
+        ([msgspec.msgpack.encode({"op": "ping"})], None, "ProtocolError", "array"),
+        ([msgspec.msgpack.encode([99, 7, "ping", {}])], 7, "ProtocolError", "version"),
+        ([msgspec.msgpack.encode([P.PROTOCOL_VERSION, 8, "frobnicate", {}])], 8, "ProtocolError", "unknown op"),
+        ([msgspec.msgpack.encode([P.PROTOCOL_VERSION, 9, "lookup", [1, 2]])], 9, "ProtocolError", "got `array`"),
+        ([msgspec.msgpack.encode([P.PROTOCOL_VERSION, 10, "lookup", {"keys": 5}])], 10, "ProtocolError", "keys"),
+        ([msgspec.msgpack.encode([P.PROTOCOL_VERSION, 11, "lookup", {"keys": [5]}])], 11, "ProtocolError", "$.keys[0]"),
+        ([msgspec.msgpack.encode([P.PROTOCOL_VERSION, 12, "register", {"node_id": "x", "address": "a", "host_id": "h",
                                               "tiers": {"dram": {"capacity": 1, "free": 2}}}])],
          12, "ProtocolError", "free <= capacity"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 13, "commit",
+        ([msgspec.msgpack.encode([P.PROTOCOL_VERSION, 13, "commit",
                          {"items": [{"reservation": 1, "replica": {"tier": "dram"}}]}])],
          13, "ProtocolError", "missing required field"),
-        ([msgpack.packb([P.PROTOCOL_VERSION, 14, "ping", {}]), b"extra frame"], None, "ProtocolError",
+        ([msgspec.msgpack.encode([P.PROTOCOL_VERSION, 14, "ping", {}]), b"extra frame"], None, "ProtocolError",
          "one message frame"),
     ],
 )
@@ -773,7 +773,7 @@ def test_bad_requests_get_typed_errors_and_the_master_keeps_serving(master, fram
 
 
 def test_req_sockets_and_non_zmq_garbage(master, client):
-    reply = _raw_request(master.address, [msgpack.packb([P.PROTOCOL_VERSION, "req-1", "ping", {}])], zmq.REQ)
+    reply = _raw_request(master.address, [msgspec.msgpack.encode([P.PROTOCOL_VERSION, "req-1", "ping", {}])], zmq.REQ)
     assert reply[:3] == [P.PROTOCOL_VERSION, "req-1", "ok"]
 
     host, port = master.address.removeprefix("tcp://").split(":")
@@ -1075,9 +1075,10 @@ def test_the_query_port_answers_only_questions_and_only_to_holders_of_the_key(ma
         # Questions that do not fit their one-step decoding are named as the general path names them.
         for frame, request_id, says in (
                 (P.pack_request(3, P.EXISTS, {"keys": "k"}), 3, "does not fit its schema"),
-                (msgpack.packb([1, 4, P.LOOKUP, {"keys": [key]}]), 4, "protocol version 1"),
-                (msgpack.packb([P.PROTOCOL_VERSION, True, P.EXISTS, {"keys": [key]}]), None, "request_id"),
-                (msgpack.packb([P.PROTOCOL_VERSION, "r" * 300, P.EXISTS, {"keys": [key]}]), None, "request_id")):
+                (msgspec.msgpack.encode([1, 4, P.LOOKUP, {"keys": [key]}]), 4, "protocol version 1"),
+                (msgspec.msgpack.encode([P.PROTOCOL_VERSION, True, P.EXISTS, {"keys": [key]}]), None, "request_id"),
+                (msgspec.msgpack.encode([P.PROTOCOL_VERSION, "r" * 300, P.EXISTS, {"keys": [key]}]), None,
+                 "request_id")):
             reply_id, ok, reply = P.unpack_reply(asker.call(frame))
             assert not ok and reply["type"] == "ProtocolError" and says in reply["message"]
             assert reply_id == request_id

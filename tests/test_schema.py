@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import msgpack
 import msgspec
 import pytest
 
@@ -15,7 +14,7 @@ SPEC = ObjectSpec(layers=2, tokens=4, kv_heads=2, head_dim=8, dtype="float16").t
 
 
 def request(op: str, body: object, rid: int = 7) -> bytes:
-    return msgpack.packb([P.PROTOCOL_VERSION, rid, op, body], use_bin_type=True)
+    return msgspec.msgpack.encode([P.PROTOCOL_VERSION, rid, op, body])
 
 
 def test_every_op_has_a_request_and_reply_struct() -> None:
@@ -87,5 +86,5 @@ def test_control_requests_decode_into_their_structs() -> None:
 
 def test_structs_encode_as_the_maps_the_wire_carries() -> None:
     encoded = P.pack_request(1, P.DELETE, S.Delete(keys=[b"k"], node_id="n"))
-    assert msgpack.unpackb(encoded, raw=False) == [P.PROTOCOL_VERSION, 1, "delete", {"keys": [b"k"], "node_id": "n"}]
+    assert msgspec.msgpack.decode(encoded) == [P.PROTOCOL_VERSION, 1, "delete", {"keys": [b"k"], "node_id": "n"}]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(S.Delete(keys=[b"k"])), type=dict) == {"keys": [b"k"]}

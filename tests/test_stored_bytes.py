@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -364,7 +364,7 @@ def test_nvme_segment_mutated(tmp_path_factory: pytest.TempPathFactory, nvme_tem
 
 index_values = st.one_of(
     st.binary(max_size=80),
-    st.builds(lambda v: msgpack.packb(v), st.lists(st.one_of(st.integers(-(1 << 63), (1 << 64) - 1),
+    st.builds(lambda v: msgspec.msgpack.encode(v), st.lists(st.one_of(st.integers(-(1 << 63), (1 << 64) - 1),
                                                              st.binary(max_size=300), st.none(), st.text(max_size=5)),
                                                    max_size=5)),
 )

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -377,9 +377,9 @@ def test_bad_index_records_are_dropped_and_logged(disk_dir: Path, caplog: pytest
         db = env.open_db(b"objects")
         with env.begin(write=True, db=db) as txn:
             txn.put(b"garbage", b"\xc1 not msgpack")
-            txn.put(b"overlap", msgpack.packb([good.segment, good.offset, good.nbytes, header.pack()]))
-            txn.put(b"beyond", msgpack.packb([7, 0, good.nbytes, header.pack()]))
-            txn.put(b"bad-header", msgpack.packb([0, 1 * MiB, good.nbytes, b"KVPL" + bytes(60)]))
+            txn.put(b"overlap", msgspec.msgpack.encode([good.segment, good.offset, good.nbytes, header.pack()]))
+            txn.put(b"beyond", msgspec.msgpack.encode([7, 0, good.nbytes, header.pack()]))
+            txn.put(b"bad-header", msgspec.msgpack.encode([0, 1 * MiB, good.nbytes, b"KVPL" + bytes(60)]))
     finally:
         env.close()
     with caplog.at_level(logging.WARNING, logger="tiers.nvme"):

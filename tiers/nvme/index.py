@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lmdb
-import msgpack
+import msgspec
 import numpy as np
 
 from kvpool import errors
@@ -229,12 +229,12 @@ class IndexedSegments(SegmentFiles):
             if stored is None:
                 if txn.stat(self._objects_db)["entries"]:
                     return "it has records but no layout"
-                txn.put(b"layout", msgpack.packb(layout))
+                txn.put(b"layout", msgspec.msgpack.encode(layout))
                 return None
             stored = bytes(stored)
         try:
-            found = msgpack.unpackb(stored)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            found = msgspec.msgpack.decode(stored)
+        except (ValueError, TypeError, msgspec.DecodeError) as exc:
             return f"its layout record is unreadable ({exc})"
         if not (isinstance(found, dict) and set(found) == set(layout)
                 and all(isinstance(v, int) for v in found.values())):
@@ -269,7 +269,7 @@ class IndexedSegments(SegmentFiles):
                 parsed.append((key, *self._parse_record(raw)))
             except _BeyondCapacity:
                 outside.append(key)
-            except (errors.FormatError, errors.TierError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            except (errors.FormatError, errors.TierError, ValueError, TypeError, msgspec.DecodeError) as exc:
                 bad.append((key, str(exc)))
         parsed.sort(key=lambda item: (item[1].segment, item[1].offset))  # sequential prefix reads
         stale: list[bytes] = []
@@ -396,7 +396,7 @@ class IndexedSegments(SegmentFiles):
             i = j
 
     def _parse_record(self, raw: Any) -> tuple[Extent, ObjectHeader]:
-        fields = msgpack.unpackb(bytes(raw))
+        fields = msgspec.msgpack.decode(bytes(raw))
         if not (isinstance(fields, list) and len(fields) == 4):
             raise errors.FormatError(f"index record is not [segment, offset, nbytes, header]: {fields!r:.80}")
         segment, offset, nbytes, header_bytes = fields
@@ -469,7 +469,8 @@ class IndexedSegments(SegmentFiles):
                 winners[key] = (extent, header)
         for extent, _ in sorted(winners.values(), key=lambda found: (found[0].segment, found[0].offset)):
             self._reserve_recovered(extent)
-        records = {key: msgpack.packb([e.segment, e.offset, e.nbytes, h.pack()]) for key, (e, h) in winners.items()}
+        records = {key: msgspec.msgpack.encode([e.segment, e.offset, e.nbytes, h.pack()])
+                   for key, (e, h) in winners.items()}
 
         def put_all(txn: Any) -> None:
             for key, record in records.items():

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgpack
+import msgspec
 import numpy as np
 
 from kvpool import errors
@@ -393,7 +393,7 @@ class NvmeTier(IndexedSegments):
                 self._disk_full_on_write(exc, extent)
                 raise
             raise self._io_error(exc, "fdatasync before commit") from exc
-        record = msgpack.packb([extent.segment, extent.offset, extent.nbytes, header.packed])
+        record = msgspec.msgpack.encode([extent.segment, extent.offset, extent.nbytes, header.packed])
 
         def replace(txn: Any) -> bytes | None:
             old = txn.get(key)
@@ -410,7 +410,7 @@ class NvmeTier(IndexedSegments):
         if old is not None:
             try:
                 old_extent, old_header = self._parse_record(old)
-            except (errors.FormatError, errors.TierError, ValueError, TypeError, msgpack.UnpackException):
+            except (errors.FormatError, errors.TierError, ValueError, TypeError, msgspec.DecodeError):
                 return
             if old_extent != extent:
                 self._tombstone_quietly(key, old_extent, old_header.generation,
@@ -441,8 +441,8 @@ class NvmeTier(IndexedSegments):
             if raw is None:
                 return
             try:
-                segment, offset, nbytes, _ = msgpack.unpackb(raw)
-            except (ValueError, TypeError, msgpack.UnpackException):
+                segment, offset, nbytes, _ = msgspec.msgpack.decode(raw)
+            except (ValueError, TypeError, msgspec.DecodeError):
                 txn.delete(key)  # unreadable: it could only ever be dropped
                 return
             if (segment, offset, nbytes) == (extent.segment, extent.offset, extent.nbytes):

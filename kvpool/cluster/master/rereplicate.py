@@ -13,6 +13,7 @@ import zmq
 from kvpool import errors
 from kvpool.cluster.master.ops import MasterState
 from kvpool.cluster.master.records import REREPLICATE_MAX_IN_FLIGHT, REREPLICATE_WORKERS, RereplicationTask, loggable
+from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import MasterSection
@@ -110,12 +111,11 @@ class Rereplicator:
                 return
             error: str | None = None
             try:
-                control_call(task.target_control, "replicate", {
-                    "key": task.key, "spec": list(task.spec), "header_sum": task.header_sum,
-                    "source": task.source_address,
-                    "reservation": task.reservation, "replicas": task.replicas, "persistent": True,
-                    "token": self.cluster_key.mint_token(task.key, task.source_id),
-                }, self.timeout_s, context=self._context, cluster_key=self.cluster_key,
+                control_call(task.target_control, "replicate", S.Replicate(
+                    key=task.key, spec=list(task.spec), header_sum=task.header_sum, source=task.source_address,
+                    reservation=task.reservation, replicas=task.replicas, persistent=True,
+                    token=self.cluster_key.mint_token(task.key, task.source_id),
+                ), self.timeout_s, context=self._context, cluster_key=self.cluster_key,
                     check=partial(self._check_task, task))
             except Exception as exc:  # reported on the serving thread; retried with backoff
                 error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, errors.KVPoolError) else str(exc)

@@ -37,6 +37,7 @@ from kvpool.cluster.node.located import alive_nodes_of, replicas_at
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.same_host import shared_dirs_of
 from kvpool.cluster.node.server import Node, NodeAddress
+from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.cluster.wire.protocol import Located, LocatedReplica, Placement, ReplicaRecord
@@ -216,12 +217,12 @@ class ClusterView:
         source = self.node.address.encode()
 
         def send(target: Placement) -> None:
-            items = [{"key": key, "spec": record["spec"], "header_sum": record["header_sum"],  # type: ignore[index]
-                      "reservation": rid, "token": self.node.cluster_key.mint_token(key, self.node.node_id)}
+            items = [S.ReplicateItem(key=key, spec=record["spec"], header_sum=record["header_sum"],  # type: ignore[index]
+                                     reservation=rid, token=self.node.cluster_key.mint_token(key, self.node.node_id))
                      for key, record, rid in zip(keys, records, target.reservation_ids)]
-            control_call(NodeAddress.decode(target.address).control, "replicate_many", {
-                "items": items, "source": source, "replicas": len(targets), "persistent": True,
-            }, timeout_s=self.config.node.pull_timeout_s + 5.0, cluster_key=self.node.cluster_key)
+            control_call(NodeAddress.decode(target.address).control, "replicate_many", S.ReplicateMany(
+                items=items, source=source, replicas=len(targets), persistent=True,
+            ), timeout_s=self.config.node.pull_timeout_s + 5.0, cluster_key=self.node.cluster_key)
             self.counters["replicate_requests"] += 1
             self.counters["replicated"] += len(items)
 

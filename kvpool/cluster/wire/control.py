@@ -14,10 +14,11 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.security import ClusterKey, HandshakeWatch, recv_or_refused
 
 
-def control_call(control: str, op: str, body: Mapping[str, Any], timeout_s: float, *,
+def control_call(control: str, op: str, body: Mapping[str, Any] | S.Body, timeout_s: float, *,
                  cluster_key: ClusterKey, context: zmq.Context[Any] | None = None,
                  check: Callable[[], None] | None = None) -> Any:
     """One request to a node's control socket (``replicate``, ``stats``, ``ping``); returns the

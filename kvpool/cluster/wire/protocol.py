@@ -95,7 +95,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypedDict
 
-import msgpack
 import msgspec
 
 from kvpool import errors
@@ -258,10 +257,6 @@ def _decoder(kind: Any) -> msgspec.msgpack.Decoder[Any]:
     except KeyError:
         decoder = _DECODERS[kind] = msgspec.msgpack.Decoder(kind)
         return decoder
-
-
-def _unpack(frame: bytes | memoryview) -> Any:
-    return msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
 
 
 def _envelope(frame: bytes | memoryview, what: str) -> tuple[Any, Any, Any, msgspec.Raw]:
@@ -447,7 +442,7 @@ def unpack_control_reply(frame: bytes | memoryview, request_id: int) -> Any:
     cannot be parsed (or answers another request) is ProtocolError.
     """
     try:
-        message = _unpack(frame)
+        message = msgspec.msgpack.decode(frame)
     except Exception as exc:
         raise errors.ProtocolError(f"control reply is not msgpack: {type(exc).__name__}") from None
     if not isinstance(message, list) or len(message) != 4 or message[2] not in (OK, ERROR):
