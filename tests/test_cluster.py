@@ -324,7 +324,7 @@ def test_a_confirmed_speculative_pull_is_used_only_when_the_master_names_that_ho
         a.delete(key)
         a.put(key, content(20))
         guess = reader.cluster.reader.speculate(key, None, None)
-        assert guess is not None and guess.replica["node_id"] == a.node_id and guess.bind(None, out_view)
+        assert guess is not None and guess.replica.node_id == a.node_id and guess.bind(None, out_view)
         reader.cluster.reader.run(guess, reader.cluster.node.cluster_key.mint_token(key, a.node_id))
         assert guess.pulled
         np.testing.assert_array_equal(guess.arr, content(20))  # the holder's bytes, unverified

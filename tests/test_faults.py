@@ -63,7 +63,7 @@ def test_a_killed_holder_costs_at_most_one_deadline_once(cluster: Cluster) -> No
         remote = reader.stats()["remote"]
         assert remote.get("miss_timeout", 0) == 0  # no pull waited out its deadline on the dead holder
         locations = reader.cluster.reader._locations  # type: ignore[attr-defined]
-        assert all(r["node_id"] != dead for replicas in locations.values() for r in replicas)
+        assert all(r.node_id != dead for replicas in locations.values() for r in replicas)
         pull_timeout_s = reader.config.node.pull_timeout_s
         assert max(later) < pull_timeout_s  # a dead holder is never waited on again
     finally:

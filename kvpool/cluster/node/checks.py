@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
+from kvpool.cluster.node.located import LocatedReplica
 from kvpool.cluster.node.same_host import OutView
-from kvpool.cluster.wire.protocol import LocatedReplica
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 
 
@@ -36,7 +36,7 @@ class Speculation:
 
     def __init__(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange) -> None:
         self.key, self.replica, self.layer_range = key, replica, layer_range
-        self.nbytes = layer_range.count * replica["_spec"].layer_nbytes  # type: ignore[typeddict-item]
+        self.nbytes = layer_range.count * replica.spec.layer_nbytes
         self.pulled = False
         self.proven = False  # pulled from a holder that proved it holds the cluster key
         #: why the guessed holder failed as a holder (dead, frozen, timed out), if it did: the
@@ -47,7 +47,7 @@ class Speculation:
         """Take the caller's ``out`` for the guessed bytes (``arr``, ``buf``; ``check`` checks
         the holder's answer as it arrives, as :meth:`ReplicaReader.accept` takes it), or False
         when it does not fit the guessed spec (the located read says what is wrong)."""
-        spec: ObjectSpec = self.replica["_spec"]  # type: ignore[typeddict-item]
+        spec: ObjectSpec = self.replica.spec
         try:
             self.arr, self.buf = out_view(spec, self.layer_range, out)
         except errors.KVPoolError:
@@ -58,7 +58,7 @@ class Speculation:
 
     def _own_header(self, raw_header: bytearray) -> ObjectHeader:
         """The holder's header, if whole, naming this key, with the guessed spec."""
-        spec: ObjectSpec = self.replica["_spec"]  # type: ignore[typeddict-item]
+        spec: ObjectSpec = self.replica.spec
         header = ObjectHeader.unpack_exact(raw_header, spec)
         header.check_identity(self.key)
         if header.spec is not spec and header.spec != spec:
@@ -129,10 +129,10 @@ def located_check(key: bytes, replica: LocatedReplica, layer_range: LayerRange, 
     """The check of a pull from a located ``replica``: the header the holder sends (into
     ``raw_header``, a new buffer by default) must be the one the master indexed for it (and agree
     with ``same_as``), and every layer in ``buf`` must match that header."""
-    spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
+    spec: ObjectSpec = replica.spec
 
     def indexed(raw: bytearray) -> ObjectHeader:
-        header = ObjectHeader.unpack_expected(raw, key, replica["header_sum"], spec)
+        header = ObjectHeader.unpack_expected(raw, key, replica.header_sum, spec)
         check_same(header, same_as, layer_range)
         return header
 

@@ -2,22 +2,41 @@
 
 A wrong or hostile master must not crash or redirect a reader: every located replica and
 every node address is checked here (types, bounds, a decodable address, a possible spec) and a
-bad one is dropped, never raised. A checked record carries the decoded address (``_node``) and
-spec (``_spec``), so later steps of the same get neither check nor parse it again.
+bad one is dropped, never raised. A checked replica is a :class:`LocatedReplica` (one struct from
+here to the pull), which carries the decoded address and spec, so later steps of the same get
+neither check nor parse them again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from kvpool import errors
 from kvpool.cluster.node.server import NodeAddress
-from kvpool.cluster.wire.protocol import LocatedReplica
 from kvpool.objformat import ObjectSpec
 
 _MAX_ID = 256
 _MAX_ADDRESS = 64 << 10
 _MAX_TOKEN = 64
+
+
+class LocatedReplica(msgspec.Struct, frozen=True, gc=False):
+    """One replica of a located key, checked: what the master said of it (the holder's
+    ``node_id``, ``address``, ``host_id``, its ``tier``, ``header_sum``, pull ``token`` and cxl
+    ``location``, empty when it has none) with the address decoded (``node``) and the spec the
+    reader sizes its buffer by (``spec``; the holder's header must agree)."""
+
+    node_id: str
+    address: str
+    host_id: str
+    tier: str
+    header_sum: int
+    token: bytes
+    location: dict[str, Any]
+    node: NodeAddress
+    spec: ObjectSpec
 
 
 def clean_location(raw: Any) -> dict[str, Any] | None:
@@ -93,22 +112,18 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
     if not isinstance(token, bytes) or len(token) > _MAX_TOKEN:
         return None
     node = clean_node_address(address)
-    if node is None:
+    if node is None:  # (address is then a str: clean_node_address takes nothing else)
         return None
     if location:
         location = clean_location(location)
         if location is None:
             return None
-    # "_node": the decoded address, which also marks the record as checked (nothing from the wire
-    # can be a NodeAddress), so later steps of the same get neither re-check nor re-parse it;
-    # "_spec": the spec the reader sizes its buffer by (the holder's header must agree).
-    return {**raw, "node_id": node_id, "address": address, "host_id": host_id,  # type: ignore[return-value]
-            "tier": tier, "header_sum": header_sum, "token": token, "location": location or {},
-            "_node": node, "_spec": spec}
+    return LocatedReplica(node_id=node_id, address=str(address), host_id=host_id, tier=tier, header_sum=header_sum,
+                          token=token, location=location or {}, node=node, spec=spec)
 
 
 def is_clean(replica: Any) -> bool:
-    return isinstance(replica, dict) and isinstance(replica.get("_node"), NodeAddress)
+    return isinstance(replica, LocatedReplica)
 
 
 def checked_quietly(located: Any) -> list[LocatedReplica]:

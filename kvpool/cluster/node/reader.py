@@ -31,9 +31,8 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.cluster.node.checks import ArrivalCheck, Speculation, check_same, located_check
-from kvpool.cluster.node.located import checked_quietly, clean_replica, is_clean
+from kvpool.cluster.node.located import LocatedReplica, checked_quietly, clean_replica, is_clean
 from kvpool.cluster.node.same_host import OutView, SameHostArenas
-from kvpool.cluster.wire.protocol import LocatedReplica
 from kvpool.cluster.wire.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from kvpool.transport import Engine, PullRequest, Pulls
@@ -108,10 +107,10 @@ class ReplicaReader:
 
     def _order(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
         """:meth:`ordered` of replicas already checked."""
-        others = [r for r in replicas if self.node_id is None or r["node_id"] != self.node_id]
+        others = [r for r in replicas if self.node_id is None or r.node_id != self.node_id]
         if len(others) < 2:
             return others
-        return sorted(others, key=lambda r: (r["host_id"] != self.host_id, r["tier"] != "cxl"))
+        return sorted(others, key=lambda r: (r.host_id != self.host_id, r.tier != "cxl"))
 
     def read(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any, out: Any,
              out_view: OutView, count_misses: bool = True,
@@ -143,7 +142,7 @@ class ReplicaReader:
             if arr is None:
                 self.forget(key)
         if arr is not None:
-            self._remember(key, [r for r in replicas if r["node_id"] not in failed] if failed else replicas)
+            self._remember(key, [r for r in replicas if r.node_id not in failed] if failed else replicas)
         return arr
 
     def _remember(self, key: bytes, replicas: list[LocatedReplica]) -> None:
@@ -166,7 +165,7 @@ class ReplicaReader:
             return None
         # A replica whose token is about to expire would be refused: ask the master again.
         soon = time.time() + _TOKEN_MARGIN_S
-        current = [r for r in replicas if ClusterKey.token_expiry_s(r["token"]) > soon]
+        current = [r for r in replicas if ClusterKey.token_expiry_s(r.token) > soon]
         if not current:
             with self._lock:
                 if self._locations.get(key) is replicas:  # not one a concurrent read stored since
@@ -201,7 +200,7 @@ class ReplicaReader:
             self._alive_nodes = set(alive)
             for key in list(self._locations):
                 replicas = self._locations[key]
-                keep = [r for r in replicas if r.get("node_id") in alive]
+                keep = [r for r in replicas if r.node_id in alive]
                 if not keep:
                     del self._locations[key]
                 elif len(keep) != len(replicas):
@@ -210,7 +209,7 @@ class ReplicaReader:
     def holder_alive(self, replica: LocatedReplica) -> bool:
         """False once the holder is known gone: the master no longer lists it alive, or (same
         host) its cxl arena's owner lock is free. Cheap; asked while a pull waits."""
-        node_id = replica.get("node_id")
+        node_id = replica.node_id
         alive = self._alive_nodes
         if alive is not None and node_id not in alive:
             return False
@@ -223,16 +222,16 @@ class ReplicaReader:
         node ids of replicas that failed (dead, frozen, evicted, corrupt) on the way."""
         for replica in replicas:
             reason = None
-            known = skip.get(replica["node_id"]) if skip else None
+            known = skip.get(replica.node_id) if skip else None
             if known is not None or not self.holder_alive(replica):
                 reason = known or "holder_gone"
                 if failed is not None:
-                    failed.add(str(replica.get("node_id")))
+                    failed.add(str(replica.node_id))
                 if count_misses:
                     self.counters[f"miss_{reason}"] += 1
                 continue
             try:
-                spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
+                spec: ObjectSpec = replica.spec
                 layer_range = LayerRange.resolve(layers, spec.layers)
                 arr, buf = out_view(spec, layer_range, out)
                 self.read_into(key, replica, layer_range, buf)
@@ -243,7 +242,7 @@ class ReplicaReader:
             except (ValueError, TypeError, KeyError, IndexError, OverflowError, errors.KVPoolError) as exc:
                 reason = self._reason_of(key, replica, exc)
             if failed is not None:
-                failed.add(str(replica.get("node_id")))
+                failed.add(str(replica.node_id))
             if count_misses:
                 self.counters[f"miss_{reason}"] += 1
         return None
@@ -262,14 +261,14 @@ class ReplicaReader:
             if first is None:
                 alone.append((i, None))
                 continue
-            spec: ObjectSpec = first["_spec"]  # type: ignore[typeddict-item]
+            spec: ObjectSpec = first.spec
             layer_range = LayerRange.resolve(layers, spec.layers)
             arr, buf = out_view(spec, layer_range, out)
             batch.append((i, first, arr, located_check(keys[i], first, layer_range, buf)))
         if batch:
             pulled = self._pull_many([
-                PullRequest(replica["_node"].peer, keys[i], check.layer_range, check.buf,  # type: ignore[typeddict-item]
-                            token=replica.get("token", b""), header_out=check.raw_header,
+                PullRequest(replica.node.peer, keys[i], check.layer_range, check.buf,
+                            token=replica.token, header_out=check.raw_header,
                             alive=lambda replica=replica: self.holder_alive(replica), progress=check)
                 for i, replica, _, check in batch])
             for (i, replica, arr, check), outcome in zip(batch, pulled):
@@ -280,7 +279,7 @@ class ReplicaReader:
                 except (errors.LayerRangeError, errors.OutBufferError):
                     raise
                 except Exception as exc:  # this replica failed: the others, one by one
-                    alone.append((i, {replica["node_id"]: self._reason_of(keys[i], replica, exc)}))
+                    alone.append((i, {replica.node_id: self._reason_of(keys[i], replica, exc)}))
                     continue
                 self._hit(len(check.buf))
                 self._pulled_from(replica)
@@ -300,7 +299,7 @@ class ReplicaReader:
         if not ordered:
             return None
         first = ordered[0]
-        if first.get("host_id") == self.host_id and first.get("tier") == "cxl" and first.get("location"):
+        if first.host_id == self.host_id and first.tier == "cxl" and first.location:
             return None
         return first if self.holder_alive(first) else None
 
@@ -315,17 +314,17 @@ class ReplicaReader:
         if isinstance(exc, errors.KVTimeoutError):
             return "timeout"
         if isinstance(exc, errors.AuthenticationError):  # the holder refused the token: never data
-            log.info("replica of %s on %s refused the pull: %s", key.hex(), replica.get("node_id"), exc)
+            log.info("replica of %s on %s refused the pull: %s", key.hex(), replica.node_id, exc)
             return "unauthorized"
         if isinstance(exc, (errors.TransferError, errors.FormatError, errors.TierError)):
-            log.info("replica of %s on %s failed: %s", key.hex(), replica.get("node_id"), exc)
+            log.info("replica of %s on %s failed: %s", key.hex(), replica.node_id, exc)
             return "holder_gone"
         # what the master said about this replica does not add up (header, location)
-        log.warning("replica of %s on %s is malformed: %s: %.200s", key.hex(), replica.get("node_id"),
+        log.warning("replica of %s on %s is malformed: %s: %.200s", key.hex(), replica.node_id,
                     type(exc).__name__, exc)
         return "malformed"
 
-    def read_into(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
+    def read_into(self, key: bytes, located: LocatedReplica | Any, layer_range: LayerRange, buf: memoryview,
                   *, same_as: ObjectHeader | None = None) -> ObjectHeader:
         """Fill ``buf`` with verified layers from one replica and return the header they were
         verified against, or raise.
@@ -340,14 +339,13 @@ class ReplicaReader:
         against; these layers must have the same checksums (a layer-wise read
         that moves to another replica never mixes two versions' layers).
         """
-        if not is_clean(replica):
-            replica = clean_replica(replica)  # type: ignore[assignment]
-            if replica is None:
-                raise errors.TransferError("malformed replica record")
-        spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
-        header_sum = replica["header_sum"]
-        location = replica.get("location") or {}
-        if replica.get("host_id") == self.host_id and replica.get("tier") == "cxl" and location:
+        replica = located if isinstance(located, LocatedReplica) else clean_replica(located)
+        if replica is None:
+            raise errors.TransferError("malformed replica record")
+        spec: ObjectSpec = replica.spec
+        header_sum = replica.header_sum
+        location = replica.location
+        if replica.host_id == self.host_id and replica.tier == "cxl" and location:
             try:
                 reader = self.arenas.at(location)
                 header: ObjectHeader = reader.header_at(location["offset"], key, header_sum, spec)
@@ -358,7 +356,7 @@ class ReplicaReader:
             except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
                 log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
         check = located_check(key, replica, layer_range, buf, same_as)
-        self._pull(key, replica, layer_range, buf, check.raw_header, replica.get("token", b""), check)
+        self._pull(key, replica, layer_range, buf, check.raw_header, replica.token, check)
         header = check.finish()
         self._pulled_from(replica)
         return header
@@ -368,7 +366,7 @@ class ReplicaReader:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified, or checked as it arrives by ``check``), abandoned as soon as the holder is
         known gone."""
-        self.pulls.pull(replica["_node"].peer, key, layer_range, buf, token=token,  # type: ignore[typeddict-item]
+        self.pulls.pull(replica.node.peer, key, layer_range, buf, token=token,
                         header_out=raw_header, progress=check, alive=lambda: self.holder_alive(replica),
                         timeout_s=self.pull_timeout_s)
 
@@ -408,7 +406,7 @@ class ReplicaReader:
             self._speculation_skipped, self._speculation_score = 0, 1
         if not self.holder_alive(replica):
             return None
-        spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
+        spec: ObjectSpec = replica.spec
         try:
             layer_range = LayerRange.resolve(layers, spec.layers)
         except errors.KVPoolError:  # not this spec: the located read will say what is wrong
@@ -423,7 +421,7 @@ class ReplicaReader:
         the cluster key: only such a pull may be used as the holder answers (:meth:`accept`).
         (A UCX endpoint proves nothing: whatever took over a dead holder's address would be
         believed.) This reader proves the key to that holder in turn, so the pull needs no token."""
-        return self.pulls.provable(guess.replica["_node"].peer, guess.nbytes)  # type: ignore[typeddict-item]
+        return self.pulls.provable(guess.replica.node.peer, guess.nbytes)
 
     def run(self, guess: Speculation, token: bytes) -> None:
         """Pull the guessed bytes into the buffer :meth:`Speculation.bind` took (unverified until
@@ -441,7 +439,7 @@ class ReplicaReader:
         answers. Not pulled at all if its TCP port is unusable or ``out`` does not fit."""
         replica = guess.replica
         try:
-            sent = self.pulls.start_proven(replica["_node"].peer, guess.key,  # type: ignore[typeddict-item]
+            sent = self.pulls.start_proven(replica.node.peer, guess.key,
                                            guess.layer_range, guess.nbytes, timeout_s=self.pull_timeout_s)
             try:
                 if not guess.bind(out, out_view):
@@ -457,7 +455,7 @@ class ReplicaReader:
 
     def _guess_failed(self, guess: Speculation, exc: errors.KVPoolError) -> None:
         """Keep why a guessed pull failed on the guess (or nothing, for locate to decide)."""
-        node_id = guess.replica.get("node_id")
+        node_id = guess.replica.node_id
         log.debug("speculative pull of %s from %s: %s", guess.key.hex(), node_id, exc)
         if isinstance(exc, errors.KVTimeoutError):
             guess.failure = "timeout"
@@ -481,7 +479,7 @@ class ReplicaReader:
                 guess.check.finish()
             except errors.KVPoolError as exc:  # another object or damaged: read as located
                 log.info("speculative pull of %s from %s not used: %s", guess.key.hex(),
-                         guess.replica.get("node_id"), exc)
+                         guess.replica.node_id, exc)
             else:
                 self.counters["speculative_unconfirmed"] += 1
                 self._pulled_from(guess.replica)
@@ -509,16 +507,16 @@ class ReplicaReader:
         # Checked quietly: the located read that follows a wasted guess counts bad records.
         replicas = checked_quietly(located)
         for replica in replicas:
-            if not guess.pulled or replica["node_id"] != guess.replica["node_id"]:
+            if not guess.pulled or replica.node_id != guess.replica.node_id:
                 continue
-            spec: ObjectSpec = replica["_spec"]  # type: ignore[typeddict-item]
-            if spec != guess.replica["_spec"]:  # type: ignore[typeddict-item]
+            spec: ObjectSpec = replica.spec
+            if spec != guess.replica.spec:
                 break
             try:
                 located_check(guess.key, replica, guess.layer_range, guess.buf,
                               raw_header=guess.raw_header).finish()
             except errors.KVPoolError as exc:  # another version, or damaged: read as located
-                log.info("speculative pull of %s from %s not used: %s", guess.key.hex(), replica["node_id"], exc)
+                log.info("speculative pull of %s from %s not used: %s", guess.key.hex(), replica.node_id, exc)
                 break
             self._pulled_from(replica)
             self._remember(guess.key, self._order(replicas))

@@ -33,14 +33,14 @@ import numpy as np
 from kvpool import errors
 from kvpool.api import out_view
 from kvpool.cluster.node.checks import Speculation
-from kvpool.cluster.node.located import alive_nodes_of, replicas_at
+from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of, replicas_at
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.same_host import shared_dirs_of
 from kvpool.cluster.node.server import Node, NodeAddress
 from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.master_client import MasterClient
-from kvpool.cluster.wire.protocol import Located, LocatedReplica, Placement, ReplicaRecord
+from kvpool.cluster.wire.protocol import Located, Placement, ReplicaRecord
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from tiers.manager import TierManager
@@ -51,7 +51,7 @@ log = logging.getLogger("kvpool.client")
 def _failed(guess: Speculation) -> dict[str, str] | None:
     """The guessed holder, if it just failed as a holder: the located read skips it rather
     than wait on it a second time."""
-    return None if guess.failure is None else {guess.replica["node_id"]: guess.failure}
+    return None if guess.failure is None else {guess.replica.node_id: guess.failure}
 
 
 class LeaseReleaser:
@@ -107,8 +107,8 @@ class ReplicaLayers:
     def __init__(self, reader: ReplicaReader, key: bytes, replicas: list[LocatedReplica],
                  release: Callable[[], None]) -> None:
         self.reader, self.key, self._release = reader, key, release
-        self.spec: ObjectSpec = replicas[0]["_spec"]  # type: ignore[typeddict-item]
-        self.replicas = [r for r in replicas if r["_spec"] == self.spec]  # type: ignore[typeddict-item]
+        self.spec: ObjectSpec = replicas[0].spec
+        self.replicas = [r for r in replicas if r.spec == self.spec]
         self._header: ObjectHeader | None = None
 
     def read(self, layer_range: LayerRange, buf: memoryview) -> None:
@@ -118,7 +118,7 @@ class ReplicaLayers:
             except (errors.TransferError, errors.FormatError, errors.TierError, errors.KVTimeoutError,
                     errors.AuthenticationError) as exc:  # this replica only: dead, evicted, corrupt, refused
                 log.info("layers %s of %s: replica on %s failed (%s)", layer_range, self.key.hex(),
-                         replica.get("node_id"), exc)
+                         replica.node_id, exc)
                 continue
             self._header = self._header or header
             return
@@ -210,14 +210,15 @@ class ClusterView:
         object together and committing them in one master round trip, so on return every
         copy is visible and durable. Raises the first target's error (copies already
         committed stay; the master completes the count)."""
-        records = [self.node.record(key) for key in keys]
-        if any(r is None for r in records):
+        found = [self.node.record(key) for key in keys]
+        records = [r for r in found if r is not None]
+        if len(records) < len(found):
             raise errors.CapacityError("an object was evicted locally before it could be replicated")
         assert self.node.address is not None
         source = self.node.address.encode()
 
         def send(target: Placement) -> None:
-            items = [S.ReplicateItem(key=key, spec=record["spec"], header_sum=record["header_sum"],  # type: ignore[index]
+            items = [S.ReplicateItem(key=key, spec=record["spec"], header_sum=record["header_sum"],
                                      reservation=rid, token=self.node.cluster_key.mint_token(key, self.node.node_id))
                      for key, record, rid in zip(keys, records, target.reservation_ids)]
             control_call(NodeAddress.decode(target.address).control, "replicate_many", S.ReplicateMany(
@@ -272,7 +273,7 @@ class ClusterView:
             guess = None
         elif guess is not None and not guess.bind(out, out_view):
             guess = None
-        token = b"" if guess is None else self.node.cluster_key.mint_token(key, guess.replica["node_id"])
+        token = b"" if guess is None else self.node.cluster_key.mint_token(key, guess.replica.node_id)
         located = self.master.locate(key, lease=True, meanwhile=None if guess is None else lambda: self.reader.run(
             guess, token))
         try:

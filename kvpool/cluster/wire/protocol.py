@@ -166,13 +166,6 @@ class ReplicaRecord(TypedDict, total=False):
     durable: int             # a durable copy: replicas wanted for this key (storage nodes only)
 
 
-class LocatedReplica(ReplicaRecord, total=False):
-    node_id: str
-    address: str
-    host_id: str
-    token: bytes  # pull token for this key on this node (empty with security.auth = false)
-
-
 def replica_record(
     tier: str,
     spec: ObjectSpec,
@@ -209,7 +202,9 @@ EvictDecision = S.EvictReply
 
 @dataclass(frozen=True, slots=True)
 class Located:
-    replicas: list[list[LocatedReplica] | None]  # per key; None on a miss
+    # per key (None on a miss): each replica a map as the master sent it, with ReplicaRecord's fields
+    # and node_id, address, host_id, token; checked by the reader (kvpool.cluster.node.located)
+    replicas: list[list[dict[str, Any]] | None]
     lease_id: int | None                         # pins every replica returned until released/expired
     more_leases: tuple[int, ...] = ()            # further leases when the keys took several requests
 
