@@ -74,10 +74,10 @@ def writer_main(spec: dict[str, Any]) -> None:
 
 
 def measure(mode: str, security: dict[str, Any], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from kvpool.cluster.master_client import MasterClient
-    from kvpool.cluster.reader import ReplicaReader
+    from kvpool.api import out_view
+    from kvpool.cluster.node.reader import ReplicaReader
+    from kvpool.cluster.wire.master_client import MasterClient
     from kvpool.config import Config
-    from kvpool.pool import Pool
     from kvpool.transport import local_host_id
 
     master = f"tcp://127.0.0.1:{_free_port()}"
@@ -109,7 +109,7 @@ def measure(mode: str, security: dict[str, Any], args: argparse.Namespace, tmp: 
         def pull_once() -> None:
             located = client.locate(KEY, lease=True)
             try:
-                arr = reader.read(KEY, located.replicas[0], None, None, Pool._out_view)
+                arr = reader.read(KEY, located.replicas[0], None, None, out_view)
             finally:
                 client.release([located.lease_id])
             assert arr is not None, dict(reader.counters)
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="kvpool-auth-bench-") as name:
         tmp = Path(name)
-        from kvpool.cluster.security import keygen
+        from kvpool.cluster.wire.security import keygen
 
         key_file = keygen(tmp / "cluster.key")
         results = {

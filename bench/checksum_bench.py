@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``kvpool`` 
 
 from bench.common import add_common_args, format_table, size_label
 from bench.peer_backends.base import kv_shape
-from kvpool import objformat
+from kvpool.native import extension
 
 WORKING_SET_BYTES = 64 << 20  # sources cycled through, so large copies read from memory, not cache
 
@@ -60,7 +60,7 @@ def ways(size: int, layer_nbytes: int) -> dict[str, Callable[[memoryview, memory
 
     found: dict[str, Callable[[memoryview, memoryview], object]] = {
         "memcpy": memcpy, "copy, then hash": copy_then_hash, "copy+hash per layer": per_layer}
-    native = objformat._layersum
+    native = extension("_layersum")
     if native is not None and layer_nbytes >= native.MIN_STEP:
         found["one pass (C)"] = lambda dst, src: native.copy_layer_digests(dst, src, layer_nbytes)
         found["hash only (C)"] = lambda dst, src: native.layer_digests(src, layer_nbytes)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    native = objformat._layersum
+    native = extension("_layersum")
     built = native.VARIANT if native is not None else "not built (checksums in Python)"
     print(f"kvpool._layersum: {built}; " + (f"pinned to CPU {args.cpu}" if args.cpu is not None else "not pinned"))
     rows = [row for size in args.sizes for row in measure(size, args.iters, args.warmup)]

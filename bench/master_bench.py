@@ -35,9 +35,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvpool.cluster import protocol as P  # noqa: E402
-from kvpool.cluster.master_client import MasterClient  # noqa: E402
-from kvpool.cluster.security import ClusterKey  # noqa: E402
+from kvpool.cluster.wire import protocol as P  # noqa: E402
+from kvpool.cluster.wire.master_client import MasterClient  # noqa: E402
+from kvpool.cluster.wire.security import ClusterKey  # noqa: E402
+from kvpool.config import Config  # noqa: E402
 from kvpool.hashing import prefix_hashes  # noqa: E402
 from kvpool.objformat import ObjectSpec  # noqa: E402
 
@@ -67,7 +68,8 @@ def _wait_ping(address: str, timeout_s: float = 20.0) -> None:
 def _echo_server(address: str) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
-    ClusterKey.default().secure_server(sock)  # CURVE like the master, so the ratio is the master's own cost
+    # CURVE like the master, so the ratio is the master's own cost
+    ClusterKey.from_config(Config.load(None)).secure_server(sock)
     sock.bind(address)
     while True:  # terminated by the parent
         sock.send_multipart(sock.recv_multipart())
@@ -85,7 +87,7 @@ def _single_lookup_worker(
             client.lookup([key])  # connect this thread's socket before the clock starts
             return lambda: client.lookup([key])
         sock = zmq.Context.instance().socket(zmq.DEALER)
-        ClusterKey.default().secure_client(sock)
+        ClusterKey.from_config(Config.load(None)).secure_client(sock)
         sock.connect(address)
         frame = P.pack_request(1, P.LOOKUP, {"keys": [key]})
         sock.send(frame)
@@ -157,7 +159,7 @@ def _batched(address: str, mode: str, hashes: list[bytes], iters: int, warmup: i
     else:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
-        ClusterKey.default().secure_client(sock)
+        ClusterKey.from_config(Config.load(None)).secure_client(sock)
         sock.connect(address)
         frame = P.pack_request(1, P.LOOKUP, {"keys": hashes})
 

@@ -49,9 +49,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.common import format_table, percentile  # noqa: E402
 from kvpool import errors  # noqa: E402
-from kvpool.cluster import protocol as P  # noqa: E402
-from kvpool.cluster.heartbeat import Heartbeater  # noqa: E402
-from kvpool.cluster.master_client import MasterClient  # noqa: E402
+from kvpool.cluster.node.heartbeat import Heartbeater  # noqa: E402
+from kvpool.cluster.wire import protocol as P  # noqa: E402
+from kvpool.cluster.wire.master_client import MasterClient  # noqa: E402
 from kvpool.config import Config  # noqa: E402
 from kvpool.objformat import ObjectHeader, ObjectSpec  # noqa: E402
 
@@ -147,7 +147,7 @@ class RecordFrames:
     def __init__(self, spec: ObjectSpec) -> None:
         import msgspec
 
-        from kvpool.cluster.bulk import record_layout
+        from kvpool.cluster.master.bulk import record_layout
 
         template = msgspec.msgpack.encode(P.replica_record("dram", spec, spec.total_nbytes, key=bytes(16),
                                                            header_sum=1 << 63, location={}))
@@ -482,7 +482,7 @@ def ha_failover(args: Any) -> int:
     prefix = f"/kvpool-bench-{os.getpid()}"
     flags = ["--master.etcd", url, "--master.etcd_prefix", prefix, *args.master_arg]
     config = Config.load({"master": {"etcd": url, "etcd_prefix": prefix}})
-    from kvpool.cluster.etcd import masters as etcd_masters
+    from kvpool.cluster.wire.etcd import masters as etcd_masters
 
     def connect() -> MasterClient:
         return MasterClient(config=config, request_timeout_s=120)

@@ -555,7 +555,7 @@ def run_soak(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     failures: list[str] = []
     try:
-        from kvpool.cluster.master_client import MasterClient
+        from kvpool.cluster.wire.master_client import MasterClient
 
         master = ServerProcess("master", [sys.executable, "-m", "kvpool.cli.server", "--role", "master",
                                           "--master.listen", address, "--master.heartbeat_ms", str(args.heartbeat_ms),

@@ -133,7 +133,7 @@ class FaultSoak:
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-cluster", f"soak=http://127.0.0.1:{peer}"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        from kvpool.cluster.etcd import EtcdClient
+        from kvpool.cluster.wire.etcd import EtcdClient
 
         client = EtcdClient(self.etcd_url, timeout_s=1.0)
         try:
@@ -154,7 +154,7 @@ class FaultSoak:
     def leader(self) -> str | None:
         if not self.etcd_url:
             return self.master_address
-        from kvpool.cluster.etcd import masters
+        from kvpool.cluster.wire.etcd import masters
 
         try:
             return masters(self.etcd_url, self.prefix)[0]
@@ -163,7 +163,7 @@ class FaultSoak:
 
     def wait_master(self, timeout_s: float) -> float:
         """Seconds until a master answers a ping (through etcd's leader where there is one)."""
-        from kvpool.cluster.master_client import MasterClient
+        from kvpool.cluster.wire.master_client import MasterClient
         from kvpool.config import Config
 
         started = time.monotonic()

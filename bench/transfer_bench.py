@@ -70,7 +70,7 @@ from kvpool.transport import (
     TcpPullClient,
     TcpPullServer,
 )
-from kvpool.transport.engine import _effective_ucx_options
+from kvpool.transport.engine import effective_ucx_options
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -319,7 +319,7 @@ def run_perftest(binary: Path, tls: str | None, size: int, iters: int, warmup: i
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = str(binary.parent.parent / "lib") + ":" + env.get("LD_LIBRARY_PATH", "")
     # The same UCX settings a kvpool pull runs with (transfer defaults over ucxx's).
-    env["UCX_RNDV_THRESH"] = _effective_ucx_options({}).get("RNDV_THRESH", os.environ.get("UCX_RNDV_THRESH", "8192"))
+    env["UCX_RNDV_THRESH"] = effective_ucx_options({}).get("RNDV_THRESH", os.environ.get("UCX_RNDV_THRESH", "8192"))
     for name, value in DEFAULT_UCX_OPTIONS.items():
         env.setdefault(f"UCX_{name}", value)
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

@@ -16,7 +16,7 @@ import struct
 import threading
 from typing import Any
 
-from kvpool.transport.engine import Array, _effective_ucx_options, ucx_api
+from kvpool.transport.engine import Array, effective_ucx_options, ucx_api
 
 _REQUEST = struct.Struct("<QQQ")  # client id, offset, nbytes
 _HELLO = struct.Struct("<QI")  # client id, address length; then the client's worker address
@@ -27,7 +27,7 @@ class _Worker:
     """One UCX context and worker in blocking progress mode."""
 
     def __init__(self, options: dict[str, str] | None = None) -> None:
-        self.context = ucx_api.UCXContext(_effective_ucx_options(options),
+        self.context = ucx_api.UCXContext(effective_ucx_options(options),
                                           feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()

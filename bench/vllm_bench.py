@@ -106,7 +106,7 @@ def load_rows(master: str, work: Path, args: argparse.Namespace) -> None:
     import torch
 
     import kvpool
-    from kvpool.cluster.master_client import MasterClient
+    from kvpool.cluster.wire.master_client import MasterClient
     from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer
     from kvpool.objformat import layer_checksums
     from tests.vllm_engine import BLOCK_SIZE, worker_connector
@@ -233,7 +233,7 @@ def lookup_rows(master: str, work: Path, args: argparse.Namespace) -> None:
     import numpy as np
 
     import kvpool
-    from kvpool.cluster.master_client import MasterClient
+    from kvpool.cluster.wire.master_client import MasterClient
     from kvpool.hashing import prefix_hashes
 
     tokens = [int(t) for t in np.random.default_rng(1).integers(1, 32000, 128_000)]

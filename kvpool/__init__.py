@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvpool import errors
 from kvpool.config import Config
 from kvpool.hashing import prefix_hashes
@@ -10,7 +12,7 @@ from kvpool.objformat import LayerRange, ObjectSpec
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # lazy: importing kvpool must not start tiers or UCX
+def __getattr__(name: str) -> Any:  # lazy: importing kvpool must not start tiers or UCX
     if name == "Pool":
         from kvpool.pool import Pool
 

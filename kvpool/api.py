@@ -19,8 +19,8 @@ import concurrent.futures
 import functools
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, Self
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, Self, TypeVar, cast
 
 import numpy as np
 
@@ -32,9 +32,12 @@ from kvpool.objformat import LayerRange, ObjectSpec, byte_view, numpy_dtype, sto
 Key = bytes | bytearray | memoryview | str
 
 
-def timed(op: str) -> Any:
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def timed(op: str) -> Callable[[_Method], _Method]:
     """Observe the call's latency in the pool's ``op`` histogram (``put``/``get``)."""
-    def decorate(method: Any) -> Any:
+    def decorate(method: _Method) -> _Method:
         @functools.wraps(method)
         def wrapper(self: PoolAPI, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
@@ -42,7 +45,7 @@ def timed(op: str) -> Any:
                 return method(self, *args, **kwargs)
             finally:
                 getattr(self.latency, op).observe(time.perf_counter() - started)
-        return wrapper
+        return cast(_Method, wrapper)
     return decorate
 
 

@@ -1,7 +1,7 @@
 """``kvpool.connect``: the cluster client, a pool that also sees the other nodes.
 
 A :class:`ClusterPool` composes a local :class:`kvpool.pool.Pool` (this
-process's own tiers) with a :class:`kvpool.cluster.view.ClusterView` (its node,
+process's own tiers) with a :class:`kvpool.cluster.node.view.ClusterView` (its node,
 the master, the replica reader). A put is stored locally, then published to the
 master (durable puts also get copies on storage nodes, through the master's
 two-phase reserve/commit); a get tries the local tiers, then the cluster: the
@@ -11,7 +11,7 @@ from last time, then the master's ``locate`` — read in place from a same-host
 checksum. A replica that fails (checksum, holder gone, timeout) is skipped for
 the next one; when none is left the get is a miss.
 
-The process is also a :class:`kvpool.cluster.node.Node`: its own puts are served to
+The process is also a :class:`kvpool.cluster.node.server.Node`: its own puts are served to
 peers from its tiers.
 """
 
@@ -25,8 +25,8 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.api import Key, LayerSource, PoolAPI, timed
-from kvpool.cluster.protocol import Placement
-from kvpool.cluster.view import ClusterView, LeaseReleaser
+from kvpool.cluster.node.view import ClusterView, LeaseReleaser
+from kvpool.cluster.wire.protocol import Placement
 from kvpool.config import Config, NodeSection, settings_for
 from kvpool.pool import Pool
 

@@ -66,7 +66,7 @@ def node_host(config: Config, master: str | None = None) -> str:
     if config.node.host:
         return config.node.host
     if master is None and config.master.etcd:  # the masters' hosts are not known yet: route to etcd's
-        from kvpool.cluster.etcd import parse_endpoints
+        from kvpool.cluster.wire.etcd import parse_endpoints
 
         host, port = parse_endpoints(config.master.etcd)[0]
         master = f"tcp://{host}:{port}"
@@ -391,7 +391,7 @@ class Config:
         except errors.ConfigError as exc:
             raise bad("master.listen", str(exc)) from None
         if self.master.etcd:
-            from kvpool.cluster.etcd import parse_endpoints
+            from kvpool.cluster.wire.etcd import parse_endpoints
 
             try:
                 parse_endpoints(self.master.etcd)

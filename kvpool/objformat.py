@@ -50,7 +50,7 @@ import numpy as np
 import xxhash
 
 from kvpool import errors
-from kvpool._native import extension
+from kvpool.native import extension
 
 if TYPE_CHECKING:
     from kvpool import _layersum
@@ -156,7 +156,8 @@ def numpy_dtype(name: str) -> np.dtype:
         try:
             import ml_dtypes  # type: ignore[import-not-found]
 
-            return np.dtype(getattr(ml_dtypes, info.name))
+            richer: np.dtype[Any] = np.dtype(getattr(ml_dtypes, info.name))
+            return richer
         except (ImportError, AttributeError):
             pass
     return np.dtype(info.storage)
@@ -495,7 +496,8 @@ _parsed: OrderedDict[bytes, ObjectHeader] = OrderedDict()  # exact header bytes 
 
 def stored_header_checksum(blob: Any) -> int:
     """The header checksum recorded in the first bytes of an object (not verified here)."""
-    return struct.unpack_from("<Q", blob, _CHECKSUM_OFFSET)[0]
+    checksum: int = struct.unpack_from("<Q", blob, _CHECKSUM_OFFSET)[0]
+    return checksum
 
 
 def header_nbytes_at(blob: Any) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +36,8 @@ from tiers.base import Extent, Tier
 CAPACITY = 4 << 20
 
 
-def make_object(layers: int = 4, tokens: int = 16, seed: int = 0, dtype: str = "float16"):
+def make_object(layers: int = 4, tokens: int = 16, seed: int = 0,
+                dtype: str = "float16") -> tuple[np.ndarray, ObjectHeader, memoryview]:
     rng = np.random.default_rng(seed)
     arr = rng.standard_normal((layers, 2, tokens, 2, 32)).astype(dtype)
     spec, arr = spec_of(arr)
@@ -52,11 +55,11 @@ def store(tier: Tier, header: ObjectHeader, payload: Any) -> Extent:
 class TierTests:
     """Subclasses set ``make_tier(self, tmp_path, capacity_bytes) -> Tier``."""
 
-    def make_tier(self, tmp_path, capacity_bytes: int) -> Tier:  # pragma: no cover
+    def make_tier(self, tmp_path: Path, capacity_bytes: int) -> Tier:  # pragma: no cover
         raise NotImplementedError
 
     @pytest.fixture
-    def tier(self, tmp_path):
+    def tier(self, tmp_path: Path) -> Iterator[Tier]:
         tier = self.make_tier(tmp_path, CAPACITY)
         yield tier
         tier.close()
@@ -118,7 +121,7 @@ class TierTests:
         with pytest.raises(errors.OutBufferError):
             tier.read_layers(extent, header, LayerRange(0, 2), bytearray(10))
 
-    def test_closed_tier_refuses_work(self, tmp_path) -> None:
+    def test_closed_tier_refuses_work(self, tmp_path: Path) -> None:
         tier = self.make_tier(tmp_path, CAPACITY)
         tier.close()
         with pytest.raises(errors.PoolClosedError):
@@ -193,7 +196,7 @@ class TierTests:
         tier.read_layers(extent, header, LayerRange(0, 2), byte_view(good))  # other layers still read
         np.testing.assert_array_equal(good, arr[0:2])
 
-    def test_committed_objects_survive_a_reopen_and_forgotten_ones_do_not(self, tmp_path) -> None:
+    def test_committed_objects_survive_a_reopen_and_forgotten_ones_do_not(self, tmp_path: Path) -> None:
         tier = self.make_tier(tmp_path, CAPACITY)
         if not tier.persistent:
             tier.close()

@@ -33,10 +33,10 @@ def main(spec: dict[str, Any]) -> None:
     import numpy as np
 
     import kvpool
-    from kvpool.cluster import protocol as P
-    from kvpool.cluster.control import control_call
-    from kvpool.cluster.master_client import MasterClient
-    from kvpool.cluster.security import ClusterKey
+    from kvpool.cluster.wire import protocol as P
+    from kvpool.cluster.wire.control import control_call
+    from kvpool.cluster.wire.master_client import MasterClient
+    from kvpool.cluster.wire.security import ClusterKey
     from kvpool.config import Config
     from kvpool.objformat import ObjectSpec
 

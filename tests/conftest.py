@@ -33,6 +33,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534  # uid and gid of nobody/nogroup on Debian
 
 
+def default_cluster_key() -> Any:
+    """The cluster key of the default settings (``security.key_file``'s default), as a process
+    started without a config has it: for tests that speak to one past authentication."""
+    from kvpool.cluster.wire.security import ClusterKey
+    from kvpool.config import Config
+
+    return ClusterKey.from_config(Config.load(None))
+
+
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str = "condition", interval_s: float = 0.01) -> Any:
     """Call ``condition`` until it returns something truthy (returned) or fail at the deadline.
 
@@ -209,8 +218,8 @@ def nobody_python() -> tuple[str, dict[str, str]]:
         if not candidate:
             continue
         try:
-            probe = subprocess.run([candidate, "-c", "import kvpool.cluster.node, zmq, numpy"], capture_output=True,
-                                   timeout=60, env=env, preexec_fn=as_nobody, cwd="/")
+            probe = subprocess.run([candidate, "-c", "import kvpool.cluster.node.server, zmq, numpy"],
+                                   capture_output=True, timeout=60, env=env, preexec_fn=as_nobody, cwd="/")
         except OSError:  # nobody may not even execute it
             continue
         if probe.returncode == 0:
@@ -241,7 +250,7 @@ class Etcd:
                  "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.child = ChildProcess(popen, self.log_path)
-        from kvpool.cluster.etcd import EtcdClient
+        from kvpool.cluster.wire.etcd import EtcdClient
 
         client = EtcdClient(self.url)
         try:

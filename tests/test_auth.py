@@ -23,9 +23,9 @@ import pytest
 
 import kvpool
 from kvpool import errors
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.security import ClusterKey, keygen
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.security import ClusterKey, keygen
 from kvpool.config import Config
 from tests.conftest import REPO_ROOT, as_nobody, free_tcp_port, nobody_python, wait_for
 from tests.test_daemon import http_get
@@ -131,6 +131,7 @@ def assert_all_refused(results: dict[str, dict[str, Any]], ops: list[str] = ATTA
         assert "\n" not in outcome["message"] and "authentication failed" in outcome["message"], outcome
 
 
+@pytest.mark.slow
 def test_another_key_is_refused_everything_and_the_victim_is_intact(secured: Secured) -> None:
     spec = {"master": secured.master, "control": secured.control(), "keys": [k.hex() for k in secured.keys],
             "config": secured.config(secured.key_b, "attacker-b"), "timeout_s": TIMEOUT_S}
@@ -142,6 +143,7 @@ def test_another_key_is_refused_everything_and_the_victim_is_intact(secured: Sec
     secured.assert_intact()
 
 
+@pytest.mark.slow
 def test_no_key_is_refused_everything(secured: Secured) -> None:
     spec = {"master": secured.master, "control": secured.control(), "keys": [k.hex() for k in secured.keys],
             "config": secured.config(None, "attacker-nokey", auth=False), "timeout_s": TIMEOUT_S}
@@ -149,6 +151,7 @@ def test_no_key_is_refused_everything(secured: Secured) -> None:
     secured.assert_intact()
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_in_one_line_and_the_server_logs_its_key_file(secured: Secured) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "kvpool.cli", "--master", secured.master, "--timeout",
@@ -197,6 +200,7 @@ def test_a_master_client_with_another_key_gets_authentication_error_not_unreacha
 # -- another Unix user ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_another_unix_user_cannot_read_the_key_or_the_tiers(secured: Secured) -> None:
     python, env = nobody_python()
     from tiers.cxl import default_arena_path

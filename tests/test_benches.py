@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each runs a benchmark's quick mode
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUICK_SIZES = ("64K", "256K", "1M", "4M", "16M", "64M")
 

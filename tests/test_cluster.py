@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,15 +17,15 @@ import pytest
 
 import kvpool
 from kvpool import errors
-from kvpool.cluster.checks import Speculation
-from kvpool.cluster.control import control_call
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.reader import ReplicaReader
+from kvpool.cluster.node.checks import Speculation
+from kvpool.cluster.node.reader import ReplicaReader
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.objformat import ObjectSpec
 from kvpool.transport import local_host_id
 from tests.cluster_actor import content, key_of, small_config
-from tests.conftest import ChildProcess, free_tcp_port, wait_for
+from tests.conftest import ChildProcess, default_cluster_key, free_tcp_port, wait_for
 from tests.test_metrics import sample, scrape
 
 HEARTBEAT_MS = 200
@@ -79,7 +80,8 @@ class Cluster:
 
     def node_stats(self, node_id: str) -> dict:
         address = self.client.stats()["nodes"][node_id]["address"]
-        return control_call(NodeAddress.decode(address).control, "stats", {}, timeout_s=5.0)
+        return control_call(NodeAddress.decode(address).control, "stats", {}, timeout_s=5.0,
+                            cluster_key=self.client.cluster_key)
 
     def alive_nodes(self) -> set[str]:
         return {nid for nid, n in self.client.stats()["nodes"].items() if n["alive"]}
@@ -98,6 +100,7 @@ def reader_result(child: ChildProcess) -> dict:
     return json.loads(child.output().strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
     cluster.start_master()
     cluster.start_node("store-a")
@@ -152,6 +155,7 @@ async def layers_of(pool: kvpool.PoolAPI, key: bytes, **kwargs: object) -> list[
     return [(layer, arr.copy()) async for layer, arr in pool.iter_layers(key, **kwargs)]  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_iter_layers_reads_local_and_remote_objects_through_one_pipeline(cluster: Cluster) -> None:
     cluster.start_master()
     writer = cluster.start_actor("writer", "writer", "--keys", "2")
@@ -248,12 +252,12 @@ def test_a_get_pulls_from_the_last_holder_and_uses_its_verified_answer_without_t
         # An out of the guessed size but another shape: the guess's request went out before out
         # was checked; its reply is dropped unread (the connection closed), and the get says
         # what is wrong with out.
-        connects = guesser.tcp_puller.connects
+        connects = guesser.pulls.tcp.connects
         with pytest.raises(errors.OutBufferError):
             reader.get(key_of(11), out=np.empty(content(11).shape[::-1], np.float16))
         assert counter("speculative_wasted") == 4
         np.testing.assert_array_equal(reader.get(key_of(11)), content(21))
-        assert guesser.tcp_puller.connects == connects + 1
+        assert guesser.pulls.tcp.connects == connects + 1
 
         # Deleted through the reader itself while b still holds it: never guessed, a miss.
         assert key_of(12) in b.local.manager  # type: ignore[attr-defined]
@@ -325,7 +329,7 @@ def test_a_confirmed_speculative_pull_is_used_only_when_the_master_names_that_ho
         a.delete(key)
         a.put(key, content(20))
         guess = reader.cluster.reader.speculate(key, None, None)
-        assert guess is not None and guess.replica["node_id"] == a.node_id and guess.bind(None, out_view)
+        assert guess is not None and guess.replica.node_id == a.node_id and guess.bind(None, out_view)
         reader.cluster.reader.run(guess, reader.cluster.node.cluster_key.mint_token(key, a.node_id))
         assert guess.pulled
         np.testing.assert_array_equal(guess.arr, content(20))  # the holder's bytes, unverified
@@ -390,6 +394,7 @@ def ucx_published(cluster: Cluster, pool: kvpool.Pool) -> None:
              30, "the client's UCX address at the master")
 
 
+@pytest.mark.slow
 def test_a_client_serves_over_tcp_whatever_the_size_until_its_ucx_has_started(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client's connect() starts no UCX: it registers with its TCP port only, and small puts
@@ -405,7 +410,7 @@ def test_a_client_serves_over_tcp_whatever_the_size_until_its_ucx_has_started(
                    "--node.tcp_pull_max", "64KiB"], log_path=log, ready=lambda: "ready" in log.read_text(),
                   timeout_s=30)
     reader = cluster.connect("reader", node__tcp_pull_max=64 << 10, node__speculative_pulls=False)
-    from kvpool.cluster import node as node_module
+    from kvpool.cluster.node import server as node_module
 
     gate = threading.Event()
     real_engine = node_module.Engine
@@ -453,17 +458,21 @@ def test_a_holder_that_joined_since_the_last_alive_list_is_not_taken_for_gone() 
     """A reader refreshes the master's list of alive nodes once a heartbeat; a node the master
     names that joined since is read from (a get right after a new writer's put is no miss),
     and only a node once listed alive and no longer is known gone."""
+    def held_by(node_id: str) -> Any:  # the reader asks a replica only for its holder's id here
+        return types.SimpleNamespace(node_id=node_id)
+
     reader = ReplicaReader(local_host_id(), tcp_pull_max=0)
     try:
         reader.forget_nodes_except({"a"})
-        assert reader.holder_alive({"node_id": "b"})  # type: ignore[typeddict-item]
+        assert reader.holder_alive(held_by("b"))
         reader.forget_nodes_except({"b"})
-        assert not reader.holder_alive({"node_id": "a"})  # type: ignore[typeddict-item]
-        assert reader.holder_alive({"node_id": "b"})  # type: ignore[typeddict-item]
+        assert not reader.holder_alive(held_by("a"))
+        assert reader.holder_alive(held_by("b"))
     finally:
         reader.close()
 
 
+@pytest.mark.slow
 def test_small_pulls_go_over_tcp_and_large_ones_over_ucx(cluster: Cluster) -> None:
     """A reader pulls layer ranges up to its node.tcp_pull_max over the holder's TCP port and
     larger ones over UCX; a holder with node.tcp_pull_max = 0 opens no TCP port and is pulled
@@ -512,6 +521,7 @@ def test_small_pulls_go_over_tcp_and_large_ones_over_ucx(cluster: Cluster) -> No
             pool.close()
 
 
+@pytest.mark.slow
 def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -> None:
     cluster.start_master()
     cluster.start_actor("writer", "writer", "--keys", "6")
@@ -522,6 +532,7 @@ def test_eight_concurrent_reader_processes_see_exact_content(cluster: Cluster) -
         assert (result["ok"], result["miss"], result["wrong"]) == (6, 0, 0), child.output()
 
 
+@pytest.mark.slow
 def test_killed_holder_gives_a_miss_and_its_keys_leave_the_index(cluster: Cluster) -> None:
     cluster.start_master()
     writer = cluster.start_actor("writer", "writer", "--keys", "2")
@@ -539,6 +550,7 @@ def test_killed_holder_gives_a_miss_and_its_keys_leave_the_index(cluster: Cluste
         reader.close()
 
 
+@pytest.mark.slow
 def test_durable_put_with_two_replicas_survives_losing_a_holder(cluster: Cluster) -> None:
     cluster.start_master()
     store_a = cluster.start_node("store-a")
@@ -553,6 +565,7 @@ def test_durable_put_with_two_replicas_survives_losing_a_holder(cluster: Cluster
     assert reader_result(reader)["ok"] == 3
 
 
+@pytest.mark.slow
 def test_master_restart_then_nodes_reregister_and_lookup_finds_objects(cluster: Cluster) -> None:
     master = cluster.start_master()
     writer = cluster.start_actor("writer", "writer", "--keys", "4")
@@ -570,6 +583,7 @@ def test_master_restart_then_nodes_reregister_and_lookup_finds_objects(cluster: 
         reader.close()
 
 
+@pytest.mark.slow
 def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them(cluster: Cluster) -> None:
     cluster.start_master()
     writer = cluster.start_actor("writer", "writer", "--keys", "3", "--dram", "0")  # puts land in cxl
@@ -608,7 +622,7 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
     """The master keeps only a checksum of each replica's header; the holder sends the header
     with the bytes. A record located before the key was put again names a version the holder
     no longer has: reading it is a miss ("stale"), never the new or a mixed object."""
-    from kvpool.pool import Pool
+    from kvpool.api import out_view
 
     cluster.start_master()
     writer, reader = cluster.connect("writer"), cluster.connect("reader")
@@ -617,13 +631,13 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
         writer.put(key, old)
         [[located]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         assert "header" not in located and isinstance(located["header_sum"], int)  # no header in the index
-        np.testing.assert_array_equal(reader.cluster.reader.read(key, [located], None, None, Pool._out_view), old)
+        np.testing.assert_array_equal(reader.cluster.reader.read(key, [located], None, None, out_view), old)
         writer.delete(key)
         writer.put(key, new)
         [[current]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         assert current["header_sum"] != located["header_sum"]  # a new generation, a new header
         for layers in (None, range(2, 5)):
-            assert reader.cluster.reader.read(key, [located], layers, None, Pool._out_view) is None
+            assert reader.cluster.reader.read(key, [located], layers, None, out_view) is None
         assert reader.cluster.reader.counters["miss_stale"] == 2
         np.testing.assert_array_equal(reader.get(key), new)
         np.testing.assert_array_equal(reader.get(key, layers=range(2, 5)), new[2:5])
@@ -637,6 +651,7 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
         reader.close()
 
 
+@pytest.mark.slow
 def test_unreachable_master_is_a_typed_error_and_local_puts_reappear_after_its_restart(cluster: Cluster) -> None:
     master = cluster.start_master()
     client = cluster.connect("client")
@@ -667,6 +682,7 @@ if sys.argv[4] == "raise":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["return", "raise"])
 def test_a_program_that_exits_without_closing_its_pool_leaves_cleanly(cluster: Cluster, ending: str) -> None:
     """No close(): the pool is closed at exit while its threads still run, so the node says
@@ -692,12 +708,11 @@ def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
     import zmq
 
     cluster.start_master()
-    from kvpool.cluster.security import ClusterKey
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    ClusterKey.default().secure_client(sock)  # garbage from a key holder: past authentication
+    default_cluster_key().secure_client(sock)  # garbage from a key holder: past authentication
     try:
         sock.connect(cluster.master_address)
         for junk in (b"", b"\xff\x00garbage", b"\x93\x01\x02\x03", b"x" * 10000):

@@ -65,6 +65,7 @@ def content(i: int) -> np.ndarray:
     return np.random.default_rng(i).standard_normal(SHAPE).astype(np.float16)
 
 
+@pytest.mark.slow
 def test_sigterm_flushes_and_a_restart_finds_durable_objects_again(tmp_path: Path, spawn_python) -> None:
     daemon = Daemon(tmp_path, spawn_python)
     first = daemon.start()
@@ -155,6 +156,7 @@ def test_cli_reports_an_unreachable_master() -> None:
     assert result.returncode == 2 and "unreachable" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_options_work_before_or_after_the_command() -> None:
     port = free_tcp_port()
     for argv in (["--master", f"tcp://127.0.0.1:{port}", "--timeout", "0.5", "stats"],
@@ -199,6 +201,7 @@ pool.close()
 """
 
 
+@pytest.mark.slow
 def test_clients_with_default_settings_run_side_by_side_with_a_daemon(tmp_path: Path, spawn_python) -> None:
     master = f"tcp://127.0.0.1:{free_tcp_port()}"
     log = tmp_path / "daemon.log"
@@ -225,6 +228,7 @@ def readme_python_example(heading: str) -> str:
     return after[start:after.index("```", start)]
 
 
+@pytest.mark.slow
 def test_the_readme_embedded_example_runs_next_to_a_default_daemon(tmp_path: Path, spawn_python) -> None:
     """README's kvpool.Pool() example, verbatim, while a kvpool-server runs with the default pool
     name and paths (HOME moved to tmp_path; the daemon's tiers made small by flags). Its cxl arena's

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvpool.cluster.control import control_call
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.transport.tcp.admission import Admission, connection_cap, raise_descriptor_limit, reserved_descriptors
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import REPO_ROOT, free_tcp_port, wait_for
@@ -149,6 +149,7 @@ def _open_descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.slow  # thousands of connections
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("source", ["127.0.0.2", "127.0.0.1"], ids=["another-address", "the-readers-address"])
 def test_a_node_under_ulimit_1024_survives_2000_idle_connections_without_the_key(
@@ -212,7 +213,8 @@ def test_a_node_under_ulimit_1024_survives_2000_idle_connections_without_the_key
             remote = reader.stats()["remote"]
         finally:
             reader.close()
-        stats = control_call(peer.control, "stats", {}, timeout_s=5.0)["transfer_by_path"]["tcp"]
+        stats = control_call(peer.control, "stats", {}, timeout_s=5.0,
+                             cluster_key=master_client.cluster_key)["transfer_by_path"]["tcp"]
         report = attacker_report() or {}
         print("attacker", report, "node tcp", {k: v for k, v in stats.items() if k.startswith("connections")},
               "most descriptors", most_descriptors, "reader tcp pulls", remote["tcp_pull_client"]["pulls"])

@@ -15,8 +15,8 @@ import pytest
 
 import kvpool
 from kvpool import errors
-from kvpool.cluster import durable_log
-from kvpool.cluster.master_client import MasterClient
+from kvpool.cluster.node import durable_log
+from kvpool.cluster.wire.master_client import MasterClient
 from tests.cluster_actor import content, key_of
 from tests.conftest import REPO_ROOT, wait_for
 from tests.test_cluster import HEARTBEAT_MS, Cluster, node_config
@@ -53,6 +53,7 @@ def storage_holders(cluster: Cluster, key: bytes) -> dict[str, str]:
     return {r["node_id"]: r["tier"] for r in located if nodes[r["node_id"]]["role"] == "storage"}
 
 
+@pytest.mark.slow
 def test_durable_copies_survive_writer_and_holder_loss_and_full_restart(cluster: Cluster) -> None:
     master = start_master(cluster)
     store_a = cluster.start_node("store-a")
@@ -106,6 +107,7 @@ def test_durable_copies_survive_writer_and_holder_loss_and_full_restart(cluster:
         bystander.close()
 
 
+@pytest.mark.slow
 def test_replicas_are_checked_before_anything_is_copied_and_a_clean_close_is_a_departure(
         cluster: Cluster) -> None:
     master = start_master(cluster)
@@ -161,6 +163,7 @@ def test_malformed_master_address_stops_the_daemon_at_once(argv: list[str]) -> N
     assert "tcp://HOST:PORT" in done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_put_many_durable_by_config_is_one_placement_and_one_exchange_per_storage_node(cluster: Cluster) -> None:
     """``node.durable`` / ``node.replicas`` from the writer's config make put_many durable (the
     rule put follows); the batch costs one placement at the master and one replicate exchange

@@ -48,6 +48,7 @@ def _holder_that_serves(cluster: Cluster, reader, first, second):
     return serving, (second if serving is first else first)
 
 
+@pytest.mark.slow
 def test_a_killed_holder_costs_at_most_one_deadline_once(cluster: Cluster) -> None:
     first, second = _two_holders(cluster)
     reader = cluster.connect("reader")
@@ -62,13 +63,14 @@ def test_a_killed_holder_costs_at_most_one_deadline_once(cluster: Cluster) -> No
         remote = reader.stats()["remote"]
         assert remote.get("miss_timeout", 0) == 0  # no pull waited out its deadline on the dead holder
         locations = reader.cluster.reader._locations  # type: ignore[attr-defined]
-        assert all(r["node_id"] != dead for replicas in locations.values() for r in replicas)
+        assert all(r.node_id != dead for replicas in locations.values() for r in replicas)
         pull_timeout_s = reader.config.node.pull_timeout_s
         assert max(later) < pull_timeout_s  # a dead holder is never waited on again
     finally:
         reader.close()
 
 
+@pytest.mark.slow
 def test_a_frozen_holder_is_skipped_once_the_master_declares_it_dead(cluster: Cluster) -> None:
     first, second = _two_holders(cluster)
     reader = cluster.connect("reader")
@@ -91,6 +93,7 @@ def test_a_frozen_holder_is_skipped_once_the_master_declares_it_dead(cluster: Cl
         reader.close()
 
 
+@pytest.mark.slow
 def test_restarting_a_holder_never_breaks_same_host_readers(cluster: Cluster) -> None:
     """kill -9 a holder whose cxl arena a reader maps, start it again under the same name:
     the reader neither crashes nor returns wrong bytes, and reads the new arena once it is up."""
@@ -151,6 +154,7 @@ def test_a_full_disk_is_capacity_and_the_newest_objects_survive(small_disk: Path
         pool.close()
 
 
+@pytest.mark.slow
 def test_a_frozen_last_holder_delays_a_speculative_get_once_and_never_serves_it(cluster: Cluster) -> None:
     """A get pulls from the node it last pulled from while the master locates the key
     (node.speculative_pulls). That node frozen (SIGSTOP) and the key held elsewhere: the
@@ -180,6 +184,7 @@ def test_a_frozen_last_holder_delays_a_speculative_get_once_and_never_serves_it(
         reader.close()
 
 
+@pytest.mark.slow
 def test_get_many_moves_on_to_the_next_replica_when_the_first_choice_was_killed(cluster: Cluster) -> None:
     """get_many pulls every key's first choice of replica at once (one PullClient.pull_many);
     the keys whose holder was killed under it are read from the other replica, exact."""

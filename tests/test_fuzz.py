@@ -17,16 +17,16 @@ import struct
 from types import SimpleNamespace
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.master import MasterServer
-from kvpool.cluster.node import Node
-from kvpool.cluster.ops import MasterState
+from kvpool.cluster.master.ops import MasterState
+from kvpool.cluster.master.server import MasterServer
+from kvpool.cluster.node.server import Node
+from kvpool.cluster.wire import protocol as P
 from kvpool.config import Config, MasterSection
 from kvpool.objformat import LayerRange, ObjectSpec
 from kvpool.transport import frames as T
@@ -124,7 +124,7 @@ def test_master_random_bytes(master: MasterServer, payload: bytes) -> None:
 @given(op=st.sampled_from(sorted(P.OPS)) | st.text(max_size=10), body=msgpack_values,
        version=st.sampled_from([P.PROTOCOL_VERSION, 0, 2]) | msgpack_values, rid=msgpack_values)
 def test_master_random_msgpack(master: MasterServer, op: Any, body: Any, version: Any, rid: Any) -> None:
-    check_master_reply(master, msgpack.packb([version, rid, op, body], use_bin_type=True))
+    check_master_reply(master, msgspec.msgpack.encode([version, rid, op, body]))
 
 
 @FUZZ
@@ -189,7 +189,7 @@ VALID_CONTROL = [P.pack_control_request(1, P.CONTROL_PING, {}), P.pack_control_r
 def check_control_reply(node: Node, payload: bytes) -> None:
     with bounded(2.0):
         reply = node.serve_control(payload)
-    version, _, status, body = msgpack.unpackb(reply, raw=False)
+    version, _, status, body = msgspec.msgpack.decode(reply)
     assert version == P.CONTROL_PROTOCOL_VERSION and status in (P.OK, P.ERROR)
     if status == P.ERROR:
         assert is_typed(body["type"]), body
@@ -205,8 +205,8 @@ def test_control_random_bytes(node: Node, payload: bytes) -> None:
 @given(op=st.sampled_from(sorted(P.CONTROL_OPS)) | st.text(max_size=10), body=msgpack_values,
        version=st.sampled_from([P.CONTROL_PROTOCOL_VERSION, 1]) | msgpack_values, rid=msgpack_values)
 def test_control_random_msgpack(node: Node, op: Any, body: Any, version: Any, rid: Any) -> None:
-    check_control_reply(node, msgpack.packb([version, rid, op, body], use_bin_type=True))
-    check_control_reply(node, msgpack.packb([op, body], use_bin_type=True))  # the unversioned protocol 1
+    check_control_reply(node, msgspec.msgpack.encode([version, rid, op, body]))
+    check_control_reply(node, msgspec.msgpack.encode([op, body]))  # the unversioned protocol 1
 
 
 @FUZZ
@@ -219,14 +219,14 @@ def test_control_mutated_valid_requests(node: Node, data: st.DataObject, which: 
 @given(field=st.sampled_from(["key", "spec", "header_sum", "source", "reservation", "replicas", "persistent"]),
        value=msgpack_values)
 def test_control_replicate_with_a_field_replaced(node: Node, field: str, value: Any) -> None:
-    body = msgpack.unpackb(VALID_CONTROL[2], raw=False)[3]
+    body = msgspec.msgpack.decode(VALID_CONTROL[2])[3]
     body[field] = value
     check_control_reply(node, P.pack_control_request(3, P.CONTROL_REPLICATE, body))
 
 
 def test_control_reply_errors_map_to_kvpool_types() -> None:
     def reply(status: str, body: Any, rid: int = 1) -> bytes:
-        return msgpack.packb([P.CONTROL_PROTOCOL_VERSION, rid, status, body])
+        return msgspec.msgpack.encode([P.CONTROL_PROTOCOL_VERSION, rid, status, body])
 
     assert P.unpack_control_reply(reply("ok", {"a": 1}), 1) == {"a": 1}
     with pytest.raises(errors.ObjectTooLargeError):
@@ -238,7 +238,7 @@ def test_control_reply_errors_map_to_kvpool_types() -> None:
     with pytest.raises(errors.ProtocolError):
         P.unpack_control_reply(reply("ok", {}, rid=2), 1)
     with pytest.raises(errors.ProtocolError):
-        P.unpack_control_reply(msgpack.packb(["ok", {}]), 1)
+        P.unpack_control_reply(msgspec.msgpack.encode(["ok", {}]), 1)
 
 
 # -- the pull frame parsers ------------------------------------------------------------------
@@ -247,56 +247,56 @@ def test_control_reply_errors_map_to_kvpool_types() -> None:
 def _valid_request_frame(key: bytes = b"some-key", with_address: bool = False,
                          header_out: bytearray | None = None) -> bytearray:
     address = bytes([0x01]) + b"\x05" * 40 if with_address else b""
-    frame = T._pack_request(key, b"t" * 48, LayerRange(0, 4), 1 << 20, want_header=header_out is not None,
+    frame = T.pack_request(key, b"t" * 48, LayerRange(0, 4), 1 << 20, want_header=header_out is not None,
                             max_chunk=1 << 20, request_id=5, client_id=1, conn_id=2, reply_address=address)
-    buf = bytearray(T._REQUEST_BUFFER_NBYTES)  # what the server receives into: a fixed-size buffer
-    buf[:len(frame)] = frame[:T._REQUEST_BUFFER_NBYTES]
+    buf = bytearray(T.REQUEST_BUFFER_NBYTES)  # what the server receives into: a fixed-size buffer
+    buf[:len(frame)] = frame[:T.REQUEST_BUFFER_NBYTES]
     return buf
 
 
 def check_request_frame(frame: bytes) -> None:
-    buf = bytearray(T._REQUEST_BUFFER_NBYTES)
+    buf = bytearray(T.REQUEST_BUFFER_NBYTES)
     buf[:len(frame)] = frame[:len(buf)]
     with bounded(2.0):
         try:
-            request = T._parse_request(buf)
+            request = T.parse_request(buf)
         except errors.KVPoolError:
             return
-    assert 0 < len(request.key) <= T._MAX_KEY_BYTES
-    assert len(request.reply_address) <= T._MAX_ADDRESS_BYTES
-    assert len(request.token) <= T._MAX_TOKEN_BYTES
+    assert 0 < len(request.key) <= T.MAX_KEY_BYTES
+    assert len(request.reply_address) <= T.MAX_ADDRESS_BYTES
+    assert len(request.token) <= T.MAX_TOKEN_BYTES
     assert request.max_chunk > 0 and request.layer_range.start < request.layer_range.stop
 
 
 def check_status_frame(frame: bytes) -> None:
-    buf = bytearray(T._STATUS_BUFFER_NBYTES)
+    buf = bytearray(T.STATUS_BUFFER_NBYTES)
     buf[:len(frame)] = frame[:len(buf)]
     with bounded(2.0):
-        parsed = T._parse_status(buf, 5)
+        parsed = T.parse_status(buf, 5)
     if parsed is not None:
         status, nbytes, chunk, body = parsed
-        assert len(body) <= (T.MAX_HEADER_NBYTES if status in T.OK_STATUSES else T._MAX_STATUS_TEXT)
+        assert len(body) <= (T.MAX_HEADER_NBYTES if status in T.OK_STATUSES else T.MAX_STATUS_TEXT)
 
 
 def test_valid_frames_parse() -> None:
-    request = T._parse_request(_valid_request_frame())
+    request = T.parse_request(_valid_request_frame())
     assert (request.key, request.token, request.want_header) == (b"some-key", b"t" * 48, False)
-    assert T._parse_request(_valid_request_frame(header_out=bytearray())).want_header
-    assert T._parse_status(T._pack_status(5, T.STATUS_OK, 100, 64, "fine"), 5) == (T.STATUS_OK, 100, 64, b"fine")
+    assert T.parse_request(_valid_request_frame(header_out=bytearray())).want_header
+    assert T.parse_status(T.pack_status(5, T.STATUS_OK, 100, 64, "fine"), 5) == (T.STATUS_OK, 100, 64, b"fine")
     header = bytes(range(256)) * 8  # an OK carries a (binary) header longer than any failure text
-    assert T._parse_status(T._pack_status(5, T.STATUS_OK, 100, 64, "", header), 5) == (T.STATUS_OK, 100, 64, header)
-    assert T._parse_status(T._pack_status(5, T.STATUS_MISS, 0, 0, "", header), 5) is None
-    buf = bytearray(T._STATUS_BUFFER_NBYTES)
-    frame = T._pack_status(5, T.STATUS_OK, 100, 64, "x")
+    assert T.parse_status(T.pack_status(5, T.STATUS_OK, 100, 64, "", header), 5) == (T.STATUS_OK, 100, 64, header)
+    assert T.parse_status(T.pack_status(5, T.STATUS_MISS, 0, 0, "", header), 5) is None
+    buf = bytearray(T.STATUS_BUFFER_NBYTES)
+    frame = T.pack_status(5, T.STATUS_OK, 100, 64, "x")
     struct.pack_into("<H", frame, 6, 60000)  # text length far beyond the buffer
     buf[:len(frame)] = frame
-    assert T._parse_status(buf, 5) is None
+    assert T.parse_status(buf, 5) is None
 
 
 @FUZZ
-@given(frame=st.binary(max_size=T._REQUEST.size + 64))
+@given(frame=st.binary(max_size=T.REQUEST.size + 64))
 def test_request_frame_random_bytes(frame: bytes) -> None:
-    check_request_frame(T._REQUEST_MAGIC + bytes([T.PROTOCOL_VERSION]) + frame)
+    check_request_frame(T.REQUEST_MAGIC + bytes([T.PROTOCOL_VERSION]) + frame)
     check_request_frame(frame)
 
 
@@ -304,11 +304,11 @@ def test_request_frame_random_bytes(frame: bytes) -> None:
 @given(data=st.data(), with_address=st.booleans())
 def test_request_frame_mutations(data: st.DataObject, with_address: bool) -> None:
     frame = bytes(_valid_request_frame(with_address=with_address))
-    check_request_frame(mutate(frame[:T._REQUEST.size + 64], data))
+    check_request_frame(mutate(frame[:T.REQUEST.size + 64], data))
 
 
 @FUZZ
-@given(frame=st.binary(max_size=T._STATUS.size + 32), data=st.data())
+@given(frame=st.binary(max_size=T.STATUS.size + 32), data=st.data())
 def test_status_frame_random_and_mutated(frame: bytes, data: st.DataObject) -> None:
-    check_status_frame(T._STATUS_MAGIC + bytes([T.PROTOCOL_VERSION]) + frame)
-    check_status_frame(mutate(bytes(T._pack_status(5, T.STATUS_OK, 1 << 20, 1 << 16, "ok")), data))
+    check_status_frame(T.STATUS_MAGIC + bytes([T.PROTOCOL_VERSION]) + frame)
+    check_status_frame(mutate(bytes(T.pack_status(5, T.STATUS_OK, 1 << 20, 1 << 16, "ok")), data))

@@ -24,11 +24,14 @@ import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.cluster.etcd import masters
-from kvpool.cluster.master_client import MasterClient
+from kvpool.cluster.wire.etcd import masters
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.config import Config
 from tests.conftest import ChildProcess, Etcd, free_tcp_port, wait_for
 from tests.test_cluster import node_config
+
+pytestmark = pytest.mark.slow  # etcd and several master processes per test
 
 HEARTBEAT_MS = 200
 
@@ -214,10 +217,11 @@ def test_no_leader_and_bad_etcd_settings_are_typed_errors(tmp_path: Path) -> Non
     with MasterClient(config=Config.load({"master": {"etcd": dead}}), request_timeout_s=0.5) as client:
         with pytest.raises(errors.MasterUnreachableError, match="no master leader in etcd"):
             client.ping()
-    from kvpool.cluster.master import MasterServer
+    from kvpool.cluster.master.server import MasterServer
 
     with pytest.raises(errors.ConfigError, match="wildcard"):
-        MasterServer(Config.load({"master": {"etcd": dead, "listen": f"tcp://0.0.0.0:{free_tcp_port()}"}}).master)
+        MasterServer(Config.load({"master": {"etcd": dead, "listen": f"tcp://0.0.0.0:{free_tcp_port()}"}}).master,
+                     cluster_key=ClusterKey(None))
 
 
 def test_kvpool_server_with_etcd_runs_its_own_etcd_for_a_demo(tmp_path: Path,
@@ -285,7 +289,7 @@ def test_puts_during_a_failover_are_visible_afterwards_or_fail_typed(ha: HA) -> 
 def test_a_leader_whose_key_is_deleted_by_hand_steps_down(ha: HA) -> None:
     """An operator deleting the leader key lets a standby win it; the old leader notices at its
     next renewal (a quarter of the TTL) and stops answering, so two never serve for long."""
-    from kvpool.cluster.etcd import EtcdClient, leader_key
+    from kvpool.cluster.wire.etcd import EtcdClient, leader_key
 
     addresses = [ha.start_master() for _ in range(2)]
     old = ha.leader()

@@ -16,15 +16,14 @@ import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.cluster.located import alive_nodes_of
-from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.reader import ReplicaReader
-from kvpool.cluster.security import ClusterKey
+from kvpool.api import out_view
+from kvpool.cluster.node.located import alive_nodes_of
+from kvpool.cluster.node.reader import ReplicaReader
+from kvpool.cluster.node.server import NodeAddress
 from kvpool.config import Config
 from kvpool.objformat import ObjectHeader, encode
-from kvpool.pool import Pool
 from kvpool.transport import PeerAddress, local_host_id
-from tests.conftest import ChildProcess, free_tcp_port, wait_for
+from tests.conftest import ChildProcess, default_cluster_key, free_tcp_port, wait_for
 
 SHAPE = (2, 2, 4, 2, 8)
 
@@ -65,9 +64,9 @@ def test_default_daemon_and_its_clients_listen_only_on_loopback(
             reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0,
                                    tcp_pull_max=tcp_pull_max)
             try:
-                got = reader.read(b"loopback-key", theirs, None, None, Pool._out_view)
+                got = reader.read(b"loopback-key", theirs, None, None, out_view)
                 assert got is not None and np.array_equal(got, kv), reader.counters
-                assert (reader.tcp_puller is not None and reader.tcp_puller.pulls == 1) == bool(tcp_pull_max)
+                assert (reader.pulls.tcp is not None and reader.pulls.tcp.pulls == 1) == bool(tcp_pull_max)
             finally:
                 reader.close()
         daemon_listens, own_listens = listeners_of(daemon.pid), listeners_of(os.getpid())
@@ -78,6 +77,7 @@ def test_default_daemon_and_its_clients_listen_only_on_loopback(
         daemon.stop()
 
 
+@pytest.mark.slow
 def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
     cluster.start_master()
     cluster.start_node("storage")
@@ -89,7 +89,7 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
         by_node = {r["node_id"]: r for r in replicas}
         stored = next(r for nid, r in by_node.items() if nid != writer.node_id)
         assert len(stored["token"]) == 24
-        key = ClusterKey.default()
+        key = default_cluster_key()
         cases = {
             "no token": b"",
             "another node's token": by_node[writer.node_id]["token"],
@@ -101,28 +101,28 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
             reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0,
                                    tcp_pull_max=tcp_pull_max)
             try:
-                got = reader.read(b"token-key", [stored], None, None, Pool._out_view)
+                got = reader.read(b"token-key", [stored], None, None, out_view)
                 assert got is not None and np.array_equal(got, kv)
                 for what, token in cases.items():
                     assert reader.read(b"token-key", [{**stored, "token": token}], None, None,
-                                       Pool._out_view) is None, what
+                                       out_view) is None, what
                 assert reader.counters["miss_unauthorized"] == len(cases), reader.counters
                 peer = NodeAddress.decode(stored["address"]).peer
                 assert peer.tcp_port
                 with pytest.raises(errors.AuthenticationError):
-                    reader.puller.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
-                if reader.tcp_puller is not None:
-                    assert reader.tcp_puller.pulls == 1 and reader.tcp_puller.failures == len(cases)
+                    reader.pulls.ucx.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
+                if reader.pulls.tcp is not None:
+                    assert reader.pulls.tcp.pulls == 1 and reader.pulls.tcp.failures == len(cases)
                     with pytest.raises(errors.AuthenticationError):
-                        reader.tcp_puller.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
+                        reader.pulls.tcp.pull_into(peer, b"token-key", (0, 2), bytearray(1 << 16), timeout_s=5)
             finally:
                 reader.close()
         # the location cache drops a replica whose token expired: locate again
         remembered = ReplicaReader(local_host_id(), pull_timeout_s=5.0, location_cache_size=8)
         try:
             stale = {**stored, "token": key.mint_token(b"token-key", stored["node_id"], now=time.time() - 29.5)}
-            assert remembered.read(b"token-key", [stale], None, None, Pool._out_view) is not None
-            assert remembered.read_cached(b"token-key", None, None, Pool._out_view) is None
+            assert remembered.read(b"token-key", [stale], None, None, out_view) is not None
+            assert remembered.read_cached(b"token-key", None, None, out_view) is None
             assert remembered.counters["location_cache_expired"] == 1
         finally:
             remembered.close()
@@ -195,9 +195,9 @@ def test_garbage_from_the_master_is_a_miss_never_an_exception(reader: Any, tmp_p
 
     def run() -> None:
         for one in replicas:
-            results.append(reader.read(key, [one], None, None, Pool._out_view))
+            results.append(reader.read(key, [one], None, None, out_view))
         for many in ({"a": 1}, "str", 7, [None, 1.5], replicas):
-            results.append(reader.read(key, many, None, None, Pool._out_view))
+            results.append(reader.read(key, many, None, None, out_view))
         for stats in (None, [], {"nodes": []}, {"nodes": {"a": 5}}, {"nodes": {5: {}}},
                       *[{"nodes": {"n1": {"alive": True, "host_id": reader.host_id, "address": r.get("address")}}}
                         for r in replicas if isinstance(r, dict)],

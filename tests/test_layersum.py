@@ -166,7 +166,8 @@ import kvpool.objformat, kvpool.transport.tcp.stream
 from kvpool.objformat import decode, encode
 arr = np.arange(2 * 2 * 4 * 1 * 8, dtype=np.float32).reshape(2, 2, 4, 1, 8)
 assert (decode(encode(arr, b"k"))[1] == arr).all()  # the Python fallbacks give the same bytes
-print("fallback", kvpool.objformat._layersum, kvpool.transport.tcp.stream._native)
+from kvpool.native import extension
+print("fallback", extension("_layersum"), extension("_poll"))
 """
 
 
@@ -183,9 +184,9 @@ def test_a_process_without_the_c_extensions_says_so_once() -> None:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert "kvpool._layersum" in lines[0] and "kvpool._poll" in lines[0] and "pip install -e ." in lines[0]
-    from kvpool.transport.tcp import stream
+    from kvpool.native import extension
 
-    if objformat._layersum is not None and stream._native is not None:  # built here: not a word
+    if extension("_layersum") is not None and extension("_poll") is not None:  # built here: not a word
         built = subprocess.run([sys.executable, "-c", "import kvpool.objformat, kvpool.transport.tcp.stream"],
                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
         assert built.returncode == 0 and built.stderr == ""

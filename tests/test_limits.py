@@ -1,6 +1,6 @@
 """Bounded everywhere: request sizes, batch sizes, field sizes, liveness under a busy master.
 
-In-process tests drive :class:`kvpool.cluster.ops.MasterState` / ``MasterServer.serve_frames``;
+In-process tests drive :class:`kvpool.cluster.master.ops.MasterState` / ``MasterServer.serve_frames``;
 ``test_real_master_stays_live_under_maximum_requests`` runs a real master and two real nodes.
 """
 
@@ -12,22 +12,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 import zmq
 
 from kvpool import errors
-from kvpool.cluster import protocol as P
-from kvpool.cluster.control import control_call
-from kvpool.cluster.heartbeat import Heartbeater
-from kvpool.cluster.master import MasterServer
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
-from kvpool.cluster.ops import MasterState
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.master.ops import MasterState
+from kvpool.cluster.master.server import MasterServer
+from kvpool.cluster.node.heartbeat import Heartbeater
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.config import Config, MasterSection
 from kvpool.objformat import ObjectSpec
-from tests.conftest import wait_for
+from tests.conftest import default_cluster_key, wait_for
 
 SPEC = ObjectSpec("float16", layers=4, tokens=16, kv_heads=2, head_dim=8)
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}
@@ -39,7 +38,7 @@ def record(key: bytes | None = None) -> P.ReplicaRecord:
 
 @pytest.fixture
 def server() -> Iterator[MasterServer]:
-    srv = MasterServer(MasterSection(listen="tcp://127.0.0.1:*", max_batch=1000))
+    srv = MasterServer(MasterSection(listen="tcp://127.0.0.1:*", max_batch=1000), cluster_key=default_cluster_key())
     try:
         yield srv
     finally:
@@ -102,14 +101,14 @@ def test_oversized_fields_are_refused_and_never_echoed(server: MasterServer) -> 
     assert ok and reply == {"prefix": 0}
     ok, reply = call(server, P.DELETE, {"keys": [b"k" * 10_000]})
     assert not ok and reply["type"] == "InvalidKeyError" and len(reply["message"]) < 500
-    frames = server.serve_frames([b"peer", msgpack.packb([1, 1, "o" * 1_000_000, {}])])
+    frames = server.serve_frames([b"peer", msgspec.msgpack.encode([1, 1, "o" * 1_000_000, {}])])
     _, ok, reply = P.unpack_reply(frames[-1])
     assert not ok and reply["type"] == "ProtocolError" and len(reply["message"]) < 1000
     assert server.state.nodes["n1"].address == "tcp://127.0.0.1:1"
 
 
 def test_an_unforeseen_error_in_a_question_is_a_typed_reply_on_the_query_port(server: MasterServer) -> None:
-    from kvpool.cluster.query import QueryClient, query_host
+    from kvpool.cluster.wire.query import QueryClient, query_host
 
     def broken(body: Any) -> Any:
         raise RuntimeError("a bug")
@@ -131,7 +130,8 @@ def test_client_splits_large_batches_transparently(server: MasterServer) -> None
     thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
     thread.start()
     try:
-        client = MasterClient(server.endpoint, config=MasterSection(max_batch=1000), request_timeout_s=10)
+        client = MasterClient(server.endpoint, config=MasterSection(max_batch=1000), request_timeout_s=10,
+                              cluster_key=server.cluster_key)
         keys = [os.urandom(16) for _ in range(2500)]
         reply = client.register("n1", "tcp://127.0.0.1:1", "h", TIERS, [record(k) for k in keys[:2200]])
         assert reply["indexed"] == 2200 and len(server.state.index) == 2200  # register + publish of the rest
@@ -204,7 +204,7 @@ def test_a_long_request_does_not_starve_liveness_fake_clock() -> None:
 
 def test_a_maximum_request_does_not_starve_liveness_real_clock() -> None:
     section = MasterSection(listen="tcp://127.0.0.1:*", heartbeat_ms=20, dead_after_missed=3)
-    srv = MasterServer(section)
+    srv = MasterServer(section, cluster_key=default_cluster_key())
     try:
         body = {"node_id": "n1", "objects": [record(os.urandom(16)) for _ in range(section.max_batch)]}
         frame = P.pack_request(1, P.PUBLISH, body)
@@ -230,6 +230,7 @@ def _rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_real_master_stays_live_under_maximum_requests(cluster: Any) -> None:
     # The master credits its own stalls (note_turn); what it cannot see is the OS starving the
@@ -281,7 +282,7 @@ def _hammer_and_check(cluster: Any, master: Any, client: MasterClient, rss_befor
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    ClusterKey.default().secure_client(raw)  # past authentication: the limits are what is tested
+    default_cluster_key().secure_client(raw)  # past authentication: the limits are what is tested
     raw.connect(cluster.master_address)
     raw.send(b"\x00" * (65 << 20))
     assert not raw.poll(500)  # no reply, no buffering: the connection was dropped
@@ -300,20 +301,20 @@ def _hammer_and_check(cluster: Any, master: Any, client: MasterClient, rss_befor
     control = NodeAddress.decode(stats["nodes"][node_id]["address"]).control
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    ClusterKey.default().secure_client(raw)  # past authentication: the limits are what is tested
+    default_cluster_key().secure_client(raw)  # past authentication: the limits are what is tested
     raw.connect(control)
     raw.send(b"\x01" * (65 << 20))
     assert not raw.poll(500)
     raw.close()
-    for frame in (b"\xc1garbage", msgpack.packb(["stats", {}]),
-                  msgpack.packb([P.CONTROL_PROTOCOL_VERSION, 5, "replicate", {}])):
+    for frame in (b"\xc1garbage", msgspec.msgpack.encode(["stats", {}]),
+                  msgspec.msgpack.encode([P.CONTROL_PROTOCOL_VERSION, 5, "replicate", {}])):
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
-        ClusterKey.default().secure_client(raw)  # past authentication: the limits are what is tested
+        default_cluster_key().secure_client(raw)  # past authentication: the limits are what is tested
         raw.connect(control)
         raw.send(frame)
         assert raw.poll(5000)
-        version, _, status, body = msgpack.unpackb(raw.recv(), raw=False)
+        version, _, status, body = msgspec.msgpack.decode(raw.recv())
         raw.close()
         assert (version, status, body["type"]) == (P.CONTROL_PROTOCOL_VERSION, "error", "ProtocolError")
-    assert control_call(control, "stats", {}, timeout_s=5.0)["node_id"] == node_id
+    assert control_call(control, "stats", {}, timeout_s=5.0, cluster_key=client.cluster_key)["node_id"] == node_id

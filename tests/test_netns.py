@@ -17,19 +17,21 @@ from tests.conftest import wait_for
 from tests.netns import Host, Lab, lab_or_skip
 from tests.test_cluster import node_config
 
+pytestmark = pytest.mark.slow  # clusters across network namespaces
+
 LAYER_NBYTES = content(0)[0].nbytes
 KEYS = 4
 
 PROBE = """
 import json, sys
-from kvpool.cluster.control import control_call
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.node.server import NodeAddress
 with MasterClient(sys.argv[1], request_timeout_s=5) as client:
     stats = client.stats()
     alive = {nid: n for nid, n in stats["nodes"].items() if n["alive"]}
     sent = {nid: control_call(NodeAddress.decode(n["address"]).control, "stats", {},
-                              timeout_s=5)["transfer"]["bytes_sent"]
+                              timeout_s=5, cluster_key=client.cluster_key)["transfer"]["bytes_sent"]
             for nid, n in alive.items()}
     keys = client.lookup([b"cluster-key-%04d" % i for i in range({keys})])
     print(json.dumps({"alive": sorted(alive), "sent": sent, "keys": keys}))
@@ -181,7 +183,7 @@ def test_ha_masters_on_two_hosts_fail_over_to_each_other(tmp_path: Path) -> None
             return json.loads(lines[-1])
 
         def leader() -> str | None:
-            done = lab.run(h3, [sys.executable, "-c", "import sys; from kvpool.cluster.etcd import masters; "
+            done = lab.run(h3, [sys.executable, "-c", "import sys; from kvpool.cluster.wire.etcd import masters; "
                                 "print(masters(sys.argv[1], '/kvpool')[0])", url])
             return done.stdout.strip() if done.returncode == 0 else None
 

@@ -11,9 +11,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_every_package_and_the_extension(tmp_path: Path) -> None:
     # Built from a copy without build outputs: a stale build/ in the checkout would hide a
     # package the configuration leaves out.

@@ -76,6 +76,7 @@ pool.close()
 """
 
 
+@pytest.mark.slow
 def test_two_clients_with_one_toml_and_no_pool_name_run_side_by_side(tmp_path: Path, spawn_python) -> None:
     """The issue's case: the second such client used to fail with PoolLockedError."""
     master = f"tcp://127.0.0.1:{free_tcp_port()}"

@@ -22,7 +22,7 @@ from kvpool import errors
 from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullRequest, ServeSource
 from kvpool.transport.tcp import TcpPullClient, TcpPullServer
-from kvpool.transport.tcp.stream import _POLL_RETRY_EVERY, ReplyPoll
+from kvpool.transport.tcp.stream import POLL_RETRY_EVERY, ReplyPoll
 from tests.test_transfer import LAYER_NBYTES, LAYERS, expected, layer_nbytes_of
 
 
@@ -63,14 +63,14 @@ def test_a_reply_that_comes_while_polled_for_is_taken_then(pair: tuple[socket.so
 def test_polls_that_keep_running_out_stop_and_are_tried_again_later(
         pair: tuple[socket.socket, socket.socket]) -> None:
     """Nothing to read: each poll runs out (the caller would block); after two, polling stops,
-    and one poll is tried again every _POLL_RETRY_EVERY replies. A reply that does come is
+    and one poll is tried again every POLL_RETRY_EVERY replies. A reply that does come is
     still the caller's to read, whole."""
     client, server = pair
     poll = ReplyPoll(0.001)
     buf = bytearray(64)
     assert poll.receive(client, [buf], poll.mark()) is None and poll.receive(client, [buf], poll.mark()) is None
     assert poll.ran_out == 2
-    for _ in range(_POLL_RETRY_EVERY - 1):
+    for _ in range(POLL_RETRY_EVERY - 1):
         assert poll.receive(client, [buf], poll.mark()) is None  # not polled at all
     assert poll.ran_out == 2
     assert poll.receive(client, [buf], poll.mark()) is None and poll.ran_out == 3  # tried once more

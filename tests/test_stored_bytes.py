@@ -1,7 +1,7 @@
 """Any bytes in any file kvpool reads back: skipped or refused with a typed error, never a crash.
 
 One Hypothesis test (or two: random contents, and mutations of a valid file) per reader of a
-file: ``durable.log`` (:mod:`kvpool.cluster.durable_log`), the nvme tier's segment files and
+file: ``durable.log`` (:mod:`kvpool.cluster.node.durable_log`), the nvme tier's segment files and
 LMDB index records, a cxl arena and its shared index, a config TOML, the cluster key file.
 "Typed" means a :class:`kvpool.errors.KVPoolError`; anything else escaping is a failure.
 Example counts are bounded so the file runs in seconds.
@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool import errors
-from kvpool.cluster import durable_log
-from kvpool.cluster.security import _read_secret, keygen
+from kvpool.cluster.node import durable_log
+from kvpool.cluster.wire.security import keygen, read_secret
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, encode
 from tests.conftest import bounded
@@ -194,7 +194,7 @@ def read_key(path: Path) -> None:
     os.chmod(path, 0o600)
     with bounded(5.0):
         try:
-            secret = _read_secret(path)
+            secret = read_secret(path)
         except errors.ConfigError:
             return
     assert len(secret) >= 16
@@ -222,7 +222,7 @@ def test_key_file_with_non_utf8_bytes_is_a_config_error(tmp_path: Path) -> None:
     keygen(path)
     path.write_bytes(path.read_bytes()[:10] + b"\xff\xfe" + path.read_bytes()[10:])
     with pytest.raises(errors.ConfigError, match="does not hold a kvpool key"):
-        _read_secret(path)
+        read_secret(path)
 
 
 # -- cxl arena and its shared index ----------------------------------------------------------------
@@ -364,7 +364,7 @@ def test_nvme_segment_mutated(tmp_path_factory: pytest.TempPathFactory, nvme_tem
 
 index_values = st.one_of(
     st.binary(max_size=80),
-    st.builds(lambda v: msgpack.packb(v), st.lists(st.one_of(st.integers(-(1 << 63), (1 << 64) - 1),
+    st.builds(lambda v: msgspec.msgpack.encode(v), st.lists(st.one_of(st.integers(-(1 << 63), (1 << 64) - 1),
                                                              st.binary(max_size=300), st.none(), st.text(max_size=5)),
                                                    max_size=5)),
 )
@@ -397,6 +397,7 @@ def test_nvme_index_records_replaced(tmp_path_factory: pytest.TempPathFactory, n
 # -- a storage node whose durable.log holds any bytes ----------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_node_with_non_ascii_bytes_in_durable_log_starts_and_registers_again(cluster: Any) -> None:
     """The bug of issue 33: one non-ASCII byte in durable.log raised UnicodeDecodeError out of the

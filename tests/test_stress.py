@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from bench.soak import parse_result, table, worker_command
-from kvpool.cluster.master_client import MasterClient
+from kvpool.cluster.wire.master_client import MasterClient
 from tests.conftest import ChildProcess, WaitAborted, free_tcp_port, wait_for
 
 SECONDS = float(os.environ.get("KVPOOL_STRESS_SECONDS", "15"))

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.cluster.reader import SAME_HOST_TCP_PULL_MAX, ReplicaReader
-from kvpool.cluster.security import ClusterKey
+from kvpool.cluster.node.reader import ReplicaReader
+from kvpool.cluster.wire.security import ClusterKey
 from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullRequest, ServeSource, local_host_id
+from kvpool.transport.puller import SAME_HOST_TCP_PULL_MAX
 from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient, TcpPullServer
 from tests.test_transfer import LAYER_NBYTES, LAYERS, ServerProcess, expected, header_of
 
@@ -448,18 +449,18 @@ def test_which_pulls_a_reader_sends_over_tcp() -> None:
         reader = ReplicaReader(local_host_id(), transport=transport, tcp_pull_max=4 << 20)
         try:
             for peer, limit in ((here, same_host_limit), (elsewhere, 4 << 20)):
-                assert reader._client_for(peer, limit) is reader.tcp_puller
-                assert reader._client_for(peer, limit + 1) is reader.puller
-            assert reader._client_for(PeerAddress("10.0.0.2", 0, worker, "h"), 4096) is reader.puller  # no port
+                assert reader.pulls.client_for(peer, limit) is reader.pulls.tcp
+                assert reader.pulls.client_for(peer, limit + 1) is reader.pulls.ucx
+            assert reader.pulls.client_for(PeerAddress("10.0.0.2", 0, worker, "h"), 4096) is reader.pulls.ucx  # no port
         finally:
             reader.close()
     off = ReplicaReader(local_host_id(), tcp_pull_max=0)
     try:
-        assert off.tcp_puller is None and off._client_for(elsewhere, 4096) is off.puller
+        assert off.pulls.tcp is None and off.pulls.client_for(elsewhere, 4096) is off.pulls.ucx
         # A client node that has not started UCX publishes its TCP port alone: TCP, whatever
         # the size, also for this reader (and its pulls elsewhere stay UCX).
         no_ucx = PeerAddress("10.0.0.3", 0, b"", "another-host", tcp_port=1)
-        assert off._client_for(no_ucx, 1 << 30) is off.tcp_puller is not None
-        assert off._client_for(elsewhere, 4096) is off.puller
+        assert off.pulls.client_for(no_ucx, 1 << 30) is off.pulls.tcp is not None
+        assert off.pulls.client_for(elsewhere, 4096) is off.pulls.ucx
     finally:
         off.close()

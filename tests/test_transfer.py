@@ -510,6 +510,7 @@ async def test_async_pulls_pipeline_layers(server: ServerProcess, client: PullCl
         await client.apull_into(server.peer, b"miss:2", (0, 1), out2, timeout_s=10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 @pytest.mark.parametrize("stall_key", [b"stall", b"stall-mid"])
 def test_holder_killed_mid_pull_fails_within_deadline(
@@ -581,6 +582,7 @@ def test_a_caller_waiting_on_its_own_pull_sleeps_instead_of_spinning(server: Ser
     assert burned < 0.25 * waited, f"the waiting thread burned {burned:.2f} s of CPU in {waited:.2f} s"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slow_key", [b"slow", b"file:slow"])
 def test_client_deadline_frees_the_server_side(server: ServerProcess, client: PullClient, slow_key: bytes) -> None:
     before = server.quiet_stats()
@@ -662,6 +664,7 @@ def test_close_leaves_no_threads() -> None:
         client.pull_into(("127.0.0.1", 1), b"k", (0, 1), bytearray(8), timeout_s=1)
 
 
+@pytest.mark.slow
 def test_transfer_bench_quick_run_reports_every_size(tmp_path: Path) -> None:
     # Checks the benchmark works and reports what it promises, not how fast
     # anything is (speed on a shared 2-core machine is no test).
@@ -699,8 +702,8 @@ def test_rendezvous_threshold_default_yields_to_the_users_variable(user_value: s
     env = {k: v for k, v in os.environ.items() if k != "UCX_RNDV_THRESH"}
     if user_value is not None:
         env["UCX_RNDV_THRESH"] = user_value
-    code = ("import json, os; from kvpool.transport.engine import _effective_ucx_options, _host_without_rdma_or_gpu; "
-            "print(json.dumps([_effective_ucx_options({}).get('RNDV_THRESH'), _host_without_rdma_or_gpu(), "
+    code = ("import json, os; from kvpool.transport.engine import effective_ucx_options, _host_without_rdma_or_gpu; "
+            "print(json.dumps([effective_ucx_options({}).get('RNDV_THRESH'), _host_without_rdma_or_gpu(), "
             "os.environ['UCX_RNDV_THRESH']]))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     option, tcp_and_shm_only, variable = json.loads(out.stdout.strip().splitlines()[-1])

@@ -27,7 +27,7 @@ from tests.test_daemon import http_get
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvpool[vllm]')")
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # vLLM engines, minutes each
 
 BLOCK = 128
 _DIGEST_OFFSET = 44  # of the key digest in an object header (kvpool/objformat.py _FIXED)
@@ -215,7 +215,7 @@ def test_the_namespace_names_the_weights_not_just_their_path(tmp_path: Path) -> 
 
 def start_master(spawn_python) -> str:
     """A real master process on a free port; its address."""
-    from kvpool.cluster.master_client import MasterClient
+    from kvpool.cluster.wire.master_client import MasterClient
 
     def answers(address: str) -> bool:
         with MasterClient(address, request_timeout_s=0.5) as probe:
@@ -231,7 +231,7 @@ def _scheduler(master_address: str):
     """The scheduler half of a KvpoolConnector without an engine: its state, a real master."""
     from collections import Counter
 
-    from kvpool.cluster.master_client import MasterClient
+    from kvpool.cluster.wire.master_client import MasterClient
     from kvpool.integrations.planner import Planner
     from kvpool.integrations.vllm import KvpoolConnector, Settings
 

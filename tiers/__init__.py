@@ -9,7 +9,6 @@ imports CuPy or LMDB before a tier needs them.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from tiers.base import Extent, ExtentAllocator, Tier
 
@@ -33,7 +32,7 @@ def tier_class(name: str) -> type[Tier]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ImportError(f"{exc}. {hint}".strip()) from exc
-    cls: Any = getattr(module, class_name)
+    cls: type[Tier] = getattr(module, class_name)
     return cls
 
 

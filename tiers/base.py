@@ -372,4 +372,5 @@ class ArenaTier(Tier):
 
     def view(self, extent: Extent, offset: int, nbytes: int) -> memoryview:
         self._check_open()
-        return self._slice(extent, offset, nbytes).data
+        view: memoryview = self._slice(extent, offset, nbytes).data
+        return view

@@ -73,7 +73,7 @@ def mlock_region(address: int, nbytes: int) -> tuple[int, str]:
 _memlock_warned = False
 
 
-def _advice_marker() -> Path:
+def advice_marker() -> Path:
     """Where this host's memlock advice is remembered: the user's state dir, one file per host
     (a home directory may be shared by several hosts)."""
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
@@ -82,11 +82,11 @@ def _advice_marker() -> Path:
 
 def _warn_memlock_once(note: str, locked: int, wanted: int) -> None:
     """The memlock advice, one line once per host and limit (every pool of every process hits the
-    same limit): remembered in a marker file (:func:`_advice_marker`) holding the limit it was
+    same limit): remembered in a marker file (:func:`advice_marker`) holding the limit it was
     given for, so a changed limit is reported again; later pools log it at debug level."""
     global _memlock_warned
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    marker = _advice_marker()
+    marker = advice_marker()
     try:
         seen = marker.read_text().strip() == str(soft)
     except OSError:

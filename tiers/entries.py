@@ -1,4 +1,4 @@
-"""What the tier manager keeps per object and hands out: its index entry (:class:`_Entry`),
+"""What the tier manager keeps per object and hands out: its index entry (:class:`Entry`),
 a reader's pin (:class:`PinnedObject`), the listener of index changes
 (:class:`ManagerListener`), and :class:`LockBusy`. Pure data; the rules are
 :mod:`tiers.manager`'s.
@@ -14,7 +14,7 @@ from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
 from tiers.base import Extent, Tier
 
 
-def _largest_fit(tier: Tier) -> int:
+def largest_fit(tier: Tier) -> int:
     """The largest object (total bytes, header included) ``tier`` could ever hold."""
     low, high = 0, tier.capacity_bytes
     while low < high:
@@ -27,7 +27,7 @@ def _largest_fit(tier: Tier) -> int:
 
 
 @dataclass
-class _Entry:
+class Entry:
     key: bytes
     tier: int
     extent: Extent
@@ -40,10 +40,10 @@ class _Entry:
     backing: tuple[int, Extent] | None = None
 
 
-class _NeedsApproval(Exception):
+class NeedsApproval(Exception):
     """Making room needs the ``may_drop_many`` hook's word on these bottom-tier victims."""
 
-    def __init__(self, entries: list[_Entry]) -> None:
+    def __init__(self, entries: list[Entry]) -> None:
         super().__init__(f"{len(entries)} victims await approval")
         self.entries = entries
 
@@ -64,7 +64,7 @@ class PinnedObject:
     header: ObjectHeader
     tier: Tier
     extent: Extent
-    _entry: _Entry = field(repr=False, compare=False)
+    _entry: Entry = field(repr=False, compare=False)
 
     @property
     def spec(self) -> ObjectSpec:

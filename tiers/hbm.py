@@ -35,7 +35,7 @@ ALIGNMENT = 256  # cudaMalloc's alignment: every object starts on a coalescing b
 EMULATED_DEVICE = "emulated (no CUDA device)"
 
 
-def _cuda_unavailable_reason() -> str | None:
+def cuda_unavailable_reason() -> str | None:
     """None when CuPy sees a CUDA device, else why not."""
     try:
         import cupy
@@ -61,7 +61,7 @@ class HbmTier(ArenaTier):
     def __init__(self, capacity_bytes: int, *, device: int = 0, emulate: bool = True) -> None:
         super().__init__(capacity_bytes, alignment=ALIGNMENT)
         self.device_id = device
-        reason = _cuda_unavailable_reason()
+        reason = cuda_unavailable_reason()
         if reason is None:
             import cupy
 

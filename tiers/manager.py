@@ -44,7 +44,7 @@ from typing import Any
 from kvpool import errors
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, copy_layer_checksums, layer_checksums
 from tiers.base import Extent, Tier
-from tiers.entries import LockBusy, ManagerListener, PinnedObject, _Entry, _largest_fit, _NeedsApproval
+from tiers.entries import Entry, LockBusy, ManagerListener, NeedsApproval, PinnedObject, largest_fit
 from tiers.policy import make_policy
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class TierManager:
         self._hit_counters = [f"hits_{t.name}" for t in self.tiers]
         self.promote_enabled = promote
         self.promote_min_hits = promote_min_hits
-        self._index: dict[bytes, _Entry] = {}
+        self._index: dict[bytes, Entry] = {}
         self._lock = threading.RLock()
         self.counters: Counter[str] = Counter()
         self.closed = False
@@ -123,7 +123,7 @@ class TierManager:
             raise errors.InvalidKVError(f"payload is {len(payload)} bytes, spec needs {spec.payload_nbytes}")
         candidates = self._candidates(persistent)
         if not any(self.tiers[i].fits_ever(nbytes) for i in candidates):
-            limits = ", ".join(f"{self.tiers[i].name} up to {_largest_fit(self.tiers[i])} bytes" for i in candidates)
+            limits = ", ".join(f"{self.tiers[i].name} up to {largest_fit(self.tiers[i])} bytes" for i in candidates)
             raise errors.ObjectTooLargeError(
                 f"object of {nbytes} bytes ({nbytes / (1 << 20):.1f} MiB with its header) does not fit any tier "
                 f"that takes puts: {limits} (each tier's capacity less its per-object overhead; raise "
@@ -151,7 +151,7 @@ class TierManager:
             if old is not None:
                 self._unindex(old, keep_persistent_record=index in (old.tier, (old.backing or (-1,))[0]),
                               reason=None)
-            self._index[key] = _Entry(key, index, extent, header)
+            self._index[key] = Entry(key, index, extent, header)
             self.policies[index].insert(key, nbytes)
             if self.listener is not None:
                 self.listener.stored(key, tier, extent, header)
@@ -193,7 +193,7 @@ class TierManager:
             with self._lock:
                 try:
                     return self._place(nbytes, candidates)
-                except _NeedsApproval as need:
+                except NeedsApproval as need:
                     proposals = need.entries
             self._drop_approved(proposals, self._ask_may_drop([e.key for e in proposals]))
         raise errors.PoolFullError(f"no room for {nbytes} bytes: the bottom tier is full of leased objects")
@@ -219,7 +219,7 @@ class TierManager:
             log.debug("may_drop_many failed (%s): dropping %d victims", exc, len(keys))
             return set(keys)
 
-    def _drop_approved(self, proposals: list[_Entry], allowed: set[bytes]) -> None:
+    def _drop_approved(self, proposals: list[Entry], allowed: set[bytes]) -> None:
         """Drop the approved victims that are still the same, unpinned, bottom-tier objects."""
         bottom = len(self.tiers) - 1
         with self._lock:
@@ -239,13 +239,13 @@ class TierManager:
     def _allocate_making_room(self, index: int, nbytes: int) -> Extent | None:
         """An extent in tier ``index``, demoting (or dropping) its coldest objects for room.
 
-        None when everything left is pinned. Raises _NeedsApproval (after putting
+        None when everything left is pinned. Raises NeedsApproval (after putting
         the proposed victims back into the policy) when the bottom tier must drop
         objects and the ``may_drop_many`` hook has to be asked first.
         """
         tier, policy = self.tiers[index], self.policies[index]
         ask = index == len(self.tiers) - 1 and self.may_drop_many is not None
-        proposals: list[_Entry] = []
+        proposals: list[Entry] = []
         proposed_bytes = 0
         needed = tier.allocated_size(nbytes)
 
@@ -278,7 +278,7 @@ class TierManager:
         for entry in proposals:  # they stay until the master agrees
             policy.insert(entry.key, entry.header.spec.total_nbytes)
         if extent is None and proposals:
-            raise _NeedsApproval(proposals)
+            raise NeedsApproval(proposals)
         return extent
 
     def _is_pinned(self, key: bytes) -> bool:
@@ -286,7 +286,7 @@ class TierManager:
 
     # -- movement between tiers -------------------------------------------------
 
-    def _demote(self, entry: _Entry) -> None:
+    def _demote(self, entry: Entry) -> None:
         """Move an (already policy-removed) object one tier down, or drop it from the bottom."""
         nbytes = entry.header.spec.total_nbytes
         if entry.backing is not None:  # a persistent copy below already holds these bytes
@@ -300,7 +300,7 @@ class TierManager:
             for _ in range(_DISK_FULL_RETRIES):
                 try:
                     extent = self._allocate_making_room(lower, nbytes)
-                except _NeedsApproval:
+                except NeedsApproval:
                     self.policies[entry.tier].insert(entry.key, nbytes)  # back in place this round
                     raise
                 if extent is None:
@@ -318,7 +318,7 @@ class TierManager:
         self._unindex(entry, policy_removed=True, reason="evicted")
         self.counters["evictions"] += 1
 
-    def _fall_back_to_backing(self, entry: _Entry) -> None:
+    def _fall_back_to_backing(self, entry: Entry) -> None:
         """Free the upper copy of an object that still has its persistent copy (lock held, unpinned)."""
         assert entry.backing is not None
         upper = self.tiers[entry.tier]
@@ -329,7 +329,7 @@ class TierManager:
         if self.listener is not None:
             self.listener.moved(entry.key, self.tiers[entry.tier], entry.extent, entry.header)
 
-    def _drop_backing(self, entry: _Entry) -> None:
+    def _drop_backing(self, entry: Entry) -> None:
         """Give up the persistent copy of a promoted object (its tier needs the space)."""
         assert entry.backing is not None
         index, extent = entry.backing
@@ -338,7 +338,7 @@ class TierManager:
         self.tiers[index].free(extent)
         self.counters["backing_dropped"] += 1
 
-    def _move(self, entry: _Entry, dest_index: int, extent: Extent) -> None:
+    def _move(self, entry: Entry, dest_index: int, extent: Extent) -> None:
         src, dest = self.tiers[entry.tier], self.tiers[dest_index]
         header = entry.header
         try:
@@ -360,7 +360,7 @@ class TierManager:
         if self.listener is not None:
             self.listener.moved(entry.key, dest, extent, header)
 
-    def _maybe_promote(self, entry: _Entry) -> None:
+    def _maybe_promote(self, entry: Entry) -> None:
         """Copy a hot object from a lower tier up to the highest put-enabled tier (lock held).
 
         Out of a persistent tier the copy there stays as the object's backing.
@@ -376,7 +376,7 @@ class TierManager:
         entry.pins += 1  # making room above may demote into this object's tier: keep it put
         try:
             extent = self._allocate_making_room(target, nbytes)
-        except (_NeedsApproval, errors.DiskFullError):
+        except (NeedsApproval, errors.DiskFullError):
             return  # no room without asking the master: not worth it for a promotion
         finally:
             entry.pins -= 1
@@ -397,7 +397,7 @@ class TierManager:
             return
         self.counters["promotions"] += 1
 
-    def _copy_up(self, entry: _Entry, dest_index: int, extent: Extent) -> None:
+    def _copy_up(self, entry: Entry, dest_index: int, extent: Extent) -> None:
         """Copy an object into a higher tier and keep its current (persistent) copy as backing."""
         src, dest = self.tiers[entry.tier], self.tiers[dest_index]
         header = entry.header
@@ -480,7 +480,7 @@ class TierManager:
             self._unindex(entry, reason="deleted")
             self.counters["deletes"] += 1
 
-    def _unindex(self, entry: _Entry, *, reason: str | None, policy_removed: bool = False,
+    def _unindex(self, entry: Entry, *, reason: str | None, policy_removed: bool = False,
                  keep_persistent_record: bool = False) -> None:
         """Hide an entry now; free its space now or, if pinned, on its last unpin.
 
@@ -517,7 +517,7 @@ class TierManager:
                     tier.forget(key, extent)
                     tier.free(extent)
                     continue
-                self._index[key] = _Entry(key, index, extent, header)
+                self._index[key] = Entry(key, index, extent, header)
                 self.policies[index].insert(key, header.spec.total_nbytes)
                 self.counters["recovered"] += 1
 

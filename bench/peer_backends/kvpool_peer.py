@@ -62,7 +62,7 @@ class KvpoolPeer(Peer):
         return None
 
     def start(self) -> None:
-        from kvpool.cluster.master_client import MasterClient
+        from kvpool.cluster.wire.master_client import MasterClient
 
         self.address = f"tcp://127.0.0.1:{free_port()}"
         work = self.plan.work_dir

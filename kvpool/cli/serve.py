@@ -24,8 +24,8 @@ log = logging.getLogger("kvpool.server")
 def serve(config: Config, role: str, stop: threading.Event) -> int:
     """Run ``role`` until ``stop`` is set; returns the exit status."""
     from kvpool import errors
-    from kvpool.cluster.master_client import MasterClient
-    from kvpool.cluster.security import ClusterKey
+    from kvpool.cluster.wire.master_client import MasterClient
+    from kvpool.cluster.wire.security import ClusterKey
     from kvpool.transport.tcp.admission import raise_descriptor_limit, reserved_descriptors
 
     limit = raise_descriptor_limit()  # at start, before any socket or file: the caps are sized from it
@@ -63,7 +63,7 @@ def serve(config: Config, role: str, stop: threading.Event) -> int:
 
 
 def _start_master(config: Config, stack: ExitStack) -> bool:
-    from kvpool.cluster.master import run_master
+    from kvpool.cluster.master.server import run_master
 
     ready, master_stop = threading.Event(), threading.Event()
     failure: list[BaseException] = []
@@ -91,7 +91,7 @@ def _start_master(config: Config, stack: ExitStack) -> bool:
 
 
 def _start_node(config: Config, stack: ExitStack) -> Any:
-    from kvpool.cluster.node import Node
+    from kvpool.cluster.node.server import Node
     from kvpool.pool import build_tier_manager
 
     class StorageNode(Node):
@@ -144,7 +144,7 @@ def _start_metrics(config: Config, role: str, node: Any, master_client: Any, sta
     server.start()
 
 
-def describe_tiers(stats: dict) -> str:
+def describe_tiers(stats: dict[str, Any]) -> str:
     parts = []
     for name, tier in stats["tiers"].items():
         extra = []

@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     etcd = None
     if args.with_etcd:
-        from kvpool.cluster.etcd import start_demo_etcd
+        from kvpool.cluster.wire.etcd import start_demo_etcd
         from kvpool.errors import ConfigError
 
         if not config.master.etcd:

@@ -26,9 +26,9 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.cli.args import Parser
-from kvpool.cluster.control import control_call
-from kvpool.cluster.master_client import MasterClient
-from kvpool.cluster.node import NodeAddress
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.config import Config, format_size, master_address, node_host
 
 
@@ -81,7 +81,7 @@ def cmd_stats(master: MasterClient, args: argparse.Namespace) -> int:
     print(f"master {master.address}{role}: up {stats['uptime_s']:.0f} s, {stats['keys']} keys, "
           f"{stats['replicas']} replicas, {stats['leases']} leases, {stats['reservations']} reservations")
     if isinstance(ha, dict):
-        from kvpool.cluster.etcd import masters
+        from kvpool.cluster.wire.etcd import masters
 
         try:
             _leader, announced = masters(str(ha["etcd"]), str(ha.get("prefix", "/kvpool")))
@@ -182,10 +182,10 @@ def _why_missed(replicas: int, counters: dict[str, int]) -> str:
 
 
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
-    from kvpool.cluster.located import replicas_at
-    from kvpool.cluster.reader import ReplicaReader
-    from kvpool.cluster.same_host import shared_dirs_of
-    from kvpool.pool import Pool
+    from kvpool.api import out_view
+    from kvpool.cluster.node.located import replicas_at
+    from kvpool.cluster.node.reader import ReplicaReader
+    from kvpool.cluster.node.same_host import shared_dirs_of
     from kvpool.transport import local_host_id
 
     key = _key(args.key, args.text)
@@ -200,7 +200,7 @@ def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
                            tcp_pull_max=config.node.tcp_pull_max, cluster_key=master.cluster_key)
     replicas = replicas_at(located, 0)
     try:
-        arr = reader.read(key, replicas, layers, None, Pool._out_view)
+        arr = reader.read(key, replicas, layers, None, out_view)
     finally:
         master.release(located.lease_ids)
         reader.close()
@@ -244,7 +244,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     """Write a new cluster key (0600); an existing file is kept unless ``--force``."""
-    from kvpool.cluster.security import keygen
+    from kvpool.cluster.wire.security import keygen
 
     path = Path(args.file).expanduser()
     if path.exists() and not args.force:

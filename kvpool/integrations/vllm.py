@@ -226,7 +226,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                                         "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0,
                                         "plan_loaded_blocks": 0, "plan_recomputed_blocks": 0}
         if role == KVConnectorRole.SCHEDULER:
-            from kvpool.cluster.master_client import MasterClient
+            from kvpool.cluster.wire.master_client import MasterClient
             from kvpool.config import Config
 
             # A block kvpool cannot deliver intact is recomputed, not the request failed: vLLM's
@@ -488,7 +488,9 @@ class KvpoolConnector(KVConnectorBase_V1):
 
         def one(at: int) -> list[np.ndarray | None]:
             try:
-                return self._pool.get_many(keys[at:at + step], layers=layers, outs=outs[at:at + step])
+                got: list[np.ndarray | None] = self._pool.get_many(keys[at:at + step], layers=layers,
+                                                                   outs=outs[at:at + step])
+                return got
             except errors.KVPoolError as exc:
                 log.warning("kvpool: loading layers %d..%d of %d blocks failed: %s", layers[0], layers[-1],
                             len(keys[at:at + step]), exc)

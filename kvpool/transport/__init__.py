@@ -27,9 +27,9 @@ Threads and progress
     milliseconds).
 
 Wire protocol (all tag messages; tags are 64-bit and matched worker-wide)
-    request  client -> server, tag ``REQUEST_TAG``: fixed header ``_REQUEST``
+    request  client -> server, tag ``REQUEST_TAG``: fixed header ``REQUEST``
              + key + (``auto`` transport only) the client's worker address.
-    status   server -> client, tag ``request_id << 20``: ``_STATUS`` + text.
+    status   server -> client, tag ``request_id << 20``: ``STATUS`` + text.
              OK carries the payload size and the chunk size the server uses,
              and, when the request asked for it (``header_out``), the served
              object's packed header in place of the text: the reader checks it
@@ -115,6 +115,7 @@ from kvpool.transport.engine import (
     ucx_interface_options,
 )
 from kvpool.transport.frames import MAX_HEADER_NBYTES, PeerAddress, plausible_worker_address
+from kvpool.transport.puller import Puller, Pulls
 from kvpool.transport.pulls import PullRequest
 from kvpool.transport.server import PullServer
 from kvpool.transport.source import Provider, ProviderWouldBlock, ServeSource, in_inline_provider
@@ -128,6 +129,8 @@ __all__ = [
     "Provider",
     "ProviderWouldBlock",
     "PullClient",
+    "Puller",
+    "Pulls",
     "PullRequest",
     "PullServer",
     "ServeSource",

@@ -20,34 +20,34 @@ from kvpool.transport.engine import (
     Array,
     Engine,
     MiB,
-    _close_endpoint,
-    _describe,
-    _reply_tag,
+    close_endpoint,
+    describe,
     local_host_id,
+    reply_tag,
     ucx_api,
     ucx_interface_options,
 )
 from kvpool.transport.frames import (
-    _ABORT_INDEX,
-    _HELLO,
-    _HELLO_MAGIC,
-    _MAX_CHUNKS,
-    _MAX_REQUEST_ID,
-    _MAX_STATUS_TEXT,
-    _MIN_CHUNK_FLOOR,
-    _STATUS,
+    ABORT_INDEX,
+    HELLO,
+    HELLO_MAGIC,
+    MAX_CHUNKS,
+    MAX_REQUEST_ID,
+    MAX_STATUS_TEXT,
     MIN_CHUNK,
+    MIN_CHUNK_FLOOR,
     OK_STATUSES,
     PROTOCOL_VERSION,
     REQUEST_TAG,
+    STATUS,
     STATUS_OK_MAY_ABORT,
     PeerAddress,
-    _pack_request,
-    _parse_status,
+    pack_request,
+    parse_status,
     plausible_worker_address,
     status_error,
 )
-from kvpool.transport.pulls import PullRequest, _Peer, _Pull, checked_pull
+from kvpool.transport.pulls import Peer, PullRequest, PullState, checked_pull
 
 log = logging.getLogger("kvpool.transport")
 
@@ -83,7 +83,7 @@ class PullClient:
         self._name = name
         self._client_id = secrets.randbits(64)
         self._host_id = local_host_id()
-        self._peers: dict[tuple[Any, ...], _Peer] = {}
+        self._peers: dict[tuple[Any, ...], Peer] = {}
         # ``host``: this process's address (node.host); UCX's transports stay on its interface.
         # ``engine``: a shared one (the node's), which this client uses but does not stop.
         self._owns_engine = engine is None
@@ -154,7 +154,7 @@ class PullClient:
         share its endpoint: a transport failure of one fails the others on it too.
         """
         results: list[int | BaseException | None] = [None] * len(requests)
-        pending: list[tuple[int, _Pull, Callable[[], bool] | None]] = []
+        pending: list[tuple[int, PullState, Callable[[], bool] | None]] = []
         for i, request in enumerate(requests):
             try:
                 pull = self._new_pull(request.address, request.key, request.layer_range, request.out, timeout_s,
@@ -170,7 +170,7 @@ class PullClient:
             results[i] = error if error is not None else pull.future.result(0)
         return results  # type: ignore[return-value]
 
-    def _run_many(self, pending: list[tuple[_Pull, Callable[[], bool] | None]], timeout_s: float,
+    def _run_many(self, pending: list[tuple[PullState, Callable[[], bool] | None]], timeout_s: float,
                   alive_check_s: float) -> None:
         """Start every pull and wait until each is done or abandoned (holder gone, deadline).
 
@@ -190,7 +190,7 @@ class PullClient:
         def done() -> bool:
             return all(f.done() for f in futures)
 
-        def gone(pull: _Pull) -> errors.TransferError:
+        def gone(pull: PullState) -> errors.TransferError:
             return errors.TransferError(f"pull of {pull.key.hex()}: the holder is gone")
 
         def check_alive() -> None:  # on the driving thread
@@ -278,7 +278,7 @@ class PullClient:
         timeout_s: float,
         token: bytes = b"",
         header_out: bytearray | None = None,
-    ) -> _Pull:
+    ) -> PullState:
         if self._closing:
             raise errors.PoolClosedError(f"{self._name} is closed")
         if self._engine.on_thread():
@@ -286,11 +286,11 @@ class PullClient:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         args = checked_pull(address, key, layer_range, out, token, header_out)
-        pull = _Pull(address=args.address, key=args.key, layer_range=args.layer_range, out=args.out,
+        pull = PullState(address=args.address, key=args.key, layer_range=args.layer_range, out=args.out,
                      timeout_s=float(timeout_s), future=concurrent.futures.Future(), token=args.token)
         if header_out is not None:
             pull.header_out = header_out
-            pull.status_buf = bytearray(_STATUS.size + max(args.header_room, _MAX_STATUS_TEXT))
+            pull.status_buf = bytearray(STATUS.size + max(args.header_room, MAX_STATUS_TEXT))
         pull.future.kvpool_pull = pull  # type: ignore[attr-defined]  # for _abort
         return pull
 
@@ -307,7 +307,7 @@ class PullClient:
 
     # -- progress thread ------------------------------------------------------------------------
 
-    def _start(self, pull: _Pull) -> None:
+    def _start(self, pull: PullState) -> None:
         pull.timer = self._engine.call_later(pull.timeout_s, lambda: self._on_deadline(pull))
         if pull.future.cancelled():
             self._fail(pull, errors.TransferError("pull cancelled"))
@@ -316,13 +316,13 @@ class PullClient:
             peer = self._peer_for(pull.address)
         except Exception as exc:
             where = f"{pull.address.host}:{pull.address.port}"
-            self._fail(pull, errors.TransferError(f"cannot connect to {where}: {_describe(exc)}"))
+            self._fail(pull, errors.TransferError(f"cannot connect to {where}: {describe(exc)}"))
             return
         pull.peer = peer
         peer.pulls.add(pull)
-        pull.request_id = next(self._engine.request_ids) & _MAX_REQUEST_ID
+        pull.request_id = next(self._engine.request_ids) & MAX_REQUEST_ID
         reply_address = self._worker_address if peer.by_worker_address else b""
-        frame = _pack_request(pull.key, pull.token, pull.layer_range, pull.out.nbytes,
+        frame = pack_request(pull.key, pull.token, pull.layer_range, pull.out.nbytes,
                               want_header=pull.header_out is not None, max_chunk=self.max_message,
                               request_id=pull.request_id, client_id=self._client_id, conn_id=peer.conn_id,
                               reply_address=reply_address, reply_error_handling=peer.error_handling)
@@ -334,23 +334,23 @@ class PullClient:
         # (A server's chunk is at most max(MIN_CHUNK, our max_message).)
         first_array = Array(pull.out[:min(pull.out.nbytes, self._max_chunk)])
         try:
-            status_req = peer.ep.tag_recv(status_array, _reply_tag(pull.request_id, 0))
-            first_req = peer.ep.tag_recv(first_array, _reply_tag(pull.request_id, 1))
+            status_req = peer.ep.tag_recv(status_array, reply_tag(pull.request_id, 0))
+            first_req = peer.ep.tag_recv(first_array, reply_tag(pull.request_id, 1))
             pull.receives.append(first_req)
             send_req = peer.ep.tag_send(frame_array, ucx_api.UCXXTag(REQUEST_TAG))
         except Exception as exc:
-            self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(exc)}"), drop_peer=True)
+            self._fail(pull, errors.TransferError(f"{peer.label}: {describe(exc)}"), drop_peer=True)
             return
         self._engine.watch(status_req, lambda err: self._on_status(pull, err), status_array)
         self._engine.watch(first_req, functools.partial(self._on_chunk, pull, first_req), first_array)
         def sent(err: BaseException | None) -> None:
             if err is not None:
-                self._fail(pull, errors.TransferError(f"{peer.label}: request send failed: {_describe(err)}"),
+                self._fail(pull, errors.TransferError(f"{peer.label}: request send failed: {describe(err)}"),
                            drop_peer=True)
 
         self._engine.watch(send_req, sent, frame_array)
 
-    def _peer_for(self, address: PeerAddress) -> _Peer:
+    def _peer_for(self, address: PeerAddress) -> Peer:
         use_worker_address = (
             self.transport == "auto" and bool(address.worker_address) and address.host_id == self._host_id
         )
@@ -376,25 +376,25 @@ class PullClient:
         if use_worker_address:
             ucx_address = ucx_api.UCXAddress.create_from_buffer(address.worker_address)
             ep = worker.create_endpoint_from_worker_address(ucx_address, False)
-            peer = _Peer(key, ep, False, f"{address.host}:{address.port} (worker address)",
+            peer = Peer(key, ep, False, f"{address.host}:{address.port} (worker address)",
                          by_worker_address=True)
         elif checked_worker_address:
             ucx_address = ucx_api.UCXAddress.create_from_buffer(address.worker_address)
             ep = worker.create_endpoint_from_worker_address(ucx_address, True)
             ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_peers,))
-            peer = _Peer(key, ep, True, f"{address.host} (worker address, tcp)", by_worker_address=True)
+            peer = Peer(key, ep, True, f"{address.host} (worker address, tcp)", by_worker_address=True)
         elif not address.port:
             raise errors.TransferError(f"{address.host}: neither a listener port nor a usable worker address")
         else:
             ep = ucx_api.UCXEndpoint.create(worker, address.host, address.port, True)
             ep.set_close_callback(self._engine.post, cb_args=(self._sweep_dead_peers,))
-            peer = _Peer(key, ep, True, f"{address.host}:{address.port}")
-            hello = bytearray(_HELLO.size)
-            _HELLO.pack_into(hello, 0, _HELLO_MAGIC, PROTOCOL_VERSION, peer.conn_id)
+            peer = Peer(key, ep, True, f"{address.host}:{address.port}")
+            hello = bytearray(HELLO.size)
+            HELLO.pack_into(hello, 0, HELLO_MAGIC, PROTOCOL_VERSION, peer.conn_id)
             hello_array = Array(hello)
-            def hello_sent(err: BaseException | None, peer: _Peer = peer) -> None:
+            def hello_sent(err: BaseException | None, peer: Peer = peer) -> None:
                 if err is not None:
-                    self._drop_peer(peer, f"hello failed: {_describe(err)}")
+                    self._drop_peer(peer, f"hello failed: {describe(err)}")
 
             self._engine.watch(ep.stream_send(hello_array), hello_sent, hello_array)
         self._peers[key] = peer
@@ -405,15 +405,15 @@ class PullClient:
             if peer.error_handling and not peer.ep.alive:
                 self._drop_peer(peer, "connection lost")
 
-    def _on_status(self, pull: _Pull, error: BaseException | None) -> None:
+    def _on_status(self, pull: PullState, error: BaseException | None) -> None:
         if pull.done:
             return
         peer = pull.peer
         assert peer is not None
         if error is not None:
-            self._fail(pull, errors.TransferError(f"{peer.label}: {_describe(error)}"), drop_peer=True)
+            self._fail(pull, errors.TransferError(f"{peer.label}: {describe(error)}"), drop_peer=True)
             return
-        frame = _parse_status(pull.status_buf, pull.request_id)
+        frame = parse_status(pull.status_buf, pull.request_id)
         if frame is None:
             self._fail(pull, errors.ProtocolError(f"{peer.label}: malformed status frame"), drop_peer=True)
             return
@@ -428,8 +428,8 @@ class PullClient:
                 self._fail(pull, errors.ProtocolError(f"{what}: OK without the header asked for"), drop_peer=True)
                 return
             pull.header_out[:] = body  # before the status buffer takes the abort frame
-        if nbytes > pull.out.nbytes or (nbytes and chunk < min(_MIN_CHUNK_FLOOR, nbytes)) \
-                or -(-nbytes // max(chunk, 1)) > _MAX_CHUNKS:
+        if nbytes > pull.out.nbytes or (nbytes and chunk < min(MIN_CHUNK_FLOOR, nbytes)) \
+                or -(-nbytes // max(chunk, 1)) > MAX_CHUNKS:
             self._fail(pull, errors.ProtocolError(f"{what}: bad sizes {nbytes}/{chunk}"), drop_peer=True)
             return
         if nbytes and chunk > self._max_chunk:
@@ -447,24 +447,24 @@ class PullClient:
             for i in range(1, total):
                 lo = i * chunk
                 array = Array(pull.out[lo:min(lo + chunk, nbytes)])
-                req = peer.ep.tag_recv(array, _reply_tag(pull.request_id, i + 1))
+                req = peer.ep.tag_recv(array, reply_tag(pull.request_id, i + 1))
                 pull.receives.append(req)
                 self._engine.watch(req, functools.partial(self._on_chunk, pull, req), array)
             if status != STATUS_OK_MAY_ABORT:  # from memory: every chunk comes, no abort frame
                 return
             # The status buffer is free again: it takes the abort frame, if any.
             array = Array(pull.status_buf)
-            pull.abort_receive = peer.ep.tag_recv(array, _reply_tag(pull.request_id, _ABORT_INDEX))
+            pull.abort_receive = peer.ep.tag_recv(array, reply_tag(pull.request_id, ABORT_INDEX))
             self._engine.watch(pull.abort_receive, lambda err: self._on_abort(pull, what, err), array)
         except Exception as exc:
-            self._fail(pull, errors.TransferError(f"{what}: {_describe(exc)}"), drop_peer=True)
+            self._fail(pull, errors.TransferError(f"{what}: {describe(exc)}"), drop_peer=True)
 
-    def _on_chunk(self, pull: _Pull, request: Any, error: BaseException | None) -> None:
+    def _on_chunk(self, pull: PullState, request: Any, error: BaseException | None) -> None:
         if pull.done:
             return
         if error is not None:
             assert pull.peer is not None
-            self._fail(pull, errors.TransferError(f"{pull.peer.label}: {_describe(error)}"), drop_peer=True)
+            self._fail(pull, errors.TransferError(f"{pull.peer.label}: {describe(error)}"), drop_peer=True)
             return
         pull.receives.remove(request)
         pull.chunks_done += 1
@@ -474,20 +474,20 @@ class PullClient:
         if pull.chunks_left == 0:
             self._succeed(pull)
 
-    def _on_abort(self, pull: _Pull, what: str, error: BaseException | None) -> None:
+    def _on_abort(self, pull: PullState, what: str, error: BaseException | None) -> None:
         pull.abort_receive = None
         if pull.done:
             return
         if error is not None:
-            self._fail(pull, errors.TransferError(f"{what}: {_describe(error)}"), drop_peer=True)
+            self._fail(pull, errors.TransferError(f"{what}: {describe(error)}"), drop_peer=True)
             return
-        frame = _parse_status(pull.status_buf, pull.request_id)
+        frame = parse_status(pull.status_buf, pull.request_id)
         text = frame[3].decode("utf-8", "replace") if frame is not None else "malformed abort frame"
         # Every chunk the server sent was delivered before this frame; the
         # receives still posted are for chunks that will never come.
         self._fail(pull, errors.TransferError(f"{what}: holder failed mid-pull: {text}"))
 
-    def _cancel_receives(self, pull: _Pull) -> None:
+    def _cancel_receives(self, pull: PullState) -> None:
         """Cancel a finished pull's receives that can no longer match.
 
         ucxx has no per-request cancel call: a request whose Python object is
@@ -500,7 +500,7 @@ class PullClient:
             self._engine.unwatch(pull.abort_receive)
             pull.abort_receive = None
 
-    def _on_deadline(self, pull: _Pull) -> None:
+    def _on_deadline(self, pull: PullState) -> None:
         if not pull.done:
             where = pull.peer.label if pull.peer is not None else f"{pull.address.host}:{pull.address.port}"
             if not pull.nbytes and not pull.chunks_left:
@@ -511,7 +511,7 @@ class PullClient:
                 f"{where}: pull of {pull.key.hex()} not complete after {pull.timeout_s}s ({stage})"),
                 drop_peer=True)
 
-    def _succeed(self, pull: _Pull) -> None:
+    def _succeed(self, pull: PullState) -> None:
         pull.done = True
         self._cancel_receives(pull)  # the abort receive
         self.pulls += 1
@@ -520,7 +520,7 @@ class PullClient:
         if not pull.future.done():
             pull.future.set_result(pull.nbytes)
 
-    def _fail(self, pull: _Pull, exc: BaseException, *, drop_peer: bool = False) -> None:
+    def _fail(self, pull: PullState, exc: BaseException, *, drop_peer: bool = False) -> None:
         if pull.done:
             return
         peer = pull.peer
@@ -529,7 +529,7 @@ class PullClient:
             return
         self._finish_failed([(pull, exc)])
 
-    def _finish_failed(self, failed: list[tuple[_Pull, BaseException]]) -> None:
+    def _finish_failed(self, failed: list[tuple[PullState, BaseException]]) -> None:
         for pull, exc in failed:
             pull.done = True
             self._cancel_receives(pull)
@@ -539,7 +539,7 @@ class PullClient:
             if not pull.future.done():
                 pull.future.set_exception(exc)
 
-    def _detach(self, pull: _Pull) -> None:
+    def _detach(self, pull: PullState) -> None:
         if pull.timer is not None:
             pull.timer.cancel()
         if pull.peer is not None:
@@ -547,7 +547,7 @@ class PullClient:
             pull.peer = None
 
     def _drop_peer(
-        self, peer: _Peer, reason: str, first: tuple[_Pull, BaseException] | None = None
+        self, peer: Peer, reason: str, first: tuple[PullState, BaseException] | None = None
     ) -> None:
         """Forget ``peer``, close its endpoint, then fail every pull that used it."""
         if self._peers.get(peer.key) is peer:
@@ -561,7 +561,7 @@ class PullClient:
             pull.done = True  # their receives' cancellations below are not failures of their own
         # Closing cancels the pulls' receives before their callers hear of the
         # failure, so no late bytes land in an `out` buffer afterwards.
-        _close_endpoint(peer.ep)
+        close_endpoint(peer.ep)
         self._finish_failed(failed)
 
     def _close_on_thread(self) -> None:

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.transport.engine import Array, Engine, _close_endpoint, ucx_api
-from kvpool.transport.frames import _HELLO, _HELLO_MAGIC, PROTOCOL_VERSION, _Request
+from kvpool.transport.engine import Array, Engine, close_endpoint, ucx_api
+from kvpool.transport.frames import HELLO, HELLO_MAGIC, PROTOCOL_VERSION, Request
 
 log = logging.getLogger("kvpool.transport")
 
@@ -26,14 +26,14 @@ class ReplyEndpoints:
     (after it is closed, so sends reading a source's memory are cancelled first);
     ``error()`` counts each malformed hello, unreachable client and forgotten request."""
 
-    def __init__(self, engine: Engine, name: str, *, park_s: float, dispatch: Callable[[_Request, Any], None],
+    def __init__(self, engine: Engine, name: str, *, park_s: float, dispatch: Callable[[Request, Any], None],
                  dropped: Callable[[Any], None], error: Callable[[], None]) -> None:
         self._engine, self._name, self._park_s = engine, name, park_s
         self._dispatch, self._dropped, self._error = dispatch, dropped, error
         self._pending_hello: set[Any] = set()
         self._conns: dict[int, Any] = {}  # conn_id -> endpoint replies go out on
         self._reply_conn: dict[int, int] = {}  # client_id -> conn_id of its worker-address reply endpoint
-        self._parked: dict[int, list[_Request]] = {}
+        self._parked: dict[int, list[Request]] = {}
 
     # -- listener connections ------------------------------------------------------------
 
@@ -42,7 +42,7 @@ class ReplyEndpoints:
         # Called from inside UCX when the client goes away; sweep afterwards,
         # never close an endpoint from within its own error callback.
         ep.set_close_callback(self._engine.post, cb_args=(self.sweep,))
-        hello = bytearray(_HELLO.size)
+        hello = bytearray(HELLO.size)
         self._pending_hello.add(ep)
         array = Array(hello)
         self._engine.watch(ep.stream_recv(array), lambda err: self._on_hello(ep, hello, err), array)
@@ -51,13 +51,13 @@ class ReplyEndpoints:
         self._pending_hello.discard(ep)
         if error is not None:
             log.debug("%s: connection closed before its hello: %s", self._name, error)
-            _close_endpoint(ep)
+            close_endpoint(ep)
             return
-        magic, version, conn_id = _HELLO.unpack(hello)
-        if magic != _HELLO_MAGIC or version != PROTOCOL_VERSION or conn_id in self._conns:
+        magic, version, conn_id = HELLO.unpack(hello)
+        if magic != HELLO_MAGIC or version != PROTOCOL_VERSION or conn_id in self._conns:
             self._error()
             log.warning("%s: bad hello %r, dropping connection", self._name, bytes(hello))
-            _close_endpoint(ep)
+            close_endpoint(ep)
             return
         self._conns[conn_id] = ep
         for request in self._parked.pop(conn_id, []):
@@ -69,11 +69,11 @@ class ReplyEndpoints:
             self.drop(ep)
         for ep in [ep for ep in self._pending_hello if not ep.alive]:
             self._pending_hello.discard(ep)
-            _close_endpoint(ep)
+            close_endpoint(ep)
 
     # -- requests --------------------------------------------------------------------------
 
-    def route(self, request: _Request) -> None:
+    def route(self, request: Request) -> None:
         """Dispatch ``request`` on its client's endpoint, connecting or parking as needed."""
         ep = self._conns.get(request.conn_id)
         if ep is None and request.reply_address:
@@ -86,7 +86,7 @@ class ReplyEndpoints:
             return
         self._dispatch(request, ep)
 
-    def _connect_reply_endpoint(self, request: _Request) -> Any:
+    def _connect_reply_endpoint(self, request: Request) -> Any:
         """Endpoint to a same-host client's worker address, one per client.
 
         A client that dropped its endpoint to us (deadline, error) reconnects
@@ -110,7 +110,7 @@ class ReplyEndpoints:
         self._reply_conn[request.client_id] = request.conn_id
         return ep
 
-    def _unpark(self, request: _Request) -> None:
+    def _unpark(self, request: Request) -> None:
         parked = self._parked.get(request.conn_id)
         if parked and request in parked:
             parked.remove(request)
@@ -130,7 +130,7 @@ class ReplyEndpoints:
                         del self._reply_conn[client_id]
         # Close first: closing cancels the sends still reading the sources'
         # memory, and only then may their release() let the node unpin it.
-        _close_endpoint(ep)
+        close_endpoint(ep)
         self._dropped(ep)
 
     def close(self) -> None:
@@ -141,4 +141,4 @@ class ReplyEndpoints:
         self._reply_conn.clear()
         self._parked.clear()
         for ep in eps:
-            _close_endpoint(ep)
+            close_endpoint(ep)

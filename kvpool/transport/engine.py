@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpool import errors
-from kvpool.transport.frames import _INDEX_BITS
+from kvpool.transport.frames import INDEX_BITS
 
 # ucxx is imported on first use, not with this module: importing it takes ~0.5-1 s here, and
 # a process that pulls only over plain TCP (a CLI ``kvpool get``, a reader of small objects)
@@ -170,7 +170,7 @@ def local_host_id() -> str:
 # -- the progress thread -------------------------------------------------------------
 
 
-class _Timer:
+class Timer:
     __slots__ = ("callback", "cancelled")
 
     def __init__(self, callback: Callable[[], None]) -> None:
@@ -206,10 +206,10 @@ class Engine:
         self._driver: int | None = None
         self._drive_epoll: select.epoll | None = None
         self._loop_epoll: select.epoll | None = None  # the progress thread's (muted while a caller drives)
-        self._options = _effective_ucx_options(ucx_options)
+        self._options = effective_ucx_options(ucx_options)
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._watched: list[tuple[Any, Callable[[BaseException | None], None], Any]] = []
-        self._timers: list[tuple[float, int, _Timer]] = []
+        self._timers: list[tuple[float, int, Timer]] = []
         self._timer_seq = itertools.count()
         self._stop_requested = False
         self._closed = False
@@ -383,8 +383,8 @@ class Engine:
         """Forget ``request`` (its callback never runs); see PullClient._cancel_receives."""
         self._watched = [item for item in self._watched if item[0] is not request]
 
-    def call_later(self, delay_s: float, callback: Callable[[], None]) -> _Timer:
-        timer = _Timer(callback)
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> Timer:
+        timer = Timer(callback)
         heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), timer))
         return timer
 
@@ -531,7 +531,7 @@ class Engine:
         return max(0.0, min(_POLL_FALLBACK_S, self._timers[0][0] - time.monotonic()))
 
 
-def _effective_ucx_options(extra: Mapping[str, str] | None) -> dict[str, str]:
+def effective_ucx_options(extra: Mapping[str, str] | None) -> dict[str, str]:
     _ucx()  # whether UCX_RNDV_THRESH is the user's is known once ucxx is imported
     options = {**DEFAULT_UCX_OPTIONS, **(extra or {})}
     # The environment wins, so UCX_* variables keep their usual meaning (except ucxx's own
@@ -540,7 +540,7 @@ def _effective_ucx_options(extra: Mapping[str, str] | None) -> dict[str, str]:
             if f"UCX_{k}" not in os.environ or (k == "RNDV_THRESH" and not _USER_RNDV_THRESH)}
 
 
-def _close_endpoint(ep: Any) -> None:
+def close_endpoint(ep: Any) -> None:
     # close_blocking cancels the endpoint's in-flight requests, then closes it
     # (forcibly when error handling is on). The non-blocking close() returns a
     # request that may be null, which ucxx cannot safely free.
@@ -550,11 +550,11 @@ def _close_endpoint(ep: Any) -> None:
         log.debug("closing endpoint: %s", exc)
 
 
-def _reply_tag(request_id: int, index: int) -> Any:
-    return ucx_api.UCXXTag((request_id << _INDEX_BITS) | index)
+def reply_tag(request_id: int, index: int) -> Any:
+    return ucx_api.UCXXTag((request_id << INDEX_BITS) | index)
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 

@@ -21,39 +21,39 @@ PROTOCOL_VERSION = 4  # v2: pull tokens, reply error handling; v3: OK may carry 
 # v4: STATUS_OK_MAY_ABORT (only a payload read while it is sent may be cut short by an abort frame)
 # Top bit set: never equal to a reply tag (request ids stay below 2**43).
 REQUEST_TAG = 0xC0DE_4B56_5055_4C4C
-_INDEX_BITS = 20
-_MAX_REQUEST_ID = (1 << (63 - _INDEX_BITS)) - 1
-_ABORT_INDEX = (1 << _INDEX_BITS) - 1  # reply tag of a mid-stream abort
-_MAX_CHUNKS = _ABORT_INDEX - 1
+INDEX_BITS = 20
+MAX_REQUEST_ID = (1 << (63 - INDEX_BITS)) - 1
+ABORT_INDEX = (1 << INDEX_BITS) - 1  # reply tag of a mid-stream abort
+MAX_CHUNKS = ABORT_INDEX - 1
 # A client asking for smaller chunks gets chunks of at least this (at most the server's
 # max_message): a pull is never a million tiny messages. A client refuses a status frame
-# whose chunk is below _MIN_CHUNK_FLOOR (the smallest max_message a server may have).
+# whose chunk is below MIN_CHUNK_FLOOR (the smallest max_message a server may have).
 MIN_CHUNK = 64 << 10
-_MIN_CHUNK_FLOOR = 4096
+MIN_CHUNK_FLOOR = 4096
 
 # magic, version, flags, key_len, addr_len, client_id, conn_id, request_id,
 # layer start, layer stop, capacity (bytes), max chunk (bytes), xxh3-64 of the address,
 # token_len; then key, token, reply address
-_REQUEST = struct.Struct("<4sBBHHQQQIIQQQH")
-_REQUEST_MAGIC = b"KVPR"
+REQUEST = struct.Struct("<4sBBHHQQQIIQQQH")
+REQUEST_MAGIC = b"KVPR"
 _FLAG_REPLY_TO_ADDRESS = 0x1
 _FLAG_REPLY_ERROR_HANDLING = 0x2  # reply over an endpoint with UCX peer-failure detection (tcp)
 _FLAG_WANT_HEADER = 0x4  # the OK status carries the served object's packed header
-_MAX_KEY_BYTES = 1024
-_MAX_ADDRESS_BYTES = 8192
-_MAX_TOKEN_BYTES = 64
+MAX_KEY_BYTES = 1024
+MAX_ADDRESS_BYTES = 8192
+MAX_TOKEN_BYTES = 64
 _EMPTY_ADDRESS_SUM = xxhash.xxh3_64_intdigest(b"")
-_REQUEST_BUFFER_NBYTES = _REQUEST.size + _MAX_KEY_BYTES + _MAX_TOKEN_BYTES + _MAX_ADDRESS_BYTES
+REQUEST_BUFFER_NBYTES = REQUEST.size + MAX_KEY_BYTES + MAX_TOKEN_BYTES + MAX_ADDRESS_BYTES
 
 # magic, version, status, message length, request id, payload bytes, chunk bytes
-_STATUS = struct.Struct("<4sBBHQQQ")
-_STATUS_MAGIC = b"KVPS"
-_MAX_STATUS_TEXT = 1024
+STATUS = struct.Struct("<4sBBHQQQ")
+STATUS_MAGIC = b"KVPS"
+MAX_STATUS_TEXT = 1024
 MAX_HEADER_NBYTES = 0xFFFF  # the most header bytes an OK status carries (its length is a u16)
-_STATUS_BUFFER_NBYTES = _STATUS.size + _MAX_STATUS_TEXT
+STATUS_BUFFER_NBYTES = STATUS.size + MAX_STATUS_TEXT
 
-_HELLO = struct.Struct("<4sBxxxQ")
-_HELLO_MAGIC = b"KVPH"
+HELLO = struct.Struct("<4sBxxxQ")
+HELLO_MAGIC = b"KVPH"
 
 STATUS_OK = 0  # the payload follows from memory: every chunk comes
 STATUS_MISS = 1
@@ -77,7 +77,7 @@ def status_error(status: int) -> type[errors.KVPoolError]:
         STATUS_UNAUTHORIZED: errors.AuthenticationError,
     }.get(status, errors.TransferError)
 
-_RECEIVES_POSTED = 4  # request receives kept posted on a server's worker
+RECEIVES_POSTED = 4  # request receives kept posted on a server's worker
 
 
 def plausible_worker_address(address: bytes) -> bool:
@@ -89,7 +89,7 @@ def plausible_worker_address(address: bytes) -> bool:
     low 4 bits of the first byte). Not a defence against a hostile peer: a UCX
     port belongs on a trusted network.
     """
-    return 16 <= len(address) <= _MAX_ADDRESS_BYTES and (address[0] & 0x0F) in (0, 1)
+    return 16 <= len(address) <= MAX_ADDRESS_BYTES and (address[0] & 0x0F) in (0, 1)
 
 
 
@@ -121,7 +121,7 @@ class PeerAddress:
 
 
 @dataclass(eq=False, slots=True)
-class _Request:
+class Request:
     client_id: int
     conn_id: int
     request_id: int
@@ -135,23 +135,23 @@ class _Request:
     want_header: bool = False
 
 
-def _parse_request(buf: bytearray, at: int = 0) -> _Request:
+def parse_request(buf: bytearray, at: int = 0) -> Request:
     """The request frame at ``buf[at:]`` (ProtocolError if malformed)."""
     try:
         (magic, version, flags, key_len, addr_len, client_id, conn_id, request_id, start, stop,
-         capacity, max_chunk, address_sum, token_len) = _REQUEST.unpack_from(buf, at)
+         capacity, max_chunk, address_sum, token_len) = REQUEST.unpack_from(buf, at)
     except struct.error as exc:
         raise errors.ProtocolError(f"request too short: {exc}") from None
-    if magic != _REQUEST_MAGIC:
+    if magic != REQUEST_MAGIC:
         raise errors.ProtocolError(f"bad request magic {bytes(magic)!r}")
     if version != PROTOCOL_VERSION:
         raise errors.ProtocolError(
             f"request protocol version {version}, this build speaks {PROTOCOL_VERSION}")
-    if not 0 < key_len <= _MAX_KEY_BYTES or addr_len > _MAX_ADDRESS_BYTES or token_len > _MAX_TOKEN_BYTES:
+    if not 0 < key_len <= MAX_KEY_BYTES or addr_len > MAX_ADDRESS_BYTES or token_len > MAX_TOKEN_BYTES:
         raise errors.ProtocolError("request key empty, or key, token or address too long")
-    if not start < stop or request_id > _MAX_REQUEST_ID or max_chunk <= 0:
+    if not start < stop or request_id > MAX_REQUEST_ID or max_chunk <= 0:
         raise errors.ProtocolError("request fields out of range")
-    key_end = at + _REQUEST.size + key_len
+    key_end = at + REQUEST.size + key_len
     token_end = key_end + token_len
     if token_end + addr_len > len(buf):
         raise errors.ProtocolError("request shorter than its key, token and address")
@@ -160,43 +160,43 @@ def _parse_request(buf: bytearray, at: int = 0) -> _Request:
     if address and (xxhash.xxh3_64_intdigest(address) != address_sum
                     or not plausible_worker_address(address)):
         raise errors.ProtocolError("request carries a corrupt reply address")
-    return _Request(client_id, conn_id, request_id, bytes(buf[at + _REQUEST.size:key_end]),
+    return Request(client_id, conn_id, request_id, bytes(buf[at + REQUEST.size:key_end]),
                     LayerRange(start, stop), capacity, max_chunk, address, bytes(buf[key_end:token_end]),
                     bool(flags & _FLAG_REPLY_ERROR_HANDLING), bool(flags & _FLAG_WANT_HEADER))
 
 
-def _parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, bytes] | None:
+def parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, bytes] | None:
     """(status, payload bytes, chunk bytes, body) of a status frame, or None if malformed. The
     body is the text of a failure, or the header an OK carries."""
     try:
-        magic, version, status, text_len, frame_request_id, nbytes, chunk = _STATUS.unpack_from(buf)
+        magic, version, status, text_len, frame_request_id, nbytes, chunk = STATUS.unpack_from(buf)
     except struct.error:
         return None
-    if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id \
-            or _STATUS.size + text_len > len(buf) or status not in OK_STATUSES and text_len > _MAX_STATUS_TEXT:
+    if magic != STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id \
+            or STATUS.size + text_len > len(buf) or status not in OK_STATUSES and text_len > MAX_STATUS_TEXT:
         return None
-    return status, nbytes, chunk, bytes(buf[_STATUS.size:_STATUS.size + text_len])
+    return status, nbytes, chunk, bytes(buf[STATUS.size:STATUS.size + text_len])
 
 
-def _pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: str,
+def pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: str,
                  body: bytes = b"") -> bytearray:
-    encoded = body or text.encode("utf-8", "replace")[:_MAX_STATUS_TEXT]
-    frame = bytearray(_STATUS.size + len(encoded))
-    _STATUS.pack_into(frame, 0, _STATUS_MAGIC, PROTOCOL_VERSION, status, len(encoded),
+    encoded = body or text.encode("utf-8", "replace")[:MAX_STATUS_TEXT]
+    frame = bytearray(STATUS.size + len(encoded))
+    STATUS.pack_into(frame, 0, STATUS_MAGIC, PROTOCOL_VERSION, status, len(encoded),
                       request_id, nbytes, chunk)
-    frame[_STATUS.size:] = encoded
+    frame[STATUS.size:] = encoded
     return frame
 
 
 
-def _pack_request(
+def pack_request(
     key: bytes, token: bytes, layer_range: LayerRange, capacity: int, *, want_header: bool, max_chunk: int,
     request_id: int, client_id: int = 0, conn_id: int = 0, reply_address: bytes = b"",
     reply_error_handling: bool = False,
 ) -> bytearray:
     """A request frame: ``layer_range`` of ``key`` into a buffer of ``capacity`` bytes."""
-    head = _REQUEST.pack(
-        _REQUEST_MAGIC, PROTOCOL_VERSION,
+    head = REQUEST.pack(
+        REQUEST_MAGIC, PROTOCOL_VERSION,
         (_FLAG_REPLY_TO_ADDRESS if reply_address else 0)
         | (_FLAG_REPLY_ERROR_HANDLING if reply_address and reply_error_handling else 0)
         | (_FLAG_WANT_HEADER if want_header else 0),

@@ -1,4 +1,4 @@
-"""The pulling side's per-pull state (:class:`_Pull`), its cached endpoints (:class:`_Peer`),
+"""The pulling side's per-pull state (:class:`PullState`), its cached endpoints (:class:`Peer`),
 and the checks of a caller's arguments (address, layer range, ``out`` buffer).
 """
 
@@ -11,18 +11,18 @@ from typing import Any, NamedTuple
 
 from kvpool import errors
 from kvpool.objformat import LayerRange
-from kvpool.transport.engine import _Timer
+from kvpool.transport.engine import Timer
 from kvpool.transport.frames import (
-    _MAX_KEY_BYTES,
-    _MAX_TOKEN_BYTES,
-    _STATUS_BUFFER_NBYTES,
     MAX_HEADER_NBYTES,
+    MAX_KEY_BYTES,
+    MAX_TOKEN_BYTES,
+    STATUS_BUFFER_NBYTES,
     PeerAddress,
 )
 
 
 @dataclass(eq=False)
-class _Peer:
+class Peer:
     """A cached endpoint to one server and the pulls using it."""
 
     key: tuple[Any, ...]
@@ -30,13 +30,13 @@ class _Peer:
     error_handling: bool
     label: str
     conn_id: int = field(default_factory=lambda: secrets.randbits(64))
-    pulls: set[_Pull] = field(default_factory=set)
+    pulls: set[PullState] = field(default_factory=set)
     #: reached through its worker address (no listener): the server replies to ours
     by_worker_address: bool = False
 
 
 @dataclass(eq=False)
-class _Pull:
+class PullState:
     address: PeerAddress
     key: bytes
     layer_range: LayerRange
@@ -44,8 +44,8 @@ class _Pull:
     timeout_s: float
     future: concurrent.futures.Future[int]
     request_id: int = 0
-    peer: _Peer | None = None
-    status_buf: bytearray = field(default_factory=lambda: bytearray(_STATUS_BUFFER_NBYTES))
+    peer: Peer | None = None
+    status_buf: bytearray = field(default_factory=lambda: bytearray(STATUS_BUFFER_NBYTES))
     header_out: bytearray | None = None  # receives the header an OK carries (asked for)
     nbytes: int = 0
     chunk: int = 0
@@ -54,7 +54,7 @@ class _Pull:
     receives: list[Any] = field(default_factory=list)  # chunk receives not yet completed
     abort_receive: Any = None
     done: bool = False
-    timer: _Timer | None = None
+    timer: Timer | None = None
     token: bytes = b""
 
 
@@ -96,14 +96,14 @@ def checked_request(address: PeerAddress | tuple[str, int], key: Any, layer_rang
                     token: Any) -> tuple[PeerAddress, bytes, LayerRange, bytes]:
     """What a pull asks for (its reply's buffers aside), checked, or a typed error."""
     if type(address) is PeerAddress and type(key) is bytes and type(token) is bytes \
-            and type(layer_range) is LayerRange and 0 < len(key) <= _MAX_KEY_BYTES \
-            and len(token) <= _MAX_TOKEN_BYTES and 0 <= layer_range.start < layer_range.stop < 2**32:
+            and type(layer_range) is LayerRange and 0 < len(key) <= MAX_KEY_BYTES \
+            and len(token) <= MAX_TOKEN_BYTES and 0 <= layer_range.start < layer_range.stop < 2**32:
         return address, key, layer_range, token  # what the reader passes: used as it is
     peer = _as_peer_address(address)
-    if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= _MAX_KEY_BYTES:
-        raise errors.InvalidKeyError(f"key must be 1..{_MAX_KEY_BYTES} bytes, got {key!r:.80}")
-    if not isinstance(token, (bytes, bytearray, memoryview)) or len(token) > _MAX_TOKEN_BYTES:
-        raise errors.AuthenticationError(f"pull token must be at most {_MAX_TOKEN_BYTES} bytes")
+    if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= MAX_KEY_BYTES:
+        raise errors.InvalidKeyError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {key!r:.80}")
+    if not isinstance(token, (bytes, bytearray, memoryview)) or len(token) > MAX_TOKEN_BYTES:
+        raise errors.AuthenticationError(f"pull token must be at most {MAX_TOKEN_BYTES} bytes")
     return peer, bytes(key), _as_layer_range(layer_range), bytes(token)
 
 

@@ -8,7 +8,7 @@ import concurrent.futures
 import logging
 import mmap
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from kvpool import errors
 from kvpool.transport.connections import ReplyEndpoints
@@ -16,19 +16,19 @@ from kvpool.transport.engine import (
     Array,
     Engine,
     MiB,
-    _describe,
-    _reply_tag,
+    describe,
     local_host_id,
+    reply_tag,
     ucx_api,
     ucx_interface_options,
 )
 from kvpool.transport.frames import (
-    _ABORT_INDEX,
-    _MAX_CHUNKS,
-    _RECEIVES_POSTED,
-    _REQUEST_BUFFER_NBYTES,
+    ABORT_INDEX,
+    MAX_CHUNKS,
     MAX_HEADER_NBYTES,
     MIN_CHUNK,
+    RECEIVES_POSTED,
+    REQUEST_BUFFER_NBYTES,
     REQUEST_TAG,
     STATUS_BAD_RANGE,
     STATUS_ERROR,
@@ -38,16 +38,16 @@ from kvpool.transport.frames import (
     STATUS_OUT_TOO_SMALL,
     STATUS_UNAUTHORIZED,
     PeerAddress,
-    _pack_status,
-    _parse_request,
-    _Request,
+    Request,
+    pack_status,
+    parse_request,
 )
 from kvpool.transport.source import (
-    _INLINE,
+    INLINE,
     Provider,
     ProviderWouldBlock,
+    ServeJob,
     ServeSource,
-    _ServeJob,
 )
 from kvpool.transport.staging import StagedReads
 
@@ -117,13 +117,13 @@ class PullServer:
         # Progress-thread state.
         self._recv_slots: list[tuple[Any, bytearray]] = []
         self._endpoints: ReplyEndpoints | None = None  # made on start, on the progress thread
-        self._jobs: set[_ServeJob] = set()
+        self._jobs: set[ServeJob] = set()
         self._reads = StagedReads(max(2, staging_buffers), max_message, submit=self._submit_io,
                                   post=self._post_from_worker, send=self._send_chunk, abort=self._maybe_abort,
                                   release=self._release)
         self._releasing = 0  # sources whose release() is queued or running
-        self._awaiting_provider: set[_ServeJob] = set()  # provider call not returned yet
-        self._deferred_release: set[_ServeJob] = set()  # finished, a read still running
+        self._awaiting_provider: set[ServeJob] = set()  # provider call not returned yet
+        self._deferred_release: set[ServeJob] = set()  # finished, a read still running
         self.bytes_sent = 0
         self.messages_sent = 0
         self.requests_served = 0
@@ -150,7 +150,7 @@ class PullServer:
         except Exception as exc:
             self.close()
             raise errors.TransferError(
-                f"{self._name}: cannot listen on port {self._requested_port}: {_describe(exc)}") from exc
+                f"{self._name}: cannot listen on port {self._requested_port}: {describe(exc)}") from exc
         if self._use_listener:
             log.info("%s: serving pulls on %s:%d (UCX listener)", self._name, self._host, self._port)
         else:  # no sockaddr listener: peers reach the worker by its address, over transports on host
@@ -172,7 +172,7 @@ class PullServer:
             )
             self._port = self._listener.port
         self._worker_address = engine.worker.address.tobytes()
-        for _ in range(_RECEIVES_POSTED):
+        for _ in range(RECEIVES_POSTED):
             self._post_request_receive()
 
     def close(self) -> None:
@@ -233,7 +233,7 @@ class PullServer:
         if engine is not None and not engine.on_thread():
             try:
                 # The job sets belong to the progress thread: read them there.
-                return engine.call(self.stats, timeout_s=5.0)
+                return cast(dict[str, int], engine.call(self.stats, timeout_s=5.0))
             except (errors.PoolClosedError, errors.KVTimeoutError):
                 pass
         return {
@@ -274,7 +274,7 @@ class PullServer:
     # -- requests (progress thread) ----------------------------------------------------------
 
     def _post_request_receive(self) -> None:
-        buf = bytearray(_REQUEST_BUFFER_NBYTES)
+        buf = bytearray(REQUEST_BUFFER_NBYTES)
         array = Array(buf)
         req = self._live_engine.worker.tag_recv(array, ucx_api.UCXXTag(REQUEST_TAG))
         slot = (req, buf)
@@ -288,10 +288,10 @@ class PullServer:
         self._post_request_receive()
         if error is not None:
             self.errors += 1
-            log.warning("%s: request receive failed: %s", self._name, _describe(error))
+            log.warning("%s: request receive failed: %s", self._name, describe(error))
             return
         try:
-            request = _parse_request(slot[1])
+            request = parse_request(slot[1])
         except errors.ProtocolError as exc:
             self.errors += 1
             log.warning("%s: dropping malformed request: %s", self._name, exc)
@@ -299,8 +299,8 @@ class PullServer:
         assert self._endpoints is not None
         self._endpoints.route(request)
 
-    def _dispatch(self, request: _Request, ep: Any) -> None:
-        job = _ServeJob(request, ep)
+    def _dispatch(self, request: Request, ep: Any) -> None:
+        job = ServeJob(request, ep)
         self._jobs.add(job)
         job.timer = self._live_engine.call_later(self.send_timeout_s, lambda: self._on_send_timeout(job))
         self._awaiting_provider.add(job)
@@ -310,12 +310,12 @@ class PullServer:
         else:
             self._executor.submit(self._call_provider, job)
 
-    def _call_provider(self, job: _ServeJob, inline: bool = False) -> None:
+    def _call_provider(self, job: ServeJob, inline: bool = False) -> None:
         # Runs on a worker thread (providers may take locks or touch disk), or inline on the
         # progress thread, where a provider that would have to wait says so and is retried
         # on a worker.
         try:
-            _INLINE.active = inline
+            INLINE.active = inline
             try:
                 if self._authorize is not None:
                     self._authorize(job.request.key, job.request.token)
@@ -323,7 +323,7 @@ class PullServer:
                     job.request.key, job.request.layer_range
                 )
             finally:
-                _INLINE.active = False
+                INLINE.active = False
         except ProviderWouldBlock:
             assert self._executor is not None
             self._executor.submit(self._call_provider, job)
@@ -339,7 +339,7 @@ class PullServer:
             if isinstance(outcome, ServeSource) and outcome.release is not None:
                 outcome.release()
 
-    def _on_source(self, job: _ServeJob, outcome: ServeSource | BaseException | None) -> None:
+    def _on_source(self, job: ServeJob, outcome: ServeSource | BaseException | None) -> None:
         request = job.request
         self._awaiting_provider.discard(job)
         if isinstance(outcome, ServeSource):
@@ -359,8 +359,8 @@ class PullServer:
             return
         if isinstance(outcome, BaseException):
             status = STATUS_BAD_RANGE if isinstance(outcome, errors.LayerRangeError) else STATUS_ERROR
-            self._send_status(job, status, text=_describe(outcome))
-            self._finish(job, ok=False, reason=f"provider failed: {_describe(outcome)}")
+            self._send_status(job, status, text=describe(outcome))
+            self._finish(job, ok=False, reason=f"provider failed: {describe(outcome)}")
             return
         if not isinstance(outcome, ServeSource):
             self._send_status(job, STATUS_ERROR, text=f"provider returned {type(outcome).__name__}")
@@ -376,7 +376,7 @@ class PullServer:
             return
         job.chunk = max(min(MIN_CHUNK, self.max_message), min(request.max_chunk, self.max_message))
         job.chunks_total = -(-source.nbytes // job.chunk)
-        if job.chunks_total > _MAX_CHUNKS:
+        if job.chunks_total > MAX_CHUNKS:
             self._send_status(job, STATUS_ERROR, text="payload needs too many messages")
             self._finish(job, ok=False, reason="too many chunks")
             return
@@ -398,12 +398,12 @@ class PullServer:
             self._reads.pump(job)
 
     def _send_status(
-        self, job: _ServeJob, status: int, *, text: str = "", nbytes: int = 0, chunk: int = 0,
+        self, job: ServeJob, status: int, *, text: str = "", nbytes: int = 0, chunk: int = 0,
         index: int = 0, body: bytes = b"",
     ) -> bool:
-        array = Array(_pack_status(job.request.request_id, status, nbytes, chunk, text, body))
+        array = Array(pack_status(job.request.request_id, status, nbytes, chunk, text, body))
         try:
-            req = job.ep.tag_send(array, _reply_tag(job.request.request_id, index))
+            req = job.ep.tag_send(array, reply_tag(job.request.request_id, index))
         except Exception as exc:
             self._on_send_failed(job, exc)
             return False
@@ -414,7 +414,7 @@ class PullServer:
         self._live_engine.watch(req, sent, array)
         return True
 
-    def _send_buffers(self, job: _ServeJob) -> None:
+    def _send_buffers(self, job: ServeJob) -> None:
         source = job.source
         assert source is not None
         views = list(source.buffers)
@@ -437,13 +437,13 @@ class PullServer:
                 return
 
     def _send_chunk(
-        self, job: _ServeJob, index: int, payload: memoryview, staging: mmap.mmap | None = None
+        self, job: ServeJob, index: int, payload: memoryview, staging: mmap.mmap | None = None
     ) -> bool:
         job.chunks_started += 1
         nbytes = payload.nbytes
         array = Array(payload)
         try:
-            req = job.ep.tag_send(array, _reply_tag(job.request.request_id, index))
+            req = job.ep.tag_send(array, reply_tag(job.request.request_id, index))
         except Exception as exc:
             if staging is not None:
                 self._reads.give(job, staging)
@@ -453,7 +453,7 @@ class PullServer:
         return True
 
     def _on_chunk_sent(
-        self, job: _ServeJob, nbytes: int, staging: mmap.mmap | None, error: BaseException | None
+        self, job: ServeJob, nbytes: int, staging: mmap.mmap | None, error: BaseException | None
     ) -> None:
         if staging is not None:
             self._reads.give(job, staging)
@@ -470,11 +470,11 @@ class PullServer:
         elif job.source is not None and job.source.read_into is not None:
             self._reads.pump(job)
 
-    def _on_send_failed(self, job: _ServeJob, error: BaseException) -> None:
+    def _on_send_failed(self, job: ServeJob, error: BaseException) -> None:
         if not job.finished:
-            self._finish(job, ok=False, reason=f"send failed: {_describe(error)}", close_ep=True)
+            self._finish(job, ok=False, reason=f"send failed: {describe(error)}", close_ep=True)
 
-    def _on_send_timeout(self, job: _ServeJob) -> None:
+    def _on_send_timeout(self, job: ServeJob) -> None:
         if job.finished:
             return
         if job in self._awaiting_provider:
@@ -489,7 +489,7 @@ class PullServer:
 
     # -- aborts -------------------------------------------------------------------------
 
-    def _maybe_abort(self, job: _ServeJob) -> None:
+    def _maybe_abort(self, job: ServeJob) -> None:
         """After a failed read, once nothing of this pull is in flight: tell the client.
 
         The OK status is already out, so the client waits for chunks; waiting
@@ -498,13 +498,13 @@ class PullServer:
         """
         if job.finished or job.reads_in_flight or job.chunks_started != job.chunks_done:
             return
-        self._send_status(job, STATUS_ERROR, text=job.abort_text, index=_ABORT_INDEX)
+        self._send_status(job, STATUS_ERROR, text=job.abort_text, index=ABORT_INDEX)
         self._finish(job, ok=False, reason=job.abort_text)
 
     # -- finishing ------------------------------------------------------------------------
 
     def _finish(
-        self, job: _ServeJob, *, ok: bool, reason: str = "", close_ep: bool = False,
+        self, job: ServeJob, *, ok: bool, reason: str = "", close_ep: bool = False,
         counted: bool = True,
     ) -> None:
         if job.finished:
@@ -524,7 +524,7 @@ class PullServer:
         # Only now: until its release is queued the job still counts as in flight.
         self._jobs.discard(job)
 
-    def _release(self, job: _ServeJob) -> None:
+    def _release(self, job: ServeJob) -> None:
         if job.reads_in_flight:
             # A worker thread is still inside read_into: the last read to
             # finish releases (releasing may close the file it reads).

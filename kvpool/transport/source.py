@@ -1,5 +1,5 @@
 """What a provider hands the pull server: :class:`ServeSource`, and the rules for providers
-run inline on the progress thread. Also the per-pull state the server keeps (:class:`_ServeJob`).
+run inline on the progress thread. Also the per-pull state the server keeps (:class:`ServeJob`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 from kvpool.objformat import LayerRange
 from kvpool.transport.engine import (
-    _Timer,
+    Timer,
 )
 from kvpool.transport.frames import (
-    _Request,
+    Request,
 )
 
 
@@ -28,12 +28,12 @@ class _Inline(threading.local):
     active = False  # each thread's default: not inline (no AttributeError raised and caught per call)
 
 
-_INLINE = _Inline()
+INLINE = _Inline()
 
 
 def in_inline_provider() -> bool:
     """Whether the calling provider runs inline on a progress thread (must not block)."""
-    return _INLINE.active
+    return INLINE.active
 
 
 @dataclass(slots=True)
@@ -96,8 +96,8 @@ Provider = Callable[[bytes, LayerRange], "ServeSource | None"]
 
 
 @dataclass(eq=False)
-class _ServeJob:
-    request: _Request
+class ServeJob:
+    request: Request
     ep: Any
     source: ServeSource | None = None
     chunk: int = 0
@@ -107,5 +107,5 @@ class _ServeJob:
     reads_in_flight: int = 0
     finished: bool = False
     abort_text: str = ""  # a read failed: stop, then tell the client this
-    timer: _Timer | None = None
+    timer: Timer | None = None
     staging: list[mmap.mmap] = field(default_factory=list)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool import errors
-from kvpool.transport.engine import _describe
-from kvpool.transport.source import ServeSource, _ServeJob
+from kvpool.transport.engine import describe
+from kvpool.transport.source import ServeJob, ServeSource
 
 
 class _StagingPool:
@@ -26,7 +26,7 @@ class _StagingPool:
         self._limit = count
         self._free: list[mmap.mmap] = []
         self._made = 0
-        self.waiting: collections.deque[_ServeJob] = collections.deque()
+        self.waiting: collections.deque[ServeJob] = collections.deque()
 
     def take(self) -> mmap.mmap | None:
         if self._free:
@@ -65,14 +65,14 @@ class StagedReads:
 
     def __init__(self, count: int, nbytes: int, *, submit: Callable[..., Any],
                  post: Callable[[Callable[[], None]], Any],
-                 send: Callable[[_ServeJob, int, memoryview, mmap.mmap], bool],
-                 abort: Callable[[_ServeJob], None], release: Callable[[_ServeJob], None]) -> None:
+                 send: Callable[[ServeJob, int, memoryview, mmap.mmap], bool],
+                 abort: Callable[[ServeJob], None], release: Callable[[ServeJob], None]) -> None:
         self._count, self._nbytes = count, nbytes
         self._submit, self._post, self._send = submit, post, send
         self._abort, self._release = abort, release
         self._pool: _StagingPool | None = None
 
-    def pump(self, job: _ServeJob) -> None:
+    def pump(self, job: ServeJob) -> None:
         """Start as many reads of ``job`` as its share of buffers allows."""
         if self._pool is None:
             self._pool = _StagingPool(self._count, self._nbytes)
@@ -91,7 +91,7 @@ class StagedReads:
             assert job.source is not None
             self._submit(self._read, job, job.source, index, buf)
 
-    def _read(self, job: _ServeJob, source: ServeSource, index: int, buf: mmap.mmap) -> None:
+    def _read(self, job: ServeJob, source: ServeSource, index: int, buf: mmap.mmap) -> None:
         # Runs on a worker thread; job state is only read here, never written.
         assert source.read_into is not None
         offset = (index - 1) * job.chunk
@@ -111,7 +111,7 @@ class StagedReads:
         except errors.PoolClosedError:
             pass
 
-    def _on_read(self, job: _ServeJob, index: int, buf: mmap.mmap, nbytes: int, error: BaseException | None) -> None:
+    def _on_read(self, job: ServeJob, index: int, buf: mmap.mmap, nbytes: int, error: BaseException | None) -> None:
         job.reads_in_flight -= 1
         if job.finished:
             self.give(job, buf)
@@ -122,13 +122,13 @@ class StagedReads:
             self.give(job, buf)
             if not job.abort_text:
                 assert error is not None  # one of the two holds
-                job.abort_text = f"reading the object failed: {_describe(error)}"
+                job.abort_text = f"reading the object failed: {describe(error)}"
             self._abort(job)
             return
         # Reads may finish out of order; tags carry the chunk index, so order is free.
         self._send(job, index, memoryview(buf)[:nbytes], buf)
 
-    def give(self, job: _ServeJob, buf: mmap.mmap) -> None:
+    def give(self, job: ServeJob, buf: mmap.mmap) -> None:
         """A staging buffer back from ``job``; hands free buffers to pulls waiting for one."""
         if buf in job.staging:
             job.staging.remove(buf)

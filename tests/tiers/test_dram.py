@@ -50,7 +50,7 @@ def test_the_memlock_advice_is_one_line_once_per_host(monkeypatch: pytest.Monkey
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert "ulimit -l unlimited" in warnings[0] and "LimitMEMLOCK" in warnings[0]
     assert "once on this host" in warnings[0]
-    assert dram._advice_marker().parent == tmp_path / "kvpool"
+    assert dram.advice_marker().parent == tmp_path / "kvpool"
 
 
 def test_a_pool_maps_what_it_uses(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ from kvpool import errors
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, byte_view
 from kvpool.testing import TierTests, make_object, store
-from tiers.hbm import EMULATED_DEVICE, HbmTier, _cuda_unavailable_reason
+from tiers.hbm import EMULATED_DEVICE, HbmTier, cuda_unavailable_reason
 
-NO_CUDA_REASON = _cuda_unavailable_reason()
+NO_CUDA_REASON = cuda_unavailable_reason()
 HAS_CUDA = NO_CUDA_REASON is None
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason=f"needs a CUDA device: {NO_CUDA_REASON}")

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -37,8 +37,8 @@ from kvpool.objformat import LayerRange, ObjectHeader, byte_view, layer_checksum
 from kvpool.testing import TierTests, make_object, store
 from tiers.base import Extent
 from tiers.nvme import NvmeTier
-from tiers.nvme.fs import _filesystem_type
-from tiers.nvme.layout import _MEMORY_FILESYSTEMS, ALIGN, INDEX_DIR
+from tiers.nvme.fs import filesystem_type
+from tiers.nvme.layout import ALIGN, INDEX_DIR, MEMORY_FILESYSTEMS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KiB, MiB = 1 << 10, 1 << 20
@@ -47,7 +47,7 @@ KiB, MiB = 1 << 10, 1 << 20
 @pytest.fixture
 def disk_dir(tmp_path: Path) -> Iterator[Path]:
     """A directory on a real disk (so O_DIRECT is exercised), never tmpfs."""
-    if _filesystem_type(tmp_path) not in _MEMORY_FILESYSTEMS:
+    if filesystem_type(tmp_path) not in MEMORY_FILESYSTEMS:
         yield tmp_path / "nvme"
         return
     base = Path(tempfile.mkdtemp(prefix="kvpool-nvme-test-", dir="/var/tmp"))
@@ -377,9 +377,9 @@ def test_bad_index_records_are_dropped_and_logged(disk_dir: Path, caplog: pytest
         db = env.open_db(b"objects")
         with env.begin(write=True, db=db) as txn:
             txn.put(b"garbage", b"\xc1 not msgpack")
-            txn.put(b"overlap", msgpack.packb([good.segment, good.offset, good.nbytes, header.pack()]))
-            txn.put(b"beyond", msgpack.packb([7, 0, good.nbytes, header.pack()]))
-            txn.put(b"bad-header", msgpack.packb([0, 1 * MiB, good.nbytes, b"KVPL" + bytes(60)]))
+            txn.put(b"overlap", msgspec.msgpack.encode([good.segment, good.offset, good.nbytes, header.pack()]))
+            txn.put(b"beyond", msgspec.msgpack.encode([7, 0, good.nbytes, header.pack()]))
+            txn.put(b"bad-header", msgspec.msgpack.encode([0, 1 * MiB, good.nbytes, b"KVPL" + bytes(60)]))
     finally:
         env.close()
     with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
@@ -500,6 +500,7 @@ def put_args_array(seed: int) -> np.ndarray:
     return make_object(seed=seed, layers=4, tokens=64 * (1 + seed % 5))[0]
 
 
+@pytest.mark.slow
 def test_random_flips_in_the_lmdb_file_never_crash_and_lose_nothing(tmp_path: Path) -> None:
     """Seeded byte flips in data.mdb; each trial opens in a child so a SIGBUS would show, not kill pytest."""
     template = tmp_path / "template"
@@ -813,6 +814,7 @@ def _next_line(proc: subprocess.Popen[str], lines: queue.Queue[str | None], dead
     return line
 
 
+@pytest.mark.slow
 def test_kill_9_mid_stream_loses_nothing_committed_and_leaves_nothing_half_written(disk_dir: Path) -> None:
     committed: set[bytes] = set()
     deleting: set[bytes] = set()
@@ -895,7 +897,7 @@ def test_second_tier_on_the_same_directory_is_refused(disk_dir: Path) -> None:
 
 
 def test_tmpfs_falls_back_to_buffered_io_and_says_so() -> None:
-    if _filesystem_type(Path("/dev/shm")) != 0x01021994:
+    if filesystem_type(Path("/dev/shm")) != 0x01021994:
         pytest.skip("/dev/shm is not tmpfs here")
     base = Path(tempfile.mkdtemp(prefix="kvpool-nvme-test-", dir="/dev/shm"))
     try:
@@ -952,7 +954,7 @@ def tier_header(tier: NvmeTier, key: bytes) -> ObjectHeader:
 
 
 @contextlib.contextmanager
-def _file_size_limit(nbytes: int) -> Iterator[None]:
+def file_size_limit(nbytes: int) -> Iterator[None]:
     """The kernel refuses to grow any file of this process past ``nbytes`` (EFBIG)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
@@ -972,7 +974,7 @@ def test_file_size_limit_is_disk_full_lowers_capacity_and_loses_nothing(
         kept_header = tier_header(tier, b"kept")
         record = tier.allocated_size(kept.nbytes)
         _, header, payload = keyed_object(b"next", seed=2, layers=4, tokens=256)
-        with _file_size_limit(record), caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+        with file_size_limit(record), caplog.at_level(logging.WARNING, logger="tiers.nvme"):
             # Space in an existing segment, but the write past the limit fails.
             extent = tier.allocate(header.spec.total_nbytes)
             assert extent is not None and extent.segment == 0
@@ -1092,7 +1094,7 @@ def test_the_tier_keeps_headroom_on_a_small_filesystem(tmp_path: Path, caplog: p
     filesystem this small, 4 MiB): ~60 MiB of puts never meet DiskFullError, the filesystem
     keeps the headroom free throughout, one warning says why the capacity is lower, and the
     small writes beside the segments (durable.log lines) still fit afterwards."""
-    from kvpool.cluster import durable_log
+    from kvpool.cluster.node import durable_log
 
     def free_bytes(path: Path) -> int:
         st = os.statvfs(path)

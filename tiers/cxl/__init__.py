@@ -25,7 +25,7 @@ Arena file layout::
     0                       DATA_OFFSET (one page)            DATA_OFFSET + capacity
     | arena header | zeros  | data area: objects at extent offsets ...           |
 
-Arena header (little-endian, see ``_ARENA``)::
+Arena header (little-endian, see ``ARENA``)::
 
     magic 8s "KVPLCXL\\0" | version u16 | flags u16 | data_offset u32
     | capacity u64 | alignment u32 | instance 16s | owner_pid u32

@@ -37,17 +37,17 @@ DATA_OFFSET = max(PAGE, 4096)
 ARENA_MAGIC = b"KVPLCXL\x00"
 ARENA_VERSION = 1
 ALIGNMENT = 64  # one cache line: CXL.mem moves 64-byte flits
-_ARENA = struct.Struct("<8sHHIQI16sIddQ")
-_ARENA_CHECKSUM_OFFSET = _ARENA.size - 8
+ARENA = struct.Struct("<8sHHIQI16sIddQ")
+_ARENA_CHECKSUM_OFFSET = ARENA.size - 8
 SHM_DIR = Path("/dev/shm")
 # How long a starting owner retries the lock: a reader probing liveness holds a
 # shared lock for microseconds, which must not look like a second owner.
-_LOCK_RETRY_S = 0.25
+LOCK_RETRY_S = 0.25
 
 
-_ARENA_NAME = re.compile(r"^kvpool-.+-cxl(\.tmp-[0-9a-f]+)?$")
+ARENA_NAME = re.compile(r"^kvpool-.+-cxl(\.tmp-[0-9a-f]+)?$")
 #: the largest object header read from an arena (layers <= 4096 -> 80 + 8 * 4096 bytes, rounded)
-_MAX_HEADER_NBYTES = FIXED_HEADER_NBYTES + 8 * 4096 + 64
+MAX_HEADER_NBYTES = FIXED_HEADER_NBYTES + 8 * 4096 + 64
 
 
 def resolve_group(group: str | int | None) -> int | None:
@@ -209,8 +209,8 @@ class ArenaHeader:
     def pack(self) -> bytes:
         fields = (ARENA_MAGIC, ARENA_VERSION, 0, self.data_offset, self.capacity_bytes,
                   self.alignment, self.instance, self.owner_pid, self.latency_ns, self.bandwidth_gbps)
-        unsummed = _ARENA.pack(*fields, 0)
-        return _ARENA.pack(*fields, xxhash.xxh3_64_intdigest(unsummed))
+        unsummed = ARENA.pack(*fields, 0)
+        return ARENA.pack(*fields, xxhash.xxh3_64_intdigest(unsummed))
 
     @classmethod
     def unpack(cls, data: Any, file_nbytes: int) -> ArenaHeader:
@@ -220,27 +220,27 @@ class ArenaHeader:
         corrupt header), FormatError (sizes that do not fit the file).
         """
         mv = memoryview(data).cast("B")
-        if len(mv) < _ARENA.size:
+        if len(mv) < ARENA.size:
             raise errors.TruncatedObjectError(f"arena file holds {len(mv)} bytes, no arena header")
         (magic, version, _flags, data_offset, capacity, alignment, instance, owner_pid,
-         latency_ns, bandwidth_gbps, checksum) = _ARENA.unpack_from(mv, 0)
+         latency_ns, bandwidth_gbps, checksum) = ARENA.unpack_from(mv, 0)
         if magic != ARENA_MAGIC:
             raise errors.BadMagicError(f"not a kvpool cxl arena: magic {bytes(magic)!r}, "
                                        f"expected {ARENA_MAGIC!r}")
         if version != ARENA_VERSION:
             raise errors.UnsupportedVersionError(
                 f"cxl arena version {version}; this build reads {ARENA_VERSION}")
-        unsummed = bytearray(mv[:_ARENA.size])
+        unsummed = bytearray(mv[:ARENA.size])
         struct.pack_into("<Q", unsummed, _ARENA_CHECKSUM_OFFSET, 0)
         if xxhash.xxh3_64_intdigest(bytes(unsummed)) != checksum:
             raise errors.ChecksumError("cxl arena header checksum mismatch (corrupt arena)")
-        if data_offset < _ARENA.size or data_offset + capacity > file_nbytes:
+        if data_offset < ARENA.size or data_offset + capacity > file_nbytes:
             raise errors.FormatError(f"cxl arena claims data [{data_offset}, {data_offset + capacity}) "
                                      f"but the file holds {file_nbytes} bytes")
         return cls(data_offset, capacity, alignment, bytes(instance), owner_pid, latency_ns, bandwidth_gbps)
 
 
-def _lock_is_free(fd: int) -> bool:
+def lock_is_free(fd: int) -> bool:
     """Whether no process holds an exclusive lock on ``fd``'s file (probe, then release)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -254,7 +254,7 @@ def _lock_is_free(fd: int) -> bool:
 _MIN_ARENA_BYTES = 1 << 20
 
 
-def _fit_to_filesystem(path: Path, capacity_bytes: int) -> int:
+def fit_to_filesystem(path: Path, capacity_bytes: int) -> int:
     """The arena capacity the filesystem under ``path`` can really hold (full = less capacity).
 
     A ``/dev/shm`` smaller than the configured capacity lowers it, with one

@@ -15,7 +15,7 @@ import numpy as np
 from kvpool import errors
 from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, ObjectSpec, decode, header_nbytes_at
 from tiers.base import close_mapping
-from tiers.cxl.arena import _ARENA, _MAX_HEADER_NBYTES, DATA_OFFSET, AccessModel, ArenaHeader, _lock_is_free
+from tiers.cxl.arena import ARENA, DATA_OFFSET, MAX_HEADER_NBYTES, AccessModel, ArenaHeader, lock_is_free
 from tiers.cxl.index import SharedIndexReader, index_path
 
 log = logging.getLogger("tiers.cxl")
@@ -71,7 +71,7 @@ class CxlArenaReader:
             file_nbytes = st.st_size
             if file_nbytes < DATA_OFFSET:
                 raise errors.TierError(f"cxl: arena {path} is not initialised ({file_nbytes} bytes)")
-            if require_owner and _lock_is_free(fd):
+            if require_owner and lock_is_free(fd):
                 raise errors.TierError(f"cxl: arena {path} has no live owner (stale file)")
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
             mm = mmap.mmap(fd, file_nbytes, flags=flags, prot=mmap.PROT_READ)
@@ -81,7 +81,7 @@ class CxlArenaReader:
         try:
             # A copy: a memoryview of ``mm`` caught in an exception's frame would
             # keep the mapping from closing.
-            header = ArenaHeader.unpack(mm[:_ARENA.size], file_nbytes)
+            header = ArenaHeader.unpack(mm[:ARENA.size], file_nbytes)
             if instance is not None:
                 wanted = bytes.fromhex(instance) if isinstance(instance, str) else instance
                 if wanted != header.instance:
@@ -100,7 +100,7 @@ class CxlArenaReader:
     def owner_alive(self) -> bool:
         """Whether the owning process still holds the arena (a released lock means it is gone)."""
         self._check_open()
-        return not _lock_is_free(self._fd)
+        return not lock_is_free(self._fd)
 
     def current(self) -> bool:
         """Whether this mapping is still the live arena at its path: the owner holds its lock,
@@ -112,7 +112,7 @@ class CxlArenaReader:
         except OSError:
             return False
         return (os.path.samestat(mine, now) and mine.st_size >= self._mapped_nbytes
-                and not _lock_is_free(self._fd))
+                and not lock_is_free(self._fd))
 
     def _check_size(self) -> None:
         """Refuse to touch a mapping whose file was shrunk under it (that would be SIGBUS)."""
@@ -155,7 +155,7 @@ class CxlArenaReader:
         self._check_size()
         try:
             claimed = header_nbytes_at(self.arena[entry.offset:entry.offset + FIXED_HEADER_NBYTES])
-            if not FIXED_HEADER_NBYTES <= claimed <= min(_MAX_HEADER_NBYTES, capacity - entry.offset):
+            if not FIXED_HEADER_NBYTES <= claimed <= min(MAX_HEADER_NBYTES, capacity - entry.offset):
                 return None
             snapshot = self.arena[entry.offset:entry.offset + claimed].tobytes()  # the one copy used
             header = ObjectHeader.unpack(snapshot)

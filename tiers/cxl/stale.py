@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tiers.cxl.arena import _ARENA_NAME, SHM_DIR
+from tiers.cxl.arena import ARENA_NAME, SHM_DIR
 from tiers.cxl.index import (
     index_path,
 )
@@ -43,7 +43,7 @@ def collect_stale_arenas(directory: str | os.PathLike[str] = SHM_DIR) -> list[Pa
     except OSError:
         return removed
     for name in names:
-        if not _ARENA_NAME.match(name):
+        if not ARENA_NAME.match(name):
             continue
         path = Path(directory) / name
         try:

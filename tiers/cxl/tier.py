@@ -22,14 +22,14 @@ from kvpool.config import format_size
 from kvpool.objformat import ObjectHeader
 from tiers.base import ArenaTier, Extent, close_mapping
 from tiers.cxl.arena import (
-    _LOCK_RETRY_S,
     ALIGNMENT,
     DATA_OFFSET,
+    LOCK_RETRY_S,
     PAGE,
     AccessModel,
     ArenaHeader,
-    _fit_to_filesystem,
     default_arena_path,
+    fit_to_filesystem,
     private_arena_dir,
     refuse_foreign,
     resolve_group,
@@ -89,7 +89,7 @@ class CxlTier(ArenaTier):
             private_arena_dir(Path(path).parent, group)
         _refuse_foreign_index(Path(path))
         collect_stale_arenas(Path(path).parent)  # a dead owner's arena must not count as used
-        capacity_bytes = _fit_to_filesystem(Path(path), capacity_bytes)
+        capacity_bytes = fit_to_filesystem(Path(path), capacity_bytes)
         super().__init__(capacity_bytes, alignment=ALIGNMENT)
         self.model = AccessModel(latency_ns, bandwidth_gbps)
         self.path = Path(path)
@@ -158,7 +158,7 @@ class CxlTier(ArenaTier):
         Success means no live owner: the caller then replaces the file. Raises
         PoolLockedError while another live process owns it.
         """
-        deadline = time.monotonic() + _LOCK_RETRY_S
+        deadline = time.monotonic() + LOCK_RETRY_S
         while True:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,

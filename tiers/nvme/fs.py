@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiers.nvme")
 
-def _filesystem_type(path: Path) -> int | None:
+def filesystem_type(path: Path) -> int | None:
     """statfs(2) f_type of ``path`` (None where it cannot be read)."""
     if ctypes.sizeof(ctypes.c_long) != 8:
         return None  # f_type is a long on the 64-bit Linux ABIs this reads
@@ -32,7 +32,7 @@ def _filesystem_type(path: Path) -> int | None:
     return int(ctypes.c_long.from_buffer(buf).value)
 
 
-def _probe_direct_io(directory: Path) -> str | None:
+def probe_direct_io(directory: Path) -> str | None:
     """None if O_DIRECT writes and reads work in ``directory``, else why not."""
     if not hasattr(os, "O_DIRECT"):
         return "this platform has no O_DIRECT"
@@ -55,13 +55,13 @@ def _probe_direct_io(directory: Path) -> str | None:
     return None
 
 
-def _file_size_limit() -> int | None:
+def file_size_limit() -> int | None:
     """This process's RLIMIT_FSIZE (None when unlimited): writes past it fail with EFBIG."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def _make_private_dirs(path: Path) -> None:
+def make_private_dirs(path: Path) -> None:
     """``mkdir -p`` where every directory this creates (the data dir too, not only ``nvme/``)
     is 0700; directories that already exist keep their mode."""
     missing = []

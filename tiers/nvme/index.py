@@ -16,33 +16,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lmdb
-import msgpack
+import msgspec
 import numpy as np
 
 from kvpool import errors
 from kvpool.config import GiB, MiB
 from kvpool.objformat import LayerRange, ObjectHeader, stored_header_checksum
 from tiers.base import Extent, ExtentAllocator, round_up
-from tiers.nvme.fs import _filesystem_type, _make_private_dirs, _probe_direct_io
+from tiers.nvme.fs import filesystem_type, make_private_dirs, probe_direct_io
 from tiers.nvme.layout import (
-    _MAGIC_U64,
-    _MEMORY_FILESYSTEMS,
-    _PREFIX_GAP_BYTES,
-    _PREFIX_WINDOW_BYTES,
-    _SCAN_WINDOW_BYTES,
-    _SEGMENT_RE,
-    _TOMBSTONE,
     ALIGN,
     INDEX_ASIDE,
     INDEX_DIR,
     LAYOUT_VERSION,
     LOCK_NAME,
+    MAGIC_U64,
+    MEMORY_FILESYSTEMS,
+    PREFIX_GAP_BYTES,
     PREFIX_NBYTES,
-    _Prefix,
+    PREFIX_WINDOW_BYTES,
+    SCAN_WINDOW_BYTES,
+    SEGMENT_RE,
+    TOMBSTONE,
+    Prefix,
     pack_prefix,
     parse_prefix,
 )
-from tiers.nvme.lmdbcheck import _lmdb_file_problem
+from tiers.nvme.lmdbcheck import lmdb_file_problem
 from tiers.nvme.segments import SegmentFiles
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class IndexedSegments(SegmentFiles):
 
     def _open(self, direct_io: str) -> None:
         try:
-            _make_private_dirs(self.path)
+            make_private_dirs(self.path)
         except OSError as exc:
             raise errors.TierError(f"nvme: cannot create {self.path}: {exc}") from exc
         self._take_lock()
@@ -145,14 +145,14 @@ class IndexedSegments(SegmentFiles):
         if mode == "off":
             self.direct_io, self.direct_io_reason = False, "disabled (direct_io='off')"
             return
-        refused = _probe_direct_io(self.path)
+        refused = probe_direct_io(self.path)
         if refused is not None:
             if mode == "on":
                 raise errors.TierError(f"nvme: direct_io='on' but {self.path}: {refused}")
             self.direct_io, self.direct_io_reason = False, f"buffered I/O: {refused}"
             log.warning("nvme tier at %s: O_DIRECT unavailable, using buffered I/O: %s", self.path, refused)
             return
-        memory_fs = _MEMORY_FILESYSTEMS.get(_filesystem_type(self.path) or 0)
+        memory_fs = MEMORY_FILESYSTEMS.get(filesystem_type(self.path) or 0)
         if memory_fs and mode == "auto":
             self.direct_io = False
             self.direct_io_reason = (f"buffered I/O: {memory_fs} keeps files in memory, "
@@ -164,7 +164,7 @@ class IndexedSegments(SegmentFiles):
     def _segment_files(self) -> dict[int, Path]:
         found = {}
         for entry in self.path.iterdir():
-            match = _SEGMENT_RE.fullmatch(entry.name)
+            match = SEGMENT_RE.fullmatch(entry.name)
             if match:
                 found[int(match.group(1))] = entry
         return found
@@ -182,7 +182,7 @@ class IndexedSegments(SegmentFiles):
         elif index_path.is_symlink() or not index_path.is_dir():
             problem = "it is not a directory"
         elif (index_path / "data.mdb").exists():
-            problem = _lmdb_file_problem(index_path / "data.mdb")
+            problem = lmdb_file_problem(index_path / "data.mdb")
         elif segments:
             problem = "it holds no data.mdb"
         if problem is None:
@@ -229,12 +229,12 @@ class IndexedSegments(SegmentFiles):
             if stored is None:
                 if txn.stat(self._objects_db)["entries"]:
                     return "it has records but no layout"
-                txn.put(b"layout", msgpack.packb(layout))
+                txn.put(b"layout", msgspec.msgpack.encode(layout))
                 return None
             stored = bytes(stored)
         try:
-            found = msgpack.unpackb(stored)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            found = msgspec.msgpack.decode(stored)
+        except (ValueError, TypeError, msgspec.DecodeError) as exc:
             return f"its layout record is unreadable ({exc})"
         if not (isinstance(found, dict) and set(found) == set(layout)
                 and all(isinstance(v, int) for v in found.values())):
@@ -269,7 +269,7 @@ class IndexedSegments(SegmentFiles):
                 parsed.append((key, *self._parse_record(raw)))
             except _BeyondCapacity:
                 outside.append(key)
-            except (errors.FormatError, errors.TierError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            except (errors.FormatError, errors.TierError, ValueError, TypeError, msgspec.DecodeError) as exc:
                 bad.append((key, str(exc)))
         parsed.sort(key=lambda item: (item[1].segment, item[1].offset))  # sequential prefix reads
         stale: list[bytes] = []
@@ -280,7 +280,7 @@ class IndexedSegments(SegmentFiles):
                 continue
             same = (prefix is not None and prefix.key == key and prefix.generation == header.generation
                     and prefix.nbytes == extent.nbytes and prefix.header_sum == stored_header_checksum(header.pack()))
-            if same and prefix is not None and prefix.state == _TOMBSTONE:
+            if same and prefix is not None and prefix.state == TOMBSTONE:
                 stale.append(key)
                 continue
             if not same:
@@ -345,12 +345,12 @@ class IndexedSegments(SegmentFiles):
 
     def _recovered_prefixes(
         self, parsed: list[tuple[bytes, Extent, ObjectHeader]],
-    ) -> Iterator[tuple[bytes, Extent, ObjectHeader, _Prefix | None | Exception]]:
+    ) -> Iterator[tuple[bytes, Extent, ObjectHeader, Prefix | None | Exception]]:
         """Each indexed record with the prefix its segment holds (or why it cannot be read).
 
         ``parsed`` is sorted by position. Prefixes close together are read in one
-        ``pread`` of up to ``_PREFIX_WINDOW_BYTES`` (the bytes between them come
-        along when the gap is under ``_PREFIX_GAP_BYTES``): small objects sit a few
+        ``pread`` of up to ``PREFIX_WINDOW_BYTES`` (the bytes between them come
+        along when the gap is under ``PREFIX_GAP_BYTES``): small objects sit a few
         KiB apart, and one 4 KiB read each made opening 27k objects take 6 s."""
         sizes: dict[int, int | Exception] = {}
         i = 0
@@ -367,7 +367,7 @@ class IndexedSegments(SegmentFiles):
             end, j = start + PREFIX_NBYTES, i + 1
             while j < len(parsed) and parsed[j][1].segment == segment:
                 position = parsed[j][1].offset - PREFIX_NBYTES
-                if position + PREFIX_NBYTES - start > _PREFIX_WINDOW_BYTES or position - end > _PREFIX_GAP_BYTES:
+                if position + PREFIX_NBYTES - start > PREFIX_WINDOW_BYTES or position - end > PREFIX_GAP_BYTES:
                     break
                 end, j = position + PREFIX_NBYTES, j + 1
             window: np.ndarray | Exception
@@ -396,7 +396,7 @@ class IndexedSegments(SegmentFiles):
             i = j
 
     def _parse_record(self, raw: Any) -> tuple[Extent, ObjectHeader]:
-        fields = msgpack.unpackb(bytes(raw))
+        fields = msgspec.msgpack.decode(bytes(raw))
         if not (isinstance(fields, list) and len(fields) == 4):
             raise errors.FormatError(f"index record is not [segment, offset, nbytes, header]: {fields!r:.80}")
         segment, offset, nbytes, header_bytes = fields
@@ -469,7 +469,8 @@ class IndexedSegments(SegmentFiles):
                 winners[key] = (extent, header)
         for extent, _ in sorted(winners.values(), key=lambda found: (found[0].segment, found[0].offset)):
             self._reserve_recovered(extent)
-        records = {key: msgpack.packb([e.segment, e.offset, e.nbytes, h.pack()]) for key, (e, h) in winners.items()}
+        records = {key: msgspec.msgpack.encode([e.segment, e.offset, e.nbytes, h.pack()])
+                   for key, (e, h) in winners.items()}
 
         def put_all(txn: Any) -> None:
             for key, record in records.items():
@@ -478,7 +479,7 @@ class IndexedSegments(SegmentFiles):
         self._index_write(put_all)
         for key, extent, header in superseded:
             # Left live, it could come back in a later rescan once the newer record's space is reused.
-            self._write_prefix(extent, pack_prefix(_TOMBSTONE, key, extent.nbytes, header.generation,
+            self._write_prefix(extent, pack_prefix(TOMBSTONE, key, extent.nbytes, header.generation,
                                                    stored_header_checksum(header.pack())))
         if self.fsync:
             for fd in self._fds.values():
@@ -522,24 +523,24 @@ class IndexedSegments(SegmentFiles):
     def _scan_file(self, fd: int, index: int, limit: int, live: list[tuple[bytes, Extent, ObjectHeader]],
                    tombstones: dict[bytes, int]) -> int:
         dropped = 0
-        window = bytearray(_SCAN_WINDOW_BYTES)
+        window = bytearray(SCAN_WINDOW_BYTES)
         pos = 0
         while pos + 2 * ALIGN <= limit:
-            wlen = min(_SCAN_WINDOW_BYTES, limit - pos)
+            wlen = min(SCAN_WINDOW_BYTES, limit - pos)
             got = os.preadv(fd, [memoryview(window)[:wlen]], pos)
             if got < ALIGN:
                 break
             wlen = got // ALIGN * ALIGN
             heads = np.frombuffer(window, dtype="<u8", count=wlen // 8)[::ALIGN // 8]
             skip_until = pos
-            for block in np.flatnonzero(heads == _MAGIC_U64).tolist():
+            for block in np.flatnonzero(heads == MAGIC_U64).tolist():
                 at = pos + block * ALIGN
                 if at < skip_until:
                     continue  # inside a record already taken: its payload, not a prefix
                 prefix = parse_prefix(memoryview(window)[block * ALIGN:(block + 1) * ALIGN])
                 if prefix is None:
                     continue
-                if prefix.state == _TOMBSTONE:
+                if prefix.state == TOMBSTONE:
                     tombstones[prefix.key] = max(tombstones.get(prefix.key, -1), prefix.generation)
                     continue
                 end = at + PREFIX_NBYTES + prefix.nbytes
@@ -560,7 +561,7 @@ class IndexedSegments(SegmentFiles):
         return dropped
 
     @staticmethod
-    def _verify_record(prefix: _Prefix, body: Any) -> ObjectHeader | None:
+    def _verify_record(prefix: Prefix, body: Any) -> ObjectHeader | None:
         """The object's header if ``body`` is exactly the intact object ``prefix`` names, else None."""
         try:
             if len(body) != prefix.nbytes:

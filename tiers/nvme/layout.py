@@ -24,45 +24,45 @@ log = logging.getLogger("tiers.nvme")
 ALIGN = 4096
 #: Bytes of record prefix in front of every object (one aligned block).
 PREFIX_NBYTES = ALIGN
-# Opening: record prefixes closer than _PREFIX_GAP_BYTES are read together, up to a window.
-_PREFIX_WINDOW_BYTES = 8 << 20
-_PREFIX_GAP_BYTES = 64 << 10
+# Opening: record prefixes closer than PREFIX_GAP_BYTES are read together, up to a window.
+PREFIX_WINDOW_BYTES = 8 << 20
+PREFIX_GAP_BYTES = 64 << 10
 LAYOUT_VERSION = 2  # 2: every object is preceded by a record prefix
 SEGMENT_NAME = "seg-{:05d}.kvs"
-_SEGMENT_RE = re.compile(r"seg-(\d{5})\.kvs")
+SEGMENT_RE = re.compile(r"seg-(\d{5})\.kvs")
 INDEX_DIR = "index"
 INDEX_ASIDE = "index.corrupt"
 LOCK_NAME = "LOCK"
 
 RECORD_MAGIC = b"KVPLREC1"
 _RECORD_VERSION = 1
-_LIVE, _TOMBSTONE = 1, 2
+LIVE, TOMBSTONE = 1, 2
 # magic | version | state | key_len | nbytes | generation | header_xxh3 | prefix_xxh3, then the key
 _PREFIX = struct.Struct("<8sHHIQQQQ")
 _PREFIX_SUM_OFFSET = 40
 MAX_KEY_NBYTES = PREFIX_NBYTES - _PREFIX.size
-_MAGIC_U64 = int.from_bytes(RECORD_MAGIC, "little")
+MAGIC_U64 = int.from_bytes(RECORD_MAGIC, "little")
 
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 # Read errors that mean "these stored bytes cannot be had": a miss, like rot.
-_UNREADABLE_ERRNOS = frozenset(
+UNREADABLE_ERRNOS = frozenset(
     e for e in (errno.EIO, errno.ENXIO, errno.ENODATA, errno.EBADMSG, getattr(errno, "EUCLEAN", None),
                 getattr(errno, "ESTALE", None)) if e is not None
 )
 # statfs f_type of filesystems that keep file data in memory: there is no page
 # cache to bypass, so O_DIRECT buys nothing and only adds alignment rules.
-_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 # Staging buffers grow in these steps and are kept per thread unless larger than
 # the limit (a one-off huge object should not pin that much memory forever).
-_STAGING_GRAIN_BYTES = 1 * MiB
-_STAGING_KEEP_BYTES = 256 * MiB
+STAGING_GRAIN_BYTES = 1 * MiB
+STAGING_KEEP_BYTES = 256 * MiB
 # When the disk fills, this much of the free space is left to the LMDB index
 # (on the same filesystem): records are ~100 B + 8 B per layer, copy-on-write.
-_INDEX_RESERVE_BYTES = 1 * MiB
-_SCAN_WINDOW_BYTES = 8 * MiB
+INDEX_RESERVE_BYTES = 1 * MiB
+SCAN_WINDOW_BYTES = 8 * MiB
 
 
-class _Prefix(NamedTuple):
+class Prefix(NamedTuple):
     state: int
     key: bytes
     nbytes: int
@@ -81,13 +81,13 @@ def pack_prefix(state: int, key: bytes, nbytes: int, generation: int, header_sum
     return bytes(block)
 
 
-def parse_prefix(block: Any) -> _Prefix | None:
+def parse_prefix(block: Any) -> Prefix | None:
     """The record a prefix block describes, or None if it is not an intact prefix."""
     mv = memoryview(block).cast("B")
     if len(mv) < _PREFIX.size:
         return None
     magic, version, state, key_len, nbytes, generation, header_sum, prefix_sum = _PREFIX.unpack_from(mv, 0)
-    if magic != RECORD_MAGIC or version != _RECORD_VERSION or state not in (_LIVE, _TOMBSTONE):
+    if magic != RECORD_MAGIC or version != _RECORD_VERSION or state not in (LIVE, TOMBSTONE):
         return None
     if not 0 < key_len <= MAX_KEY_NBYTES or len(mv) < _PREFIX.size + key_len:
         return None
@@ -95,6 +95,6 @@ def parse_prefix(block: Any) -> _Prefix | None:
     struct.pack_into("<Q", covered, _PREFIX_SUM_OFFSET, 0)
     if xxhash.xxh3_64_intdigest(bytes(covered)) != prefix_sum:
         return None
-    return _Prefix(state, bytes(mv[_PREFIX.size:_PREFIX.size + key_len]), nbytes, generation, header_sum)
+    return Prefix(state, bytes(mv[_PREFIX.size:_PREFIX.size + key_len]), nbytes, generation, header_sum)
 
 

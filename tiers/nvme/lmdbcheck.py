@@ -188,7 +188,7 @@ class _LmdbFileCheck:
             raise _LmdbCorrupt(f"database {name}'s page and entry counts disagree with its tree")
 
 
-def _lmdb_file_problem(data_path: Path) -> str | None:
+def lmdb_file_problem(data_path: Path) -> str | None:
     """Why LMDB must not open ``data_path``, or None if every page it could read is sound."""
     try:
         with open(data_path, "rb") as f:

@@ -16,13 +16,13 @@ import numpy as np
 from kvpool import errors
 from tiers.base import Extent, Tier, round_up
 from tiers.nvme.layout import (
-    _DISK_FULL_ERRNOS,
-    _STAGING_GRAIN_BYTES,
-    _STAGING_KEEP_BYTES,
-    _UNREADABLE_ERRNOS,
+    DISK_FULL_ERRNOS,
     PREFIX_NBYTES,
     SEGMENT_NAME,
-    _Prefix,
+    STAGING_GRAIN_BYTES,
+    STAGING_KEEP_BYTES,
+    UNREADABLE_ERRNOS,
+    Prefix,
     parse_prefix,
 )
 
@@ -94,7 +94,7 @@ class SegmentFiles(Tier):
         return fd
 
     def _io_error(self, exc: OSError, doing: str) -> errors.KVPoolError:
-        if exc.errno in _DISK_FULL_ERRNOS:
+        if exc.errno in DISK_FULL_ERRNOS:
             return errors.DiskFullError(exc.errno, f"nvme tier at {self.path}: {doing}: {exc.strerror}")
         return errors.TierError(f"nvme tier at {self.path}: {doing}: {exc}")
 
@@ -104,7 +104,7 @@ class SegmentFiles(Tier):
             buf = self._local.prefix = np.frombuffer(mmap.mmap(-1, PREFIX_NBYTES), dtype=np.uint8)
         return buf
 
-    def _read_prefix(self, fd: int, position: int) -> _Prefix | None:
+    def _read_prefix(self, fd: int, position: int) -> Prefix | None:
         buf = self._prefix_buffer()
         self._pread_all(fd, buf, position)
         return parse_prefix(buf)
@@ -122,13 +122,13 @@ class SegmentFiles(Tier):
         if buf is None or len(buf) < nbytes:
             # Anonymous mmap is page-aligned, as O_DIRECT needs; dropping the
             # array unmaps it.
-            buf = np.frombuffer(mmap.mmap(-1, round_up(nbytes, _STAGING_GRAIN_BYTES)), dtype=np.uint8)
+            buf = np.frombuffer(mmap.mmap(-1, round_up(nbytes, STAGING_GRAIN_BYTES)), dtype=np.uint8)
             self._local.buf = buf
         return buf
 
     def _release_big_staging(self) -> None:
         buf = getattr(self._local, "buf", None)
-        if buf is not None and len(buf) > _STAGING_KEEP_BYTES:
+        if buf is not None and len(buf) > STAGING_KEEP_BYTES:
             del self._local.buf
 
     def _parallel(self, nbytes: int, piece: Callable[[int, int], None]) -> None:
@@ -191,7 +191,7 @@ class SegmentFiles(Tier):
             try:
                 got = os.preadv(fd, [view[done:]], position + done)
             except OSError as exc:
-                if exc.errno in _UNREADABLE_ERRNOS:
+                if exc.errno in UNREADABLE_ERRNOS:
                     raise errors.ChecksumError(
                         f"nvme tier at {self.path}: stored bytes at {position + done} are unreadable: {exc}"
                     ) from exc

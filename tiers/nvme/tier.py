@@ -13,16 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgpack
+import msgspec
 import numpy as np
 
 from kvpool import errors
 from kvpool.config import GiB, MiB, TiB, headroom_bytes
 from kvpool.objformat import ObjectHeader, stored_header_checksum
 from tiers.base import Extent, round_up
-from tiers.nvme.fs import _file_size_limit
+from tiers.nvme.fs import file_size_limit
 from tiers.nvme.index import IndexedSegments
-from tiers.nvme.layout import _INDEX_RESERVE_BYTES, _LIVE, _TOMBSTONE, ALIGN, MAX_KEY_NBYTES, PREFIX_NBYTES, pack_prefix
+from tiers.nvme.layout import ALIGN, INDEX_RESERVE_BYTES, LIVE, MAX_KEY_NBYTES, PREFIX_NBYTES, TOMBSTONE, pack_prefix
 
 if TYPE_CHECKING:
     from kvpool.config import Config, NvmeSection
@@ -238,7 +238,7 @@ class NvmeTier(IndexedSegments):
         before = self.capacity_bytes
         self.disk_full_events += 1
         if err == errno.EFBIG:
-            limit = _file_size_limit()
+            limit = file_size_limit()
             if limit is not None:
                 limit = limit // ALIGN * ALIGN
                 self._file_limit = limit if self._file_limit is None else min(limit, self._file_limit)
@@ -250,7 +250,7 @@ class NvmeTier(IndexedSegments):
             headroom = headroom_bytes(self.headroom, st.f_blocks * st.f_frsize)
         except OSError:
             free = headroom = 0
-        usable = max(0, free - max(headroom, _INDEX_RESERVE_BYTES + free // 128))
+        usable = max(0, free - max(headroom, INDEX_RESERVE_BYTES + free // 128))
         self._block_excess(self.capacity_bytes - (preallocated + usable) // ALIGN * ALIGN)
         if self.capacity_bytes < before:
             first = not self.disk_limited
@@ -440,7 +440,7 @@ class NvmeTier(IndexedSegments):
         header.check_identity(key)
         header_sum = stored_header_checksum(header.packed)
         try:
-            self._write_prefix(extent, pack_prefix(_LIVE, key, extent.nbytes, header.generation, header_sum))
+            self._write_prefix(extent, pack_prefix(LIVE, key, extent.nbytes, header.generation, header_sum))
             if self.fsync:
                 os.fdatasync(self._fd(extent))
         except OSError as exc:  # DiskFullError is an OSError too
@@ -448,7 +448,7 @@ class NvmeTier(IndexedSegments):
                 self._disk_full_on_write(exc, extent)
                 raise
             raise self._io_error(exc, "fdatasync before commit") from exc
-        record = msgpack.packb([extent.segment, extent.offset, extent.nbytes, header.packed])
+        record = msgspec.msgpack.encode([extent.segment, extent.offset, extent.nbytes, header.packed])
 
         def replace(txn: Any) -> bytes | None:
             old = txn.get(key)
@@ -465,7 +465,7 @@ class NvmeTier(IndexedSegments):
         if old is not None:
             try:
                 old_extent, old_header = self._parse_record(old)
-            except (errors.FormatError, errors.TierError, ValueError, TypeError, msgpack.UnpackException):
+            except (errors.FormatError, errors.TierError, ValueError, TypeError, msgspec.DecodeError):
                 return
             if old_extent != extent:
                 self._tombstone_quietly(key, old_extent, old_header.generation,
@@ -473,7 +473,7 @@ class NvmeTier(IndexedSegments):
 
     def _tombstone_quietly(self, key: bytes, extent: Extent, generation: int, header_sum: int) -> None:
         try:
-            self._write_prefix(extent, pack_prefix(_TOMBSTONE, key, extent.nbytes, generation, header_sum))
+            self._write_prefix(extent, pack_prefix(TOMBSTONE, key, extent.nbytes, generation, header_sum))
         except (OSError, errors.KVPoolError) as exc:
             log.warning("nvme tier at %s: could not tombstone the record of %s: %s", self.path, key[:64].hex(), exc)
 
@@ -488,7 +488,7 @@ class NvmeTier(IndexedSegments):
             prefix = self._read_prefix(self._fd(extent), extent.offset - PREFIX_NBYTES)
         except errors.KVPoolError:
             prefix = None  # unreadable: nothing a rescan could take for an object either
-        if prefix is not None and prefix.state == _LIVE and prefix.key == key:
+        if prefix is not None and prefix.state == LIVE and prefix.key == key:
             self._tombstone_quietly(key, extent, prefix.generation, prefix.header_sum)
 
         def delete_if_same(txn: Any) -> None:
@@ -496,8 +496,8 @@ class NvmeTier(IndexedSegments):
             if raw is None:
                 return
             try:
-                segment, offset, nbytes, _ = msgpack.unpackb(raw)
-            except (ValueError, TypeError, msgpack.UnpackException):
+                segment, offset, nbytes, _ = msgspec.msgpack.decode(raw)
+            except (ValueError, TypeError, msgspec.DecodeError):
                 txn.delete(key)  # unreadable: it could only ever be dropped
                 return
             if (segment, offset, nbytes) == (extent.segment, extent.offset, extent.nbytes):

@@ -11,15 +11,15 @@ from typing import Any
 
 from kvpool import errors
 from kvpool.objformat import LayerRange
-from kvpool.transport.engine import _describe
+from kvpool.transport.engine import describe
 from kvpool.transport.frames import (
-    _MAX_STATUS_TEXT,
-    _STATUS,
-    _STATUS_MAGIC,
+    MAX_STATUS_TEXT,
     OK_STATUSES,
     PROTOCOL_VERSION,
+    STATUS,
+    STATUS_MAGIC,
     PeerAddress,
-    _pack_request,
+    pack_request,
     status_error,
 )
 from kvpool.transport.pulls import PullRequest, checked_out, checked_pull, checked_request, header_room
@@ -92,7 +92,7 @@ class TcpPullClient:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         results: list[int | BaseException | None] = [None] * len(requests)
-        groups: dict[tuple[str, int], list[tuple[int, _TcpPull]]] = {}
+        groups: dict[tuple[str, int], list[tuple[int, TcpPull]]] = {}
         for i, request in enumerate(requests):
             pull = self._new_pull(request, timeout_s)
             if isinstance(pull, BaseException):
@@ -104,14 +104,14 @@ class TcpPullClient:
                 results[i] = outcome
         return results  # type: ignore[return-value]
 
-    def _new_pull(self, request: PullRequest, timeout_s: float) -> _TcpPull | BaseException:
+    def _new_pull(self, request: PullRequest, timeout_s: float) -> TcpPull | BaseException:
         """``request`` checked and framed, or why it cannot be sent."""
         try:
             if self._closed:
                 raise errors.PoolClosedError("the TCP pull client is closed")
             args = checked_pull(request.address, request.key, request.layer_range, request.out, request.token,
                                 request.header_out)
-            pull = _TcpPull(args.address, args.key, args.layer_range, args.out.nbytes, args.token,
+            pull = TcpPull(args.address, args.key, args.layer_range, args.out.nbytes, args.token,
                             request.header_out is not None, timeout_s)
             pull.bind(args.out, request.header_out, args.header_room, request.progress, request.alive)
             return pull
@@ -121,7 +121,7 @@ class TcpPullClient:
     # -- one pull in two steps -----------------------------------------------------------------
 
     def start(self, address: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, *, token: bytes = b"",
-              want_header: bool = True, timeout_s: float = 10.0, alive_check_s: float = 0.05) -> _TcpPull:
+              want_header: bool = True, timeout_s: float = 10.0, alive_check_s: float = 0.05) -> TcpPull:
         """Send one pull's request now, over an idle connection (a new one sends it in
         :meth:`finish`, after the holder's answer to its hello), and return the pull: the caller
         prepares the buffer its reply lands in while the holder answers, then calls
@@ -135,7 +135,7 @@ class TcpPullClient:
         if not 0 < nbytes < 2**63:
             raise errors.OutBufferError(f"a pull needs room for at least one byte, got {nbytes}")
         peer, key, layer_range, token = checked_request(address, key, layer_range, token)
-        pull = _TcpPull(peer, key, layer_range, nbytes, token, want_header, timeout_s)
+        pull = TcpPull(peer, key, layer_range, nbytes, token, want_header, timeout_s)
         conn = pull.conn = self._checkout(pull.where, pull, alive_check_s)
         if isinstance(conn, _Conn) and conn.nonce is None:
             try:
@@ -147,7 +147,7 @@ class TcpPullClient:
                 pull.conn = None
         return pull
 
-    def finish(self, pull: _TcpPull, out: Any, header_out: bytearray | None = None, *,
+    def finish(self, pull: TcpPull, out: Any, header_out: bytearray | None = None, *,
                progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None,
                alive_check_s: float = 0.05) -> int:
         """Read the reply of a pull :meth:`start` sent: its payload into ``out`` (at least the
@@ -190,12 +190,12 @@ class TcpPullClient:
             raise outcome
         return outcome
 
-    def _whole_reply(self, conn: _Conn, pull: _TcpPull, out: memoryview, header_out: bytearray) -> int:
+    def _whole_reply(self, conn: _Conn, pull: TcpPull, out: memoryview, header_out: bytearray) -> int:
         """The payload bytes of ``pull``'s reply if one receive brought all of it, an OK with a
         header of exactly ``header_out``'s size for exactly ``out`` (the usual small pull); else
         0, with what was received put back in front of the stream for :meth:`finish` to read
         the general way."""
-        status = bytearray(_STATUS.size)
+        status = bytearray(STATUS.size)
         views: list[bytearray | memoryview] = [status, header_out, out]
         try:
             got = conn.polled(pull, views)
@@ -204,9 +204,9 @@ class TcpPullClient:
         except OSError:  # nothing came within the wait, or the connection failed: finish decides
             return 0
         nbytes = out.nbytes
-        if got == _STATUS.size + len(header_out) + nbytes:
-            magic, version, code, body_len, request_id, sent, _ = _STATUS.unpack_from(status)
-            if magic == _STATUS_MAGIC and version == PROTOCOL_VERSION and request_id == pull.request_id \
+        if got == STATUS.size + len(header_out) + nbytes:
+            magic, version, code, body_len, request_id, sent, _ = STATUS.unpack_from(status)
+            if magic == STATUS_MAGIC and version == PROTOCOL_VERSION and request_id == pull.request_id \
                     and code in OK_STATUSES and body_len == len(header_out) and sent == nbytes:
                 pull.conn = None
                 self._checkin(pull.where, conn)
@@ -220,7 +220,7 @@ class TcpPullClient:
         conn.unread(b"".join(pieces))
         return 0
 
-    def cancel(self, pull: _TcpPull) -> None:
+    def cancel(self, pull: TcpPull) -> None:
         """Drop a pull :meth:`start` sent, unread (its connection is closed)."""
         conn, pull.conn = pull.conn, None
         if isinstance(conn, _Conn):
@@ -253,7 +253,7 @@ class TcpPullClient:
 
     # -- one holder ------------------------------------------------------------------------------
 
-    def _pull_group(self, where: tuple[str, int], pulls: list[_TcpPull], alive_check_s: float,
+    def _pull_group(self, where: tuple[str, int], pulls: list[TcpPull], alive_check_s: float,
                     conn: _Conn | OSError | None = None) -> list[int | BaseException]:
         """Every pull to one holder over one connection (``conn``, else one checked out). A
         reused connection that fails before its first reply byte (the holder closed it while
@@ -266,7 +266,7 @@ class TcpPullClient:
             if not isinstance(conn, _Conn):
                 self._unreachable[where] = time.monotonic() + self.retry_after_s
                 error = (errors.TransferError if isinstance(conn, ConnectionRefusedError) else TcpPathUnusable)
-                return [self._failed(pull, error(f"{pull.label}: TCP port unusable: {_describe(conn)}"))
+                return [self._failed(pull, error(f"{pull.label}: TCP port unusable: {describe(conn)}"))
                         for pull in pulls]
             try:
                 self._exchange(conn, pulls, outcomes)
@@ -287,7 +287,7 @@ class TcpPullClient:
             self._checkin(where, conn)
             return outcomes
 
-    def _exchange(self, conn: _Conn, pulls: list[_TcpPull], outcomes: list[int | BaseException]) -> None:
+    def _exchange(self, conn: _Conn, pulls: list[TcpPull], outcomes: list[int | BaseException]) -> None:
         """Write the requests (at most ``_WINDOW_NBYTES`` ahead of the replies read, so neither
         side can block the other) and read each reply into its pull's buffer. On a new
         connection the holder's answer to its hello is read and checked (and its nonce
@@ -306,7 +306,7 @@ class TcpPullClient:
             outcomes.append(self._reply(conn, pull, replied=bool(outcomes)))
             window -= len(pull.frame)
 
-    def _check_hello(self, conn: _Conn, pull: _TcpPull, nonce: bytes) -> None:
+    def _check_hello(self, conn: _Conn, pull: TcpPull, nonce: bytes) -> None:
         """Read the holder's answer to a new connection's hello (a wrong one ends the
         connection), then answer the holder's nonce."""
         answer = bytearray(PULL_HELLO.ANSWER.size)
@@ -317,14 +317,14 @@ class TcpPullClient:
             raise _ConnectionLost(type(exc)(f"{pull.label}: {exc}"), replied=True) from None
         conn.send(pull, self.prove(challenge) if self.prove is not None else bytes(PROOF_NBYTES))
 
-    def _reply(self, conn: _Conn, pull: _TcpPull, replied: bool) -> int | BaseException:
+    def _reply(self, conn: _Conn, pull: TcpPull, replied: bool) -> int | BaseException:
         """Read one reply: its status frame (with the header an OK carries), then its payload.
 
         The usual reply (OK, a header of the size asked for) lands with one ``recvmsg_into``:
         status and header in small buffers, the payload straight in ``out``. Any other is read
         piece by piece, after the bytes already received are put back in front of the stream.
         """
-        status_buf = bytearray(_STATUS.size)
+        status_buf = bytearray(STATUS.size)
         header_out = pull.header_out
         if header_out is None:
             header = _EMPTY
@@ -334,14 +334,14 @@ class TcpPullClient:
             header = memoryview(bytearray(pull.header_room))
         views = [memoryview(status_buf), header, pull.out]
         got = conn.receive_some(pull, views if header.nbytes else [views[0], views[2]], replied)
-        while got < _STATUS.size:
+        while got < STATUS.size:
             got += conn.receive_some(pull, _skip(views, got), True)
-        magic, version, status, body_len, request_id, nbytes, _ = _STATUS.unpack_from(status_buf)
-        if magic != _STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
+        magic, version, status, body_len, request_id, nbytes, _ = STATUS.unpack_from(status_buf)
+        if magic != STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
         if status in OK_STATUSES and body_len == header.nbytes and (body_len or pull.header_out is None) \
                 and nbytes <= pull.out.nbytes:
-            head = _STATUS.size + body_len
+            head = STATUS.size + body_len
             end = head + nbytes
             if got > end:  # the start of the next reply, received into the out buffer's tail
                 conn.unread(pull.out[nbytes:got - head])
@@ -357,14 +357,14 @@ class TcpPullClient:
                     break
                 got += conn.receive_some(pull, _skip(views, got), True)
         else:
-            received = got - _STATUS.size
+            received = got - STATUS.size
             conn.unread(bytes(header[:received]) + bytes(pull.out[:max(0, received - header.nbytes)]))
             if header is not _EMPTY:
                 header.release()  # header_out is free to take the header's own length below
             body = bytearray(body_len)
             conn.receive(pull, memoryview(body), True)
             if status not in OK_STATUSES:
-                if body_len > _MAX_STATUS_TEXT:
+                if body_len > MAX_STATUS_TEXT:
                     raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
                 return self._failed(pull, status_error(status)(f"{pull.label}: {body.decode('utf-8', 'replace')}"))
             if nbytes > pull.out.nbytes:
@@ -377,14 +377,14 @@ class TcpPullClient:
                 pull.header_out[:] = body
         self.pulls += 1
         self.bytes_received += nbytes
-        return nbytes
+        return int(nbytes)
 
-    def _failed(self, pull: _TcpPull, exc: BaseException) -> BaseException:
+    def _failed(self, pull: TcpPull, exc: BaseException) -> BaseException:
         self.failures += 1
         self.timeouts += isinstance(exc, errors.KVTimeoutError)
         return exc
 
-    def _checkout(self, where: tuple[str, int], pull: _TcpPull, wait_s: float,
+    def _checkout(self, where: tuple[str, int], pull: TcpPull, wait_s: float,
                   fresh: bool = False) -> _Conn | OSError:
         """A connection to ``where`` (an idle one unless ``fresh``; a new one has sent its
         hello), waking every ``wait_s`` while it waits; or why none could be made."""
@@ -399,7 +399,7 @@ class TcpPullClient:
         try:
             sock = socket.create_connection(where, timeout=min(self.connect_timeout_s, pull.timeout_s))
         except OSError as exc:
-            log.debug("tcp pull connect to %s:%d failed: %s", *where, _describe(exc))
+            log.debug("tcp pull connect to %s:%d failed: %s", *where, describe(exc))
             return exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -421,7 +421,7 @@ class TcpPullClient:
         conn.close()
 
 
-class _TcpPull:
+class TcpPull:
     """One pull: its checked request, frame and deadline, where the request went (:meth:`start`),
     and the buffers its reply lands in (:meth:`bind`)."""
 
@@ -436,7 +436,7 @@ class _TcpPull:
         self.where = (address.host, address.tcp_port)
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self.frame = _pack_request(key, token, layer_range, nbytes, want_header=want_header,
+        self.frame = pack_request(key, token, layer_range, nbytes, want_header=want_header,
                                    max_chunk=max(1, nbytes), request_id=_REQUEST_ID)
         self.sent_on: _Conn | None = None  # the connection its request went out on
         # (start) ReplyPoll.mark() before the request went out, for the reply's first receive
@@ -488,7 +488,7 @@ class _Conn:
         if len(data):
             self.pending[:0] = data
 
-    def send(self, pull: _TcpPull, frame: bytes | bytearray) -> None:
+    def send(self, pull: TcpPull, frame: bytes | bytearray) -> None:
         view = memoryview(frame)
         while view.nbytes:
             try:
@@ -498,13 +498,13 @@ class _Conn:
             except OSError as exc:
                 raise _ConnectionLost(_transport_error(pull, exc), replied=False) from None
 
-    def receive(self, pull: _TcpPull, view: memoryview, replied: bool) -> None:
+    def receive(self, pull: TcpPull, view: memoryview, replied: bool) -> None:
         """Fill ``view`` with the next bytes of ``pull``'s reply (see :meth:`receive_some`)."""
         while view.nbytes:
             view = view[self.receive_some(pull, [view], replied):]
             replied = True
 
-    def receive_some(self, pull: _TcpPull, views: list[memoryview], replied: bool) -> int:
+    def receive_some(self, pull: TcpPull, views: list[memoryview], replied: bool) -> int:
         """Receive the next bytes of the stream into ``views``, in order (at least one byte, at
         most what they hold) by ``pull``'s deadline, asking its ``alive`` between waits.
         ``replied``: some reply byte came on this connection before (else a closed connection
@@ -527,7 +527,7 @@ class _Conn:
                                   replied=replied)
         return n
 
-    def polled(self, pull: _TcpPull, views: list[Any]) -> int | None:
+    def polled(self, pull: TcpPull, views: list[Any]) -> int | None:
         """What one receive into ``views`` brought while it was polled for (see ReplyPoll); None:
         not polled, or nothing came meanwhile. The first receive of a reply counts from the
         request's send (``pull.poll_mark``), a later one from now."""
@@ -549,7 +549,7 @@ class _Conn:
         return taken
 
     @staticmethod
-    def _waited(pull: _TcpPull) -> None:
+    def _waited(pull: TcpPull) -> None:
         """A wait ended without bytes: past the deadline, or the holder known gone, ends the
         pull (and the connection: never repeated)."""
         if time.monotonic() >= pull.deadline:
@@ -582,7 +582,7 @@ class _ConnectionLost(Exception):
         self.replied = replied  # some reply byte arrived on this connection before
 
 
-def _transport_error(pull: _TcpPull, exc: BaseException) -> errors.KVPoolError:
+def _transport_error(pull: TcpPull, exc: BaseException) -> errors.KVPoolError:
     if isinstance(exc, TimeoutError):
         return errors.KVTimeoutError(f"{pull.label}: no reply within {pull.timeout_s}s")
-    return errors.TransferError(f"{pull.label}: {_describe(exc)}")
+    return errors.TransferError(f"{pull.label}: {describe(exc)}")

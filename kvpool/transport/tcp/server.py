@@ -10,25 +10,25 @@ import time
 from collections.abc import Callable
 
 from kvpool import errors
-from kvpool.transport.engine import _describe
+from kvpool.transport.engine import describe
 from kvpool.transport.frames import (
-    _MAX_ADDRESS_BYTES,
-    _MAX_KEY_BYTES,
-    _MAX_TOKEN_BYTES,
-    _REQUEST,
-    _STATUS,
-    _STATUS_MAGIC,
+    MAX_ADDRESS_BYTES,
     MAX_HEADER_NBYTES,
+    MAX_KEY_BYTES,
+    MAX_TOKEN_BYTES,
     PROTOCOL_VERSION,
+    REQUEST,
+    STATUS,
     STATUS_BAD_RANGE,
     STATUS_ERROR,
+    STATUS_MAGIC,
     STATUS_MISS,
     STATUS_OK,
     STATUS_OUT_TOO_SMALL,
     STATUS_UNAUTHORIZED,
-    _pack_status,
-    _parse_request,
-    _Request,
+    Request,
+    pack_status,
+    parse_request,
 )
 from kvpool.transport.source import Provider, ServeSource
 from kvpool.transport.tcp.admission import Admission, OpeningLoop, connection_cap
@@ -47,7 +47,7 @@ _STAGING_NBYTES = 4 << 20  # nvme payloads are read and sent in pieces of at mos
 # Requests are read into a buffer of this size, as many as have arrived at once (pipelined
 # ones); it holds the largest request a client may send.
 _REQUESTS_NBYTES = 16 << 10
-assert _REQUESTS_NBYTES >= _REQUEST.size + _MAX_KEY_BYTES + _MAX_TOKEN_BYTES + _MAX_ADDRESS_BYTES
+assert _REQUESTS_NBYTES >= REQUEST.size + MAX_KEY_BYTES + MAX_TOKEN_BYTES + MAX_ADDRESS_BYTES
 
 
 class TcpPullServer:
@@ -201,7 +201,7 @@ class TcpPullServer:
                 self._answer(conn, request, staging, authorize)
         except (OSError, errors.KVPoolError) as exc:  # BlockingIOError: idle or stuck past a timeout
             if not self._closing:
-                log.debug("tcp pull connection dropped: %s", _describe(exc))
+                log.debug("tcp pull connection dropped: %s", describe(exc))
             self.errors += isinstance(exc, errors.ProtocolError)
         finally:
             with self._lock:
@@ -212,10 +212,10 @@ class TcpPullServer:
             for buf in staging:
                 buf.close()
 
-    def _answer(self, conn: socket.socket, request: _Request, staging: list[mmap.mmap],
+    def _answer(self, conn: socket.socket, request: Request, staging: list[mmap.mmap],
                 authorize: Callable[[bytes, bytes], None] | None) -> None:
         def refuse(status: int, text: str) -> None:
-            conn.sendall(_pack_status(request.request_id, status, 0, 0, text))
+            conn.sendall(pack_status(request.request_id, status, 0, 0, text))
 
         try:
             if authorize is not None:
@@ -227,7 +227,7 @@ class TcpPullServer:
         except Exception as exc:
             self.errors += 1
             return refuse(STATUS_BAD_RANGE if isinstance(exc, errors.LayerRangeError) else STATUS_ERROR,
-                          _describe(exc))
+                          describe(exc))
         if source is None:
             self.misses += 1
             return refuse(STATUS_MISS, f"key {request.key.hex()} not held here")
@@ -242,7 +242,7 @@ class TcpPullServer:
             if request.want_header and not 0 < len(header) <= MAX_HEADER_NBYTES:
                 self.errors += 1
                 return refuse(STATUS_ERROR, f"no header to send ({len(header)} bytes)")
-            status = _STATUS.pack(_STATUS_MAGIC, PROTOCOL_VERSION, STATUS_OK, len(header), request.request_id,
+            status = STATUS.pack(STATUS_MAGIC, PROTOCOL_VERSION, STATUS_OK, len(header), request.request_id,
                                   source.nbytes, source.nbytes)
             if source.read_into is None:
                 send_views(conn, [memoryview(status), memoryview(header), *source.buffers])
@@ -272,7 +272,7 @@ class TcpPullServer:
                     got = source.read_into(offset, piece)
                 except Exception as exc:
                     self.errors += 1
-                    raise errors.TransferError(f"read at {offset} failed: {_describe(exc)}") from None
+                    raise errors.TransferError(f"read at {offset} failed: {describe(exc)}") from None
                 if got is not None and got != len(piece):
                     self.errors += 1
                     raise errors.TransferError(f"short read at {offset}: {got} of {len(piece)} bytes")
@@ -294,17 +294,17 @@ class _Requests:
         self.start = 0  # the next request begins here
         self.end = 0  # bytes received up to here
 
-    def next(self) -> _Request | None:
+    def next(self) -> Request | None:
         """The next request; None if the client closed the connection between requests."""
-        if not self._have(_REQUEST.size, at_boundary=True):
+        if not self._have(REQUEST.size, at_boundary=True):
             return None
-        fields = _REQUEST.unpack_from(self.buf, self.start)
+        fields = REQUEST.unpack_from(self.buf, self.start)
         key_len, addr_len, token_len = fields[3], fields[4], fields[13]
-        if key_len > _MAX_KEY_BYTES or token_len > _MAX_TOKEN_BYTES or addr_len > _MAX_ADDRESS_BYTES:
+        if key_len > MAX_KEY_BYTES or token_len > MAX_TOKEN_BYTES or addr_len > MAX_ADDRESS_BYTES:
             raise errors.ProtocolError("request key, token or address too long")
-        size = _REQUEST.size + key_len + token_len + addr_len
+        size = REQUEST.size + key_len + token_len + addr_len
         self._have(size)
-        request = _parse_request(self.buf, self.start)
+        request = parse_request(self.buf, self.start)
         self.start += size
         if self.start == self.end:  # all read: the next recv fills the buffer from its start
             self.start = self.end = 0

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvpool import errors
-from kvpool._native import extension
+from kvpool.native import extension
 
 if TYPE_CHECKING:
     from kvpool import _poll as _native
@@ -31,7 +31,7 @@ class MutualHello:
     3. the client's proof of the server's nonce (PROOF_NBYTES; zeros from a client without
        the key), sent before its first request.
 
-    Proofs are the callers' (:class:`~kvpool.cluster.security.ClusterKey`, labelled per side,
+    Proofs are the callers' (:class:`~kvpool.cluster.wire.security.ClusterKey`, labelled per side,
     so neither end's answer can be replayed as the other's). Fresh nonces on both ends: a
     recorded opening cannot be replayed. ``what`` names the server in errors. The server's
     side runs in :class:`kvpool.transport.tcp.admission.OpeningLoop`."""
@@ -94,7 +94,7 @@ class ReplyPoll:
     counts against polling, as one that ran out does. Bounded: at most ``poll_s`` per reply,
     then the caller blocks as before; one thread polls at a time (the others block at once);
     and when polls keep running out or being preempted, polling stops, and is tried again
-    every ``_POLL_RETRY_EVERY`` replies. ``poll_s = 0``: never poll.
+    every ``POLL_RETRY_EVERY`` replies. ``poll_s = 0``: never poll.
     """
 
     def __init__(self, poll_s: float) -> None:
@@ -136,7 +136,7 @@ class ReplyPoll:
         if self._score > 0:
             return True
         self._skipped += 1
-        if self._skipped < _POLL_RETRY_EVERY:
+        if self._skipped < POLL_RETRY_EVERY:
             return False
         self._skipped, self._score = 0, 1
         return True
@@ -146,7 +146,7 @@ class ReplyPoll:
 
 
 _POLL_MAX_SCORE = 8
-_POLL_RETRY_EVERY = 32
+POLL_RETRY_EVERY = 32
 
 
 def _poll(sock: socket.socket, views: list[Any], poll_s: float) -> int | None:

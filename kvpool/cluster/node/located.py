@@ -1,0 +1,152 @@
+"""What the master says about where a key is, checked before a reader uses any of it.
+
+A wrong or hostile master must not crash or redirect a reader: every located replica and
+every node address is checked here (types, bounds, a decodable address, a possible spec) and a
+bad one is dropped, never raised. A checked replica is a :class:`LocatedReplica` (one struct from
+here to the pull), which carries the decoded address and spec, so later steps of the same get
+neither check nor parse them again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvpool import errors
+from kvpool.cluster.node.server import NodeAddress
+from kvpool.objformat import ObjectSpec
+
+_MAX_ID = 256
+_MAX_ADDRESS = 64 << 10
+_MAX_TOKEN = 64
+
+
+class LocatedReplica(msgspec.Struct, frozen=True, gc=False):
+    """One replica of a located key, checked: what the master said of it (the holder's
+    ``node_id``, ``address``, ``host_id``, its ``tier``, ``header_sum``, pull ``token`` and cxl
+    ``location``, empty when it has none) with the address decoded (``node``) and the spec the
+    reader sizes its buffer by (``spec``; the holder's header must agree)."""
+
+    node_id: str
+    address: str
+    host_id: str
+    tier: str
+    header_sum: int
+    token: bytes
+    location: dict[str, Any]
+    node: NodeAddress
+    spec: ObjectSpec
+
+
+def clean_location(raw: Any) -> dict[str, Any] | None:
+    """A cxl location ``{path, offset, instance?, ...}`` with sane types, or None."""
+    if not isinstance(raw, dict):
+        return None
+    path, offset, instance = raw.get("path"), raw.get("offset"), raw.get("instance")
+    if not isinstance(path, str) or not 0 < len(path) <= 4096 or "\0" in path:
+        return None
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < 1 << 62:
+        return None
+    if instance is not None and not (isinstance(instance, (str, bytes)) and len(instance) <= 256):
+        return None
+    return {**raw, "path": path, "offset": offset}
+
+
+# Addresses and specs repeat for every key a node holds: each distinct one is decoded and checked
+# once (bounded; a full memo is simply cleared). Entries are immutable.
+_MEMO_LIMIT = 4096
+_addresses: dict[str, NodeAddress | None] = {}
+_specs: dict[tuple[Any, ...], ObjectSpec | None] = {}
+
+
+def clean_node_address(text: Any) -> NodeAddress | None:
+    """A node address string from the master, decoded and checked, or None."""
+    if not isinstance(text, str) or len(text) > _MAX_ADDRESS:
+        return None
+    try:
+        return _addresses[text]
+    except KeyError:
+        pass
+    if len(_addresses) >= _MEMO_LIMIT:
+        _addresses.clear()
+    node = _addresses[text] = NodeAddress.parse(text)
+    return node
+
+
+def _clean_spec(raw: Any) -> ObjectSpec | None:
+    if not isinstance(raw, (list, tuple)) or len(raw) != 5 \
+            or not all(type(v) in (int, str) for v in raw):
+        return None
+    wire = tuple(raw)
+    try:
+        return _specs[wire]
+    except KeyError:
+        pass
+    try:
+        spec: ObjectSpec | None = ObjectSpec.from_wire(wire)
+    except (TypeError, ValueError, errors.KVPoolError):
+        spec = None
+    if len(_specs) >= _MEMO_LIMIT:
+        _specs.clear()
+    _specs[wire] = spec
+    return spec
+
+
+def clean_replica(raw: Any) -> LocatedReplica | None:
+    """A located replica with every field the reader uses checked (types, bounds), or None."""
+    if not isinstance(raw, dict):
+        return None
+    node_id, address, host_id = raw.get("node_id"), raw.get("address"), raw.get("host_id", "")
+    tier, header_sum, token = raw.get("tier", ""), raw.get("header_sum"), raw.get("token", b"")
+    location = raw.get("location")
+    if not isinstance(node_id, str) or not 0 < len(node_id) <= _MAX_ID:
+        return None
+    if not isinstance(host_id, str) or len(host_id) > 1024 or not isinstance(tier, str) or len(tier) > 64:
+        return None
+    if type(header_sum) is not int or not 0 <= header_sum < 1 << 64:
+        return None
+    spec = _clean_spec(raw.get("spec"))
+    if spec is None:
+        return None
+    if not isinstance(token, bytes) or len(token) > _MAX_TOKEN:
+        return None
+    node = clean_node_address(address)
+    if node is None:  # (address is then a str: clean_node_address takes nothing else)
+        return None
+    if location:
+        location = clean_location(location)
+        if location is None:
+            return None
+    return LocatedReplica(node_id=node_id, address=str(address), host_id=host_id, tier=tier, header_sum=header_sum,
+                          token=token, location=location or {}, node=node, spec=spec)
+
+
+def is_clean(replica: Any) -> bool:
+    return isinstance(replica, LocatedReplica)
+
+
+def checked_quietly(located: Any) -> list[LocatedReplica]:
+    """The well-formed replicas of a master's answer, bad ones dropped without counting them
+    (for a look ahead: the one-key read that may follow counts them)."""
+    if not isinstance(located, list):
+        return []
+    checked = [r if is_clean(r) else clean_replica(r) for r in located[:1024]]
+    return [r for r in checked if r is not None]
+
+
+def replicas_at(located: Any, index: int) -> Any:
+    """``located.replicas[index]`` of a master reply, or None when the reply has no such entry."""
+    replicas = getattr(located, "replicas", None)
+    if not isinstance(replicas, list) or not 0 <= index < len(replicas):
+        return None
+    return replicas[index]
+
+
+def alive_nodes_of(master_stats: Any) -> set[str] | None:
+    """Node ids the master's stats list as alive; None when the stats are unreadable."""
+    nodes = master_stats.get("nodes") if isinstance(master_stats, dict) else None
+    if not isinstance(nodes, dict):
+        return None
+    return {nid for nid, node in nodes.items() if isinstance(nid, str) and isinstance(node, dict)
+            and node.get("alive") is True}

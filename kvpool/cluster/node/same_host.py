@@ -1,0 +1,174 @@
+"""The cxl arenas of other nodes on this host, read in place.
+
+A reader maps a same-host node's arena read-only, either as a *neighbour* (a live node the
+master lists on this host: keys are found through the arena's shared index, without the
+master) or at a located replica's path. Only regular files inside the allowed shared-memory
+directories (``/dev/shm``, the directory of this process's own cxl arena and
+``tiers.cxl.shared_dirs``) are ever mapped, opened non-blocking and without following a final
+symlink: a wrong or hostile master cannot make a reader map anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool import errors
+from kvpool.cluster.node.located import clean_node_address
+from kvpool.objformat import LayerRange, ObjectSpec
+
+log = logging.getLogger("kvpool.remote")
+
+OutView = Callable[[ObjectSpec, LayerRange, Any], "tuple[np.ndarray, memoryview]"]
+
+DEFAULT_SHARED_DIRS = ("/dev/shm",)
+
+
+def shared_dirs_of(config: Any) -> tuple[str, ...]:
+    """The directories whose cxl arenas this process may map: /dev/shm, the directory of its own
+    configured arena, and ``tiers.cxl.shared_dirs`` (``:``-separated)."""
+    dirs = list(DEFAULT_SHARED_DIRS)
+    cxl = getattr(getattr(config, "tiers", None), "cxl", None)
+    own = getattr(cxl, "path", "") or ""
+    if own:
+        dirs.append(os.path.dirname(os.path.abspath(os.path.expanduser(own))))
+    extra = getattr(cxl, "shared_dirs", "") or ""
+    dirs += [os.path.expanduser(d) for d in str(extra).split(":") if d]
+    return tuple(dirs)
+
+
+class SameHostArenas:
+    """The arenas this reader mapped: its neighbours' (by node id) and located ones (by path and
+    instance). ``counters``: the reader's (``hits_same_host``, ``same_host_retries``,
+    ``refused_paths``, ``bad_records``, ``bytes_pulled``)."""
+
+    def __init__(self, host_id: str, node_id: str | None, allowed_dirs: Sequence[str] | None,
+                 counters: Counter[str]) -> None:
+        self.host_id = host_id
+        self.node_id = node_id
+        #: only arenas that are regular files directly or deeper inside these are mapped
+        self.allowed_dirs = tuple(os.path.realpath(d) for d in (allowed_dirs or DEFAULT_SHARED_DIRS))
+        self.counters = counters
+        self._lock = threading.Lock()
+        self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
+        self._located: dict[tuple[str, str], Any] = {}  # (path, instance) -> CxlArenaReader
+
+    def allowed_path(self, path: str) -> str | None:
+        """``path`` resolved, if it lies inside one of :attr:`allowed_dirs`; else None (logged)."""
+        try:
+            real = os.path.realpath(path)
+        except (OSError, ValueError):
+            real = ""
+        for folder in self.allowed_dirs:
+            if real.startswith(folder.rstrip("/") + "/"):
+                return real
+        log.warning("refusing to map %.300r: not inside the allowed shared-memory directories %s",
+                    path, self.allowed_dirs)
+        self.counters["refused_paths"] += 1
+        return None
+
+    def refresh(self, master_stats: Mapping[str, Any]) -> None:
+        """Map the cxl arenas of live nodes on this host; forget the ones gone."""
+        from tiers.cxl import CxlArenaReader
+
+        wanted: dict[str, dict[str, str]] = {}
+        nodes = master_stats.get("nodes") if isinstance(master_stats, dict) else None
+        if not isinstance(nodes, dict):
+            log.warning("master stats without a readable node list: %.200r", master_stats)
+            nodes = {}
+        for node_id, node in nodes.items():
+            if not isinstance(node_id, str) or not isinstance(node, dict):
+                self.counters["bad_records"] += 1
+                continue
+            if node_id == self.node_id or node.get("alive") is not True or node.get("host_id") != self.host_id:
+                continue
+            address = clean_node_address(node.get("address"))
+            if address is None:
+                self.counters["bad_records"] += 1
+                log.warning("master lists node %.64s with an unreadable address", node_id)
+                continue
+            arena = address.arena
+            if arena:
+                path = self.allowed_path(arena["path"])
+                if path is not None:
+                    wanted[node_id] = {**arena, "path": path}
+        with self._lock:
+            for node_id in list(self._neighbours):
+                reader = self._neighbours[node_id]
+                if node_id not in wanted or not reader.current():  # gone, dead, or replaced
+                    del self._neighbours[node_id]
+                    reader.close()
+            for node_id, arena in wanted.items():
+                if node_id not in self._neighbours:
+                    try:
+                        self._neighbours[node_id] = CxlArenaReader.open(arena["path"], instance=arena["instance"])
+                    except (errors.KVPoolError, OSError) as exc:
+                        log.debug("cannot map the arena of %s: %s", node_id, exc)
+
+    def read_key(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> np.ndarray | None:
+        """The layers read in place from a neighbour's arena found through its shared index (no
+        master round trip), verified layer by layer; None if no neighbour has it."""
+        if not self._neighbours:
+            return None
+        with self._lock:
+            neighbours = list(self._neighbours.values())
+        for reader in neighbours:
+            try:
+                found = reader.read_key_into(key, layers, lambda spec, rng: out_view(spec, rng, out))
+                if found is None:
+                    continue
+                arr: np.ndarray = found[0]
+                buf = found[1]
+            except (errors.LayerRangeError, errors.OutBufferError):
+                raise
+            except (errors.KVPoolError, OSError) as exc:  # freed or reused meanwhile: try elsewhere
+                log.debug("same-host read of %s failed: %s", key.hex(), exc)
+                self.counters["same_host_retries"] += 1
+                continue
+            self.counters["hits_same_host"] += 1
+            self.counters["bytes_pulled"] += len(buf)
+            return arr
+        return None
+
+    def owner_alive(self, node_id: Any) -> bool | None:
+        """Whether a neighbour's arena still has its owner (its lock is held); None when
+        ``node_id`` is not a neighbour."""
+        neighbour = self._neighbours.get(node_id) if isinstance(node_id, str) else None
+        if neighbour is None:
+            return None
+        try:
+            return bool(neighbour.owner_alive())
+        except errors.KVPoolError:
+            return False
+
+    def at(self, location: Mapping[str, Any]) -> Any:
+        """The reader of the arena a located replica names (mapped once, then kept)."""
+        from tiers.cxl import CxlArenaReader
+
+        path = self.allowed_path(str(location["path"]))
+        if path is None:
+            raise errors.TierError(f"cxl: {str(location['path'])[:300]!r} is outside the allowed directories")
+        ident = (path, str(location.get("instance", "")))
+        with self._lock:
+            reader = self._located.get(ident)
+            if reader is None:
+                reader = self._located[ident] = CxlArenaReader.from_location({**location, "path": path})
+            return reader
+
+    def mapped(self) -> int:
+        """How many arenas are mapped now."""
+        with self._lock:
+            return len(self._neighbours) + len(self._located)
+
+    def close(self) -> None:
+        with self._lock:
+            for reader in [*self._located.values(), *self._neighbours.values()]:
+                reader.close()
+            self._located.clear()
+            self._neighbours.clear()

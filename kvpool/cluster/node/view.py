@@ -1,0 +1,354 @@
+"""A process's view of the cluster: everything a client does beyond its local tiers.
+
+Owns the node this process is (serving its own objects to peers), the master
+client, the replica reader, read leases and their release, and the watch on
+the other nodes (same-host arenas mapped, dead holders forgotten). The cluster
+client (:class:`kvpool.client.ClusterPool`) composes it with a local
+:class:`kvpool.pool.Pool`; it knows nothing of the local pool beyond the tier
+manager its node serves from.
+
+Reads go: same-host nodes' shared ``cxl`` indexes (no master), then the
+replicas this key was read from last time (no master), then (a single-key
+read, ``node.speculative_pulls``) the node it last pulled from (no master),
+then the master's ``locate`` under a lease, then a pull or an in-place
+same-host read, verified layer by layer; a replica that fails is skipped for
+the next one. With ``node.confirm_speculative`` the guessed pull travels while
+``locate`` does, and its bytes are used only when the master names that node
+with the same header checksum.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool import errors
+from kvpool.api import out_view
+from kvpool.cluster.node.checks import Speculation
+from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of, replicas_at
+from kvpool.cluster.node.reader import ReplicaReader
+from kvpool.cluster.node.same_host import shared_dirs_of
+from kvpool.cluster.node.server import Node, NodeAddress
+from kvpool.cluster.wire import schema as S
+from kvpool.cluster.wire.control import control_call
+from kvpool.cluster.wire.master_client import MasterClient
+from kvpool.cluster.wire.protocol import Located, Placement, ReplicaRecord
+from kvpool.config import Config
+from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
+from tiers.manager import TierManager
+
+log = logging.getLogger("kvpool.client")
+
+
+def _failed(guess: Speculation) -> dict[str, str] | None:
+    """The guessed holder, if it just failed as a holder: the located read skips it rather
+    than wait on it a second time."""
+    return None if guess.failure is None else {guess.replica.node_id: guess.failure}
+
+
+class LeaseReleaser:
+    """Ends read leases off the caller's path: a get returns as soon as its bytes are
+    verified, and the master hears of finished reads in batches moments later — at most one
+    release request per ``interval_s``, so a reader doing thousands of gets a second does not
+    double the master's load (a lease held a few ms longer only delays an eviction)."""
+
+    def __init__(self, master: MasterClient, interval_s: float = 0.02) -> None:
+        self._master = master
+        self._interval_s = interval_s
+        self._pending: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvpool-lease-release", daemon=True)
+        self._thread.start()
+
+    def release(self, lease_ids: Iterable[int]) -> None:
+        for lease_id in lease_ids:
+            self._pending.put(lease_id)
+
+    def _run(self) -> None:
+        last = 0.0
+        while True:
+            batch = [self._pending.get()]
+            if batch[0] is not None:  # let more gather, unless it is time to stop
+                time.sleep(max(0.0, last + self._interval_s - time.monotonic()))
+            last = time.monotonic()
+            while True:
+                try:
+                    batch.append(self._pending.get_nowait())
+                except queue.Empty:
+                    break
+            leases = [lease for lease in batch if lease is not None]
+            if leases:
+                try:
+                    self._master.release(leases)
+                except errors.KVPoolError as exc:  # they expire on their own after master.lease_s
+                    log.debug("releasing %d leases failed: %s", len(leases), exc)
+            if None in batch:
+                return
+
+    def close(self) -> None:
+        self._pending.put(None)  # flushes what is queued, then stops
+        self._thread.join(5.0)
+
+
+class ReplicaLayers:
+    """Located replicas of one key, leased, for a layer-wise read (:class:`kvpool.api.LayerSource`).
+
+    Each layer comes from the first replica that delivers it intact; every layer
+    after the first must match the header the first was verified against, so a
+    read that moves to another replica never mixes two versions."""
+
+    def __init__(self, reader: ReplicaReader, key: bytes, replicas: list[LocatedReplica],
+                 release: Callable[[], None]) -> None:
+        self.reader, self.key, self._release = reader, key, release
+        self.spec: ObjectSpec = replicas[0].spec
+        self.replicas = [r for r in replicas if r.spec == self.spec]
+        self._header: ObjectHeader | None = None
+
+    def read(self, layer_range: LayerRange, buf: memoryview) -> None:
+        for replica in self.replicas:
+            try:
+                header = self.reader.read_into(self.key, replica, layer_range, buf, same_as=self._header)
+            except (errors.TransferError, errors.FormatError, errors.TierError, errors.KVTimeoutError,
+                    errors.AuthenticationError) as exc:  # this replica only: dead, evicted, corrupt, refused
+                log.info("layers %s of %s: replica on %s failed (%s)", layer_range, self.key.hex(),
+                         replica.node_id, exc)
+                continue
+            self._header = self._header or header
+            return
+        raise errors.TransferError(f"layers {layer_range} of {self.key.hex()}: every replica failed")
+
+    def done(self, nbytes_read: int) -> None:
+        self._release()
+
+
+class ClusterView:
+    """The node, master client, reader and lease releaser of one process (see the module
+    docstring). ``manager``: the local tiers this process's node serves to peers."""
+
+    def __init__(self, config: Config, manager: TierManager, master_address: str | None, *,
+                 transport: str = "auto") -> None:
+        self.config = config
+        self.counters = Counter[str]()
+        self._neighbours_thread: threading.Thread | None = None
+        self._neighbours_stop = threading.Event()
+        self._parts: list[Any] = []  # closed in reverse order
+        try:
+            self.node = Node(config, manager, master_address)
+            self._parts.append(self.node)
+            self.master = self.node.master
+            self.master.ping()
+            self.node.start()
+            self.releaser = LeaseReleaser(self.master)
+            self._parts.append(self.releaser)
+            self.reader = ReplicaReader(self.node.host_id, node_id=self.node.node_id, transport=transport,
+                                        max_message=config.node.max_message,
+                                        pull_timeout_s=config.node.pull_timeout_s,
+                                        location_cache_size=config.node.location_cache,
+                                        allowed_dirs=shared_dirs_of(config), host=self.node.host,
+                                        engine=self.node.ucx_engine, tcp_pull_max=config.node.tcp_pull_max,
+                                        cluster_key=self.node.cluster_key,
+                                        poll_s=config.node.reply_poll_us * 1e-6)
+            self._parts.append(self.reader)
+            self._refresh_from_master()
+            self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,
+                                                       name="kvpool-neighbours")
+            self._neighbours_thread.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    # -- the other nodes --------------------------------------------------------------------
+
+    def _refresh_from_master(self) -> None:
+        """Map same-host arenas and forget remembered holders that are no longer alive."""
+        stats = self.master.stats()
+        if self.config.node.same_host_index:
+            self.reader.arenas.refresh(stats)
+        alive = alive_nodes_of(stats)  # None: the master's stats are unreadable, keep what we know
+        if alive is not None:
+            self.reader.forget_nodes_except(alive)
+
+    def _watch_neighbours(self) -> None:
+        """Keep the view of the other nodes current (they join, leave, die) once per heartbeat."""
+        period_s = max(0.2, self.config.master.heartbeat_ms / 1000.0)
+        while not self._neighbours_stop.wait(period_s):
+            try:
+                self._refresh_from_master()
+            except errors.KVPoolError as exc:
+                log.debug("refreshing the view of other nodes failed: %s", exc)
+            except Exception as exc:  # garbage from the master must not stop this thread
+                log.warning("refreshing the view of other nodes failed: %s: %.200s", type(exc).__name__, exc)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def publish(self, keys: Sequence[bytes]) -> None:
+        """Make objects this node holds visible to the cluster: one master round trip (an object
+        evicted again meanwhile by a concurrent flood has nothing to show and is skipped)."""
+        records: list[ReplicaRecord] = [r for r in map(self.node.record, keys) if r is not None]
+        if records:
+            self.node.publish(records)
+
+    def place_many(self, items: Sequence[tuple[bytes, int]], replicas: int) -> list[Placement]:
+        """Storage nodes chosen (and reserved) for durable copies of a batch of ``(key,
+        nbytes)``: one master round trip, the same nodes for every item."""
+        return self.master.place_many(items, replicas, exclude=[self.node.node_id])
+
+    def replicate_many(self, keys: Sequence[bytes], targets: Sequence[Placement]) -> None:
+        """Have every target pull the objects from here into its nvme tier: one
+        ``replicate_many`` exchange per target (the targets at once), each pulling every
+        object together and committing them in one master round trip, so on return every
+        copy is visible and durable. Raises the first target's error (copies already
+        committed stay; the master completes the count)."""
+        found = [self.node.record(key) for key in keys]
+        records = [r for r in found if r is not None]
+        if len(records) < len(found):
+            raise errors.CapacityError("an object was evicted locally before it could be replicated")
+        assert self.node.address is not None
+        source = self.node.address.encode()
+
+        def send(target: Placement) -> None:
+            items = [S.ReplicateItem(key=key, spec=record["spec"], header_sum=record["header_sum"],
+                                     reservation=rid, token=self.node.cluster_key.mint_token(key, self.node.node_id))
+                     for key, record, rid in zip(keys, records, target.reservation_ids)]
+            control_call(NodeAddress.decode(target.address).control, "replicate_many", S.ReplicateMany(
+                items=items, source=source, replicas=len(targets), persistent=True,
+            ), timeout_s=self.config.node.pull_timeout_s + 5.0, cluster_key=self.node.cluster_key)
+            self.counters["replicate_requests"] += 1
+            self.counters["replicated"] += len(items)
+
+        if len(targets) == 1:
+            send(targets[0])
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(targets), thread_name_prefix="kvpool-replicate") as pool:
+            futures = [pool.submit(send, target) for target in targets]
+        for future in futures:
+            future.result()
+
+    def revoke(self, targets: Sequence[Placement]) -> None:
+        """Give back reservations of copies that will not be made (else they expire after
+        ``master.reservation_timeout_s``)."""
+        try:
+            self.master.revoke([rid for t in targets
+                                for rid in ((t.reservation_id,) if t.reservation_id is not None else ())
+                                + t.reservation_ids])
+        except errors.KVPoolError as exc:
+            log.debug("revoking durable reservations failed: %s", exc)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read(self, key: bytes, layers: Any, out: Any) -> np.ndarray | None:
+        """The layers from another node (same-host index, remembered replicas, then the
+        master), verified; None on a miss anywhere."""
+        nearby = self.reader.arenas.read_key(key, layers, out, out_view)
+        if nearby is not None:
+            return nearby
+        remembered = self.reader.read_cached(key, layers, out, out_view)
+        if remembered is not None:
+            return remembered
+        # A guess: the holder last pulled from. Its verified answer is used at once when that
+        # holder proves itself (TCP pulls); else (or with node.confirm_speculative) it is pulled
+        # while the master locates the key and used only if the master names that holder and
+        # version, so a right guess hides the round trip.
+        node = self.config.node
+        guess = self.reader.speculate(key, layers, out) if node.speculative_pulls else None
+        skip = None
+        if guess is not None and not node.confirm_speculative and self.reader.provable(guess):
+            # over TCP, where this reader proved the cluster key to the holder: no token needed
+            self.reader.run_proven(guess, out, out_view)
+            used = self.reader.accept(guess)
+            if used is not None:
+                return used
+            skip = _failed(guess)
+            guess = None
+        elif guess is not None and not guess.bind(out, out_view):
+            guess = None
+        token = b"" if guess is None else self.node.cluster_key.mint_token(key, guess.replica.node_id)
+        located = self.master.locate(key, lease=True, meanwhile=None if guess is None else lambda: self.reader.run(
+            guess, token))
+        try:
+            replicas = replicas_at(located, 0)
+            if guess is not None:
+                confirmed = self.reader.confirm(guess, replicas)
+                if confirmed is not None:
+                    return confirmed
+                skip = _failed(guess)
+            return self.reader.read(key, replicas, layers, out, out_view, skip=skip)
+        finally:
+            self.releaser.release(located.lease_ids)
+
+    def read_many(self, keys: Sequence[bytes], layers: Any, outs: Sequence[Any]) -> list[np.ndarray | None]:
+        """``read`` of many keys: same-host arenas, then remembered replicas pulled concurrently,
+        the rest located in one master round trip and pulled concurrently."""
+        results = [self.reader.arenas.read_key(key, layers, out, out_view) for key, out in zip(keys, outs)]
+        # Where keys were found last time, without the master; a replica no longer there (or a
+        # token about to expire) is located again below.
+        remembered = [(i, self.reader.remembered(keys[i])) for i, r in enumerate(results) if r is None]
+        remembered = [(i, replicas) for i, replicas in remembered if replicas]
+        if remembered:
+            pulled = self.reader.read_many([keys[i] for i, _ in remembered], [r for _, r in remembered], layers,
+                                           out_view, [outs[i] for i, _ in remembered], count_misses=False)
+            for (i, _), arr in zip(remembered, pulled):
+                results[i] = arr
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            located = self.master.locate_many([keys[i] for i in missing], lease=True)
+            try:
+                pulled = self.reader.read_many([keys[i] for i in missing],
+                                               [replicas_at(located, j) for j in range(len(missing))], layers,
+                                               out_view, [outs[i] for i in missing])
+                for i, arr in zip(missing, pulled):
+                    results[i] = arr
+            finally:
+                self.releaser.release(located.lease_ids)
+        return results
+
+    def layer_source(self, key: bytes) -> ReplicaLayers | None:
+        """Replicas of ``key`` leased for a layer-wise read, or None on a miss."""
+        located: Located = self.master.locate(key, lease=True)
+        replicas = self.reader.ordered(replicas_at(located, 0))
+        if not replicas:
+            self.releaser.release(located.lease_ids)
+            return None
+        return ReplicaLayers(self.reader, key, replicas, lambda: self.releaser.release(located.lease_ids))
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def exists(self, key: bytes) -> bool:
+        return self.master.exists(key)
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.master.exists_many(keys)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return self.master.lookup(keys)
+
+    def delete(self, key: bytes) -> bool:
+        """Gone from lookups at once (holders drop it on their next heartbeat); whether the
+        master knew the key."""
+        self.reader.deleted(key)
+        return self.master.delete([key], node_id=self.node.node_id)[0]
+
+    def stats(self) -> dict[str, Any]:
+        return {"node": self.node.stats(), "remote": {**self.reader.stats(), **self.counters}}
+
+    def close(self) -> None:
+        self._neighbours_stop.set()
+        if self._neighbours_thread is not None:
+            self._neighbours_thread.join(5.0)
+        while self._parts:
+            part = self._parts.pop()
+            try:
+                part.close()
+            except Exception as exc:  # keep closing the rest
+                log.warning("closing %s: %s", type(part).__name__, exc)
