@@ -454,6 +454,81 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
             connector._pool.close()
 
 
+def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_each_copy_verified(
+        tmp_path: Path, spawn_python) -> None:
+    """A same-host node (the holder) keeps the blocks in its shared-memory cxl arena: the
+    worker copies each layer of them from there into the paged cache (no pull, no master),
+    verified as it copies. A block whose arena bytes are corrupt is then pulled whole from
+    another replica if there is one (here none: it is reported for recompute) and never
+    handed to vLLM as loaded; the others still load."""
+    import numpy as np
+    import torch
+
+    import kvpool
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer
+    from tests.vllm_engine import worker_connector
+
+    master = start_master(spawn_python)
+    layers, blocks, heads, head_dim = 4, 6, 2, 16
+    holder = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "holder")},
+                                            "tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": "16MiB"},
+                                                      "nvme": {"capacity": 0}},
+                                            "master": {"listen": master}})
+    reader_pool = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "reader")},
+                                                 "tiers": {"dram": {"capacity": "16MiB", "mlock": False},
+                                                           "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                                 "master": {"listen": master}})
+    caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
+              for i in range(layers)}
+    reader = worker_connector(Settings.from_extra({"master": master}), reader_pool, caches, heads, BLOCK)
+    try:
+        rng = np.random.default_rng(3)
+        keys = [b"arena-block-%d" % i for i in range(3)]
+        # One object per block: its layers are the paged cache's block bytes, layer-major.
+        objects = [rng.integers(0, 1 << 16, (layers, 2, BLOCK, heads, head_dim), dtype=np.uint16) for _ in keys]
+        holder.put_many(list(zip(keys, objects)), dtype="bfloat16")
+
+        def load(block_ids: list[int]) -> set[int]:
+            reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, block_ids)],
+                                                                   num_tokens=1))
+            reader.start_load_kv(None)  # type: ignore[arg-type]
+            for i in range(layers):
+                reader.wait_for_layer_load(f"layer.{i}")
+            reader.wait_for_save()
+            return reader.get_block_ids_with_load_errors()
+
+        def holds(block_id: int, obj: np.ndarray) -> bool:
+            return all(np.array_equal(reader._layers[i][block_id].view(torch.int16).numpy().reshape(-1),
+                                      obj[i].view(np.int16).reshape(-1)) for i in range(layers))
+
+        pulled = reader_pool.stats()["remote"].get("bytes_pulled", 0)
+        assert load([4, 1, 2]) == set()
+        assert all(holds(b, obj) for b, obj in zip([4, 1, 2], objects))
+        assert reader.stats["blocks_in_place"] == 3
+        assert reader_pool.stats()["remote"].get("bytes_pulled", 0) == pulled  # nothing went over the get path
+        assert not reader._layers[0][0].any() and not reader._layers[0][3].any()  # nothing else written
+
+        # Flip one byte of block 1's layer 2 in the holder's arena: that copy fails its checksum,
+        # the block is tried on the pull path (the same corrupt replica: a miss) and reported for
+        # recompute; blocks 0 and 2 load.
+        [(arena, offset, header)] = reader_pool.cluster.reader.arenas.find_many(keys[1:2])
+        at = arena.header.data_offset + offset + header.spec.header_nbytes + 2 * header.spec.layer_nbytes + 100
+        with open(arena.path, "r+b") as fh:
+            fh.seek(at)
+            byte = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        for cache in reader._layers:
+            cache.zero_()
+        assert load([5, 3, 0]) == {3}
+        assert holds(5, objects[0]) and holds(0, objects[2])
+        assert reader.stats["blocks_in_place"] == 5
+    finally:
+        reader._saver.shutdown()
+        reader_pool.close()
+        holder.close()
+
+
 def test_a_model_kind_the_connector_cannot_store_is_refused_at_start_with_one_clear_error() -> None:
     """vLLM's own KV cache specs: one group of full attention (sliding-window layers promoted
     to it, as vLLM does with its hybrid allocator off) is served; several groups, Mamba state

@@ -1,7 +1,7 @@
 """A real vLLM (CPU) engine on a tiny local Llama: used by tests/test_vllm.py and bench/vllm_bench.py.
 
     python -m tests.vllm_engine make-model DIR
-    python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example]
+    python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example|offloading]
                                 [--master ADDR] [--config TOML] [--durable] [--store DIR] [--max-tokens N]
 
 ``run`` generates greedily for every prompt (a JSON list of token-id lists), one
@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": args.store})
+    elif args.connector == "offloading":  # vLLM's native CPU offloading (its own process's CPU memory)
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30})
     with open(args.prompts) as fh:
         prompts = json.load(fh)
     started = time.perf_counter()
@@ -126,7 +130,7 @@ def main() -> None:
     go.add_argument("model")
     go.add_argument("prompts", help="JSON list of token-id lists")
     go.add_argument("out", help="where the JSON result goes")
-    go.add_argument("--connector", choices=["none", "kvpool", "example"], default="none")
+    go.add_argument("--connector", choices=["none", "kvpool", "example", "offloading"], default="none")
     go.add_argument("--master", default="tcp://127.0.0.1:7700", help="kvpool master")
     go.add_argument("--config", default="", help="kvpool TOML for the engine's own pool")
     go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")

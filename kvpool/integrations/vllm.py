@@ -184,7 +184,11 @@ class _LayerLoad:
         self.started = time.perf_counter()
         self.finished_s = 0.0
         self.pull_s = 0.0  # in get_many (locate, pulls, checksums)
-        self.copy_s = 0.0  # from the staging buffer into the paged cache
+        self.copy_s = 0.0  # into the paged cache (from same-host arenas, or the staging buffer)
+        self.in_place = 0  # blocks copied from a same-host node's arena
+        # Held while the loader writes a layer into the paged cache, and by the model's side
+        # when it gives up waiting: once timed_out is set, nothing more is written there.
+        self.lock = threading.Lock()
 
 
 def check_model_kind(kv_cache_config: KVCacheConfig | None) -> None:
@@ -395,6 +399,10 @@ class KvpoolConnector(KVConnectorBase_V1):
                 f"shape, got {tuple(first.shape)} ({'' if block.is_contiguous() else 'non-'}contiguous blocks)")
         self._dtype_name, self._np_dtype = _DTYPES[first.dtype]
         self._block_nbytes = block.numel() * block.element_size()
+        # Each layer's blocks as bytes ([num_blocks, ...] uint8, no copy): where same-host
+        # arena copies land (host caches only).
+        self._byte_layers = [t.view(torch.uint8).numpy() if t.device.type == "cpu" else np.empty(0, np.uint8)
+                             for t in self._layers]
         # A CPU engine's cache is read and written in place; a GPU engine's goes through host
         # buffers (one copy each way; not yet run on a GPU).
         self._on_host = first.device.type == "cpu"
@@ -437,34 +445,95 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._count("blocks_loaded", len(keys))
 
     def _pull(self, load: _LayerLoad, keys: list[bytes]) -> None:
-        """The loader thread: every block's layers, ``layers_per_pull`` at a time, each group in
-        one ``get_many`` (one master round trip at most for the whole step, then the location
-        cache; every pull in flight at once), each layer handed to the model (``load.done``) as
-        soon as it is in the paged cache. One layer per pull lands straight in the cache's
-        blocks; several land in one reused buffer, then one gather-copy per layer moves every
-        block of that layer into the cache (no per-block Python)."""
-        group, layers_count = self._layers_per_pull, len(self._layers)
-        block_ids = load.block_ids
-        direct = group == 1 and self._on_host
-        staging = None if direct else self._staging_for(len(keys), group)
+        """The loader thread: blocks a same-host node holds in its shared-memory arena are
+        copied from there straight into the paged cache (:meth:`_copy_in_place`); the others
+        are pulled (:meth:`_pull_remote`). Each layer is handed to the model (``load.done``) as
+        soon as every block has it."""
         failed: set[int] = set()
         try:
-            for first in range(0, layers_count, group):
-                layers = range(first, min(first + group, layers_count))
-                if staging is None:  # straight into the paged cache's blocks
-                    outs: list[np.ndarray] = [self._block_view(first, b) for b in block_ids]
-                else:  # row i: block i's layers of this group, contiguous
-                    outs = [staging[i, :len(layers)] for i in range(len(keys))]
-                started = time.perf_counter()
-                got = self._get_many(keys, layers, outs)
-                pulled = time.perf_counter()
-                load.pull_s += pulled - started
-                if all(arr is not None for arr in got):  # a request's cost, for the planner
-                    with self._count_lock:
-                        self._report.setdefault("pulls", []).append(
-                            [len(keys) * len(layers) * self._block_nbytes, pulled - started])
-                ok = [i for i, arr in enumerate(got) if arr is not None]
-                failed.update(block_ids[i] for i, arr in enumerate(got) if arr is None)
+            rest = self._copy_in_place(load, keys, failed)
+            if rest and not load.timed_out:
+                self._pull_remote(load, [keys[i] for i in rest], [load.block_ids[i] for i in rest], failed)
+        finally:
+            load.failed_blocks = failed
+            load.finished_s = time.perf_counter() - load.started
+            for event in load.done:
+                event.set()
+
+    def _copy_in_place(self, load: _LayerLoad, keys: list[bytes], failed: set[int]) -> list[int]:
+        """Copy the blocks found in a same-host node's cxl arena (through its shared index, no
+        master, no pull) layer by layer into the paged cache, each copy verified against the
+        block's header as it is made (one ``copy_layer_out`` per layer for every block); the
+        indices of the blocks left to pull: not found, or a copy failed its checksum (all of
+        that block's layers are then pulled again, so it is whole or reported failed). Hands
+        each layer to the model as it lands when nothing is left to pull."""
+        everything = list(range(len(keys)))
+        arenas = getattr(getattr(getattr(self._pool, "cluster", None), "reader", None), "arenas", None)
+        if not self._on_host or self.settings.transport != "auto" or arenas is None:
+            return everything
+        started = time.perf_counter()
+        found = arenas.find_many(keys)
+        here = [i for i, hit in enumerate(found) if hit is not None]
+        if not here:
+            return everything
+        fits = [i for i in here if found[i][2].spec.layers == len(self._layers)
+                and found[i][2].spec.layer_nbytes == self._block_nbytes]
+        bad: set[int] = set(here) - set(fits)
+        if bad:
+            log.warning("kvpool: %d same-host blocks have another shape than this cache's (%s): pulled instead",
+                        len(bad), found[min(bad)][2].spec)
+        rest = sorted(set(everything) - set(fits) | bad)
+        for layer, cache in enumerate(self._byte_layers):
+            with load.lock:
+                if load.timed_out:  # the model went on: vLLM recomputes into these blocks
+                    break
+                live = [i for i in fits if i not in bad]
+                by_reader: dict[Any, list[int]] = {}
+                for i in live:
+                    by_reader.setdefault(found[i][0], []).append(i)
+                for reader, items in by_reader.items():
+                    try:
+                        ok = reader.copy_layer_out(layer, [found[i][1:] for i in items],
+                                                   [cache[load.block_ids[i]] for i in items])
+                    except (errors.KVPoolError, OSError) as exc:  # the arena went away: pull these
+                        log.info("kvpool: same-host arena copy failed (%s): pulling %d blocks", exc, len(items))
+                        ok = [False] * len(items)
+                    bad.update(i for i, good in zip(items, ok) if not good)
+                if not rest and not bad:
+                    load.done[layer].set()
+        in_place = len(fits) - len(bad)
+        load.in_place += in_place
+        load.copy_s += time.perf_counter() - started
+        self._count("blocks_in_place", in_place)
+        return sorted(set(rest) | bad)
+
+    def _pull_remote(self, load: _LayerLoad, keys: list[bytes], block_ids: list[int], failed: set[int]) -> None:
+        """Every block's layers, ``layers_per_pull`` at a time, each group in one ``get_many``
+        (one master round trip at most for the whole step, then the location cache; every
+        pull in flight at once), each layer handed to the model (``load.done``) as soon as it
+        is in the paged cache. One layer per pull lands straight in the cache's blocks;
+        several land in one reused buffer, then one gather-copy per layer moves every block of
+        that layer into the cache (no per-block Python). Blocks that fail go in ``failed``."""
+        group, layers_count = self._layers_per_pull, len(self._layers)
+        direct = group == 1 and self._on_host
+        staging = None if direct else self._staging_for(len(keys), group)
+        for first in range(0, layers_count, group):
+            layers = range(first, min(first + group, layers_count))
+            if staging is None:  # straight into the paged cache's blocks
+                outs: list[np.ndarray] = [self._block_view(first, b) for b in block_ids]
+            else:  # row i: block i's layers of this group, contiguous
+                outs = [staging[i, :len(layers)] for i in range(len(keys))]
+            started = time.perf_counter()
+            got = self._get_many(keys, layers, outs)
+            pulled = time.perf_counter()
+            load.pull_s += pulled - started
+            if all(arr is not None for arr in got):  # a request's cost, for the planner
+                with self._count_lock:
+                    self._report.setdefault("pulls", []).append(
+                        [len(keys) * len(layers) * self._block_nbytes, pulled - started])
+            ok = [i for i, arr in enumerate(got) if arr is not None]
+            failed.update(block_ids[i] for i, arr in enumerate(got) if arr is None)
+            with load.lock:
                 if load.timed_out:  # the model went on without these blocks: vLLM recomputes them
                     break  # into blocks it may reuse meanwhile, so nothing more is written there
                 for j, layer in enumerate(layers):
@@ -472,12 +541,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                         self._write_layer(layer, [block_ids[i] for i in ok],
                                           staging[:, j] if len(ok) == len(keys) else staging[ok, j])
                     load.done[layer].set()
-                load.copy_s += time.perf_counter() - pulled
-        finally:
-            load.failed_blocks = failed
-            load.finished_s = time.perf_counter() - load.started
-            for event in load.done:
-                event.set()
+            load.copy_s += time.perf_counter() - pulled
 
     def _get_many(self, keys: list[bytes], layers: range, outs: list[np.ndarray]) -> list[np.ndarray | None]:
         """``get_many`` of one layer group, split over up to ``_PULL_STREAMS`` concurrent calls
@@ -531,7 +595,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         if not load.done[layer].wait(self.settings.load_timeout_s):
             log.warning("kvpool: layer %d did not load within %.1f s: its blocks are recomputed", layer,
                         self.settings.load_timeout_s)
-            load.timed_out = True
+            with load.lock:  # a layer being written finishes first; then nothing more is
+                load.timed_out = True
         load.waited_s += time.perf_counter() - started
         if layer == len(self._layers) - 1:
             self._finish_load()
@@ -550,9 +615,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._last_waited = load.waited_s
         self.stats["load_wait_s"] += load.waited_s
         self.stats["load_total_s"] += load.finished_s
-        log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d layers "
-                 "per pull; pulls %.2f ms, copies into the cache %.2f ms, started %.2f ms after the step)",
-                 len(load.block_ids), len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3,
+        log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d in place "
+                 "from a same-host arena; %d layers per pull; pulls %.2f ms, copies into the cache %.2f ms, started "
+                 "%.2f ms after the step)",
+                 len(load.block_ids), len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3, load.in_place,
                  self._layers_per_pull, load.pull_s * 1e3, load.copy_s * 1e3,
                  (load.started - self._step_started) * 1e3 if self._step_started else 0.0)
 

@@ -7,13 +7,22 @@ import mmap
 import os
 import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvpool import errors
-from kvpool.objformat import FIXED_HEADER_NBYTES, LayerRange, ObjectHeader, ObjectSpec, decode, header_nbytes_at
+from kvpool.objformat import (
+    FIXED_HEADER_NBYTES,
+    LayerRange,
+    ObjectHeader,
+    ObjectSpec,
+    copy_layer_checksums,
+    decode,
+    header_nbytes_at,
+)
 from tiers.base import close_mapping
 from tiers.cxl.arena import _ARENA, _MAX_HEADER_NBYTES, DATA_OFFSET, AccessModel, ArenaHeader, _lock_is_free
 from tiers.cxl.index import SharedIndexReader, index_path
@@ -244,6 +253,39 @@ class CxlArenaReader:
             dst[:] = src
         if self.model.enabled:
             self.model.charge(rng.nbytes, time.perf_counter() - start)
+
+    def copy_layer_out(self, layer: int, objects: Sequence[tuple[int, ObjectHeader]],
+                       outs: Sequence[Any]) -> list[bool]:
+        """Copy layer ``layer`` of many objects, each ``(offset, header)`` as :meth:`find` gave
+        it, into ``outs[i]`` (one layer's bytes each, e.g. a paged KV cache's block): one call
+        for a layer of many blocks, each copy hashed as it is made and checked against its
+        header. ``ok[i]`` False: that copy failed its checksum (the owner reused the extent
+        meanwhile, or rot), so ``outs[i]`` holds bytes that are not the object's and must not
+        be used. Raises LayerRangeError for a layer an object lacks, OutBufferError for an
+        ``out`` of another size or read-only (before anything is copied)."""
+        self._check_open()
+        self._check_size()
+        spans = []
+        for (offset, header), out in zip(objects, outs, strict=True):
+            spec = header.spec
+            if not 0 <= layer < spec.layers:
+                raise errors.LayerRangeError(f"layer {layer} of an object of {spec.layers} layers")
+            first = offset + spec.header_nbytes + layer * spec.layer_nbytes
+            if offset < 0 or first + spec.layer_nbytes > self.header.capacity_bytes:
+                raise errors.FormatError(f"cxl: layer at {first} outside the arena")
+            dst = memoryview(out)
+            if dst.readonly or dst.nbytes != spec.layer_nbytes:
+                raise errors.OutBufferError(
+                    f"out of {dst.nbytes} bytes{' (read-only)' if dst.readonly else ''} for a layer of "
+                    f"{spec.layer_nbytes}")
+            spans.append((dst, first, spec.layer_nbytes, header.layer_checksums[layer]))
+        start = time.perf_counter()
+        arena = self.arena
+        ok = [copy_layer_checksums(dst, arena[first:first + n].data, n)[0] == expected
+              for dst, first, n, expected in spans]
+        if self.model.enabled:
+            self.model.charge(sum(n for _, _, n, _ in spans), time.perf_counter() - start)
+        return ok
 
     def _check_open(self) -> None:
         if self._mmap is None:
