@@ -36,7 +36,7 @@ def make_model(path: str, layers: int = 4, hidden: int = 256, kv_heads: int = 2)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=hidden // 64, num_key_value_heads=kv_heads, head_dim=64,
-                         max_position_embeddings=4096)
+                         max_position_embeddings=16384)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> None:
 
     kwargs: dict = {}
     if args.connector == "kvpool":
-        extra = {"master": args.master, "transport": args.transport, "plan": not args.no_plan}
+        extra = {"master": args.master, "transport": args.transport, "plan": not args.no_plan,
+                 "load_async": args.load_async}
         if args.durable:  # else the --config TOML's node.durable decides (kvpool.client.durable_copies)
             extra["durable"] = True
         if args.config:
@@ -135,6 +136,8 @@ def main() -> None:
     go.add_argument("--config", default="", help="kvpool TOML for the engine's own pool")
     go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")
     go.add_argument("--transport", choices=["auto", "tcp"], default="auto", help="kvpool: how pulls travel")
+    go.add_argument("--load-async", action="store_true",
+                    help="kvpool: requests wait for their blocks outside the model's steps")
     go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
     go.add_argument("--max-tokens", type=int, default=8)

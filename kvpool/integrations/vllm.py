@@ -116,6 +116,9 @@ class Transfer:
 class KvpoolConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    # Loads of requests waiting outside the model's steps (``load_async``): finished through
+    # get_finished, never waited for by a forward pass.
+    async_loads: list[Transfer] = field(default_factory=list)
     num_tokens: int = 0  # tokens the step computes (the worker measures the prefill rate)
 
 
@@ -173,9 +176,11 @@ class _Stage:
 
 
 class _LayerLoad:
-    """One step's loads: a thread pulls layer by layer; the model waits per layer."""
+    """One step's loads: a thread pulls layer by layer; the model waits per layer (an
+    asynchronous load: nobody waits; get_finished reports ``req_ids`` when it is done)."""
 
-    def __init__(self, layers: int, block_ids: list[int]) -> None:
+    def __init__(self, layers: int, block_ids: list[int], req_ids: list[str] | None = None) -> None:
+        self.req_ids = req_ids or []
         self.done = [threading.Event() for _ in range(layers)]
         self.block_ids = block_ids
         self.failed_blocks: set[int] = set()
@@ -240,6 +245,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             self.namespace = namespace_of(vllm_config, 0)
             self._master = MasterClient(self.settings.master, config=Config.load(self.settings.pool_config()))
             self._tracked: dict[str, _Tracked] = {}
+            self._async_pending: list[Transfer] = []  # loads of requests that wait outside the steps
             self.planner = Planner()
             self._block_bytes = 0  # one block of one layer, as the workers report it
             self._layers_count = 0
@@ -266,6 +272,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
         self._streams = concurrent.futures.ThreadPoolExecutor(_PULL_STREAMS - 1, thread_name_prefix="kvpool-pull")
         self._load_future: concurrent.futures.Future[None] | None = None
+        # Asynchronous loads (``load_async``), on a thread of their own, until get_finished
+        # reports them: (load, its future).
+        self._async_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-load-async")
+        self._async_loads: list[tuple[_LayerLoad, concurrent.futures.Future[None]]] = []
         self._staging: np.ndarray | None = None  # reused by loads of several layers per pull
         self._stage: _Stage | None = None  # this step's blocks to save, as the layers come
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
@@ -320,7 +330,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 log.info("kvpool plan: request %s loads %d held blocks: %.2f ms beats recomputing them in %.2f ms",
                          request.request_id, held, transfer * 1e3, recompute * 1e3)
         log.debug("request %s: kvpool holds blocks %d..%d of %d", request.request_id, first, hits, len(keys))
-        return held * self.block_size, False
+        return held * self.block_size, self.settings.load_async
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' measurements (:class:`KvpoolStats`) refine the planner."""
@@ -347,12 +357,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         first = tracked.first
         count = num_external_tokens // self.block_size
-        tracked.load = Transfer(request.request_id, tracked.keys[first:first + count],
-                                block_ids[first:first + count])
+        load = Transfer(request.request_id, tracked.keys[first:first + count], block_ids[first:first + count])
+        if self.settings.load_async:  # the request waits outside the steps: loaded from this step on
+            self._async_pending.append(load)
+        else:  # loaded at the request's first step, which waits for it
+            tracked.load = load
         tracked.saved_upto = first + count
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvpoolConnectorMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
+        meta.async_loads, self._async_pending = self._async_pending, []
         steps: list[tuple[str, int, list[int] | None, bool]] = []
         for new in scheduler_output.scheduled_new_reqs:
             steps.append((new.req_id, new.num_computed_tokens, list(new.block_ids[0]), True))
@@ -436,6 +450,12 @@ class KvpoolConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
+        if meta.async_loads:
+            keys = [k for t in meta.async_loads for k in t.keys]
+            load = _LayerLoad(len(self._layers), [b for t in meta.async_loads for b in t.block_ids],
+                              [t.req_id for t in meta.async_loads])
+            self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys, False)))
+            self._count("blocks_loaded", len(keys))
         keys = [k for t in meta.loads for k in t.keys]
         block_ids = [b for t in meta.loads for b in t.block_ids]
         if not keys:
@@ -444,16 +464,17 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
 
-    def _pull(self, load: _LayerLoad, keys: list[bytes]) -> None:
+    def _pull(self, load: _LayerLoad, keys: list[bytes], direct: bool = True) -> None:
         """The loader thread: blocks a same-host node holds in its shared-memory arena are
         copied from there straight into the paged cache (:meth:`_copy_in_place`); the others
         are pulled (:meth:`_pull_remote`). Each layer is handed to the model (``load.done``) as
-        soon as every block has it."""
+        soon as every block has it. ``direct`` False: pulls always land in the staging buffer
+        first (an asynchronous load that times out must not write into the cache later)."""
         failed: set[int] = set()
         try:
             rest = self._copy_in_place(load, keys, failed)
             if rest and not load.timed_out:
-                self._pull_remote(load, [keys[i] for i in rest], [load.block_ids[i] for i in rest], failed)
+                self._pull_remote(load, [keys[i] for i in rest], [load.block_ids[i] for i in rest], failed, direct)
         finally:
             load.failed_blocks = failed
             load.finished_s = time.perf_counter() - load.started
@@ -507,7 +528,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._count("blocks_in_place", in_place)
         return sorted(set(rest) | bad)
 
-    def _pull_remote(self, load: _LayerLoad, keys: list[bytes], block_ids: list[int], failed: set[int]) -> None:
+    def _pull_remote(self, load: _LayerLoad, keys: list[bytes], block_ids: list[int], failed: set[int],
+                     direct_ok: bool = True) -> None:
         """Every block's layers, ``layers_per_pull`` at a time, each group in one ``get_many``
         (one master round trip at most for the whole step, then the location cache; every
         pull in flight at once), each layer handed to the model (``load.done``) as soon as it
@@ -515,7 +537,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         several land in one reused buffer, then one gather-copy per layer moves every block of
         that layer into the cache (no per-block Python). Blocks that fail go in ``failed``."""
         group, layers_count = self._layers_per_pull, len(self._layers)
-        direct = group == 1 and self._on_host
+        direct = group == 1 and self._on_host and direct_ok
         staging = None if direct else self._staging_for(len(keys), group)
         for first in range(0, layers_count, group):
             layers = range(first, min(first + group, layers_count))
@@ -622,6 +644,40 @@ class KvpoolConnector(KVConnectorBase_V1):
                  self._layers_per_pull, load.pull_s * 1e3, load.copy_s * 1e3,
                  (load.started - self._step_started) * 1e3 if self._step_started else 0.0)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose asynchronous load finished (loaded, failed, or given up after
+        ``load_timeout_s``: then every block of it is reported for recompute, and the loader
+        writes nothing more into the cache). Their failed blocks are in this same pass's
+        :meth:`get_block_ids_with_load_errors`, as vLLM requires."""
+        if self._role == KVConnectorRole.SCHEDULER or not self._async_loads:
+            return None, None
+        done: set[str] = set()
+        pending = []
+        now = time.perf_counter()
+        for load, future in self._async_loads:
+            if not future.done():
+                if now - load.started < self.settings.load_timeout_s:
+                    pending.append((load, future))
+                    continue
+                with load.lock:  # a layer being written finishes first; then nothing more is
+                    load.timed_out = True
+                log.warning("kvpool: an asynchronous load of %d blocks did not finish within %.1f s: they are "
+                            "recomputed", len(load.block_ids), self.settings.load_timeout_s)
+                load.finished_s = now - load.started
+            done.update(load.req_ids)
+            failed = set(load.block_ids) if load.timed_out else load.failed_blocks
+            if failed:
+                self._failed_blocks |= failed
+                self._count("blocks_failed", len(failed))
+                log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(failed))
+            self.stats["load_total_s"] += load.finished_s
+            log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited 0.00 ms for them (%d in place "
+                     "from a same-host arena; asynchronous: %d requests waited outside the model's steps; pulls "
+                     "%.2f ms, copies into the cache %.2f ms)", len(load.block_ids), len(self._layers),
+                     load.finished_s * 1e3, load.in_place, len(load.req_ids), load.pull_s * 1e3, load.copy_s * 1e3)
+        self._async_loads = pending
+        return None, done or None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:
             return None
@@ -705,7 +761,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         else:
             if self._load_future is not None:
                 concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
+            concurrent.futures.wait([f for _, f in self._async_loads], self.settings.load_timeout_s)
             self._loader.shutdown(wait=False)
+            self._async_loader.shutdown(wait=False)
             self._streams.shutdown(wait=False)
             self._saver.shutdown(wait=True)  # saves in flight finish first
             log.info("kvpool saves: %d blocks saved in %.3f s on the saver thread", self.stats["blocks_saved"],
