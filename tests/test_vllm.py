@@ -133,7 +133,7 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     # is bench/vllm_bench.py's); the corrupt block fails its checksum, so vLLM recomputes from
     # there. Every output is the plain engine's, token for token.
     # (--no-plan: this tiny model recomputes faster than it loads, and the planner would say so.)
-    second = engine(tmp_path, "second", *common, *kv, "--transport", "tcp", "--no-plan")
+    second = engine(tmp_path, "second", *common, *kv, "--transport", "tcp", "--no-plan", "--load", "sync")
     assert [o["tokens"] for o in second["outputs"]] == tokens
     # vLLM counts the tokens it was promised as cached (3 blocks each; a new engine has nothing
     # of its own), and reports the recompute of the corrupt block and the one after it.
@@ -142,10 +142,10 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     assert "kvpool: 1 blocks failed to load" in log
     assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in log
 
-    # load_async: each request waits for its blocks outside the model's steps (vLLM's
-    # WAITING_FOR_REMOTE_KVS) and no forward pass waits for a load; same tokens, the same
-    # recompute of the corrupt block.
-    third = engine(tmp_path, "third", *common, *kv, "--no-plan", "--load-async")
+    # load_async (the default; "second" loaded in its steps): each request waits for its blocks
+    # outside the model's steps (vLLM's WAITING_FOR_REMOTE_KVS) and no forward pass waits for a
+    # load; same tokens, the same recompute of the corrupt block.
+    third = engine(tmp_path, "third", *common, *kv, "--no-plan")
     assert [o["tokens"] for o in third["outputs"]] == tokens
     log = (tmp_path / "third.log").read_text()
     assert "kvpool: 1 blocks failed to load" in log and "asynchronous: " in log
@@ -246,7 +246,7 @@ def _scheduler(master_address: str):
     from kvpool.integrations.vllm import KvpoolConnector, Settings
 
     connector = object.__new__(KvpoolConnector)
-    connector.settings = Settings.from_extra({"master": master_address})
+    connector.settings = Settings.from_extra({"master": master_address, "load_async": False})
     connector.block_size = BLOCK
     connector.namespace = "test-namespace"
     connector.stats = Counter()
@@ -327,7 +327,7 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         step.num_scheduled_tokens, step.total_num_scheduled_tokens = {"r1": 4 * BLOCK}, 4 * BLOCK
         meta = connector.build_connector_meta(step)
         assert meta.loads == [] and [(t.keys, t.block_ids) for t in meta.saves] == [(keys[3:4], [23])]
-        connector.settings = Settings.from_extra({"master": master, "plan": False})  # always load
+        connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": False})  # always load
         connector._tracked.clear()
         assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
         # load_async: the request waits outside the model's steps; its load goes out with the next

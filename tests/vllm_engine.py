@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> None:
 
     kwargs: dict = {}
     if args.connector == "kvpool":
-        extra = {"master": args.master, "transport": args.transport, "plan": not args.no_plan,
-                 "load_async": args.load_async}
+        extra = {"master": args.master, "transport": args.transport, "plan": not args.no_plan}
+        if args.load != "default":
+            extra["load_async"] = args.load == "async"
         if args.durable:  # else the --config TOML's node.durable decides (kvpool.client.durable_copies)
             extra["durable"] = True
         if args.config:
@@ -91,8 +92,11 @@ def run(args: argparse.Namespace) -> None:
     with open(args.prompts) as fh:
         prompts = json.load(fh)
     started = time.perf_counter()
+    # A whole prompt prefills in one step (no chunks): vLLM's ExampleConnector stores only the
+    # chunk of a step under the request's hash, and an 8k prompt in 4k chunks fails its load.
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-              max_model_len=args.max_model_len, block_size=BLOCK_SIZE, seed=0, **kwargs)
+              max_model_len=args.max_model_len, block_size=BLOCK_SIZE, seed=0,
+              max_num_batched_tokens=max(args.max_model_len, 2048), **kwargs)
     startup_s = time.perf_counter() - started
     namespace = None
     if args.connector == "kvpool":
@@ -136,8 +140,9 @@ def main() -> None:
     go.add_argument("--config", default="", help="kvpool TOML for the engine's own pool")
     go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")
     go.add_argument("--transport", choices=["auto", "tcp"], default="auto", help="kvpool: how pulls travel")
-    go.add_argument("--load-async", action="store_true",
-                    help="kvpool: requests wait for their blocks outside the model's steps")
+    go.add_argument("--load", choices=["default", "async", "sync"], default="default",
+                    help="kvpool: requests wait for their blocks outside the model's steps (async, the "
+                         "connector's default) or the model waits in its step (sync)")
     go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
     go.add_argument("--max-tokens", type=int, default=8)

@@ -20,7 +20,8 @@ for a layer before those blocks are recomputed; 30), ``on_load_failure``
 instead; ``"fail"``: vLLM fails the request, its own default), ``transport``
 (``"auto"``: same-host holders over shared memory, others over TCP; ``"tcp"``),
 ``plan`` (load only where loading beats recomputing; true), ``layers_per_pull``
-(``"auto"`` or a count, below).
+(``"auto"`` or a count, below), ``load_async`` (true: a request waits for its blocks
+outside the model's steps; false: its first step waits for them, layer by layer).
 
 One kvpool object per full vLLM block: the block's bytes of every layer,
 layer-major, under the block's prefix hash (:func:`kvpool.hashing.prefix_hashes`
@@ -36,7 +37,14 @@ Scheduler side (EngineCore process): one batched ``lookup`` per new request
 beyond vLLM's own prefix-cache hits; at most all but the last prompt token load
 (vLLM must compute one). Partial blocks are never stored or loaded.
 
-Worker side: :meth:`KvpoolConnector.start_load_kv` hands the step's loads to a
+Worker side, loads: blocks a same-host node keeps in its shared-memory ``cxl`` arena are
+copied from there straight into the paged cache, layer by layer, each copy verified as it
+is made (found through the arena's shared index: no master, no pull); the others are
+pulled. With ``load_async`` (the default) :meth:`KvpoolConnector.get_num_new_matched_tokens`
+tells vLLM to keep the request waiting (``WAITING_FOR_REMOTE_KVS``) while a thread of
+its own loads the blocks, and :meth:`~KvpoolConnector.get_finished` hands the request back
+when they are in (failed blocks reported in the same pass): no forward pass waits for a
+load, other requests' steps go on. Without it, :meth:`KvpoolConnector.start_load_kv` hands the step's loads to a
 long-lived loader thread, which pulls the first layers of every block, then the next
 ones, ... (one ``get_many`` per layer group: one ``locate`` for all the step's blocks at
 most, then the location cache; every pull in flight at once);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -28,6 +29,11 @@ from tiers.cxl.arena import _ARENA, _MAX_HEADER_NBYTES, DATA_OFFSET, AccessModel
 from tiers.cxl.index import SharedIndexReader, index_path
 
 log = logging.getLogger("tiers.cxl")
+
+# madvise(MADV_POPULATE_READ) (Linux 5.14+): map a range's pages in one call instead of a
+# page fault each on first touch; a reader maps another process's arena, so every object it
+# has not read before is cold in its page tables (a 16 MiB copy took 4x longer cold here).
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else 0)
 
 # -- same-host readers --------------------------------------------------------------------
 
@@ -280,12 +286,29 @@ class CxlArenaReader:
                     f"{spec.layer_nbytes}")
             spans.append((dst, first, spec.layer_nbytes, header.layer_checksums[layer]))
         start = time.perf_counter()
+        for _, first, n, _ in spans:
+            self._populate(first, n)
         arena = self.arena
         ok = [copy_layer_checksums(dst, arena[first:first + n].data, n)[0] == expected
               for dst, first, n, expected in spans]
         if self.model.enabled:
             self.model.charge(sum(n for _, _, n, _ in spans), time.perf_counter() - start)
         return ok
+
+    def _populate(self, first: int, nbytes: int) -> None:
+        """Map the pages of data-area bytes ``first .. first + nbytes`` now, in one call (best
+        effort: a kernel without MADV_POPULATE_READ faults them in on first touch as before)."""
+        global _MADV_POPULATE_READ
+        if not _MADV_POPULATE_READ or self._mmap is None:
+            return
+        at = self.header.data_offset + first
+        start = at - at % mmap.PAGESIZE
+        try:
+            self._mmap.madvise(_MADV_POPULATE_READ, start, at + nbytes - start)
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENOSYS):
+                _MADV_POPULATE_READ = 0  # not in this kernel: never asked again
+            log.debug("madvise(MADV_POPULATE_READ) of %d bytes: %s", nbytes, exc)
 
     def _check_open(self) -> None:
         if self._mmap is None:
