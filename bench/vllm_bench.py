@@ -16,9 +16,9 @@ prefix cache:
    per stored document (the document + a 16-token tail), one at a time, ``max_tokens=1``: the
    call's time is the TTFT. Rows: no connector (recompute), ExampleConnector, kvpool same host
    (``transport=auto``: copied from the same-host node's arena straight into the paged
-   cache; ``load_async``, the default: requests wait for their blocks outside the model's
-   steps), the same with ``load_async`` off (the model waits in its step, layer by layer),
-   kvpool over TCP (``transport=tcp``: pulled from that node over its TCP port).
+   cache, the model waiting in its step layer by layer), the same with ``load_async``
+   (requests wait for their blocks outside the model's steps), kvpool over TCP
+   (``transport=tcp``: pulled from that node over its TCP port).
    Every row's tokens are checked against the first's;
 3. from the kvpool engines' logs: the time the model waited for layers against the time loads
    were in flight (``kvpool load: ... in X ms, the model waited Y ms``), the blocks copied in
@@ -375,7 +375,7 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
     runs = [("no connector (recompute)", length),
             ("vLLM ExampleConnector (files, page cache)", ["--connector", "example", "--store", str(store), *length]),
             ("kvpool, same host (shared-memory arena)", kv),
-            ("kvpool, same host, load_async off", [*kv, "--load", "sync"]),
+            ("kvpool, same host, load_async", [*kv, "--load", "async"]),
             ("kvpool, TCP", [*kv, "--transport", "tcp"])]
     rows: list[list[str]] = []
     reference = None

@@ -142,10 +142,10 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     assert "kvpool: 1 blocks failed to load" in log
     assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in log
 
-    # load_async (the default; "second" loaded in its steps): each request waits for its blocks
+    # load_async ("second" loaded in its steps, the default): each request waits for its blocks
     # outside the model's steps (vLLM's WAITING_FOR_REMOTE_KVS) and no forward pass waits for a
     # load; same tokens, the same recompute of the corrupt block.
-    third = engine(tmp_path, "third", *common, *kv, "--no-plan")
+    third = engine(tmp_path, "third", *common, *kv, "--no-plan", "--load", "async")
     assert [o["tokens"] for o in third["outputs"]] == tokens
     log = (tmp_path / "third.log").read_text()
     assert "kvpool: 1 blocks failed to load" in log and "asynchronous: " in log

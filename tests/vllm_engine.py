@@ -141,8 +141,8 @@ def main() -> None:
     go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")
     go.add_argument("--transport", choices=["auto", "tcp"], default="auto", help="kvpool: how pulls travel")
     go.add_argument("--load", choices=["default", "async", "sync"], default="default",
-                    help="kvpool: requests wait for their blocks outside the model's steps (async, the "
-                         "connector's default) or the model waits in its step (sync)")
+                    help="kvpool: requests wait for their blocks outside the model's steps (async) or "
+                         "the model waits in its step, layer by layer (sync, the connector's default)")
     go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
     go.add_argument("--max-tokens", type=int, default=8)

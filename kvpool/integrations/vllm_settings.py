@@ -30,7 +30,7 @@ class Settings:
     transport: str = "auto"
     plan: bool = True
     layers_per_pull: int = 0  # 0: auto
-    load_async: bool = True  # requests wait for their blocks outside the model's steps
+    load_async: bool = False  # True: requests wait for their blocks outside the model's steps
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -73,7 +73,7 @@ class Settings:
         if per_pull != "auto" and (isinstance(per_pull, bool) or not isinstance(per_pull, int) or per_pull < 1):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "layers_per_pull" must be "auto" or an int >= 1, got {per_pull!r}')
-        load_async = extra.get("load_async", True)
+        load_async = extra.get("load_async", False)
         if not isinstance(load_async, bool):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "load_async" must be true or false, got {load_async!r}')
