@@ -286,7 +286,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         # reports them: (load, its future).
         self._async_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-load-async")
         self._async_loads: list[tuple[_LayerLoad, concurrent.futures.Future[None]]] = []
-        self._staging: np.ndarray | None = None  # reused by loads of several layers per pull
+        # Reused by loads of several layers per pull, one per loader thread (the sync and the
+        # asynchronous loader never share one).
+        self._stagings: dict[int, np.ndarray] = {}
         self._stage: _Stage | None = None  # this step's blocks to save, as the layers come
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
         self._saves: list[concurrent.futures.Future[None]] = []
@@ -600,9 +602,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         """A [blocks, layers, ...] buffer for several layers per pull, reused from step to step
         (a fresh one would cost a page fault per 4 KiB on every load)."""
         nbytes = blocks * layers * self._block_nbytes
-        if self._staging is None or self._staging.nbytes < nbytes:
-            self._staging = np.empty(nbytes, np.uint8)
-        return self._staging[:nbytes].view(self._np_dtype).reshape(blocks, layers, *self._shape[1:])
+        staging = self._stagings.get(threading.get_ident())
+        if staging is None or staging.nbytes < nbytes:
+            staging = self._stagings[threading.get_ident()] = np.empty(nbytes, np.uint8)
+        return staging[:nbytes].view(self._np_dtype).reshape(blocks, layers, *self._shape[1:])
 
     def _write_layer(self, layer: int, block_ids: list[int], data: np.ndarray) -> None:
         """Copy one layer of several blocks (host bytes, [blocks, ...]) into the paged cache,
