@@ -45,11 +45,11 @@ vLLM to keep the request waiting (``WAITING_FOR_REMOTE_KVS``) while a thread of 
 loads the blocks, and :meth:`~KvpoolConnector.get_finished` hands the request back when
 they are in (failed blocks reported in the same pass): no forward pass waits for a load,
 other requests' steps go on, but the request's own forward pass starts only after its
-load (at 8k tokens here 208 ms TTFT against 108 ms without: ``docs/vllm.md``). Without
-it (the default), :meth:`KvpoolConnector.start_load_kv` hands the step's loads to a
-long-lived loader thread, which pulls the first layers of every block, then the next
-ones, ... (one ``get_many`` per layer group: one ``locate`` for all the step's blocks at
-most, then the location cache; every pull in flight at once);
+load (``docs/vllm.md`` compares the two). Without it (the default),
+:meth:`KvpoolConnector.start_load_kv` hands the step's loads to a long-lived loader
+thread, which pulls the first layers of every block, then the next ones, ... (one
+``get_many`` per layer group: one ``locate`` for all the step's blocks at most, then the
+location cache; every pull in flight at once);
 :meth:`~KvpoolConnector.wait_for_layer_load` waits for that one layer while later layers
 are still in flight. ``layers_per_pull`` layers go in one request: 1 lands straight in
 the paged cache's blocks; more land in one reused buffer and one scatter per layer moves
