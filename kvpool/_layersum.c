@@ -282,6 +282,74 @@ static PyObject *copy_layer_digests(PyObject *self, PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(copy_spans_digests_doc,
+"copy_spans_digests(dsts, srcs) -> tuple[int, ...]\n\n"
+"``copy_layer_digests`` of many one-layer spans in one call: copy each ``srcs[i]`` into\n"
+"``dsts[i]`` (writable, the same length, at least 241 bytes, not overlapping) and return the\n"
+"xxh3-64 of each as copied. The GIL is released once for all of them (a per-span call\n"
+"takes it back after every copy, which waits behind other threads).");
+
+static PyObject *copy_spans_digests(PyObject *self, PyObject *args) {
+    PyObject *dst_list, *src_list;
+    if (!PyArg_ParseTuple(args, "OO:copy_spans_digests", &dst_list, &src_list)) return NULL;
+    PyObject *dsts = PySequence_Fast(dst_list, "dsts must be a sequence of buffers");
+    if (dsts == NULL) return NULL;
+    PyObject *srcs = PySequence_Fast(src_list, "srcs must be a sequence of buffers");
+    if (srcs == NULL) {
+        Py_DECREF(dsts);
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(dsts), held = 0;
+    Py_buffer *views = NULL;
+    uint64_t *sums = NULL;
+    PyObject *out = NULL;
+    if (PySequence_Fast_GET_SIZE(srcs) != count) {
+        PyErr_Format(PyExc_ValueError, "%zd dsts for %zd srcs", count, PySequence_Fast_GET_SIZE(srcs));
+        goto done;
+    }
+    views = PyMem_Calloc((size_t)(2 * count + 1), sizeof(Py_buffer));
+    sums = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(count + 1));
+    if (views == NULL || sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++, held++) {
+        Py_buffer *d = &views[2 * i], *r = &views[2 * i + 1];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(dsts, i), d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(srcs, i), r, PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(d);
+            goto done;
+        }
+        if (d->len != r->len || r->len < MIN_LONG) {
+            PyErr_Format(PyExc_ValueError, "span %zd: dst holds %zd bytes, src %zd (at least %d each)", i, d->len,
+                         r->len, MIN_LONG);
+            held++;
+            goto done;
+        }
+        if ((char *)d->buf < (char *)r->buf + r->len && (char *)r->buf < (char *)d->buf + d->len) {
+            PyErr_Format(PyExc_ValueError, "span %zd: dst and src overlap", i);
+            held++;
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        sums[i] = layer((uint8_t *)views[2 * i].buf, (const uint8_t *)views[2 * i + 1].buf, (size_t)views[2 * i].len);
+    Py_END_ALLOW_THREADS
+    out = digests(sums, count);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&views[2 * i]);
+        PyBuffer_Release(&views[2 * i + 1]);
+    }
+    PyMem_Free(views);
+    PyMem_RawFree(sums);
+    Py_DECREF(dsts);
+    Py_DECREF(srcs);
+    return out;
+}
+
 PyDoc_STRVAR(use_variant_doc,
 "use_variant(name) -> str\n\n"
 "Compute with ``name`` (\"avx2\" or \"portable\") from now on, in this process; returns the\n"
@@ -308,6 +376,7 @@ static PyMethodDef methods[] = {
     {"use_variant", use_variant, METH_VARARGS, use_variant_doc},
     {"layer_digests", layer_digests, METH_VARARGS, layer_digests_doc},
     {"copy_layer_digests", copy_layer_digests, METH_VARARGS, copy_layer_digests_doc},
+    {"copy_spans_digests", copy_spans_digests, METH_VARARGS, copy_spans_digests_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     # is bench/vllm_bench.py's); the corrupt block fails its checksum, so vLLM recomputes from
     # there. Every output is the plain engine's, token for token.
     # (--no-plan: this tiny model recomputes faster than it loads, and the planner would say so.)
-    second = engine(tmp_path, "second", *common, *kv, "--transport", "tcp", "--no-plan")
+    second = engine(tmp_path, "second", *common, *kv, "--transport", "tcp", "--no-plan", "--load", "sync")
     assert [o["tokens"] for o in second["outputs"]] == tokens
     # vLLM counts the tokens it was promised as cached (3 blocks each; a new engine has nothing
     # of its own), and reports the recompute of the corrupt block and the one after it.
@@ -140,6 +141,15 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     log = (tmp_path / "second.log").read_text()
     assert "kvpool: 1 blocks failed to load" in log
     assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in log
+
+    # load_async ("second" loaded in its steps, the default): each request waits for its blocks
+    # outside the model's steps (vLLM's WAITING_FOR_REMOTE_KVS) and no forward pass waits for a
+    # load; same tokens, the same recompute of the corrupt block.
+    third = engine(tmp_path, "third", *common, *kv, "--no-plan", "--load", "async")
+    assert [o["tokens"] for o in third["outputs"]] == tokens
+    log = (tmp_path / "third.log").read_text()
+    assert "kvpool: 1 blocks failed to load" in log and "asynchronous: " in log
+    assert "the model waited 0.00 ms" in log
 
 
 def test_a_sliding_window_model_loads_its_prefix_from_kvpool_and_generates_the_same_tokens(
@@ -236,7 +246,7 @@ def _scheduler(master_address: str):
     from kvpool.integrations.vllm import KvpoolConnector, Settings
 
     connector = object.__new__(KvpoolConnector)
-    connector.settings = Settings.from_extra({"master": master_address})
+    connector.settings = Settings.from_extra({"master": master_address, "load_async": False})
     connector.block_size = BLOCK
     connector.namespace = "test-namespace"
     connector.stats = Counter()
@@ -244,6 +254,7 @@ def _scheduler(master_address: str):
     connector._block_bytes = connector._layers_count = connector._rounds = 0
     connector._master = MasterClient(master_address, request_timeout_s=5.0)
     connector._tracked = {}
+    connector._async_pending = []
     return connector
 
 
@@ -316,9 +327,22 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         step.num_scheduled_tokens, step.total_num_scheduled_tokens = {"r1": 4 * BLOCK}, 4 * BLOCK
         meta = connector.build_connector_meta(step)
         assert meta.loads == [] and [(t.keys, t.block_ids) for t in meta.saves] == [(keys[3:4], [23])]
-        connector.settings = Settings.from_extra({"master": master, "plan": False})  # always load
+        connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": False})  # always load
         connector._tracked.clear()
         assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
+        # load_async: the request waits outside the model's steps; its load goes out with the next
+        # step whatever that step schedules (here nothing), and only once.
+        connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": True})
+        connector._tracked.clear()
+        assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, True)
+        connector.update_state_after_alloc(request, blocks, 3 * BLOCK)
+        idle = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                               scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                                     num_computed_tokens=[], resumed_req_ids=set()))
+        meta = connector.build_connector_meta(idle)
+        assert meta.loads == [] and [(t.req_id, t.keys, t.block_ids) for t in meta.async_loads] == [
+            ("r1", keys[:3], [10, 11, 12])]
+        assert connector.build_connector_meta(idle).async_loads == []
         # Another namespace (model, dtype, layout) never matches.
         connector.namespace = "another-model"
         connector._tracked.clear()
@@ -452,6 +476,166 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         for connector in (writer, reader):
             connector._saver.shutdown()
             connector._pool.close()
+
+
+def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadline_is_recomputed_whole(
+        tmp_path: Path, spawn_python) -> None:
+    """``load_async``: the blocks load on the worker's own thread while no forward pass waits;
+    get_finished names the request once every block is in the cache (failed blocks in the same
+    pass's load errors). A load still running after ``load_timeout_s`` is reported finished
+    with every block failed, and its bytes, arriving later, are never written into the cache."""
+    import numpy as np
+    import torch
+
+    import kvpool
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer
+    from tests.vllm_engine import worker_connector
+
+    master = start_master(spawn_python)
+    layers, blocks, heads, head_dim = 3, 6, 2, 16
+
+    def pool(name: str):
+        return kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / name)},
+                                              "tiers": {"dram": {"capacity": "16MiB", "mlock": False},
+                                                        "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                              "master": {"listen": master}})
+
+    writer = pool("writer")
+    caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
+              for i in range(layers)}
+    reader = worker_connector(Settings.from_extra({"master": master, "load_async": True, "load_timeout_s": 5.0}),
+                              pool("reader"), caches, heads, BLOCK)
+    try:
+        rng = np.random.default_rng(5)
+        keys = [b"async-%d" % i for i in range(3)]
+        objects = [rng.integers(0, 1 << 16, (layers, 2, BLOCK, heads, head_dim), dtype=np.uint16) for _ in keys]
+        writer.put_many(list(zip(keys, objects)), dtype="bfloat16")
+        writer.delete(keys[2])  # a miss: that block is reported for recompute
+
+        def finished_within(deadline_s: float) -> set[str]:
+            deadline = time.monotonic() + deadline_s
+            while True:
+                _, done = reader.get_finished(set())
+                if done or time.monotonic() > deadline:
+                    return done or set()
+                time.sleep(0.005)
+
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(async_loads=[Transfer("a", keys[:2], [4, 1]),
+                                                                            Transfer("b", keys[2:], [2])]))
+        reader.start_load_kv(None)  # type: ignore[arg-type]
+        reader.wait_for_layer_load("layer.0")  # no forward pass waits for an asynchronous load
+        assert reader._load is None
+        reader.wait_for_save()
+        assert finished_within(10) == {"a", "b"}
+        assert reader.get_block_ids_with_load_errors() == {2}
+        for block_id, obj in ((4, objects[0]), (1, objects[1])):
+            assert all(np.array_equal(reader._layers[i][block_id].view(torch.int16).numpy().reshape(-1),
+                                      obj[i].view(np.int16).reshape(-1)) for i in range(layers))
+        assert reader.get_finished(set()) == (None, None)  # reported once
+
+        # Past its deadline: reported finished, every block failed; the pull, let go afterwards,
+        # writes nothing into the cache.
+        reader.settings = Settings.from_extra({"master": master, "load_async": True, "load_timeout_s": 0.05})
+        gate = threading.Event()
+        get_many = reader._pool.get_many
+
+        def held_back(*args: Any, **kwargs: Any) -> Any:
+            gate.wait(10)
+            return get_many(*args, **kwargs)
+
+        reader._pool.get_many = held_back  # type: ignore[method-assign]
+        for cache in reader._layers:
+            cache.zero_()
+        try:
+            reader.bind_connector_metadata(KvpoolConnectorMetadata(async_loads=[Transfer("c", keys[:2], [0, 5])]))
+            reader.start_load_kv(None)  # type: ignore[arg-type]
+            reader.wait_for_save()
+            assert finished_within(10) == {"c"}
+            assert reader.get_block_ids_with_load_errors() == {0, 5}
+        finally:
+            gate.set()
+            reader._pool.get_many = get_many  # type: ignore[method-assign]
+        reader._async_loader.shutdown(wait=True)  # the pull has finished
+        assert all(not cache.any() for cache in reader._layers)
+    finally:
+        reader._saver.shutdown()
+        reader._pool.close()
+        writer.close()
+
+
+def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_each_copy_verified(
+        tmp_path: Path, spawn_python) -> None:
+    """A same-host node (the holder) keeps the blocks in its shared-memory cxl arena: the
+    worker copies each layer of them from there into the paged cache (no pull, no master),
+    verified as it copies. A block whose arena bytes are corrupt is then pulled whole from
+    another replica if there is one (here none: it is reported for recompute) and never
+    handed to vLLM as loaded; the others still load."""
+    import numpy as np
+    import torch
+
+    import kvpool
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer
+    from tests.vllm_engine import worker_connector
+
+    master = start_master(spawn_python)
+    layers, blocks, heads, head_dim = 4, 6, 2, 16
+    holder = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "holder")},
+                                            "tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": "16MiB"},
+                                                      "nvme": {"capacity": 0}},
+                                            "master": {"listen": master}})
+    reader_pool = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "reader")},
+                                                 "tiers": {"dram": {"capacity": "16MiB", "mlock": False},
+                                                           "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                                 "master": {"listen": master}})
+    caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
+              for i in range(layers)}
+    reader = worker_connector(Settings.from_extra({"master": master}), reader_pool, caches, heads, BLOCK)
+    try:
+        rng = np.random.default_rng(3)
+        keys = [b"arena-block-%d" % i for i in range(3)]
+        # One object per block: its layers are the paged cache's block bytes, layer-major.
+        objects = [rng.integers(0, 1 << 16, (layers, 2, BLOCK, heads, head_dim), dtype=np.uint16) for _ in keys]
+        holder.put_many(list(zip(keys, objects)), dtype="bfloat16")
+
+        def load(block_ids: list[int]) -> set[int]:
+            reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, block_ids)],
+                                                                   num_tokens=1))
+            reader.start_load_kv(None)  # type: ignore[arg-type]
+            for i in range(layers):
+                reader.wait_for_layer_load(f"layer.{i}")
+            reader.wait_for_save()
+            return reader.get_block_ids_with_load_errors()
+
+        def holds(block_id: int, obj: np.ndarray) -> bool:
+            return all(np.array_equal(reader._layers[i][block_id].view(torch.int16).numpy().reshape(-1),
+                                      obj[i].view(np.int16).reshape(-1)) for i in range(layers))
+
+        pulled = reader_pool.stats()["remote"].get("bytes_pulled", 0)
+        assert load([4, 1, 2]) == set()
+        assert all(holds(b, obj) for b, obj in zip([4, 1, 2], objects))
+        assert reader.stats["blocks_in_place"] == 3
+        assert reader_pool.stats()["remote"].get("bytes_pulled", 0) == pulled  # nothing went over the get path
+        assert not reader._layers[0][0].any() and not reader._layers[0][3].any()  # nothing else written
+
+        # Flip one byte of block 1's layer 2 in the holder's arena: that copy fails its checksum,
+        # the block is tried on the pull path (the same corrupt replica: a miss) and reported for
+        # recompute; blocks 0 and 2 load.
+        [(arena, offset, header)] = reader_pool.cluster.reader.arenas.find_many(keys[1:2])
+        at = arena.header.data_offset + offset + header.spec.header_nbytes + 2 * header.spec.layer_nbytes + 100
+        with open(arena.path, "r+b") as fh:
+            fh.seek(at)
+            byte = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        for cache in reader._layers:
+            cache.zero_()
+        assert load([5, 3, 0]) == {3}
+        assert holds(5, objects[0]) and holds(0, objects[2])
+        assert reader.stats["blocks_in_place"] == 5
+    finally:
+        reader._saver.shutdown()
+        reader_pool.close()
+        holder.close()
 
 
 def test_a_model_kind_the_connector_cannot_store_is_refused_at_start_with_one_clear_error() -> None:

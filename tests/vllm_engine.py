@@ -1,7 +1,7 @@
 """A real vLLM (CPU) engine on a tiny local Llama: used by tests/test_vllm.py and bench/vllm_bench.py.
 
     python -m tests.vllm_engine make-model DIR
-    python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example]
+    python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example|offloading]
                                 [--master ADDR] [--config TOML] [--durable] [--store DIR] [--max-tokens N]
 
 ``run`` generates greedily for every prompt (a JSON list of token-id lists), one
@@ -36,7 +36,7 @@ def make_model(path: str, layers: int = 4, hidden: int = 256, kv_heads: int = 2)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=hidden // 64, num_key_value_heads=kv_heads, head_dim=64,
-                         max_position_embeddings=4096)
+                         max_position_embeddings=16384)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> None:
     kwargs: dict = {}
     if args.connector == "kvpool":
         extra = {"master": args.master, "transport": args.transport, "plan": not args.no_plan}
+        if args.load != "default":
+            extra["load_async"] = args.load == "async"
         if args.durable:  # else the --config TOML's node.durable decides (kvpool.client.durable_copies)
             extra["durable"] = True
         if args.config:
@@ -83,11 +85,18 @@ def run(args: argparse.Namespace) -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": args.store})
+    elif args.connector == "offloading":  # vLLM's native CPU offloading (its own process's CPU memory)
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30})
     with open(args.prompts) as fh:
         prompts = json.load(fh)
     started = time.perf_counter()
+    # A whole prompt prefills in one step (no chunks): vLLM's ExampleConnector stores only the
+    # chunk of a step under the request's hash, and an 8k prompt in 4k chunks fails its load.
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-              max_model_len=args.max_model_len, block_size=BLOCK_SIZE, seed=0, **kwargs)
+              max_model_len=args.max_model_len, block_size=BLOCK_SIZE, seed=0,
+              max_num_batched_tokens=max(args.max_model_len, 2048), **kwargs)
     startup_s = time.perf_counter() - started
     namespace = None
     if args.connector == "kvpool":
@@ -126,11 +135,14 @@ def main() -> None:
     go.add_argument("model")
     go.add_argument("prompts", help="JSON list of token-id lists")
     go.add_argument("out", help="where the JSON result goes")
-    go.add_argument("--connector", choices=["none", "kvpool", "example"], default="none")
+    go.add_argument("--connector", choices=["none", "kvpool", "example", "offloading"], default="none")
     go.add_argument("--master", default="tcp://127.0.0.1:7700", help="kvpool master")
     go.add_argument("--config", default="", help="kvpool TOML for the engine's own pool")
     go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")
     go.add_argument("--transport", choices=["auto", "tcp"], default="auto", help="kvpool: how pulls travel")
+    go.add_argument("--load", choices=["default", "async", "sync"], default="default",
+                    help="kvpool: requests wait for their blocks outside the model's steps (async) or "
+                         "the model waits in its step, layer by layer (sync, the connector's default)")
     go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
     go.add_argument("--max-tokens", type=int, default=8)

@@ -20,7 +20,8 @@ for a layer before those blocks are recomputed; 30), ``on_load_failure``
 instead; ``"fail"``: vLLM fails the request, its own default), ``transport``
 (``"auto"``: same-host holders over shared memory, others over TCP; ``"tcp"``),
 ``plan`` (load only where loading beats recomputing; true), ``layers_per_pull``
-(``"auto"`` or a count, below).
+(``"auto"`` or a count, below), ``load_async`` (true: a request waits for its blocks
+outside the model's steps; false: its first step waits for them, layer by layer).
 
 One kvpool object per full vLLM block: the block's bytes of every layer,
 layer-major, under the block's prefix hash (:func:`kvpool.hashing.prefix_hashes`
@@ -36,10 +37,19 @@ Scheduler side (EngineCore process): one batched ``lookup`` per new request
 beyond vLLM's own prefix-cache hits; at most all but the last prompt token load
 (vLLM must compute one). Partial blocks are never stored or loaded.
 
-Worker side: :meth:`KvpoolConnector.start_load_kv` hands the step's loads to a
-long-lived loader thread, which pulls the first layers of every block, then the next
-ones, ... (one ``get_many`` per layer group: one ``locate`` for all the step's blocks at
-most, then the location cache; every pull in flight at once);
+Worker side, loads: blocks a same-host node keeps in its shared-memory ``cxl`` arena are
+copied from there straight into the paged cache, layer by layer, each copy verified as it
+is made (found through the arena's shared index: no master, no pull); the others are
+pulled. With ``load_async``, :meth:`KvpoolConnector.get_num_new_matched_tokens` tells
+vLLM to keep the request waiting (``WAITING_FOR_REMOTE_KVS``) while a thread of its own
+loads the blocks, and :meth:`~KvpoolConnector.get_finished` hands the request back when
+they are in (failed blocks reported in the same pass): no forward pass waits for a load,
+other requests' steps go on, but the request's own forward pass starts only after its
+load (``docs/vllm.md`` compares the two). Without it (the default),
+:meth:`KvpoolConnector.start_load_kv` hands the step's loads to a long-lived loader
+thread, which pulls the first layers of every block, then the next ones, ... (one
+``get_many`` per layer group: one ``locate`` for all the step's blocks at most, then the
+location cache; every pull in flight at once);
 :meth:`~KvpoolConnector.wait_for_layer_load` waits for that one layer while later layers
 are still in flight. ``layers_per_pull`` layers go in one request: 1 lands straight in
 the paged cache's blocks; more land in one reused buffer and one scatter per layer moves
@@ -116,6 +126,9 @@ class Transfer:
 class KvpoolConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    # Loads of requests waiting outside the model's steps (``load_async``): finished through
+    # get_finished, never waited for by a forward pass.
+    async_loads: list[Transfer] = field(default_factory=list)
     num_tokens: int = 0  # tokens the step computes (the worker measures the prefill rate)
 
 
@@ -173,9 +186,11 @@ class _Stage:
 
 
 class _LayerLoad:
-    """One step's loads: a thread pulls layer by layer; the model waits per layer."""
+    """One step's loads: a thread pulls layer by layer; the model waits per layer (an
+    asynchronous load: nobody waits; get_finished reports ``req_ids`` when it is done)."""
 
-    def __init__(self, layers: int, block_ids: list[int]) -> None:
+    def __init__(self, layers: int, block_ids: list[int], req_ids: list[str] | None = None) -> None:
+        self.req_ids = req_ids or []
         self.done = [threading.Event() for _ in range(layers)]
         self.block_ids = block_ids
         self.failed_blocks: set[int] = set()
@@ -184,7 +199,11 @@ class _LayerLoad:
         self.started = time.perf_counter()
         self.finished_s = 0.0
         self.pull_s = 0.0  # in get_many (locate, pulls, checksums)
-        self.copy_s = 0.0  # from the staging buffer into the paged cache
+        self.copy_s = 0.0  # into the paged cache (from same-host arenas, or the staging buffer)
+        self.in_place = 0  # blocks copied from a same-host node's arena
+        # Held while the loader writes a layer into the paged cache, and by the model's side
+        # when it gives up waiting: once timed_out is set, nothing more is written there.
+        self.lock = threading.Lock()
 
 
 def check_model_kind(kv_cache_config: KVCacheConfig | None) -> None:
@@ -236,6 +255,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             self.namespace = namespace_of(vllm_config, 0)
             self._master = MasterClient(self.settings.master, config=Config.load(self.settings.pool_config()))
             self._tracked: dict[str, _Tracked] = {}
+            self._async_pending: list[Transfer] = []  # loads of requests that wait outside the steps
             self.planner = Planner()
             self._block_bytes = 0  # one block of one layer, as the workers report it
             self._layers_count = 0
@@ -262,7 +282,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
         self._streams = concurrent.futures.ThreadPoolExecutor(_PULL_STREAMS - 1, thread_name_prefix="kvpool-pull")
         self._load_future: concurrent.futures.Future[None] | None = None
-        self._staging: np.ndarray | None = None  # reused by loads of several layers per pull
+        # Asynchronous loads (``load_async``), on a thread of their own, until get_finished
+        # reports them: (load, its future).
+        self._async_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-load-async")
+        self._async_loads: list[tuple[_LayerLoad, concurrent.futures.Future[None]]] = []
+        # Reused by loads of several layers per pull, one per loader thread (the sync and the
+        # asynchronous loader never share one).
+        self._stagings: dict[int, np.ndarray] = {}
         self._stage: _Stage | None = None  # this step's blocks to save, as the layers come
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
         self._saves: list[concurrent.futures.Future[None]] = []
@@ -316,7 +342,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 log.info("kvpool plan: request %s loads %d held blocks: %.2f ms beats recomputing them in %.2f ms",
                          request.request_id, held, transfer * 1e3, recompute * 1e3)
         log.debug("request %s: kvpool holds blocks %d..%d of %d", request.request_id, first, hits, len(keys))
-        return held * self.block_size, False
+        return held * self.block_size, self.settings.load_async
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' measurements (:class:`KvpoolStats`) refine the planner."""
@@ -343,12 +369,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         first = tracked.first
         count = num_external_tokens // self.block_size
-        tracked.load = Transfer(request.request_id, tracked.keys[first:first + count],
-                                block_ids[first:first + count])
+        load = Transfer(request.request_id, tracked.keys[first:first + count], block_ids[first:first + count])
+        if self.settings.load_async:  # the request waits outside the steps: loaded from this step on
+            self._async_pending.append(load)
+        else:  # loaded at the request's first step, which waits for it
+            tracked.load = load
         tracked.saved_upto = first + count
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvpoolConnectorMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
+        meta.async_loads, self._async_pending = self._async_pending, []
         steps: list[tuple[str, int, list[int] | None, bool]] = []
         for new in scheduler_output.scheduled_new_reqs:
             steps.append((new.req_id, new.num_computed_tokens, list(new.block_ids[0]), True))
@@ -395,6 +425,10 @@ class KvpoolConnector(KVConnectorBase_V1):
                 f"shape, got {tuple(first.shape)} ({'' if block.is_contiguous() else 'non-'}contiguous blocks)")
         self._dtype_name, self._np_dtype = _DTYPES[first.dtype]
         self._block_nbytes = block.numel() * block.element_size()
+        # Each layer's blocks as bytes ([num_blocks, ...] uint8, no copy): where same-host
+        # arena copies land (host caches only).
+        self._byte_layers = [t.view(torch.uint8).numpy() if t.device.type == "cpu" else np.empty(0, np.uint8)
+                             for t in self._layers]
         # A CPU engine's cache is read and written in place; a GPU engine's goes through host
         # buffers (one copy each way; not yet run on a GPU).
         self._on_host = first.device.type == "cpu"
@@ -428,6 +462,12 @@ class KvpoolConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
+        if meta.async_loads:
+            keys = [k for t in meta.async_loads for k in t.keys]
+            load = _LayerLoad(len(self._layers), [b for t in meta.async_loads for b in t.block_ids],
+                              [t.req_id for t in meta.async_loads])
+            self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys, False)))
+            self._count("blocks_loaded", len(keys))
         keys = [k for t in meta.loads for k in t.keys]
         block_ids = [b for t in meta.loads for b in t.block_ids]
         if not keys:
@@ -436,35 +476,98 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
 
-    def _pull(self, load: _LayerLoad, keys: list[bytes]) -> None:
-        """The loader thread: every block's layers, ``layers_per_pull`` at a time, each group in
-        one ``get_many`` (one master round trip at most for the whole step, then the location
-        cache; every pull in flight at once), each layer handed to the model (``load.done``) as
-        soon as it is in the paged cache. One layer per pull lands straight in the cache's
-        blocks; several land in one reused buffer, then one gather-copy per layer moves every
-        block of that layer into the cache (no per-block Python)."""
-        group, layers_count = self._layers_per_pull, len(self._layers)
-        block_ids = load.block_ids
-        direct = group == 1 and self._on_host
-        staging = None if direct else self._staging_for(len(keys), group)
+    def _pull(self, load: _LayerLoad, keys: list[bytes], direct: bool = True) -> None:
+        """The loader thread: blocks a same-host node holds in its shared-memory arena are
+        copied from there straight into the paged cache (:meth:`_copy_in_place`); the others
+        are pulled (:meth:`_pull_remote`). Each layer is handed to the model (``load.done``) as
+        soon as every block has it. ``direct`` False: pulls always land in the staging buffer
+        first (an asynchronous load that times out must not write into the cache later)."""
         failed: set[int] = set()
         try:
-            for first in range(0, layers_count, group):
-                layers = range(first, min(first + group, layers_count))
-                if staging is None:  # straight into the paged cache's blocks
-                    outs: list[np.ndarray] = [self._block_view(first, b) for b in block_ids]
-                else:  # row i: block i's layers of this group, contiguous
-                    outs = [staging[i, :len(layers)] for i in range(len(keys))]
-                started = time.perf_counter()
-                got = self._get_many(keys, layers, outs)
-                pulled = time.perf_counter()
-                load.pull_s += pulled - started
-                if all(arr is not None for arr in got):  # a request's cost, for the planner
-                    with self._count_lock:
-                        self._report.setdefault("pulls", []).append(
-                            [len(keys) * len(layers) * self._block_nbytes, pulled - started])
-                ok = [i for i, arr in enumerate(got) if arr is not None]
-                failed.update(block_ids[i] for i, arr in enumerate(got) if arr is None)
+            rest = self._copy_in_place(load, keys, failed)
+            if rest and not load.timed_out:
+                self._pull_remote(load, [keys[i] for i in rest], [load.block_ids[i] for i in rest], failed, direct)
+        finally:
+            load.failed_blocks = failed
+            load.finished_s = time.perf_counter() - load.started
+            for event in load.done:
+                event.set()
+
+    def _copy_in_place(self, load: _LayerLoad, keys: list[bytes], failed: set[int]) -> list[int]:
+        """Copy the blocks found in a same-host node's cxl arena (through its shared index, no
+        master, no pull) layer by layer into the paged cache, each copy verified against the
+        block's header as it is made (one ``copy_layer_out`` per layer for every block); the
+        indices of the blocks left to pull: not found, or a copy failed its checksum (all of
+        that block's layers are then pulled again, so it is whole or reported failed). Hands
+        each layer to the model as it lands when nothing is left to pull."""
+        everything = list(range(len(keys)))
+        arenas = getattr(getattr(getattr(self._pool, "cluster", None), "reader", None), "arenas", None)
+        if not self._on_host or self.settings.transport != "auto" or arenas is None:
+            return everything
+        started = time.perf_counter()
+        found = arenas.find_many(keys)
+        here = [i for i, hit in enumerate(found) if hit is not None]
+        if not here:
+            return everything
+        fits = [i for i in here if found[i][2].spec.layers == len(self._layers)
+                and found[i][2].spec.layer_nbytes == self._block_nbytes]
+        bad: set[int] = set(here) - set(fits)
+        if bad:
+            log.warning("kvpool: %d same-host blocks have another shape than this cache's (%s): pulled instead",
+                        len(bad), found[min(bad)][2].spec)
+        rest = sorted(set(everything) - set(fits) | bad)
+        for layer, cache in enumerate(self._byte_layers):
+            with load.lock:
+                if load.timed_out:  # the model went on: vLLM recomputes into these blocks
+                    break
+                live = [i for i in fits if i not in bad]
+                by_reader: dict[Any, list[int]] = {}
+                for i in live:
+                    by_reader.setdefault(found[i][0], []).append(i)
+                for reader, items in by_reader.items():
+                    try:
+                        ok = reader.copy_layer_out(layer, [found[i][1:] for i in items],
+                                                   [cache[load.block_ids[i]] for i in items])
+                    except (errors.KVPoolError, OSError) as exc:  # the arena went away: pull these
+                        log.info("kvpool: same-host arena copy failed (%s): pulling %d blocks", exc, len(items))
+                        ok = [False] * len(items)
+                    bad.update(i for i, good in zip(items, ok) if not good)
+                if not rest and not bad:
+                    load.done[layer].set()
+        in_place = len(fits) - len(bad)
+        load.in_place += in_place
+        load.copy_s += time.perf_counter() - started
+        self._count("blocks_in_place", in_place)
+        return sorted(set(rest) | bad)
+
+    def _pull_remote(self, load: _LayerLoad, keys: list[bytes], block_ids: list[int], failed: set[int],
+                     direct_ok: bool = True) -> None:
+        """Every block's layers, ``layers_per_pull`` at a time, each group in one ``get_many``
+        (one master round trip at most for the whole step, then the location cache; every
+        pull in flight at once), each layer handed to the model (``load.done``) as soon as it
+        is in the paged cache. One layer per pull lands straight in the cache's blocks;
+        several land in one reused buffer, then one gather-copy per layer moves every block of
+        that layer into the cache (no per-block Python). Blocks that fail go in ``failed``."""
+        group, layers_count = self._layers_per_pull, len(self._layers)
+        direct = group == 1 and self._on_host and direct_ok
+        staging = None if direct else self._staging_for(len(keys), group)
+        for first in range(0, layers_count, group):
+            layers = range(first, min(first + group, layers_count))
+            if staging is None:  # straight into the paged cache's blocks
+                outs: list[np.ndarray] = [self._block_view(first, b) for b in block_ids]
+            else:  # row i: block i's layers of this group, contiguous
+                outs = [staging[i, :len(layers)] for i in range(len(keys))]
+            started = time.perf_counter()
+            got = self._get_many(keys, layers, outs)
+            pulled = time.perf_counter()
+            load.pull_s += pulled - started
+            if all(arr is not None for arr in got):  # a request's cost, for the planner
+                with self._count_lock:
+                    self._report.setdefault("pulls", []).append(
+                        [len(keys) * len(layers) * self._block_nbytes, pulled - started])
+            ok = [i for i, arr in enumerate(got) if arr is not None]
+            failed.update(block_ids[i] for i, arr in enumerate(got) if arr is None)
+            with load.lock:
                 if load.timed_out:  # the model went on without these blocks: vLLM recomputes them
                     break  # into blocks it may reuse meanwhile, so nothing more is written there
                 for j, layer in enumerate(layers):
@@ -472,12 +575,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                         self._write_layer(layer, [block_ids[i] for i in ok],
                                           staging[:, j] if len(ok) == len(keys) else staging[ok, j])
                     load.done[layer].set()
-                load.copy_s += time.perf_counter() - pulled
-        finally:
-            load.failed_blocks = failed
-            load.finished_s = time.perf_counter() - load.started
-            for event in load.done:
-                event.set()
+            load.copy_s += time.perf_counter() - pulled
 
     def _get_many(self, keys: list[bytes], layers: range, outs: list[np.ndarray]) -> list[np.ndarray | None]:
         """``get_many`` of one layer group, split over up to ``_PULL_STREAMS`` concurrent calls
@@ -506,9 +604,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         """A [blocks, layers, ...] buffer for several layers per pull, reused from step to step
         (a fresh one would cost a page fault per 4 KiB on every load)."""
         nbytes = blocks * layers * self._block_nbytes
-        if self._staging is None or self._staging.nbytes < nbytes:
-            self._staging = np.empty(nbytes, np.uint8)
-        return self._staging[:nbytes].view(self._np_dtype).reshape(blocks, layers, *self._shape[1:])
+        staging = self._stagings.get(threading.get_ident())
+        if staging is None or staging.nbytes < nbytes:
+            staging = self._stagings[threading.get_ident()] = np.empty(nbytes, np.uint8)
+        return staging[:nbytes].view(self._np_dtype).reshape(blocks, layers, *self._shape[1:])
 
     def _write_layer(self, layer: int, block_ids: list[int], data: np.ndarray) -> None:
         """Copy one layer of several blocks (host bytes, [blocks, ...]) into the paged cache,
@@ -533,7 +632,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         if not load.done[layer].wait(self.settings.load_timeout_s):
             log.warning("kvpool: layer %d did not load within %.1f s: its blocks are recomputed", layer,
                         self.settings.load_timeout_s)
-            load.timed_out = True
+            with load.lock:  # a layer being written finishes first; then nothing more is
+                load.timed_out = True
         load.waited_s += time.perf_counter() - started
         if layer == len(self._layers) - 1:
             self._finish_load()
@@ -552,11 +652,46 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._last_waited = load.waited_s
         self.stats["load_wait_s"] += load.waited_s
         self.stats["load_total_s"] += load.finished_s
-        log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d layers "
-                 "per pull; pulls %.2f ms, copies into the cache %.2f ms, started %.2f ms after the step)",
-                 len(load.block_ids), len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3,
+        log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d in place "
+                 "from a same-host arena; %d layers per pull; pulls %.2f ms, copies into the cache %.2f ms, started "
+                 "%.2f ms after the step)",
+                 len(load.block_ids), len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3, load.in_place,
                  self._layers_per_pull, load.pull_s * 1e3, load.copy_s * 1e3,
                  (load.started - self._step_started) * 1e3 if self._step_started else 0.0)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose asynchronous load finished (loaded, failed, or given up after
+        ``load_timeout_s``: then every block of it is reported for recompute, and the loader
+        writes nothing more into the cache). Their failed blocks are in this same pass's
+        :meth:`get_block_ids_with_load_errors`, as vLLM requires."""
+        if self._role == KVConnectorRole.SCHEDULER or not self._async_loads:
+            return None, None
+        done: set[str] = set()
+        pending = []
+        now = time.perf_counter()
+        for load, future in self._async_loads:
+            if not future.done():
+                if now - load.started < self.settings.load_timeout_s:
+                    pending.append((load, future))
+                    continue
+                with load.lock:  # a layer being written finishes first; then nothing more is
+                    load.timed_out = True
+                log.warning("kvpool: an asynchronous load of %d blocks did not finish within %.1f s: they are "
+                            "recomputed", len(load.block_ids), self.settings.load_timeout_s)
+                load.finished_s = now - load.started
+            done.update(load.req_ids)
+            failed = set(load.block_ids) if load.timed_out else load.failed_blocks
+            if failed:
+                self._failed_blocks |= failed
+                self._count("blocks_failed", len(failed))
+                log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(failed))
+            self.stats["load_total_s"] += load.finished_s
+            log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited 0.00 ms for them (%d in place "
+                     "from a same-host arena; asynchronous: %d requests waited outside the model's steps; pulls "
+                     "%.2f ms, copies into the cache %.2f ms)", len(load.block_ids), len(self._layers),
+                     load.finished_s * 1e3, load.in_place, len(load.req_ids), load.pull_s * 1e3, load.copy_s * 1e3)
+        self._async_loads = pending
+        return None, done or None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:
@@ -641,7 +776,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         else:
             if self._load_future is not None:
                 concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
+            concurrent.futures.wait([f for _, f in self._async_loads], self.settings.load_timeout_s)
             self._loader.shutdown(wait=False)
+            self._async_loader.shutdown(wait=False)
             self._streams.shutdown(wait=False)
             self._saver.shutdown(wait=True)  # saves in flight finish first
             log.info("kvpool saves: %d blocks saved in %.3f s on the saver thread", self.stats["blocks_saved"],

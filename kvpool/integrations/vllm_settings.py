@@ -30,6 +30,7 @@ class Settings:
     transport: str = "auto"
     plan: bool = True
     layers_per_pull: int = 0  # 0: auto
+    load_async: bool = False  # True: requests wait for their blocks outside the model's steps
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -37,7 +38,7 @@ class Settings:
 
         extra = dict(extra or {})
         known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport", "plan",
-                 "layers_per_pull"}
+                 "layers_per_pull", "load_async"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -72,8 +73,12 @@ class Settings:
         if per_pull != "auto" and (isinstance(per_pull, bool) or not isinstance(per_pull, int) or per_pull < 1):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "layers_per_pull" must be "auto" or an int >= 1, got {per_pull!r}')
+        load_async = extra.get("load_async", False)
+        if not isinstance(load_async, bool):
+            raise errors.ConfigError(
+                f'kv_connector_extra_config "load_async" must be true or false, got {load_async!r}')
         return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
-                   transport, plan, 0 if per_pull == "auto" else per_pull)
+                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one

@@ -136,6 +136,28 @@ class SameHostArenas:
             return arr
         return None
 
+    def find_many(self, keys: Sequence[bytes]) -> list[tuple[Any, int, Any] | None]:
+        """Where each key lies in a neighbour's arena, through its shared index (no master):
+        ``(reader, offset, header)``, or None. Copy its layers with the reader's
+        ``copy_layer_out`` (each copy verified against that header: a reused extent fails)."""
+        if not self._neighbours:
+            return [None] * len(keys)
+        with self._lock:
+            neighbours = list(self._neighbours.values())
+        found: list[tuple[Any, int, Any] | None] = []
+        for key in keys:
+            hit = None
+            for reader in neighbours:
+                try:
+                    at = reader.find(key)
+                except (errors.KVPoolError, OSError):
+                    continue
+                if at is not None:
+                    hit = (reader, *at)
+                    break
+            found.append(hit)
+        return found
+
     def owner_alive(self, node_id: Any) -> bool | None:
         """Whether a neighbour's arena still has its owner (its lock is held); None when
         ``node_id`` is not a neighbour."""
