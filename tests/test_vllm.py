@@ -8,6 +8,7 @@ installed (``pip install 'kvpool[vllm]'``); .ci/run installs it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,25 @@ def model_and_prompts(tmp_path: Path, *make_model: str) -> tuple[list[str], list
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     return [str(model), str(prompts_file), "--max-tokens", "16"], bases
+
+@contextlib.contextmanager
+def pulls_held_back(connector: Any) -> Iterator[None]:
+    """The connector's pulls wait (up to 10 s) until the block exits: a load is still in
+    flight when the model gives up on it, whatever the machine's speed."""
+    gate = threading.Event()
+    get_many = connector._pool.get_many
+
+    def held_back(*args: Any, **kwargs: Any) -> Any:
+        gate.wait(10)
+        return get_many(*args, **kwargs)
+
+    connector._pool.get_many = held_back
+    try:
+        yield
+    finally:
+        gate.set()
+        connector._pool.get_many = get_many
+
 
 def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_tokens(tmp_path: Path, spawn_python):
     master = f"tcp://127.0.0.1:{free_tcp_port()}"
@@ -453,15 +474,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         # finish before the first wait, and there is nothing to time out).
         reader.settings = Settings.from_extra({"master": master, "layers_per_pull": layers_per_pull,
                                                "load_timeout_s": 1e-6})
-        gate = threading.Event()
-        get_many = reader._pool.get_many
-
-        def held_back(*args: Any, **kwargs: Any) -> Any:
-            gate.wait(10)
-            return get_many(*args, **kwargs)
-
-        reader._pool.get_many = held_back  # type: ignore[method-assign]
-        try:
+        with pulls_held_back(reader):
             reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys[:1], [6])],
                                                                    num_tokens=1))
             reader.start_load_kv(None)
@@ -469,9 +482,6 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
                 reader.wait_for_layer_load(f"layer.{i}")
             reader.wait_for_save()
             assert reader.get_block_ids_with_load_errors() == {6}
-        finally:
-            gate.set()
-            reader._pool.get_many = get_many  # type: ignore[method-assign]
     finally:
         for connector in (writer, reader):
             connector._saver.shutdown()
@@ -536,25 +546,14 @@ def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadl
         # Past its deadline: reported finished, every block failed; the pull, let go afterwards,
         # writes nothing into the cache.
         reader.settings = Settings.from_extra({"master": master, "load_async": True, "load_timeout_s": 0.05})
-        gate = threading.Event()
-        get_many = reader._pool.get_many
-
-        def held_back(*args: Any, **kwargs: Any) -> Any:
-            gate.wait(10)
-            return get_many(*args, **kwargs)
-
-        reader._pool.get_many = held_back  # type: ignore[method-assign]
         for cache in reader._layers:
             cache.zero_()
-        try:
+        with pulls_held_back(reader):
             reader.bind_connector_metadata(KvpoolConnectorMetadata(async_loads=[Transfer("c", keys[:2], [0, 5])]))
             reader.start_load_kv(None)  # type: ignore[arg-type]
             reader.wait_for_save()
             assert finished_within(10) == {"c"}
             assert reader.get_block_ids_with_load_errors() == {0, 5}
-        finally:
-            gate.set()
-            reader._pool.get_many = get_many  # type: ignore[method-assign]
         reader._async_loader.shutdown(wait=True)  # the pull has finished
         assert all(not cache.any() for cache in reader._layers)
     finally:

@@ -217,16 +217,8 @@ class NvmeTier(IndexedSegments):
             return
         preallocated = held + sum(s.capacity - b for i, (s, b) in enumerate(zip(self._segments, self._blocked))
                                   if i in self._prepared)
-        before = self.capacity_bytes
-        self._block_excess(self.capacity_bytes - (preallocated + room) // ALIGN * ALIGN)
-        if self.capacity_bytes < before:
-            first = not self.disk_limited
-            self.disk_limited = (f"the filesystem under {self.path} keeps {headroom} bytes free "
-                                 f"(tiers.nvme.headroom {self.headroom}): {self.capacity_bytes} bytes for this tier")
-            (log.warning if first else log.info)(
-                "nvme tier at %s: the filesystem holds less than tiers.nvme.capacity (%d bytes) while %d bytes are "
-                "kept free on it (tiers.nvme.headroom %s): effective capacity lowered to %d bytes",
-                self.path, self.configured_capacity_bytes, headroom, self.headroom, self.capacity_bytes)
+        self._lower_to(preallocated + room,
+                       f"{headroom} bytes kept free on it, tiers.nvme.headroom {self.headroom}", self.capacity_bytes)
 
     def _lower_capacity(self, err: int | None, preallocated: int, why: str) -> None:
         """Lower ``capacity_bytes`` to what the filesystem holds (alloc lock held).
@@ -251,12 +243,17 @@ class NvmeTier(IndexedSegments):
         except OSError:
             free = headroom = 0
         usable = max(0, free - max(headroom, INDEX_RESERVE_BYTES + free // 128))
-        self._block_excess(self.capacity_bytes - (preallocated + usable) // ALIGN * ALIGN)
+        self._lower_to(preallocated + usable, why, before)
+
+    def _lower_to(self, room: int, why: str, before: int) -> None:
+        """Block what this tier holds beyond ``room`` bytes (aligned down) and say so if the
+        capacity is now below ``before``: one warning when the tier first learns its
+        filesystem is smaller, later lowerings are routine (alloc lock held)."""
+        self._block_excess(self.capacity_bytes - room // ALIGN * ALIGN)
         if self.capacity_bytes < before:
             first = not self.disk_limited
             self.disk_limited = (f"the filesystem under {self.path} holds {self.capacity_bytes} bytes for this tier "
                                  f"({why})")
-            # One warning when the tier first learns its disk is smaller; later lowerings are routine.
             (log.warning if first else log.info)(
                 "nvme tier at %s: the filesystem is smaller than tiers.nvme.capacity (%d bytes): "
                 "effective capacity lowered to %d bytes (%s)",

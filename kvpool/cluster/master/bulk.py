@@ -205,6 +205,19 @@ _OBJECTS = msgspec.msgpack.encode("objects")
 _HEAD_BYTES = 4096  # a publish's fields before its records: ids of at most 256 characters
 
 
+def _first_decoded(decoders: tuple[msgspec.msgpack.Decoder[Any], ...],
+                   frame: bytes | memoryview) -> tuple[int | str, str, Any] | None:
+    """``(request_id, op, body)`` from the first decoder that takes ``frame`` (one per op: a
+    frame of another op fails at its op name, before the body), or None."""
+    for decoder in decoders:
+        try:
+            _, request_id, op, body = decoder.decode(frame)
+            return request_id, op, body
+        except (msgspec.ValidationError, msgspec.DecodeError, errors.KVPoolError, ValueError):
+            continue
+    return None
+
+
 def unpack_columns(frame: bytes | memoryview) -> P.Request | None:
     # A publish whose records come last (as MasterClient sends one): everything before them is
     # decoded with an empty list in their place, so msgspec does not walk the records only to
@@ -224,18 +237,14 @@ def unpack_columns(frame: bytes | memoryview) -> P.Request | None:
             if columns is not None:
                 publish.objects = columns  # type: ignore[assignment]
                 return P.Request(request_id, P.PUBLISH, publish)
-    for decoder in _RAW_DECODERS:
-        try:
-            _, request_id, op, body = decoder.decode(frame)
-            break
-        except (msgspec.ValidationError, msgspec.DecodeError, errors.KVPoolError, ValueError):
-            continue
-    else:
+    decoded = _first_decoded(_RAW_DECODERS, frame)
+    if decoded is None:
         return None
+    request_id, op, body = decoded
     columns = record_columns(body.objects)
     if columns is None:
         return None
-    body.objects = columns  # type: ignore[assignment]
+    body.objects = columns
     return P.Request(request_id, op, body)
 
 
@@ -265,14 +274,10 @@ def unpack_bulk(frame: bytes | memoryview) -> P.Request | None:
     if columns is not None:
         return columns
     with collector_paused():
-        for decoder in _DECODERS:  # a frame of another op fails at its op name, before the body
-            try:
-                _, request_id, op, body = decoder.decode(frame)
-                break
-            except (msgspec.ValidationError, msgspec.DecodeError, errors.KVPoolError, ValueError):
-                continue
-        else:
-            return None
+        decoded = _first_decoded(_DECODERS, frame)
+    if decoded is None:
+        return None
+    request_id, op, body = decoded
     records = body.objects
     if records:
         # One kind of object and no locations, or the general way.
@@ -287,6 +292,6 @@ def unpack_bulk(frame: bytes | memoryview) -> P.Request | None:
             return None
         location: dict[str, Any] = {}  # shared: nothing changes a record's location
         for record in records:
-            record.spec = spec  # type: ignore[assignment]
-            record.location = location  # type: ignore[assignment]
+            record.spec = spec
+            record.location = location
     return P.Request(request_id, op, body)
