@@ -450,6 +450,7 @@ def main() -> None:
                              "ttft: only the TTFT engines (no saves rows)")
     parser.add_argument("--iters", type=int, default=15, help="loads measured per path")
     parser.add_argument("--lookups", type=int, default=400, help="lookup requests measured")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (engine and daemon logs)")
     args = parser.parse_args()
     prefixes = [int(p) for p in str(args.prefix).split(",") if p]
     if not prefixes or any(p <= 0 or p % 128 for p in prefixes):
@@ -522,7 +523,10 @@ def main() -> None:
             daemon.wait(20)
         except subprocess.TimeoutExpired:
             daemon.kill()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads:
     vLLM-CPU's [blocks, kv_heads, block, 2 * head_dim])."""
     from types import SimpleNamespace
 
-    from kvpool.integrations.vllm import KvpoolConnector
+    from kvpool.integrations.vllm import KvpoolConnector, worker_cpus
 
     connector = object.__new__(KvpoolConnector)
     connector.settings, connector.block_size = settings, block_size
@@ -177,6 +177,6 @@ def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads:
     connector._role = None
     connector._connector_metadata = None
     connector.stats = {}
-    connector._init_worker(pool)
+    connector._init_worker(pool, worker_cpus(settings.cpus))
     connector.register_kv_caches(caches)
     return connector

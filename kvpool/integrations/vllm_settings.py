@@ -31,6 +31,7 @@ class Settings:
     plan: bool = True
     layers_per_pull: int = 0  # 0: auto
     load_async: bool = False  # True: requests wait for their blocks outside the model's steps
+    cpus: str | frozenset[int] = "auto"  # where the connector's threads run: "auto", "inherit" or CPU ids
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -38,7 +39,7 @@ class Settings:
 
         extra = dict(extra or {})
         known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport", "plan",
-                 "layers_per_pull", "load_async"}
+                 "layers_per_pull", "load_async", "cpus"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -77,8 +78,15 @@ class Settings:
         if not isinstance(load_async, bool):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "load_async" must be true or false, got {load_async!r}')
+        cpus = extra.get("cpus", "auto")
+        if cpus not in ("auto", "inherit"):
+            if not isinstance(cpus, list) or not cpus or any(
+                    isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus):
+                raise errors.ConfigError(
+                    f'kv_connector_extra_config "cpus" must be "auto", "inherit" or a list of CPU ids, got {cpus!r}')
+            cpus = frozenset(cpus)
         return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
-                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async)
+                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async, cpus)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
