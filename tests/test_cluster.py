@@ -394,6 +394,31 @@ def ucx_published(cluster: Cluster, pool: kvpool.Pool) -> None:
              30, "the client's UCX address at the master")
 
 
+def test_start_ucx_starts_a_clients_ucx_now_and_registers_it(cluster: Cluster) -> None:
+    """A client starts UCX when first wanted, and starting it holds the GIL for ~0.4 s:
+    ``start_ucx()`` starts it before the process serves (the vLLM connector does); the master
+    then has its worker address, and a large object is pulled from it over UCX."""
+    cluster.start_master()
+    holder = cluster.connect("holder")
+    reader = cluster.connect("reader", node__speculative_pulls=False)
+    try:
+        node = holder.cluster.node
+        assert node.engine is None  # connect() started none
+        assert holder.start_ucx() is True
+        assert node.engine is not None
+        ucx_published(cluster, holder)
+        big = (np.arange(2 << 20) % 4093).astype(np.float16).reshape(4, 2, 256, 16, 64)  # 4 MiB
+        holder.put(key_of(5), big)
+        np.testing.assert_array_equal(reader.get(key_of(5)), big)
+        assert reader.stats()["remote"]["pull_client"]["pulls"] == 1
+        assert holder.start_ucx() is True  # once started, again is nothing
+    finally:
+        holder.close()
+        reader.close()
+    with pytest.raises(errors.PoolClosedError):
+        holder.start_ucx()
+
+
 @pytest.mark.slow
 def test_a_client_serves_over_tcp_whatever_the_size_until_its_ucx_has_started(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:

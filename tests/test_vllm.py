@@ -162,6 +162,11 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     log = (tmp_path / "second.log").read_text()
     assert "kvpool: 1 blocks failed to load" in log
     assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in log
+    # vLLM bound the worker's compute (its main thread) to core 0 (VLLM_CPU_OMP_THREADS_BIND=0,
+    # tests/vllm_engine.py); kvpool's threads run on the process's other CPUs, if it has any.
+    if len(os.sched_getaffinity(0)) > 1:
+        assert "kvpool connector: worker threads on CPUs " in log
+        assert f"worker threads on CPUs {sorted(os.sched_getaffinity(0) - {0})} (the model's: [0])" in log
 
     # load_async ("second" loaded in its steps, the default): each request waits for its blocks
     # outside the model's steps (vLLM's WAITING_FOR_REMOTE_KVS) and no forward pass waits for a
@@ -635,6 +640,82 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
         reader._saver.shutdown()
         reader_pool.close()
         holder.close()
+
+
+def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tmp_path: Path, spawn_python) -> None:
+    """vLLM-CPU binds its worker's main thread (and compute threads) to the cores of
+    VLLM_CPU_OMP_THREADS_BIND, and a thread inherits the binding of the thread that starts
+    it: the connector's own threads (loader, pulls, saver) and its kvpool client's (started
+    while it connects) run on the process's other CPUs instead ("cpus": "auto"), where they
+    were started with "inherit", on the CPUs listed otherwise; the model's thread keeps its
+    binding."""
+    import torch
+
+    import kvpool
+    from kvpool import errors
+    from kvpool.integrations.vllm import Settings, threads_on, worker_cpus
+    from tests.vllm_engine import worker_connector
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs a process allowed on two CPUs")
+    model_cpu = min(allowed)
+    master = start_master(spawn_python)
+    seen: dict[str, Any] = {}
+
+    def bound(thread: threading.Thread) -> set[int]:
+        assert thread.native_id is not None
+        return os.sched_getaffinity(thread.native_id)
+
+    def engine_main_thread() -> None:
+        os.sched_setaffinity(0, {model_cpu})  # as vLLM-CPU binds its worker's main thread
+        for setting in ("auto", "inherit", [model_cpu]):
+            settings = Settings.from_extra({"master": master, "cpus": setting})
+            cpus = worker_cpus(settings.cpus)
+            before = set(threading.enumerate())
+            with threads_on(cpus):
+                pool = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / f"w{len(seen)}")},
+                                                      "tiers": {"dram": {"capacity": "4MiB", "mlock": False},
+                                                                "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                                      "master": {"listen": master}})
+            client_threads = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+            caches = {"layer.0": torch.zeros(2, 1, BLOCK, 32, dtype=torch.bfloat16)}
+            connector = worker_connector(settings, pool, caches, 1, BLOCK)
+            try:
+                seen[str(setting)] = (cpus, [bound(t) for t in client_threads],
+                                      connector._loader.submit(os.sched_getaffinity, 0).result(),
+                                      connector._saver.submit(os.sched_getaffinity, 0).result(),
+                                      os.sched_getaffinity(0))
+            finally:
+                connector._loader.shutdown()
+                connector._saver.shutdown()
+                pool.close()
+
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            engine_main_thread()
+        except BaseException as exc:  # re-raised below, in the test's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    if failed:
+        raise failed[0]
+    others = allowed - {model_cpu}
+    cpus, client, loader, saver, main = seen["auto"]
+    assert cpus == others and client and all(t == others for t in client) and loader == saver == others
+    assert main == {model_cpu}  # the model's thread is left as vLLM bound it
+    cpus, client, loader, saver, main = seen["inherit"]
+    assert cpus is None and all(t == {model_cpu} for t in client) and loader == saver == {model_cpu}
+    cpus, client, loader, saver, main = seen[str([model_cpu])]
+    assert cpus == {model_cpu} and loader == saver == {model_cpu}
+    assert worker_cpus("auto") == allowed  # a thread nothing bound: every CPU, as before
+    for bad in ("some", [], [-1], [True], "0,1"):
+        with pytest.raises(errors.ConfigError, match='"cpus"'):
+            Settings.from_extra({"master": master, "cpus": bad})
 
 
 def test_a_model_kind_the_connector_cannot_store_is_refused_at_start_with_one_clear_error() -> None:

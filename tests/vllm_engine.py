@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> None:
             extra["durable"] = True
         if args.config:
             extra["config"] = args.config
+        if args.cpus:
+            extra["cpus"] = args.cpus if args.cpus in ("auto", "inherit") else [int(c) for c in args.cpus.split(",")]
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
@@ -144,6 +146,7 @@ def main() -> None:
                     help="kvpool: requests wait for their blocks outside the model's steps (async) or "
                          "the model waits in its step, layer by layer (sync, the connector's default)")
     go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
+    go.add_argument("--cpus", default="", help="kvpool: where the worker's kvpool threads run (auto, inherit, 0,1,...)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
     go.add_argument("--max-tokens", type=int, default=8)
     go.add_argument("--max-model-len", type=int, default=4096)

@@ -104,11 +104,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolStats", "Settings", "Transfer",
-           "check_model_kind", "model_fingerprint", "namespace_of", "worker_cpus"]
+           "check_model_kind", "model_fingerprint", "namespace_of", "threads_on", "worker_cpus"]
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
 _PULL_TARGET_BYTES = 1 << 20
+_STAGING_PREPARED_BYTES = 256 << 20
+# Saves give way to loads: a step's blocks go in put_many batches of about this many bytes,
+# and before each the saver waits (at most _SAVE_YIELD_S) while a load is in flight.
+_SAVE_BATCH_BYTES = 8 << 20
+_SAVE_YIELD_S = 0.05  # at most this much staging buffer made at start, per loader thread
 # A load's blocks go in up to this many concurrent get_many calls, each on its own connection
 # (holders serve one connection's pulls one after another): 16 blocks of 1 MiB loaded at
 # 1.2-1.5x get_many's speed with 4, 0.9x with 1 (bench/vllm_bench.py, docs/vllm.md).
@@ -264,7 +269,7 @@ def worker_cpus(setting: str | frozenset[int]) -> frozenset[int] | None:
 
 
 @contextlib.contextmanager
-def _threads_on(cpus: frozenset[int] | None) -> Iterator[None]:
+def threads_on(cpus: frozenset[int] | None) -> Iterator[None]:
     """Threads started inside run on ``cpus`` (they inherit the calling thread's binding,
     restored after)."""
     if cpus is None:
@@ -312,9 +317,12 @@ class KvpoolConnector(KVConnectorBase_V1):
 
             self.namespace = namespace_of(vllm_config, get_tensor_model_parallel_rank())
             cpus = worker_cpus(self.settings.cpus)
-            with _threads_on(cpus):  # the client's own threads (serving pulls, heartbeats, UCX)
+            with threads_on(cpus):  # the client's own threads (serving pulls, heartbeats, UCX)
                 pool = kvpool.connect(self.settings.master, config=self.settings.pool_config(),
                                       transport=self.settings.transport)
+                # Now, not at the first save of a block above 1 MiB: starting UCX holds the GIL
+                # for ~0.4 s, which stalled the model and a load in flight mid-request.
+                pool.start_ucx()
             self._init_worker(pool, cpus)
             log.info("kvpool connector: worker threads on CPUs %s (the model's: %s)",
                      "as created" if cpus is None else sorted(cpus), sorted(os.sched_getaffinity(0)))
@@ -330,12 +338,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._load: _LayerLoad | None = None
-        self._cpus = cpus
+
+        def bind() -> None:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
 
         def executor(threads: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
-            return concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix=name, initializer=None if cpus is None else os.sched_setaffinity,
-                initargs=() if cpus is None else (0, cpus))
+            return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=bind)
 
         self._loader = executor(1, "kvpool-load")
         self._streams = executor(_PULL_STREAMS - 1, "kvpool-pull")
@@ -351,6 +360,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._saver = executor(1, "kvpool-save")
         self._saves: list[concurrent.futures.Future[None]] = []
         self._count_lock = threading.Lock()
+        self._loads_in_flight = 0  # loads handed to a loader thread and not finished (under _count_lock)
+        self._loads_idle = threading.Event()
+        self._loads_idle.set()
         self._report: dict[str, Any] = {}  # measured since the last get_kv_connector_stats
         self._step_started = 0.0
         self._last_waited = 0.0  # of this step's load, once finished
@@ -502,6 +514,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._shape = (1, 2, self.block_size, kv_heads, elements // (2 * self.block_size * kv_heads))
         log.info("kvpool connector: %d layers, blocks of %s %s stored as %s", len(self._layers),
                  tuple(block.shape), first.dtype, self._shape)
+        # The loader threads' staging buffers for one request of the longest prompt, made and
+        # faulted in now, off the first load's path (a first touch costs more than the copy:
+        # 64 MiB of fresh huge pages took ~400 ms on a VM whose freed memory the host reclaims).
+        if self._layers_per_pull > 1 or not self._on_host:
+            longest = getattr(getattr(self._vllm_config, "model_config", None), "max_model_len", 0) or 0
+            blocks = min(-(-int(longest) // self.block_size),
+                         _STAGING_PREPARED_BYTES // (self._layers_per_pull * self._block_nbytes))
+            if blocks > 0:
+                loader = self._async_loader if self.settings.load_async else self._loader
+                loader.submit(lambda: self._staging_for(blocks, self._layers_per_pull).fill(0))
 
     def _block_view(self, layer: int, block_id: int) -> np.ndarray:
         """The paged cache's block as a writable kvpool layer (``out=`` target), no copy: host
@@ -524,6 +546,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             keys = [k for t in meta.async_loads for k in t.keys]
             load = _LayerLoad(len(self._layers), [b for t in meta.async_loads for b in t.block_ids],
                               [t.req_id for t in meta.async_loads])
+            self._loading(+1)
             self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys, False)))
             self._count("blocks_loaded", len(keys))
         keys = [k for t in meta.loads for k in t.keys]
@@ -531,6 +554,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         if not keys:
             return
         load = self._load = _LayerLoad(len(self._layers), block_ids)
+        self._loading(+1)
         self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
 
@@ -550,6 +574,17 @@ class KvpoolConnector(KVConnectorBase_V1):
             load.finished_s = time.perf_counter() - load.started
             for event in load.done:
                 event.set()
+            self._loading(-1)
+
+    def _loading(self, change: int) -> None:
+        """Count a load handed to a loader thread (+1) or finished (-1); the saver waits on
+        ``_loads_idle``."""
+        with self._count_lock:
+            self._loads_in_flight += change
+            if self._loads_in_flight:
+                self._loads_idle.clear()
+            else:
+                self._loads_idle.set()
 
     def _copy_in_place(self, load: _LayerLoad, keys: list[bytes], failed: set[int]) -> list[int]:
         """Copy the blocks found in a same-host node's cxl arena (through its shared index, no
@@ -810,17 +845,23 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._saves = [f for f in self._saves if not f.done()]
 
     def _save(self, stage: _Stage) -> None:
-        """Put one step's blocks (the saver thread): one ``put_many``, durable by the one rule
-        of :func:`kvpool.client.durable_copies` (the ``durable`` / ``replicas`` settings, else
-        the pool config's ``node.durable`` / ``node.replicas``): one placement and one
-        replicate exchange per storage node for the whole batch."""
+        """Put one step's blocks (the saver thread) in ``put_many`` batches of about
+        ``_SAVE_BATCH_BYTES``, durable by the one rule of :func:`kvpool.client.durable_copies`
+        (the ``durable`` / ``replicas`` settings, else the pool config's ``node.durable`` /
+        ``node.replicas``): one placement and one replicate exchange per storage node for each
+        batch. Loads come first: before each batch the saver waits, up to ``_SAVE_YIELD_S``,
+        while a load is in flight (the saver and the loader share the cores the model leaves)."""
         started = time.perf_counter()
-        try:
-            self._pool.put_many(zip(stage.keys, stage.objects), dtype=self._dtype_name,
-                                durable=self.settings.durable, replicas=self.settings.replicas)
-            self._count("blocks_saved", len(stage.keys))
-        except errors.KVPoolError as exc:  # a save that fails is a future miss, never an engine error
-            log.warning("kvpool: saving %d blocks failed: %s", len(stage.keys), exc)
+        per_batch = max(1, _SAVE_BATCH_BYTES // max(1, stage.objects[0].nbytes))
+        for at in range(0, len(stage.keys), per_batch):
+            self._loads_idle.wait(_SAVE_YIELD_S)
+            keys = stage.keys[at:at + per_batch]
+            try:
+                self._pool.put_many(zip(keys, stage.objects[at:at + per_batch]), dtype=self._dtype_name,
+                                    durable=self.settings.durable, replicas=self.settings.replicas)
+                self._count("blocks_saved", len(keys))
+            except errors.KVPoolError as exc:  # a save that fails is a future miss, never an engine error
+                log.warning("kvpool: saving %d blocks failed: %s", len(keys), exc)
         self._count("save_s", time.perf_counter() - started)
 
     def wait_saved(self, timeout_s: float | None = None) -> None:

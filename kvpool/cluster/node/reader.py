@@ -39,6 +39,7 @@ from kvpool.transport import Engine, PullRequest, Pulls
 
 log = logging.getLogger("kvpool.remote")
 
+_TIER_ORDER = {"cxl": 0, "dram": 1, "hbm": 2, "nvme": 3}  # replicas of a key, fastest to read first
 _TOKEN_MARGIN_S = 1.0  # a cached replica whose token expires sooner is not used (locate again)
 _SPECULATION_MAX_SCORE = 8
 _SPECULATION_RETRY_EVERY = 32  # with speculation off (guesses kept missing), still try this often
@@ -107,7 +108,8 @@ class ReplicaReader:
         return good
 
     def ordered(self, replicas: Any) -> list[LocatedReplica]:
-        """Same-host replicas first (no network), ``cxl`` first among them; never this node's own."""
+        """Same-host replicas first (no network), then by tier: ``cxl`` (read in place), memory
+        (``dram``, ``hbm``), ``nvme`` last (a disk read before the send); never this node's own."""
         return self._order(self.clean(replicas))
 
     def _order(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
@@ -115,7 +117,7 @@ class ReplicaReader:
         others = [r for r in replicas if self.node_id is None or r.node_id != self.node_id]
         if len(others) < 2:
             return others
-        return sorted(others, key=lambda r: (r.host_id != self.host_id, r.tier != "cxl"))
+        return sorted(others, key=lambda r: (r.host_id != self.host_id, _TIER_ORDER.get(r.tier, len(_TIER_ORDER))))
 
     def read(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any, out: Any,
              out_view: OutView, count_misses: bool = True,
