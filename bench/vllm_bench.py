@@ -397,6 +397,8 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
         ("tcp", "kvpool, TCP", [*kv, "--transport", "tcp"]),  # (TCP rows last: the arena node goes first)
         ("tcp-inherit", "kvpool, TCP, threads on the model's core", [*kv, "--transport", "tcp", "--cpus", "inherit"]),
         ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", "0,1"]),
+        *((f"tcp-l{n}", f"kvpool, TCP, {n} layers per pull", [*kv, "--transport", "tcp", "--layers-per-pull", str(n)])
+          for n in (1, 2, 4)),
     ) if name in args.configs]
     rows: list[list[str]] = []
     reference = None

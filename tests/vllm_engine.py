@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> None:
             extra["durable"] = True
         if args.config:
             extra["config"] = args.config
+        if args.layers_per_pull:
+            extra["layers_per_pull"] = args.layers_per_pull
         if args.cpus:
             extra["cpus"] = args.cpus if args.cpus in ("auto", "inherit") else [int(c) for c in args.cpus.split(",")]
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -146,6 +148,7 @@ def main() -> None:
                     help="kvpool: requests wait for their blocks outside the model's steps (async) or "
                          "the model waits in its step, layer by layer (sync, the connector's default)")
     go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
+    go.add_argument("--layers-per-pull", type=int, default=0, help="kvpool: layers per pull (0: auto)")
     go.add_argument("--cpus", default="", help="kvpool: where the worker's kvpool threads run (auto, inherit, 0,1,...)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
     go.add_argument("--max-tokens", type=int, default=8)

