@@ -386,6 +386,7 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
     del got
     holder.put_many(blocks, dtype="bfloat16")
     print(f"\n{args.docs} documents of {prefix} tokens + 16-token tails ({len(keys)} blocks stored)", flush=True)
+    every = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     runs = [(name, label, extra) for name, label, extra in (
         ("recompute", "no connector (recompute)", length),
         ("example", "vLLM ExampleConnector (files, page cache)", ["--connector", "example", "--store", str(store),
@@ -393,10 +394,10 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
         ("same-host", "kvpool, same host (shared-memory arena)", kv),
         ("async", "kvpool, same host, load_async", [*kv, "--load", "async"]),
         ("same-host-inherit", "kvpool, same host, threads on the model's core", [*kv, "--cpus", "inherit"]),
-        ("same-host-all", "kvpool, same host, threads on every core", [*kv, "--cpus", "0,1"]),
+        ("same-host-all", "kvpool, same host, threads on every core", [*kv, "--cpus", every]),
         ("tcp", "kvpool, TCP", [*kv, "--transport", "tcp"]),  # (TCP rows last: the arena node goes first)
         ("tcp-inherit", "kvpool, TCP, threads on the model's core", [*kv, "--transport", "tcp", "--cpus", "inherit"]),
-        ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", "0,1"]),
+        ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", every]),
         *((f"tcp-l{n}", f"kvpool, TCP, {n} layers per pull", [*kv, "--transport", "tcp", "--layers-per-pull", str(n)])
           for n in (1, 2, 4)),
     ) if name in args.configs]

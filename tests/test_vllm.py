@@ -678,17 +678,19 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
                                                       "tiers": {"dram": {"capacity": "4MiB", "mlock": False},
                                                                 "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
                                                       "master": {"listen": master}})
-            client_threads = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-            caches = {"layer.0": torch.zeros(2, 1, BLOCK, 32, dtype=torch.bfloat16)}
-            connector = worker_connector(settings, pool, caches, 1, BLOCK)
             try:
-                seen[str(setting)] = (cpus, [bound(t) for t in client_threads],
-                                      connector._loader.submit(os.sched_getaffinity, 0).result(),
-                                      connector._saver.submit(os.sched_getaffinity, 0).result(),
-                                      os.sched_getaffinity(0))
+                client_threads = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+                caches = {"layer.0": torch.zeros(2, 1, BLOCK, 32, dtype=torch.bfloat16)}
+                connector = worker_connector(settings, pool, caches, 1, BLOCK)
+                try:
+                    seen[str(setting)] = (cpus, [bound(t) for t in client_threads],
+                                          connector._loader.submit(os.sched_getaffinity, 0).result(),
+                                          connector._saver.submit(os.sched_getaffinity, 0).result(),
+                                          os.sched_getaffinity(0))
+                finally:
+                    connector._loader.shutdown()
+                    connector._saver.shutdown()
             finally:
-                connector._loader.shutdown()
-                connector._saver.shutdown()
                 pool.close()
 
     failed: list[BaseException] = []
@@ -713,6 +715,9 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
     cpus, client, loader, saver, main = seen[str([model_cpu])]
     assert cpus == {model_cpu} and loader == saver == {model_cpu}
     assert worker_cpus("auto") == allowed  # a thread nothing bound: every CPU, as before
+    absent = max(allowed) + 1024  # a CPU id this process cannot use: refused at start, by name
+    with pytest.raises(errors.ConfigError, match=f"CPU\\(s\\) \\[{absent}\\]"):
+        worker_cpus(Settings.from_extra({"master": master, "cpus": [model_cpu, absent]}).cpus)
     for bad in ("some", [], [-1], [True], "0,1"):
         with pytest.raises(errors.ConfigError, match='"cpus"'):
             Settings.from_extra({"master": master, "cpus": bad})

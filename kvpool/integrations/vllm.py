@@ -113,11 +113,11 @@ log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and 
 # layers per pull left nothing to overlap (the model waited 85% of the load), 2 per pull let
 # it start on the first layers (30%); 1 per pull cost more in requests than it saved.
 _PULL_TARGET_BYTES = 256 << 10
-_STAGING_PREPARED_BYTES = 256 << 20
+_STAGING_PREPARED_BYTES = 256 << 20  # at most this much staging buffer made at start, per loader thread
 # Saves give way to loads: a step's blocks go in put_many batches of about this many bytes,
 # and before each the saver waits (at most _SAVE_YIELD_S) while a load is in flight.
 _SAVE_BATCH_BYTES = 8 << 20
-_SAVE_YIELD_S = 0.05  # at most this much staging buffer made at start, per loader thread
+_SAVE_YIELD_S = 0.05
 # A load's blocks go in up to this many concurrent get_many calls, each on its own connection
 # (holders serve one connection's pulls one after another): 16 blocks of 1 MiB loaded at
 # 1.2-1.5x get_many's speed with 4, 0.9x with 1 (bench/vllm_bench.py, docs/vllm.md).
@@ -256,19 +256,25 @@ def worker_cpus(setting: str | frozenset[int]) -> frozenset[int] | None:
     slowed by as much) while the cores vLLM leaves for the framework sit idle. ``"auto"``:
     the CPUs this process may use that the calling thread is not bound to (the model's are
     the rest), or all of them when none are left (a process nothing bound: no change).
-    ``"inherit"``: as created. A set: those."""
+    ``"inherit"``: as created. A set: those; ConfigError names any this process may not use
+    (checked at start, not when a thread would fail to start)."""
     if setting == "inherit" or not hasattr(os, "sched_setaffinity"):
         return None
-    if not isinstance(setting, str):
-        return frozenset(setting)
     model = os.sched_getaffinity(0)
+    named = frozenset() if isinstance(setting, str) else frozenset(setting)
     try:  # every CPU; the kernel keeps those of the process's cpuset
-        os.sched_setaffinity(0, range(max(os.cpu_count() or 1, max(model) + 1)))
+        os.sched_setaffinity(0, range(max(os.cpu_count() or 1, max(model | named) + 1)))
         allowed = os.sched_getaffinity(0)
     except OSError:
         allowed = model
     finally:
         os.sched_setaffinity(0, model)
+    if named:
+        if not named <= allowed:
+            raise errors.ConfigError(
+                f'kv_connector_extra_config "cpus": CPU(s) {sorted(named - allowed)} are not among this process\'s '
+                f"CPUs {sorted(allowed)}")
+        return named
     return frozenset(allowed - model or allowed)
 
 
