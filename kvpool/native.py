@@ -1,9 +1,10 @@
 """kvpool's optional C extensions, imported in one place.
 
-``kvpool._layersum`` (per-layer checksums computed while copying) and ``kvpool._poll``
-(socket polls without the GIL) are built by ``setup.py`` where a C compiler is; without
-them kvpool computes the same bytes in Python, slower. A process running without them
-says so once, in one log line naming what is missing and how to build it.
+``kvpool._layersum`` (per-layer checksums computed while copying), ``kvpool._poll``
+(socket polls without the GIL) and ``kvpool._index`` (the master's index probed in C) are
+built by ``setup.py`` where a C compiler is; without them kvpool computes the same answers
+in Python, slower. A process running without them says so once, in one log line naming
+what is missing and how to build it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from types import ModuleType
 
 log = logging.getLogger("kvpool")
 
-EXTENSIONS = ("_layersum", "_poll")
+EXTENSIONS = ("_layersum", "_poll", "_index")
 _loaded: dict[str, ModuleType | None] | None = None
 _lock = threading.Lock()
 
@@ -36,7 +37,7 @@ def extension(name: str) -> ModuleType | None:
                     missing.append(f"kvpool.{ext} ({exc})")
             _loaded = loaded
             if missing:
-                log.warning("kvpool runs without its C extensions %s: checksums and polls use slower Python "
-                            "fallbacks; build them in place with `pip install -e .` (needs a C compiler and "
-                            "the Python headers)", ", ".join(missing))
+                log.warning("kvpool runs without its C extensions %s: checksums, polls and index probes use "
+                            "slower Python fallbacks; build them in place with `pip install -e .` (needs a C "
+                            "compiler and the Python headers)", ", ".join(missing))
         return _loaded[name]

@@ -157,17 +157,17 @@ WITHOUT_EXTENSIONS = """
 import importlib.abc, sys
 class NotBuilt(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name in ("kvpool._layersum", "kvpool._poll"):
+        if name in ("kvpool._layersum", "kvpool._poll", "kvpool._index"):
             raise ImportError(f"no module named {name!r} (blocked by the test)")
         return None
 sys.meta_path.insert(0, NotBuilt())
 import numpy as np
-import kvpool.objformat, kvpool.transport.tcp.stream
+import kvpool.objformat, kvpool.transport.tcp.stream, kvpool.cluster.master.index
 from kvpool.objformat import decode, encode
 arr = np.arange(2 * 2 * 4 * 1 * 8, dtype=np.float32).reshape(2, 2, 4, 1, 8)
 assert (decode(encode(arr, b"k"))[1] == arr).all()  # the Python fallbacks give the same bytes
 from kvpool.native import extension
-print("fallback", extension("_layersum"), extension("_poll"))
+print("fallback", extension("_layersum"), extension("_poll"), extension("_index"))
 """
 
 
@@ -180,13 +180,15 @@ def test_a_process_without_the_c_extensions_says_so_once() -> None:
     done = subprocess.run([sys.executable, "-c", WITHOUT_EXTENSIONS], capture_output=True, text=True, timeout=60,
                           cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "fallback None None"
+    assert done.stdout.strip() == "fallback None None None"
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert "kvpool._layersum" in lines[0] and "kvpool._poll" in lines[0] and "pip install -e ." in lines[0]
+    assert all(f"kvpool.{name}" in lines[0] for name in ("_layersum", "_poll", "_index"))
+    assert "pip install -e ." in lines[0]
     from kvpool.native import extension
 
-    if extension("_layersum") is not None and extension("_poll") is not None:  # built here: not a word
-        built = subprocess.run([sys.executable, "-c", "import kvpool.objformat, kvpool.transport.tcp.stream"],
+    if all(extension(name) is not None for name in ("_layersum", "_poll", "_index")):  # built here: not a word
+        built = subprocess.run([sys.executable, "-c", "import kvpool.objformat, kvpool.transport.tcp.stream, "
+                                "kvpool.cluster.master.index"],
                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
         assert built.returncode == 0 and built.stderr == ""

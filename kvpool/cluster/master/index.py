@@ -15,8 +15,10 @@ How (see docs/master_index.md for the numbers and the choice)
     later replicas, keys that are not 16 bytes long, and records whose shape cannot be
     interned (a location with a list in it, or more shapes than :data:`MAX_SHAPES`).
 
-    Batches (publish, register, exists, lookup) are probed with numpy over the whole batch; a
-    single key is probed in Python through memoryviews of the same arrays.
+    Batches (publish, register, exists, lookup) are probed in C (``kvpool._index``: one pass
+    over each key's probe; a lookup stops at its first miss), or with numpy over the whole
+    batch where the extension is not built; a single key is probed in Python through
+    memoryviews of the same arrays.
 
 Bounds
     ``max_keys`` (``master.max_keys``) is checked before anything changes: a request that
@@ -34,6 +36,9 @@ import numpy.typing as npt
 
 from kvpool import errors
 from kvpool.cluster.master.records import Holders, Replica
+from kvpool.native import extension
+
+_native = extension("_index")  # None where not built: batches are probed with numpy
 
 KEY_BYTES = 16
 EMPTY, TOMB = 0, 0xFFFF  # node column: a slot never used / a slot whose key was removed
@@ -326,7 +331,18 @@ class KeyIndex:
 
     def _find_many(self, lo: U64Array, hi: U64Array) -> I64Array:
         """Table slot of each key, -1 where absent."""
-        return self._probe(lo, hi)[0]
+        if _native is None:
+            return self._probe(lo, hi)[0]
+        out = np.empty(lo.size, np.int64)
+        _native.find(self.k0, self.k1, self.nd, lo, hi, out, False)
+        return out
+
+    def _leading(self, lo: U64Array, hi: U64Array) -> int:
+        """How many leading keys are indexed (in C: the probes stop at the first miss)."""
+        if _native is None:
+            found = self._probe(lo, hi)[0] >= 0
+            return lo.size if found.all() else int(np.argmin(found))
+        return _native.find(self.k0, self.k1, self.nd, lo, hi, np.empty(lo.size, np.int64), True)
 
     def _probe(self, lo: U64Array, hi: U64Array, h: U64Array | None = None,
                free: bool = False) -> tuple[I64Array, I64Array]:
@@ -508,10 +524,8 @@ class KeyIndex:
         return self._find(key)[0] >= 0
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is indexed (one numpy probe for a batch of 16-byte keys)."""
-        if len(keys) < 8:
-            return [k in self for k in keys]
-        if min(map(len, keys)) != KEY_BYTES or max(map(len, keys)) != KEY_BYTES:
+        """Whether each key is indexed (one probe of the batch for 16-byte keys)."""
+        if len(keys) < 8 or set(map(len, keys)) != {KEY_BYTES}:
             return [k in self for k in keys]
         slots = self._find_many(*split_keys(keys))
         found: list[bool] = (slots >= 0).tolist()
@@ -526,8 +540,10 @@ class KeyIndex:
                     break
                 n += 1
             return n
-        found = self.contains_many(keys)
-        return found.index(False) if False in found else len(found)
+        if set(map(len, keys)) != {KEY_BYTES}:
+            found = self.contains_many(keys)
+            return found.index(False) if False in found else len(found)
+        return self._leading(*split_keys(keys))
 
     def _encs(self, key: bytes) -> list[Enc]:
         if len(key) != KEY_BYTES:

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvpool import errors
 from kvpool.cluster.master import bulk
+from kvpool.cluster.master import index as index_module
 from kvpool.cluster.master.follow import ChangeLog, answer_follow, apply_change, load_snapshot
 from kvpool.cluster.master.index import KeyIndex, split_keys
 from kvpool.cluster.master.ops import MasterState
@@ -286,9 +287,15 @@ def test_compact_index_answers_as_the_dict_model(monkeypatch: pytest.MonkeyPatch
         suppress_health_check=list(HealthCheck)))
 
 
-def test_batches_and_single_keys_probe_alike() -> None:
-    """The numpy batch probe and the Python one-key probe find the same slots, through growth
-    and deletions."""
+@pytest.mark.parametrize("probe", ["C", "numpy"])
+def test_batches_and_single_keys_probe_alike(probe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch probe (in C, and with numpy where the extension is not built) and the Python
+    one-key probe find the same slots, through growth and deletions; a prefix counts up to the
+    first missing key."""
+    if probe == "C":
+        pytest.importorskip("kvpool._index", reason="the C extension is not built here")
+    else:
+        monkeypatch.setattr(index_module, "_native", None)
     index = KeyIndex()
     keys = [i.to_bytes(16, "little") for i in range(5000)]
     keys[1::7] = [(i << 64).to_bytes(16, "little") for i in range(1, 5000, 7)]  # low halves 0, as empty slots'
@@ -305,6 +312,11 @@ def test_batches_and_single_keys_probe_alike() -> None:
     assert (index._find_many(*split_keys(keys)) >= 0).tolist() == want
     assert index.contains_many(keys[:300]) == want[:300]  # both ways of a probe step (SPARSE_PROBE)
     assert index.contains_many(keys[:200]) == want[:200]
+    assert index.prefix(keys) == want.index(False) == 0
+    held = [k for k, w in zip(keys, want) if w]
+    assert index.prefix(held) == len(held)
+    assert index.prefix(held[:700] + keys[:1] + held[700:]) == 700
+    assert index.prefix([*held[:20], b"odd", *held[20:]]) == 20  # a key of another length: the slow way
 
 
 def test_max_keys_refuses_a_publish_whole_and_says_why() -> None:
