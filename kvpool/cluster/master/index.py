@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +38,10 @@ from kvpool import errors
 from kvpool.cluster.master.records import Holders, Replica
 from kvpool.native import extension
 
-_native = extension("_index")  # None where not built: batches are probed with numpy
+if TYPE_CHECKING:
+    from kvpool import _index as _native
+else:
+    _native = extension("_index")  # None where not built: batches are probed with numpy
 
 KEY_BYTES = 16
 EMPTY, TOMB = 0, 0xFFFF  # node column: a slot never used / a slot whose key was removed
