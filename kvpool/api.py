@@ -246,6 +246,15 @@ class PoolAPI(abc.ABC):
             raise errors.OutBufferError(f"{len(outs)} out buffers for {len(keys)} keys")
         return outs
 
+    @staticmethod
+    def _layers_each(keys: Sequence[bytes], layers: Any) -> Sequence[Any]:
+        """``get_many``'s ``layers`` as one layer spec per key (a list gives each key its own)."""
+        if not isinstance(layers, list):
+            return [layers] * len(keys)
+        if len(layers) != len(keys):
+            raise errors.LayerRangeError(f"{len(layers)} layer ranges for {len(keys)} keys")
+        return layers
+
     # -- the core, implemented by each pool --------------------------------------------
 
     @abc.abstractmethod
@@ -259,8 +268,14 @@ class PoolAPI(abc.ABC):
                  dtype: str | None = None) -> None: ...
 
     @abc.abstractmethod
-    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None,
-                 outs: Sequence[Any] | None = None) -> list[np.ndarray | None]: ...
+    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None, outs: Sequence[Any] | None = None,
+                 landed: Callable[[int, np.ndarray | None], None] | None = None) -> list[np.ndarray | None]:
+        """``get`` of each key (None for each miss). ``layers``: one layer spec for every key, or
+        a list with each key's own (one key may appear several times, once per layer range);
+        ``outs``: one ``out=`` buffer per key. ``landed(i, result)``: called on this thread with
+        each key's result as soon as it is final (a pull's when its last layer is verified,
+        while later pulls still arrive), once per key; an error it raises ends the get_many
+        (pulls already in flight are read first)."""
 
     @abc.abstractmethod
     def exists_many(self, prefix_hashes: Sequence[Key]) -> list[bool]: ...

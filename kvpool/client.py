@@ -18,7 +18,7 @@ peers from its tiers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -208,18 +208,25 @@ class ClusterPool(PoolAPI):
         local = self.local.get_object(key, layers, out)
         return local if local is not None else self.cluster.read(key, layers, out)
 
-    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None,
-                 outs: Sequence[Any] | None = None) -> list[np.ndarray | None]:
+    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None, outs: Sequence[Any] | None = None,
+                 landed: Callable[[int, np.ndarray | None], None] | None = None) -> list[np.ndarray | None]:
         """Local hits, then the cluster: same-host arenas, remembered replicas, and the rest
-        located in one master round trip; pulls run concurrently. ``outs`` gives one ``out=``
-        buffer per key."""
+        located in one master round trip; pulls to one holder go out together on one connection
+        and are read in order (see :meth:`PoolAPI.get_many` for ``layers``, ``outs``, ``landed``)."""
         self._check_open()
         keys = [self._key(h) for h in prefix_hashes]
         outs = self._outs(keys, outs)
-        results = [self.local.get_object(k, layers, out) for k, out in zip(keys, outs)]
+        each = self._layers_each(keys, layers)
+        results = [self.local.get_object(k, layer, out) for k, layer, out in zip(keys, each, outs)]
+        if landed is not None:
+            for i, arr in enumerate(results):
+                if arr is not None:
+                    landed(i, arr)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
-            found = self.cluster.read_many([keys[i] for i in missing], layers, [outs[i] for i in missing])
+            found = self.cluster.read_many([keys[i] for i in missing], [each[i] for i in missing],
+                                           [outs[i] for i in missing],
+                                           None if landed is None else lambda j, arr: landed(missing[j], arr))
             for i, arr in zip(missing, found):
                 results[i] = arr
         return results

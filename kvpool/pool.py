@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -209,12 +209,17 @@ class Pool(PoolAPI):
             prepared.append((self._key(prefix_hash), spec, byte_view(arr)))
         return prepared
 
-    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None,
-                 outs: Sequence[Any] | None = None) -> list[np.ndarray | None]:
-        """``get`` for each key (None for each miss); ``outs`` gives one ``out=`` buffer per key."""
+    def get_many(self, prefix_hashes: Sequence[Key], *, layers: Any = None, outs: Sequence[Any] | None = None,
+                 landed: Callable[[int, np.ndarray | None], None] | None = None) -> list[np.ndarray | None]:
+        """``get`` for each key (see :meth:`PoolAPI.get_many`)."""
         self._check_open()
         keys = [self._key(h) for h in prefix_hashes]
-        return [self.get_object(k, layers, out) for k, out in zip(keys, self._outs(keys, outs))]
+        results = []
+        for i, (key, layer, out) in enumerate(zip(keys, self._layers_each(keys, layers), self._outs(keys, outs))):
+            results.append(self.get_object(key, layer, out))
+            if landed is not None:
+                landed(i, results[-1])
+        return results
 
     def exists_many(self, prefix_hashes: Sequence[Key]) -> list[bool]:
         self._check_open()

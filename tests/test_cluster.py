@@ -151,6 +151,50 @@ def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
     assert (result["ok"], result["miss"], result["wrong"]) == (2, 1, 0)  # key 1 was deleted above
 
 
+@pytest.mark.slow
+def test_get_many_takes_a_layer_range_per_key_and_tells_each_result_as_its_pull_lands(cluster: Cluster) -> None:
+    """``get_many`` with one layer range per key (each key once per layer group, group by
+    group, as the vLLM connector asks) and ``landed``: each result is told once, verified, in
+    the order the holder's pulls arrive over its TCP connection, each while the pulls behind it
+    are still being read; a miss is told None; an error the callback raises comes out of the
+    get_many after the pulls, and every key was still told."""
+    cluster.start_master()
+    holder = cluster.connect("holder")
+    reader = cluster.connect("reader")
+    try:
+        for i in range(3):
+            holder.put(key_of(i), content(i))
+        keys = [key_of(i) for _ in range(4) for i in range(3)] + [b"never-put"]
+        layers = [range(2 * g, 2 * g + 2) for g in range(4) for _ in range(3)] + [range(0, 2)]
+        tcp = reader.cluster.reader.pulls.tcp
+        assert tcp is not None
+        told: list[tuple[int, np.ndarray | None, int]] = []
+        before = tcp.pulls
+        got = reader.get_many(keys, layers=layers, landed=lambda i, arr: told.append((i, arr, tcp.pulls - before)))
+        assert [i for i, _, _ in told] == list(range(13))
+        # each pull told before the client counted it done: the next ones were still to be read
+        assert [pulled for _, _, pulled in told[:12]] == list(range(12))
+        for i, layer in enumerate(layers[:12]):
+            np.testing.assert_array_equal(got[i], content(i % 3)[layer.start:layer.stop])
+            assert told[i][1] is got[i]
+        assert got[12] is None and told[12][1] is None
+
+        class Refused(Exception):
+            pass
+
+        def refuse(i: int, arr: np.ndarray | None) -> None:
+            told.append((i, arr, 0))
+            raise Refused(f"key {i}")
+
+        told.clear()
+        with pytest.raises(Refused, match="key 0"):
+            reader.get_many(keys[:3], layers=layers[:3], landed=refuse)
+        assert sorted(i for i, _, _ in told) == [0, 1, 2] and all(arr is not None for _, arr, _ in told)
+    finally:
+        reader.close()
+        holder.close()
+
+
 async def layers_of(pool: kvpool.PoolAPI, key: bytes, **kwargs: object) -> list[tuple[int, np.ndarray]]:
     return [(layer, arr.copy()) async for layer, arr in pool.iter_layers(key, **kwargs)]  # type: ignore[arg-type]
 

@@ -114,6 +114,15 @@ def test_batches(pool: kvpool.Pool) -> None:
     np.testing.assert_array_equal(outs[1], items[b"b2"][:2])
     with pytest.raises(errors.OutBufferError):
         pool.get_many([b"b1", b"b2"], outs=outs[:1])
+    # One layer range per key (a key once per range), each result told as it comes.
+    told: list[tuple[int, np.ndarray | None]] = []
+    each = pool.get_many([b"b1", b"b1", b"nope"], layers=[range(0, 1), (2, 4), 0],
+                         landed=lambda i, arr: told.append((i, arr)))
+    np.testing.assert_array_equal(each[0], items[b"b1"][:1])
+    np.testing.assert_array_equal(each[1], items[b"b1"][2:4])
+    assert each[2] is None and [i for i, _ in told] == [0, 1, 2] and all(a is b for (_, a), b in zip(told, each))
+    with pytest.raises(errors.LayerRangeError):
+        pool.get_many([b"b1", b"b2"], layers=[range(0, 1)])
     with pytest.raises(errors.ShapeError):
         pool.put_many([(b"ok", kv(9)), (b"bad", np.zeros(3))])
     assert not pool.exists(b"ok")  # validated before anything was stored

@@ -384,8 +384,9 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
 def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_filled(
         tmp_path: Path, spawn_python, layers_per_pull, in_place: bool) -> None:
     """The worker half against a real master and a real holder, with paged caches shaped as
-    vLLM-CPU's ([blocks, kv_heads, block, 2 * head_dim] per layer): one layer per pull lands
-    straight in the cache; several go through one buffer and a copy. ``in_place=False`` takes
+    vLLM-CPU's ([blocks, kv_heads, block, 2 * head_dim] per layer): every layer group of every
+    block asked for at once, each group copied into the cache from the buffer the pulls land
+    in as soon as every block has it. ``in_place=False`` takes
     the path of a cache the host cannot address (a GPU's: host buffers, one copy each way) on
     host tensors, as no GPU is here."""
 
@@ -442,7 +443,8 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         report = reader.get_kv_connector_stats().data
         group = reader._layers_per_pull
         assert group == (1 if layers_per_pull == 1 else 3 if layers_per_pull == 3 else layers)  # auto: 16 KiB blocks
-        assert len(report["pulls"]) == -(-layers // group) and report["rounds"] == -(-layers // group)
+        assert len(report["pulls"]) == 1 and report["rounds"] == 1  # one request for all the groups
+        assert report["pulls"][0][0] == 2 * layers * reader._block_nbytes
 
         # Eight blocks load in two concurrent get_many calls (connections), each block where asked.
         many = [b"many-%d" % i for i in range(blocks)]
@@ -479,14 +481,19 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         # finish before the first wait, and there is nothing to time out).
         reader.settings = Settings.from_extra({"master": master, "layers_per_pull": layers_per_pull,
                                                "load_timeout_s": 1e-6})
+        before = [reader._layers[i][6].clone() for i in range(layers)]
         with pulls_held_back(reader):
             reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys[:1], [6])],
                                                                    num_tokens=1))
             reader.start_load_kv(None)
+            late = reader._load_future
             for i in range(layers):
                 reader.wait_for_layer_load(f"layer.{i}")
             reader.wait_for_save()
             assert reader.get_block_ids_with_load_errors() == {6}
+        assert late is not None
+        late.result(10)  # the pulls ran after the model gave up: they wrote nothing into the cache
+        assert all(torch.equal(reader._layers[i][6], before[i]) for i in range(layers))
     finally:
         for connector in (writer, reader):
             connector._saver.shutdown()

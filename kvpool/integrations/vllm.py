@@ -118,9 +118,11 @@ _STAGING_PREPARED_BYTES = 256 << 20  # at most this much staging buffer made at 
 # and before each the saver waits (at most _SAVE_YIELD_S) while a load is in flight.
 _SAVE_BATCH_BYTES = 8 << 20
 _SAVE_YIELD_S = 0.05
-# A load's blocks go in up to this many concurrent get_many calls, each on its own connection
-# (holders serve one connection's pulls one after another): 16 blocks of 1 MiB loaded at
-# 1.2-1.5x get_many's speed with 4, 0.9x with 1 (bench/vllm_bench.py, docs/vllm.md).
+# A load's blocks go in up to this many concurrent get_many calls (streams), each on its own
+# connection (holders serve one connection's pulls one after another), one per CPU the
+# connector's threads run on: more threads than CPUs only take turns with the GIL. 16 blocks of
+# 1 MiB from another node's dram over TCP, every group in flight at once, with both of this
+# VM's CPUs free: 1 stream 0.61x get_many's speed, 2 streams 0.56x, 4 streams 0.40x.
 _PULL_STREAMS = 4
 _MIN_BLOCKS_PER_STREAM = 4
 _DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16),
@@ -357,7 +359,10 @@ class KvpoolConnector(KVConnectorBase_V1):
             return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=bind)
 
         self._loader = executor(1, "kvpool-load")
-        self._streams = executor(_PULL_STREAMS - 1, "kvpool-pull")
+        usable = len(cpus) if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+        self._pull_streams = max(1, min(_PULL_STREAMS, usable))  # see _PULL_STREAMS
+        self._streams = executor(max(1, self._pull_streams - 1), "kvpool-pull")
         self._load_future: concurrent.futures.Future[None] | None = None
         # Asynchronous loads (``load_async``), on a thread of their own, until get_finished
         # reports them: (load, its future).
@@ -527,13 +532,12 @@ class KvpoolConnector(KVConnectorBase_V1):
         # The loader threads' staging buffers for one request of the longest prompt, made and
         # faulted in now, off the first load's path (a first touch costs more than the copy:
         # 64 MiB of fresh huge pages took ~400 ms on a VM whose freed memory the host reclaims).
-        if self._layers_per_pull > 1 or not self._on_host:
-            longest = getattr(getattr(self._vllm_config, "model_config", None), "max_model_len", 0) or 0
-            blocks = min(-(-int(longest) // self.block_size),
-                         _STAGING_PREPARED_BYTES // (self._layers_per_pull * self._block_nbytes))
-            if blocks > 0:
-                loader = self._async_loader if self.settings.load_async else self._loader
-                loader.submit(lambda: self._staging_for(blocks, self._layers_per_pull).fill(0))
+        longest = getattr(getattr(self._vllm_config, "model_config", None), "max_model_len", 0) or 0
+        blocks = min(-(-int(longest) // self.block_size),
+                     _STAGING_PREPARED_BYTES // (len(self._layers) * self._block_nbytes))
+        if blocks > 0:
+            loader = self._async_loader if self.settings.load_async else self._loader
+            loader.submit(lambda: self._staging_for(blocks, len(self._layers)).fill(0))
 
     def _block_view(self, layer: int, block_id: int) -> np.ndarray:
         """The paged cache's block as a writable kvpool layer (``out=`` target), no copy: host
@@ -557,7 +561,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             load = _LayerLoad(len(self._layers), [b for t in meta.async_loads for b in t.block_ids],
                               [t.req_id for t in meta.async_loads])
             self._loading(+1)
-            self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys, False)))
+            self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys)))
             self._count("blocks_loaded", len(keys))
         keys = [k for t in meta.loads for k in t.keys]
         block_ids = [b for t in meta.loads for b in t.block_ids]
@@ -568,17 +572,17 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
 
-    def _pull(self, load: _LayerLoad, keys: list[bytes], direct: bool = True) -> None:
+    def _pull(self, load: _LayerLoad, keys: list[bytes]) -> None:
         """The loader thread: blocks a same-host node holds in its shared-memory arena are
         copied from there straight into the paged cache (:meth:`_copy_in_place`); the others
-        are pulled (:meth:`_pull_remote`). Each layer is handed to the model (``load.done``) as
-        soon as every block has it. ``direct`` False: pulls always land in the staging buffer
-        first (an asynchronous load that times out must not write into the cache later)."""
+        are pulled (:meth:`_pull_remote`, through a staging buffer: a load that timed out
+        writes nothing into the cache later). Each layer is handed to the model
+        (``load.done``) as soon as every block has it."""
         failed: set[int] = set()
         try:
             rest = self._copy_in_place(load, keys, failed)
             if rest and not load.timed_out:
-                self._pull_remote(load, [keys[i] for i in rest], [load.block_ids[i] for i in rest], failed, direct)
+                self._pull_remote(load, [keys[i] for i in rest], [load.block_ids[i] for i in rest], failed)
         finally:
             load.failed_blocks = failed
             load.finished_s = time.perf_counter() - load.started
@@ -643,69 +647,89 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._count("blocks_in_place", in_place)
         return sorted(set(rest) | bad)
 
-    def _pull_remote(self, load: _LayerLoad, keys: list[bytes], block_ids: list[int], failed: set[int],
-                     direct_ok: bool = True) -> None:
-        """Every block's layers, ``layers_per_pull`` at a time, each group in one ``get_many``
-        (one master round trip at most for the whole step, then the location cache; every
-        pull in flight at once), each layer handed to the model (``load.done``) as soon as it
-        is in the paged cache. One layer per pull lands straight in the cache's blocks;
-        several land in one reused buffer, then one gather-copy per layer moves every block of
-        that layer into the cache (no per-block Python). Blocks that fail go in ``failed``."""
-        group, layers_count = self._layers_per_pull, len(self._layers)
-        direct = group == 1 and self._on_host and direct_ok
-        staging = None if direct else self._staging_for(len(keys), group)
-        for first in range(0, layers_count, group):
-            layers = range(first, min(first + group, layers_count))
-            if staging is None:  # straight into the paged cache's blocks
-                outs: list[np.ndarray] = [self._block_view(first, b) for b in block_ids]
-            else:  # row i: block i's layers of this group, contiguous
-                outs = [staging[i, :len(layers)] for i in range(len(keys))]
+    def _pull_remote(self, load: _LayerLoad, keys: list[bytes], block_ids: list[int], failed: set[int]) -> None:
+        """Every block's layers, ``layers_per_pull`` at a time, all asked for at once: layer
+        group by layer group (every block's first group, then every block's second, ...) in
+        one ``get_many`` per stream (each its own connection to a holder, which answers in
+        order), into a staging buffer. Each pull is reported as it lands verified
+        (``landed``); when every block has a group, its layers are copied into the paged cache
+        (one gather-copy per layer, no per-block Python) and handed to the model
+        (``load.done``) while the later groups are still arriving. A round trip per group
+        would cost a pipeline start and drain each (16 blocks over TCP: 4 rounds of 2 layers
+        took twice one get_many of all 8). Blocks that fail go in ``failed``; once the model
+        went on without a layer (``load.timed_out``) nothing more is written into the cache
+        (pulls in flight land in the staging buffer only)."""
+        group, layers_count, n = self._layers_per_pull, len(self._layers), len(keys)
+        groups = [range(first, min(first + group, layers_count)) for first in range(0, layers_count, group)]
+        staging = self._staging_for(n, layers_count)  # row i: block i's layers
+        waiting = [n] * len(groups)  # blocks each group still waits for
+        missing: list[set[int]] = [set() for _ in groups]
+        told = np.zeros((len(groups), n), bool)
+        lock = threading.Lock()
+        copied = [0.0]
+
+        def landed(g: int, i: int, arr: np.ndarray | None) -> None:
+            with lock:
+                if told[g, i]:
+                    return
+                told[g, i] = True
+                if arr is None:
+                    missing[g].add(i)
+                waiting[g] -= 1
+                complete = not waiting[g]
+            if complete:
+                copied[0] += self._group_landed(load, groups[g], block_ids, staging, missing[g], failed)
+
+        streams = max(1, min(self._pull_streams, n // _MIN_BLOCKS_PER_STREAM))
+        step = -(-n // streams)
+
+        def one(at: int) -> None:
+            items = [(g, i) for g in range(len(groups)) for i in range(at, min(at + step, n))]
             started = time.perf_counter()
-            got = self._get_many(keys, layers, outs)
-            pulled = time.perf_counter()
-            load.pull_s += pulled - started
+            try:
+                got = self._pool.get_many(
+                    [keys[i] for _, i in items], layers=[groups[g] for g, _ in items],
+                    outs=[staging[i, groups[g].start:groups[g].stop] for g, i in items],
+                    landed=lambda j, arr: landed(*items[j], arr))
+            except errors.KVPoolError as exc:
+                log.warning("kvpool: loading %d blocks failed: %s", len(items) // len(groups), exc)
+                got = [None]
+            finally:
+                for g, i in items:  # (each told once: these only if the get_many ended early)
+                    landed(g, i, None)
             if all(arr is not None for arr in got):  # a request's cost, for the planner
                 with self._count_lock:
                     self._report.setdefault("pulls", []).append(
-                        [len(keys) * len(layers) * self._block_nbytes, pulled - started])
-            ok = [i for i, arr in enumerate(got) if arr is not None]
-            failed.update(block_ids[i] for i, arr in enumerate(got) if arr is None)
-            with load.lock:
-                if load.timed_out:  # the model went on without these blocks: vLLM recomputes them
-                    break  # into blocks it may reuse meanwhile, so nothing more is written there
-                for j, layer in enumerate(layers):
-                    if staging is not None and ok:
-                        self._write_layer(layer, [block_ids[i] for i in ok],
-                                          staging[:, j] if len(ok) == len(keys) else staging[ok, j])
-                    load.done[layer].set()
-            load.copy_s += time.perf_counter() - pulled
+                        [sum(len(groups[g]) for g, _ in items) * self._block_nbytes, time.perf_counter() - started])
 
-    def _get_many(self, keys: list[bytes], layers: range, outs: list[np.ndarray]) -> list[np.ndarray | None]:
-        """``get_many`` of one layer group, split over up to ``_PULL_STREAMS`` concurrent calls
-        (each its own connection to a holder, so one holder's reads and sends overlap across
-        them); None for each block that failed."""
-        streams = max(1, min(_PULL_STREAMS, len(keys) // _MIN_BLOCKS_PER_STREAM))
-        step = -(-len(keys) // streams)
-
-        def one(at: int) -> list[np.ndarray | None]:
-            try:
-                got: list[np.ndarray | None] = self._pool.get_many(keys[at:at + step], layers=layers,
-                                                                   outs=outs[at:at + step])
-                return got
-            except errors.KVPoolError as exc:
-                log.warning("kvpool: loading layers %d..%d of %d blocks failed: %s", layers[0], layers[-1],
-                            len(keys[at:at + step]), exc)
-                return [None] * len(keys[at:at + step])
-
-        others = [self._streams.submit(one, at) for at in range(step, len(keys), step)]
-        got = one(0)
+        started = time.perf_counter()
+        others = [self._streams.submit(one, at) for at in range(step, n, step)]
+        one(0)
         for future in others:
-            got += future.result()
-        return got
+            future.result()
+        load.copy_s += copied[0]
+        load.pull_s += time.perf_counter() - started - copied[0]
+
+    def _group_landed(self, load: _LayerLoad, layers: range, block_ids: list[int], staging: np.ndarray,
+                      missing: set[int], failed: set[int]) -> float:
+        """One layer group of every block is in the staging buffer (but ``missing``): copied
+        into the paged cache and handed to the model. Returns the seconds it took."""
+        started = time.perf_counter()
+        ok = [i for i in range(len(block_ids)) if i not in missing]
+        with load.lock:
+            failed.update(block_ids[i] for i in missing)
+            if load.timed_out:  # the model went on without these blocks: vLLM recomputes them
+                return 0.0  # into blocks it may reuse meanwhile, so nothing more is written there
+            for layer in layers:
+                if ok:
+                    self._write_layer(layer, [block_ids[i] for i in ok],
+                                      staging[:, layer] if len(ok) == len(block_ids) else staging[ok, layer])
+                load.done[layer].set()
+        return time.perf_counter() - started
 
     def _staging_for(self, blocks: int, layers: int) -> np.ndarray:
-        """A [blocks, layers, ...] buffer for several layers per pull, reused from step to step
-        (a fresh one would cost a page fault per 4 KiB on every load)."""
+        """A [blocks, layers, ...] buffer the pulls land in, reused from load to load (a fresh
+        one would cost a page fault per 4 KiB on every load)."""
         nbytes = blocks * layers * self._block_nbytes
         staging = self._stagings.get(threading.get_ident())
         if staging is None or staging.nbytes < nbytes:
@@ -803,8 +827,9 @@ class KvpoolConnector(KVConnectorBase_V1):
             report, self._report = self._report, {}
         if not report:
             return None
+        # One round: every layer group of a load is asked for at once (see _pull_remote).
         return KvpoolStats(data={**report, "block_bytes": self._block_nbytes, "layers": len(self._layers),
-                                 "rounds": -(-len(self._layers) // self._layers_per_pull)})
+                                 "rounds": 1})
 
     def _count(self, name: str, n: float) -> None:
         """A worker counter: in this process's stats and in the next report to the scheduler

@@ -71,9 +71,11 @@ class ArrivalCheck:
     with the payload bytes received so far, between its reads, so hashing layer *i* overlaps
     receiving layer *i+1*. ``check_header`` turns the header the holder sent into the header to
     verify against, or raises; :meth:`finish` checks what is left (everything, after a pull
-    that made no progress calls) and returns that header, or raises the first failure."""
+    that made no progress calls) and returns that header, or raises the first failure.
+    ``landed``: called once, from the progress call that verified the last layer (the pull's
+    bytes are all in and intact while later pulls are still arriving); never after a failure."""
 
-    __slots__ = ("buf", "check_header", "checked", "error", "header", "layer_range", "raw_header")
+    __slots__ = ("buf", "check_header", "checked", "error", "header", "landed", "layer_range", "raw_header")
 
     def __init__(self, check_header: Callable[[bytearray], ObjectHeader], raw_header: bytearray,
                  layer_range: LayerRange, buf: memoryview) -> None:
@@ -81,6 +83,7 @@ class ArrivalCheck:
         self.header: ObjectHeader | None = None
         self.error: errors.KVPoolError | None = None
         self.checked = 0  # layers verified
+        self.landed: Callable[[], None] | None = None
 
     def __call__(self, received: int) -> None:
         if self.error is None:
@@ -88,6 +91,11 @@ class ArrivalCheck:
                 self._check(received)
             except errors.KVPoolError as exc:  # raised by finish(); the pull reads on meanwhile
                 self.error = exc
+                return
+            landed = self.landed
+            if landed is not None and self.checked == self.layer_range.count:
+                self.landed = None
+                landed()
 
     def finish(self) -> ObjectHeader:
         if self.error is not None:

@@ -260,13 +260,29 @@ class ReplicaReader:
                 self.counters[f"miss_{reason}"] += 1
         return None
 
-    def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Any,
-                  out_view: OutView, outs: Sequence[Any], count_misses: bool = True) -> list[np.ndarray | None]:
-        """``read`` for many keys (results in order): every key's first choice of replica that
-        must be pulled is pulled in one :meth:`PullClient.pull_many` (all in flight at once,
-        driven by this thread); same-host in-place reads, keys whose first choice failed and
-        keys without a usable replica take the one-key path."""
+    def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Sequence[Any],
+                  out_view: OutView, outs: Sequence[Any], count_misses: bool = True,
+                  landed: Callable[[int, np.ndarray | None], None] | None = None) -> list[np.ndarray | None]:
+        """``read`` for many keys (``layers``: each key's; results in order): every key's first
+        choice of replica that must be pulled is pulled in one :meth:`PullClient.pull_many` (all
+        in flight at once, driven by this thread); same-host in-place reads, keys whose first
+        choice failed and keys without a usable replica take the one-key path. ``landed(i,
+        result)``: told each key's result once, as soon as it is final: a TCP pull's the moment
+        its last layer is verified, while the pulls behind it are still arriving (an error the
+        callback raises is raised here once every pull is done)."""
         results: list[np.ndarray | None] = [None] * len(keys)
+        told = [False] * len(keys)
+        raised: list[BaseException] = []
+
+        def tell(i: int, arr: np.ndarray | None) -> None:
+            if landed is None or told[i]:
+                return
+            told[i] = True
+            try:
+                landed(i, arr)
+            except BaseException as exc:  # not in the middle of a pull's receive: raised at the end
+                raised.append(exc)
+
         alone: list[tuple[int, dict[str, str] | None]] = []  # read one by one, skipping these nodes
         batch: list[tuple[int, LocatedReplica, np.ndarray, ArrivalCheck]] = []
         for i, (located, out) in enumerate(zip(replicas, outs)):
@@ -275,9 +291,12 @@ class ReplicaReader:
                 alone.append((i, None))
                 continue
             spec: ObjectSpec = first.spec
-            layer_range = LayerRange.resolve(layers, spec.layers)
+            layer_range = LayerRange.resolve(layers[i], spec.layers)
             arr, buf = out_view(spec, layer_range, out)
-            batch.append((i, first, arr, located_check(keys[i], first, layer_range, buf)))
+            check = located_check(keys[i], first, layer_range, buf)
+            if landed is not None:
+                check.landed = lambda i=i, arr=arr: tell(i, arr)
+            batch.append((i, first, arr, check))
         if batch:
             pulled = self._pull_many([
                 PullRequest(replica.node.peer, keys[i], check.layer_range, check.buf,
@@ -300,8 +319,12 @@ class ReplicaReader:
                     self.counters["location_cache_hits"] += 1
                 self._remember(keys[i], self.ordered(replicas[i]))
                 results[i] = arr
+                tell(i, arr)
         for i, skip in sorted(alone, key=lambda item: item[0]):
-            results[i] = self.read(keys[i], replicas[i], layers, outs[i], out_view, count_misses, skip=skip)
+            results[i] = self.read(keys[i], replicas[i], layers[i], outs[i], out_view, count_misses, skip=skip)
+            tell(i, results[i])
+        if raised:
+            raise raised[0]
         return results
 
     def _first_to_pull(self, located: list[LocatedReplica] | None) -> LocatedReplica | None:

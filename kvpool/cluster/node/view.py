@@ -287,26 +287,42 @@ class ClusterView:
         finally:
             self.releaser.release(located.lease_ids)
 
-    def read_many(self, keys: Sequence[bytes], layers: Any, outs: Sequence[Any]) -> list[np.ndarray | None]:
-        """``read`` of many keys: same-host arenas, then remembered replicas pulled concurrently,
-        the rest located in one master round trip and pulled concurrently."""
-        results = [self.reader.arenas.read_key(key, layers, out, out_view) for key, out in zip(keys, outs)]
+    def read_many(self, keys: Sequence[bytes], layers: Sequence[Any], outs: Sequence[Any],
+                  landed: Callable[[int, np.ndarray | None], None] | None = None) -> list[np.ndarray | None]:
+        """``read`` of many keys (``layers``: each key's): same-host arenas, then remembered
+        replicas pulled concurrently, the rest located in one master round trip and pulled
+        concurrently. ``landed(i, result)``: told each key's final result as soon as it is
+        known (see :meth:`ReplicaReader.read_many`)."""
+        results = [self.reader.arenas.read_key(key, layer, out, out_view)
+                   for key, layer, out in zip(keys, layers, outs)]
+        if landed is not None:
+            for i, arr in enumerate(results):
+                if arr is not None:
+                    landed(i, arr)
         # Where keys were found last time, without the master; a replica no longer there (or a
-        # token about to expire) is located again below.
+        # token about to expire) is located again below (so only what was found is final here).
         remembered = [(i, self.reader.remembered(keys[i])) for i, r in enumerate(results) if r is None]
         remembered = [(i, replicas) for i, replicas in remembered if replicas]
         if remembered:
-            pulled = self.reader.read_many([keys[i] for i, _ in remembered], [r for _, r in remembered], layers,
-                                           out_view, [outs[i] for i, _ in remembered], count_misses=False)
+            def found(j: int, arr: np.ndarray | None) -> None:
+                if arr is not None and landed is not None:
+                    landed(remembered[j][0], arr)
+
+            pulled = self.reader.read_many([keys[i] for i, _ in remembered], [r for _, r in remembered],
+                                           [layers[i] for i, _ in remembered], out_view,
+                                           [outs[i] for i, _ in remembered], count_misses=False,
+                                           landed=None if landed is None else found)
             for (i, _), arr in zip(remembered, pulled):
                 results[i] = arr
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             located = self.master.locate_many([keys[i] for i in missing], lease=True)
+            tell = None if landed is None else lambda j, arr: landed(missing[j], arr)
             try:
                 pulled = self.reader.read_many([keys[i] for i in missing],
-                                               [replicas_at(located, j) for j in range(len(missing))], layers,
-                                               out_view, [outs[i] for i in missing])
+                                               [replicas_at(located, j) for j in range(len(missing))],
+                                               [layers[i] for i in missing], out_view, [outs[i] for i in missing],
+                                               landed=tell)
                 for i, arr in zip(missing, pulled):
                     results[i] = arr
             finally:
