@@ -180,7 +180,8 @@ def load_rows(master: str, work: Path, args: argparse.Namespace, prefix: int) ->
     print(format_table(["path", "bytes", "get_many", "get_many bandwidth", "connector load", "connector bandwidth",
                         "connector / get_many"], rows))
     print(format_table(["path", "master locate (all blocks)", "pulls (get_many in the load)",
-                        "checksums (in the pulls)", "copies into the cache", "model waited (all layers)"], stages))
+                        "checksums (in the pulls)", "copies into the cache", "loader thread's CPU",
+                        "model waited (all layers)"], stages))
 
 
 def _load_path(pool: Any, master: str, keys: list[bytes], blocks: int, shape: tuple[int, ...], nbytes: int,
@@ -248,6 +249,7 @@ def _load_path(pool: Any, master: str, keys: list[bytes], blocks: int, shape: tu
              f"{c * 1e3:.2f} ms", f"{nbytes / c / 1e9:.2f} GB/s", f"{g / c:.2f}x"],
             [label, f"{_median(locate) * 1e3:.2f} ms", f"{_median([x.pull_s for x in loads]) * 1e3:.2f} ms",
              f"{verify_s * 1e3:.2f} ms", f"{_median([x.copy_s for x in loads]) * 1e3:.2f} ms",
+             f"{_median([x.loader_cpu_s for x in loads]) * 1e3:.2f} ms",
              f"{_median([x.waited_s for x in loads]) * 1e3:.2f} ms"])
 
 
@@ -399,7 +401,7 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
         ("tcp-inherit", "kvpool, TCP, threads on the model's core", [*kv, "--transport", "tcp", "--cpus", "inherit"]),
         ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", every]),
         *((f"tcp-l{n}", f"kvpool, TCP, {n} layers per pull", [*kv, "--transport", "tcp", "--layers-per-pull", str(n)])
-          for n in (1, 2, 4)),
+          for n in (1, 2, 4, 8)),
     ) if name in args.configs]
     rows: list[list[str]] = []
     reference = None

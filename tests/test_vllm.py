@@ -166,7 +166,8 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     # tests/vllm_engine.py); kvpool's threads run on the process's other CPUs, if it has any.
     if len(os.sched_getaffinity(0)) > 1:
         assert "kvpool connector: worker threads on CPUs " in log
-        assert f"worker threads on CPUs {sorted(os.sched_getaffinity(0) - {0})} (the model's: [0])" in log
+        assert f"worker threads on CPUs {sorted(os.sched_getaffinity(0) - {0})}, a load's pulls on " \
+               f"{sorted(os.sched_getaffinity(0))} (the model's: [0])" in log
 
     # load_async ("second" loaded in its steps, the default): each request waits for its blocks
     # outside the model's steps (vLLM's WAITING_FOR_REMOTE_KVS) and no forward pass waits for a
@@ -652,15 +653,16 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
 def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tmp_path: Path, spawn_python) -> None:
     """vLLM-CPU binds its worker's main thread (and compute threads) to the cores of
     VLLM_CPU_OMP_THREADS_BIND, and a thread inherits the binding of the thread that starts
-    it: the connector's own threads (loader, pulls, saver) and its kvpool client's (started
-    while it connects) run on the process's other CPUs instead ("cpus": "auto"), where they
+    it: the connector's own threads (loader, saver) and its kvpool client's (started while it
+    connects) run on the process's other CPUs instead ("cpus": "auto"), and a load's pulls
+    (the pull streams, the loader while it pulls) on every CPU of the process; where they
     were started with "inherit", on the CPUs listed otherwise; the model's thread keeps its
     binding."""
     import torch
 
     import kvpool
     from kvpool import errors
-    from kvpool.integrations.vllm import Settings, threads_on, worker_cpus
+    from kvpool.integrations.vllm import Settings, _LayerLoad, threads_on, worker_cpus
     from tests.vllm_engine import worker_connector
 
     allowed = os.sched_getaffinity(0)
@@ -689,11 +691,16 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
                 client_threads = [t for t in threading.enumerate() if t not in before and t.is_alive()]
                 caches = {"layer.0": torch.zeros(2, 1, BLOCK, 32, dtype=torch.bfloat16)}
                 connector = worker_connector(settings, pool, caches, 1, BLOCK)
+                pulling: list[set[int]] = []
+                connector._pull_remote = lambda *args: pulling.append(os.sched_getaffinity(0))
+                connector._loading(+1)
                 try:
+                    connector._loader.submit(connector._pull, _LayerLoad(1, [0]), [b"absent"]).result()
                     seen[str(setting)] = (cpus, [bound(t) for t in client_threads],
                                           connector._loader.submit(os.sched_getaffinity, 0).result(),
                                           connector._saver.submit(os.sched_getaffinity, 0).result(),
-                                          os.sched_getaffinity(0))
+                                          os.sched_getaffinity(0),
+                                          connector._streams.submit(os.sched_getaffinity, 0).result(), pulling[0])
                 finally:
                     connector._loader.shutdown()
                     connector._saver.shutdown()
@@ -714,13 +721,15 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
     if failed:
         raise failed[0]
     others = allowed - {model_cpu}
-    cpus, client, loader, saver, main = seen["auto"]
+    cpus, client, loader, saver, main, streams, pulling = seen["auto"]
     assert cpus == others and client and all(t == others for t in client) and loader == saver == others
+    assert streams == pulling == allowed  # pulls: every CPU (the loader only while it pulls)
     assert main == {model_cpu}  # the model's thread is left as vLLM bound it
-    cpus, client, loader, saver, main = seen["inherit"]
+    cpus, client, loader, saver, main, streams, pulling = seen["inherit"]
     assert cpus is None and all(t == {model_cpu} for t in client) and loader == saver == {model_cpu}
-    cpus, client, loader, saver, main = seen[str([model_cpu])]
-    assert cpus == {model_cpu} and loader == saver == {model_cpu}
+    assert streams == pulling == {model_cpu}
+    cpus, client, loader, saver, main, streams, pulling = seen[str([model_cpu])]
+    assert cpus == {model_cpu} and loader == saver == streams == pulling == {model_cpu}
     assert worker_cpus("auto") == allowed  # a thread nothing bound: every CPU, as before
     absent = max(allowed) + 1024  # a CPU id this process cannot use: refused at start, by name
     with pytest.raises(errors.ConfigError, match=f"CPU\\(s\\) \\[{absent}\\]"):
