@@ -476,6 +476,20 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         assert torch.equal(reader._layers[0][3], writer._layers[0][2])
         assert reader.get_kv_connector_stats().data["blocks_failed"] == 1
 
+        # A copy into the cache that fails (any error) reports its blocks for recompute, never
+        # half a block to the model.
+        def broken(*args: Any) -> None:
+            raise RuntimeError("copy failed")
+
+        reader._write_layer = broken
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys[:1], [3])], num_tokens=1))
+        reader.start_load_kv(None)
+        for i in range(layers):
+            reader.wait_for_layer_load(f"layer.{i}")
+        reader.wait_for_save()
+        assert reader.get_block_ids_with_load_errors() == {3}
+        del reader._write_layer
+
         # The model does not wait past load_timeout_s for a layer: every block of that load is then
         # reported for recompute, even those whose bytes arrive later.
         # The pull is held back until the model has given up on it (a fast pull could otherwise

@@ -751,11 +751,16 @@ class KvpoolConnector(KVConnectorBase_V1):
             failed.update(block_ids[i] for i in missing)
             if load.timed_out:  # the model went on without these blocks: vLLM recomputes them
                 return 0.0  # into blocks it may reuse meanwhile, so nothing more is written there
-            for layer in layers:
-                if ok:
-                    self._write_layer(layer, [block_ids[i] for i in ok],
-                                      staging[:, layer] if len(ok) == len(block_ids) else staging[ok, layer])
-                load.done[layer].set()
+            try:
+                for layer in layers:
+                    if ok:
+                        self._write_layer(layer, [block_ids[i] for i in ok],
+                                          staging[:, layer] if len(ok) == len(block_ids) else staging[ok, layer])
+                    load.done[layer].set()
+            except Exception:  # (called from inside a get_many: never raised there) recomputed whole
+                log.exception("kvpool: copying layers %d..%d into the paged cache failed; their %d blocks are "
+                              "recomputed", layers[0], layers[-1], len(block_ids))
+                failed.update(block_ids)
         return time.perf_counter() - started
 
     def _staging_for(self, blocks: int, layers: int) -> np.ndarray:
