@@ -676,7 +676,7 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
 
     import kvpool
     from kvpool import errors
-    from kvpool.integrations.vllm import Settings, _LayerLoad, threads_on, worker_cpus
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer, threads_on, worker_cpus
     from tests.vllm_engine import worker_connector
 
     allowed = os.sched_getaffinity(0)
@@ -707,9 +707,12 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
                 connector = worker_connector(settings, pool, caches, 1, BLOCK)
                 pulling: list[set[int]] = []
                 connector._pull_remote = lambda *args: pulling.append(os.sched_getaffinity(0))
-                connector._loading(+1)
                 try:
-                    connector._loader.submit(connector._pull, _LayerLoad(1, [0]), [b"absent"]).result()
+                    connector.bind_connector_metadata(KvpoolConnectorMetadata(
+                        loads=[Transfer("r", [b"absent"], [0])], num_tokens=1))
+                    connector.start_load_kv(None)
+                    assert connector._load_future is not None
+                    connector._load_future.result(10)
                     seen[str(setting)] = (cpus, [bound(t) for t in client_threads],
                                           connector._loader.submit(os.sched_getaffinity, 0).result(),
                                           connector._saver.submit(os.sched_getaffinity, 0).result(),

@@ -567,14 +567,6 @@ class KvpoolConnector(KVConnectorBase_V1):
             loader = self._async_loader if self.settings.load_async else self._loader
             loader.submit(lambda: self._staging_for(blocks, len(self._layers)).fill(0))
 
-    def _block_view(self, layer: int, block_id: int) -> np.ndarray:
-        """The paged cache's block as a writable kvpool layer (``out=`` target), no copy: host
-        caches only (see :attr:`_on_host`)."""
-        block = self._layers[layer][block_id]
-        if block.dtype == torch.bfloat16:
-            block = block.view(torch.int16)
-        return block.numpy().view(self._np_dtype).reshape(self._shape)
-
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Each step starts here, before its forward pass (vLLM starts loads only after the
         forward when the step has none to wait for): the step's compute time runs from here."""
