@@ -701,7 +701,9 @@ class KvpoolConnector(KVConnectorBase_V1):
                 waiting[g] -= 1
                 complete = not waiting[g]
             if complete:
-                copied[0] += self._group_landed(load, groups[g], block_ids, staging, missing[g], failed)
+                took = self._group_landed(load, groups[g], block_ids, staging, missing[g], failed)
+                with lock:  # (streams finish groups on their own threads)
+                    copied[0] += took
 
         streams = max(1, min(self._pull_streams, n // _MIN_BLOCKS_PER_STREAM))
         step = -(-n // streams)
