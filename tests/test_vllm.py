@@ -408,7 +408,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
                                               "master": {"listen": master}})
 
     def worker(name: str) -> KvpoolConnector:
-        caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
+        caches = {f"layer.{i}": torch.zeros(blocks + 1, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
                   for i in range(layers)}
         connector = worker_connector(settings, pool(name), caches, heads, BLOCK)
         connector._on_host = in_place
@@ -430,16 +430,17 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         writer.wait_saved(10)
         assert writer.stats["blocks_saved"] == 2 and reader._pool.lookup(keys) == 2
 
-        # The reader loads them into its blocks 7 and 0, waiting layer by layer.
-        reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [7, 0])],
+        # The reader loads them into its blocks 7 and 1, waiting layer by layer (block 0 is
+        # vLLM's null block, never a request's).
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [7, 1])],
                                                                num_tokens=1))
         reader.start_load_kv(None)
         for i in range(layers):
             reader.wait_for_layer_load(f"layer.{i}")
             assert torch.equal(reader._layers[i][7], writer._layers[i][2])
-            assert torch.equal(reader._layers[i][0], writer._layers[i][5])
+            assert torch.equal(reader._layers[i][1], writer._layers[i][5])
         reader.wait_for_save()
-        assert all(not reader._layers[i][1:7].any() for i in range(layers))  # nothing else written
+        assert all(not reader._layers[i][[0, 2, 3, 4, 5, 6, 8]].any() for i in range(layers))  # nothing else
         assert reader.get_block_ids_with_load_errors() == set()
         report = reader.get_kv_connector_stats().data
         group = reader._layers_per_pull
@@ -448,22 +449,22 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         assert report["pulls"][0][0] == 2 * layers * reader._block_nbytes
 
         # Eight blocks load in two concurrent get_many calls (connections), each block where asked.
-        many = [b"many-%d" % i for i in range(blocks)]
-        writer.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("w", many, list(range(blocks)))],
+        many = [b"many-%d" % i for i in range(1, blocks + 1)]
+        writer.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("w", many, list(range(1, blocks + 1)))],
                                                                num_tokens=blocks * BLOCK))
         for i, layer in enumerate(writer._layers):
             writer.save_kv_layer(f"layer.{i}", layer, None)
         writer.wait_for_save()
         writer.wait_saved(10)
         reader.bind_connector_metadata(KvpoolConnectorMetadata(
-            loads=[Transfer("r", many, list(reversed(range(blocks))))], num_tokens=1))
+            loads=[Transfer("r", many, list(reversed(range(1, blocks + 1))))], num_tokens=1))
         reader.start_load_kv(None)
         for i in range(layers):
             reader.wait_for_layer_load(f"layer.{i}")
         reader.wait_for_save()
         assert reader.get_block_ids_with_load_errors() == set()
-        assert all(torch.equal(reader._layers[i][blocks - 1 - b], writer._layers[i][b])
-                   for i in range(layers) for b in range(blocks))
+        assert all(torch.equal(reader._layers[i][blocks + 1 - b], writer._layers[i][b])
+                   for i in range(layers) for b in range(1, blocks + 1))
 
         # A block the pool lost is reported for recompute; the other still loads.
         reader._pool.delete(keys[1])
@@ -576,11 +577,11 @@ def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadl
         for cache in reader._layers:
             cache.zero_()
         with pulls_held_back(reader):
-            reader.bind_connector_metadata(KvpoolConnectorMetadata(async_loads=[Transfer("c", keys[:2], [0, 5])]))
+            reader.bind_connector_metadata(KvpoolConnectorMetadata(async_loads=[Transfer("c", keys[:2], [3, 5])]))
             reader.start_load_kv(None)  # type: ignore[arg-type]
             reader.wait_for_save()
             assert finished_within(10) == {"c"}
-            assert reader.get_block_ids_with_load_errors() == {0, 5}
+            assert reader.get_block_ids_with_load_errors() == {3, 5}
         reader._async_loader.shutdown(wait=True)  # the pull has finished
         assert all(not cache.any() for cache in reader._layers)
     finally:
@@ -655,8 +656,8 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
             fh.write(bytes([byte[0] ^ 0xFF]))
         for cache in reader._layers:
             cache.zero_()
-        assert load([5, 3, 0]) == {3}
-        assert holds(5, objects[0]) and holds(0, objects[2])
+        assert load([5, 3, 1]) == {3}
+        assert holds(5, objects[0]) and holds(1, objects[2])
         assert reader.stats["blocks_in_place"] == 5
     finally:
         reader._saver.shutdown()
@@ -709,7 +710,7 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
                 connector._pull_remote = lambda *args: pulling.append(os.sched_getaffinity(0))
                 try:
                     connector.bind_connector_metadata(KvpoolConnectorMetadata(
-                        loads=[Transfer("r", [b"absent"], [0])], num_tokens=1))
+                        loads=[Transfer("r", [b"absent"], [1])], num_tokens=1))
                     connector.start_load_kv(None)
                     assert connector._load_future is not None
                     connector._load_future.result(10)
@@ -757,9 +758,10 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
 
 
 def test_a_model_kind_the_connector_cannot_store_is_refused_at_start_with_one_clear_error() -> None:
-    """vLLM's own KV cache specs: one group of full attention (sliding-window layers promoted
-    to it, as vLLM does with its hybrid allocator off) is served; several groups, Mamba state
-    and a model of only sliding-window layers are refused before anything is opened."""
+    """vLLM's own KV cache specs: full attention (sliding-window layers promoted to it, as
+    vLLM does with its hybrid allocator off) and, with the hybrid allocator, sliding-window
+    groups beside full ones are served; Mamba state, a model of only sliding-window layers and
+    groups of several block sizes are refused before anything is opened."""
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -777,6 +779,8 @@ def test_a_model_kind_the_connector_cannot_store_is_refused_at_start_with_one_cl
                                  sliding_window=512)  # Gemma-3 style, hybrid allocator off
     window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
                                sliding_window=512)
+    small_window = SlidingWindowSpec(block_size=BLOCK // 2, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                     sliding_window=512)
     mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
 
     def config(*groups: tuple[Any, int]) -> KVCacheConfig:
@@ -785,14 +789,144 @@ def test_a_model_kind_the_connector_cannot_store_is_refused_at_start_with_one_cl
 
     check_model_kind(config((full, 4)))
     check_model_kind(config((promoted, 6)))
+    check_model_kind(config((full, 4), (window, 2)))  # Gemma-3 style, hybrid allocator on
+    check_model_kind(config((window, 2), (full, 2), (window, 2)))
     check_model_kind(None)  # a caller that passes no KV cache config: nothing to check
-    for refused, says in [(config((full, 4), (window, 2)), "2 KV cache group(s): FullAttentionSpec (4 layers), "
-                                                            "SlidingWindowSpec (2 layers)"),
-                          (config((window, 4)), "SlidingWindowSpec (4 layers)"),
-                          (config((full, 4), (mamba, 2)), "MambaSpec (2 layers)")]:
+    for refused, says in [(config((window, 4)), "SlidingWindowSpec (4 layers, block 128)"),
+                          (config((full, 4), (mamba, 2)), "MambaSpec (2 layers, block 128)"),
+                          (config((full, 4), (small_window, 2)),
+                           "2 KV cache group(s): FullAttentionSpec (4 layers, block 128), SlidingWindowSpec (2 layers, "
+                           "block 64)")]:
         with pytest.raises(errors.ConfigError, match=r"cannot be stored block for block") as caught:
             check_model_kind(refused)
         assert says in str(caught.value) and "without the kvpool connector" in str(caught.value)
         # The connector itself refuses it first thing (no master is contacted: none runs here).
         with pytest.raises(errors.ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
             KvpoolConnector(None, None, refused)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", ["pull", "arena"])
+def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_block_is_never_written(
+        tmp_path: Path, spawn_python, path: str) -> None:
+    """vLLM's hybrid allocator (GPU engines; vLLM-CPU always runs without it): a Gemma-3-style
+    model's full-attention layers are one KV cache group, its sliding-window layers another,
+    each with its own blocks, and a window group's blocks that left the window are vLLM's null
+    block (0). One object per prompt block holds every layer: saved from each layer's group's
+    block, loaded into each layer's group's block, the window layers of a block outside the
+    window skipped; the null block is never written, a block the window group lost is not
+    saved, and a failed block is reported in every group. Real vLLM config classes, a real
+    master and pools; pulled over TCP (``pull``) or copied from a same-host arena (``arena``)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    import kvpool
+    from kvpool.integrations.vllm import NULL_BLOCK, KvpoolConnectorMetadata, Settings, check_model_kind
+    from tests.vllm_engine import worker_connector
+
+    master = start_master(spawn_python)
+    layers, blocks, heads, head_dim = 4, 12, 2, 16
+    spec = {"block_size": BLOCK, "num_kv_heads": heads, "head_size": 2 * head_dim, "dtype": torch.bfloat16}
+    config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer.1", "layer.3"], FullAttentionSpec(**spec)),
+        KVCacheGroupSpec(["layer.0", "layer.2"], SlidingWindowSpec(**spec, sliding_window=2 * BLOCK))])
+    check_model_kind(config)
+    tier = {"cxl": {"capacity": "16MiB"}, "dram": {"capacity": 0}} if path == "arena" else \
+        {"dram": {"capacity": "16MiB", "mlock": False}, "cxl": {"capacity": 0}}
+
+    def worker(name: str, tiers: dict[str, Any]):
+        pool = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / name)},
+                                              "tiers": {**tiers, "nvme": {"capacity": 0}},
+                                              "master": {"listen": master}})
+        caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
+                  for i in range(layers)}
+        return worker_connector(Settings.from_extra({"master": master}), pool, caches, heads, BLOCK, config)
+
+    writer = worker("writer", tier)
+    reader = worker("reader", {"dram": {"capacity": "16MiB", "mlock": False}, "cxl": {"capacity": 0}})
+    scheduler = _scheduler(master)
+    try:
+        assert writer._layer_group == [1, 0, 1, 0] and writer._groups == 2
+        # The writing engine's step computes a 4-block prompt: full-attention blocks 1..4, window
+        # blocks 5..8 (all still in the window during the step that computes them).
+        tokens = list(range(1, 4 * BLOCK + 6))
+        keys = prefix_hashes(tokens, BLOCK, namespace="test-namespace")
+        rng = torch.Generator().manual_seed(0)
+        for cache in writer._layers:
+            cache.copy_(torch.randn(cache.shape, generator=rng).to(torch.bfloat16))
+        none_cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+        request = SimpleNamespace(request_id="w", prompt_token_ids=tokens, num_computed_tokens=0)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        meta = scheduler.build_connector_meta(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="w", num_computed_tokens=0,
+                                                block_ids=([1, 2, 3, 4, 9], [5, 6, 7, 8, 10]))],
+            scheduled_cached_reqs=none_cached, num_scheduled_tokens={"w": len(tokens)},
+            total_num_scheduled_tokens=len(tokens)))
+        [save] = meta.saves
+        assert (save.keys, save.block_ids, save.groups) == (keys, [1, 2, 3, 4], ([5, 6, 7, 8],))
+        writer.bind_connector_metadata(meta)
+        for i, cache in enumerate(writer._layers):
+            writer.save_kv_layer(f"layer.{i}", cache, None)
+        writer.wait_for_save()
+        writer.wait_saved(10)
+        assert writer.stats["blocks_saved"] == 4
+        scheduler.request_finished_all_groups(request, ([1, 2, 3, 4, 9], [5, 6, 7, 8, 10]))
+        assert "w" not in scheduler._tracked
+
+        # The reading engine: vLLM gives it full-attention blocks 2..5 and, for the window
+        # group, the null block for the two blocks outside the window of the 4 loaded.
+        request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, num_computed_tokens=0)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+        allocated = ([2, 3, 4, 5, 11], [NULL_BLOCK, NULL_BLOCK, 7, 8, 6])
+        scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: allocated), 4 * BLOCK)
+        meta = scheduler.build_connector_meta(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="r", num_computed_tokens=4 * BLOCK, block_ids=allocated)],
+            scheduled_cached_reqs=none_cached, num_scheduled_tokens={"r": 5}, total_num_scheduled_tokens=5))
+        [load] = meta.loads
+        assert (load.keys, load.block_ids, load.groups) == (keys, [2, 3, 4, 5], ([0, 0, 7, 8],))
+        assert meta.saves == []
+
+        def run(meta: KvpoolConnectorMetadata) -> set[int]:
+            reader.bind_connector_metadata(meta)
+            reader.start_load_kv(None)  # type: ignore[arg-type]
+            for i in range(layers):
+                reader.wait_for_layer_load(f"layer.{i}")
+            reader.wait_for_save()
+            return reader.get_block_ids_with_load_errors()
+
+        assert run(meta) == set()
+        written = {1: [2, 3, 4, 5], 3: [2, 3, 4, 5], 0: [7, 8], 2: [7, 8]}  # layer: its group's blocks
+        for layer, ids in written.items():
+            source = [1, 2, 3, 4] if layer in (1, 3) else [7, 8]  # the writer's blocks of those keys
+            for mine, theirs in zip(ids, source):
+                assert torch.equal(reader._layers[layer][mine], writer._layers[layer][theirs]), (layer, mine)
+            untouched = [b for b in range(blocks) if b not in ids]
+            assert not reader._layers[layer][untouched].any(), layer  # the null block 0 included
+        if path == "arena":
+            assert reader.stats["blocks_in_place"] == 4
+
+        # A block kvpool lost is reported in every group that has it; the others still load.
+        writer._pool.delete(keys[2])
+        for cache in reader._layers:
+            cache.zero_()
+        assert run(meta) == {4, 7}  # block 2: full-attention block 4, window block 7
+        assert torch.equal(reader._layers[0][8], writer._layers[0][8])
+        assert not reader._layers[1][4].any() and not reader._layers[0][NULL_BLOCK].any()
+
+        # A block whose window-group block is the null block when it is to be saved (vLLM
+        # dropped it) is not saved: its object would lack those layers.
+        request = SimpleNamespace(request_id="s", prompt_token_ids=tokens[::-1], num_computed_tokens=0)
+        scheduler.get_num_new_matched_tokens(request, 0)
+        meta = scheduler.build_connector_meta(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="s", num_computed_tokens=0,
+                                                block_ids=([1, 2, 3], [NULL_BLOCK, 5, 6]))],
+            scheduled_cached_reqs=none_cached, num_scheduled_tokens={"s": 3 * BLOCK},
+            total_num_scheduled_tokens=3 * BLOCK))
+        [save] = meta.saves
+        assert (save.block_ids, save.groups) == ([2, 3], ([5, 6],))
+    finally:
+        scheduler._master.close()
+        for connector in (writer, reader):
+            connector._saver.shutdown()
+            connector._pool.close()

@@ -168,10 +168,12 @@ if __name__ == "__main__":  # vLLM on CPU spawns its engine processes: this guar
     sys.exit(main())
 
 
-def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads: int, block_size: int = BLOCK_SIZE):
+def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads: int, block_size: int = BLOCK_SIZE,
+                     kv_cache_config: Any = None):
     """The worker half of a KvpoolConnector without an engine (tests, bench/vllm_bench.py's load
     rows): its kvpool client ``pool`` and paged ``caches`` ({layer name: tensor}, shaped as
-    vLLM-CPU's [blocks, kv_heads, block, 2 * head_dim])."""
+    vLLM-CPU's [blocks, kv_heads, block, 2 * head_dim]); ``kv_cache_config``: vLLM's
+    ``KVCacheConfig`` naming each layer's KV cache group (None: one group)."""
     from types import SimpleNamespace
 
     from kvpool.integrations.vllm import KvpoolConnector, worker_cpus
@@ -181,6 +183,7 @@ def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads:
     connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: kv_heads),
                                              parallel_config=None)
     connector._role = None
+    connector._kv_cache_config = kv_cache_config
     connector._connector_metadata = None
     connector.stats = {}
     connector._init_worker(pool, worker_cpus(settings.cpus))

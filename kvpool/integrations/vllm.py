@@ -77,7 +77,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -131,13 +132,25 @@ _DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", n
            torch.float32: ("float32", np.float32), torch.uint8: ("uint8", np.uint8)}
 
 
+# vLLM's block pool hands out block 0 as its shared null block (BlockPool: the first block,
+# ``is_null``): with the hybrid allocator, a sliding-window group's blocks that left the
+# window are it. Nothing is ever loaded into it or saved from it.
+NULL_BLOCK = 0
+
+
 @dataclass
 class Transfer:
-    """Blocks of one request to load or save this step: ``keys[i]`` is block ``block_ids[i]``."""
+    """Blocks of one request to load or save this step: ``keys[i]`` is block ``block_ids[i]``
+    of the first KV cache group, ``groups[g - 1][i]`` of group ``g`` (vLLM's hybrid
+    allocator: one list per further group, same length; empty with one group)."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    groups: tuple[list[int], ...] = ()
+
+    def ids(self, group: int) -> list[int]:
+        return self.block_ids if group == 0 else self.groups[group - 1]
 
 
 @dataclass
@@ -187,7 +200,7 @@ class _Tracked:
     """What the scheduler side remembers of a running request."""
 
     keys: list[bytes]            # prefix hashes of its full prompt blocks
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # its blocks, per KV cache group
     saved_upto: int = 0          # blocks below this are in kvpool (loaded, hit, or saved)
     first: int = 0               # blocks vLLM had computed itself when the request arrived
     load: Transfer | None = None  # blocks to load at its first step
@@ -196,10 +209,11 @@ class _Tracked:
 @dataclass
 class _Stage:
     """One step's blocks to save: ``objects[i]`` ([layers, ...]) is ``keys[i]``'s object,
-    filled layer by layer from the paged cache's ``block_ids[i]``."""
+    filled layer by layer from the paged cache's ``block_ids[g][i]`` (``g``: the layer's KV
+    cache group)."""
 
     keys: list[bytes]
-    block_ids: torch.Tensor
+    block_ids: list[torch.Tensor]  # per KV cache group
     objects: np.ndarray
 
 
@@ -207,10 +221,12 @@ class _LayerLoad:
     """One step's loads: a thread pulls layer by layer; the model waits per layer (an
     asynchronous load: nobody waits; get_finished reports ``req_ids`` when it is done)."""
 
-    def __init__(self, layers: int, block_ids: list[int], req_ids: list[str] | None = None) -> None:
+    def __init__(self, layers: int, block_ids: list[int], req_ids: list[str] | None = None,
+                 groups: list[list[int]] | None = None) -> None:
         self.req_ids = req_ids or []
         self.done = [threading.Event() for _ in range(layers)]
-        self.block_ids = block_ids
+        self.block_ids = block_ids  # block i of the first KV cache group
+        self.groups = groups or [block_ids]  # block i of each group (the first's included)
         self.failed_blocks: set[int] = set()
         self.timed_out = False  # the model went on without a layer: every block is recomputed
         self.waited_s = 0.0
@@ -224,32 +240,43 @@ class _LayerLoad:
         # when it gives up waiting: once timed_out is set, nothing more is written there.
         self.lock = threading.Lock()
 
+    def ids_of(self, blocks: Iterable[int]) -> set[int]:
+        """The paged cache's blocks, in every group, of the load's blocks ``blocks`` (indices):
+        what vLLM recomputes when they fail."""
+        return {ids[i] for i in blocks for ids in self.groups if ids[i] != NULL_BLOCK}
+
 
 def check_model_kind(kv_cache_config: KVCacheConfig | None) -> None:
     """Refuse, with one ConfigError at start-up, a model whose KV cache this connector cannot
-    store and load block for block: it needs one KV cache group of full-attention layers
-    (``FullAttentionSpec``, MLA included), every block of a prompt kept. That covers models
-    with sliding-window and full layers (Gemma-3 style) while vLLM's hybrid allocator is off
-    — always on vLLM-CPU, and with this connector (it does not declare ``SupportsHMA``) —
-    where vLLM keeps every block of the window layers too. Refused: several groups (the
-    hybrid allocator on), a model of only sliding-window or chunked-local layers (vLLM drops
-    blocks outside the window: a load would write into its shared null block), Mamba state,
-    cross-attention and encoder-only caches."""
+    store and load block for block. Served: KV cache groups of full-attention layers
+    (``FullAttentionSpec``, MLA included), each block of a prompt kept, and beside at least
+    one such group, sliding-window groups (``SlidingWindowSpec``: vLLM's hybrid allocator,
+    which this connector supports, keeps only their blocks inside the window; the others are
+    its null block), all of one block size. One object per block holds every layer of every
+    group; a sliding-window group's layers of a block outside its window are neither loaded
+    nor saved. With the hybrid allocator off (always on vLLM-CPU) sliding-window layers are
+    promoted to full attention: one group. Refused: a model of only sliding-window or
+    chunked-local layers, Mamba state, cross-attention and encoder-only caches, groups of
+    several block sizes."""
     if kv_cache_config is None:
         return
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-    if len(groups) == 1 and type(groups[0].kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec) \
-            and getattr(groups[0].kv_cache_spec, "attention_chunk_size", None) is None:
+    full = [type(g.kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec)
+            and getattr(g.kv_cache_spec, "attention_chunk_size", None) is None for g in groups]
+    window = [type(g.kv_cache_spec) is SlidingWindowSpec for g in groups]
+    sizes = {g.kv_cache_spec.block_size for g in groups}
+    if any(full) and all(f or w for f, w in zip(full, window)) and len(sizes) == 1:
         return
-    described = ", ".join(f"{kind} ({len(g.layer_names)} layers)" for kind, g in zip(kinds, groups)) or "none"
+    described = ", ".join(f"{kind} ({len(g.layer_names)} layers, block {g.kv_cache_spec.block_size})"
+                          for kind, g in zip(kinds, groups)) or "none"
     raise errors.ConfigError(
         f"kvpool connector: this model's KV cache cannot be stored block for block: {len(groups)} KV cache "
-        f"group(s): {described}. The connector needs one group of full-attention layers (FullAttentionSpec or "
-        f"MLAAttentionSpec; sliding-window layers beside full ones qualify while vLLM's hybrid KV cache "
-        f"manager is off). Run this model without the kvpool connector.")
+        f"group(s): {described}. The connector needs full-attention layers (FullAttentionSpec or "
+        f"MLAAttentionSpec), with or without sliding-window groups beside them, all of one block size. "
+        f"Run this model without the kvpool connector.")
 
 
 def worker_cpus(setting: str | frozenset[int]) -> frozenset[int] | None:
@@ -320,7 +347,7 @@ def threads_on(cpus: frozenset[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-class KvpoolConnector(KVConnectorBase_V1):
+class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector over a kvpool cluster (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -481,10 +508,12 @@ class KvpoolConnector(KVConnectorBase_V1):
         tracked = self._tracked.get(request.request_id)
         if tracked is None or num_external_tokens <= 0:
             return
-        block_ids = list(blocks.get_block_ids()[0])
         first = tracked.first
-        count = num_external_tokens // self.block_size
-        load = Transfer(request.request_id, tracked.keys[first:first + count], block_ids[first:first + count])
+        groups = [list(ids[first:first + num_external_tokens // self.block_size])
+                  for ids in blocks.get_block_ids()]  # (a window group's blocks left behind: NULL_BLOCK)
+        count = min(len(ids) for ids in groups)
+        groups = [ids[:count] for ids in groups]
+        load = Transfer(request.request_id, tracked.keys[first:first + count], groups[0], tuple(groups[1:]))
         if self.settings.load_async:  # the request waits outside the steps: loaded from this step on
             self._async_pending.append(load)
         else:  # loaded at the request's first step, which waits for it
@@ -494,30 +523,37 @@ class KvpoolConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvpoolConnectorMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
         meta.async_loads, self._async_pending = self._async_pending, []
-        steps: list[tuple[str, int, list[int] | None, bool]] = []
+        steps: list[tuple[str, int, Any, bool]] = []  # (request, computed tokens, new block ids per group, ...)
         for new in scheduler_output.scheduled_new_reqs:
-            steps.append((new.req_id, new.num_computed_tokens, list(new.block_ids[0]), True))
+            steps.append((new.req_id, new.num_computed_tokens, new.block_ids, True))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            steps.append((req_id, cached.num_computed_tokens[i], None if new_ids is None else list(new_ids[0]),
+            steps.append((req_id, cached.num_computed_tokens[i], cached.new_block_ids[i],
                           req_id in cached.resumed_req_ids))
         for req_id, computed, block_ids, replace in steps:
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
             if block_ids is not None:
-                tracked.block_ids = block_ids if replace else tracked.block_ids + block_ids
+                if replace or not tracked.block_ids:
+                    tracked.block_ids = [[] for _ in block_ids]
+                for mine, more in zip(tracked.block_ids, block_ids):
+                    mine.extend(more or ())
             if tracked.load is not None:
                 meta.loads.append(tracked.load)
                 tracked.load = None
-            # Blocks of the prompt that this step fills are saved as the layers produce them.
+            # Blocks of the prompt that this step fills are saved as the layers produce them
+            # (each in every group: in this step even a window group still has them).
             after = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
                         len(tracked.keys) * self.block_size)
-            full = min(after // self.block_size, len(tracked.block_ids))
+            full = min([after // self.block_size, *(len(ids) for ids in tracked.block_ids)])
             if full > tracked.saved_upto:
-                meta.saves.append(Transfer(req_id, tracked.keys[tracked.saved_upto:full],
-                                           tracked.block_ids[tracked.saved_upto:full]))
+                span = range(tracked.saved_upto, full)
+                whole = [i for i in span if all(ids[i] != NULL_BLOCK for ids in tracked.block_ids)]
+                if whole:
+                    groups = [[ids[i] for i in whole] for ids in tracked.block_ids]
+                    meta.saves.append(Transfer(req_id, [tracked.keys[i] for i in whole], groups[0],
+                                               tuple(groups[1:])))
                 tracked.saved_upto = full
         return meta
 
@@ -525,11 +561,22 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._tracked.pop(request.request_id, None)
         return False, None  # saves complete within the step that computed the blocks
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` with vLLM's hybrid allocator (``SupportsHMA``)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # -- worker side ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        # Each layer's KV cache group (vLLM's hybrid allocator: a layer's blocks are its group's;
+        # with it off, or a model of one kind of layer, every layer is in group 0).
+        groups = getattr(getattr(self, "_kv_cache_config", None), "kv_cache_groups", None) or []
+        group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        self._layer_group = [group_of.get(name, 0) for name in kv_caches]
+        self._groups = max(1, len(groups))
         first = self._layers[0]
         if first.dtype not in _DTYPES:
             raise errors.ConfigError(f"kvpool connector: KV cache dtype {first.dtype} is not supported")
@@ -580,19 +627,23 @@ class KvpoolConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvpoolConnectorMetadata)
         if meta.async_loads:
             keys = [k for t in meta.async_loads for k in t.keys]
-            load = _LayerLoad(len(self._layers), [b for t in meta.async_loads for b in t.block_ids],
-                              [t.req_id for t in meta.async_loads])
+            groups = self._group_ids(meta.async_loads)
+            load = _LayerLoad(len(self._layers), groups[0], [t.req_id for t in meta.async_loads], groups)
             self._loading(+1)
             self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys)))
             self._count("blocks_loaded", len(keys))
         keys = [k for t in meta.loads for k in t.keys]
-        block_ids = [b for t in meta.loads for b in t.block_ids]
         if not keys:
             return
-        load = self._load = _LayerLoad(len(self._layers), block_ids)
+        groups = self._group_ids(meta.loads)
+        load = self._load = _LayerLoad(len(self._layers), groups[0], groups=groups)
         self._loading(+1)
         self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
+
+    def _group_ids(self, transfers: list[Transfer]) -> list[list[int]]:
+        """The transfers' blocks in each KV cache group, one list per group."""
+        return [[b for t in transfers for b in t.ids(g)] for g in range(self._groups)]
 
     def _pull(self, load: _LayerLoad, keys: list[bytes]) -> None:
         """The loader thread: blocks a same-host node holds in its shared-memory arena are
@@ -606,7 +657,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             rest = self._copy_in_place(load, keys, failed)
             if rest and not load.timed_out:
                 with threads_on(self._pull_cpus):  # (this thread, while it pulls)
-                    self._pull_remote(load, [keys[i] for i in rest], [load.block_ids[i] for i in rest], failed)
+                    self._pull_remote(load, [keys[i] for i in rest], rest, failed)
         finally:
             load.failed_blocks = failed
             load.finished_s = time.perf_counter() - load.started
@@ -652,14 +703,15 @@ class KvpoolConnector(KVConnectorBase_V1):
             with load.lock:
                 if load.timed_out:  # the model went on: vLLM recomputes into these blocks
                     break
-                live = [i for i in fits if i not in bad]
+                ids = load.groups[self._layer_group[layer]]  # (a window group's block left behind: none)
+                live = [i for i in fits if i not in bad and ids[i] != NULL_BLOCK]
                 by_reader: dict[Any, list[int]] = {}
                 for i in live:
                     by_reader.setdefault(found[i][0], []).append(i)
                 for reader, items in by_reader.items():
                     try:
                         ok = reader.copy_layer_out(layer, [found[i][1:] for i in items],
-                                                   [cache[load.block_ids[i]] for i in items])
+                                                   [cache[ids[i]] for i in items])
                     except (errors.KVPoolError, OSError) as exc:  # the arena went away: pull these
                         log.info("kvpool: same-host arena copy failed (%s): pulling %d blocks", exc, len(items))
                         ok = [False] * len(items)
@@ -672,18 +724,19 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._count("blocks_in_place", in_place)
         return sorted(set(rest) | bad)
 
-    def _pull_remote(self, load: _LayerLoad, keys: list[bytes], block_ids: list[int], failed: set[int]) -> None:
-        """Every block's layers, ``layers_per_pull`` at a time, all asked for at once: layer
-        group by layer group (every block's first group, then every block's second, ...) in
-        one ``get_many`` per stream (each its own connection to a holder, which answers in
-        order), into a staging buffer. Each pull is reported as it lands verified
-        (``landed``); when every block has a group, its layers are copied into the paged cache
-        (one gather-copy per layer, no per-block Python) and handed to the model
-        (``load.done``) while the later groups are still arriving. A round trip per group
-        would cost a pipeline start and drain each (16 blocks over TCP: 4 rounds of 2 layers
-        took twice one get_many of all 8). Blocks that fail go in ``failed``; once the model
-        went on without a layer (``load.timed_out``) nothing more is written into the cache
-        (pulls in flight land in the staging buffer only)."""
+    def _pull_remote(self, load: _LayerLoad, keys: list[bytes], rows: list[int], failed: set[int]) -> None:
+        """Every block's layers (``keys[i]`` is the load's block ``rows[i]``),
+        ``layers_per_pull`` at a time, all asked for at once: layer group by layer group
+        (every block's first group, then every block's second, ...) in one ``get_many`` per
+        stream (each its own connection to a holder, which answers in order), into a staging
+        buffer. Each pull is reported as it lands verified (``landed``); when every block has
+        a group, its layers are copied into the paged cache (one gather-copy per layer, no
+        per-block Python) and handed to the model (``load.done``) while the later groups are
+        still arriving. A round trip per group would cost a pipeline start and drain each (16
+        blocks over TCP: 4 rounds of 2 layers took twice one get_many of all 8). Blocks that
+        fail go in ``failed``; once the model went on without a layer (``load.timed_out``)
+        nothing more is written into the cache (pulls in flight land in the staging buffer
+        only). ("Groups" here are layers pulled together, not vLLM's KV cache groups.)"""
         group, layers_count, n = self._layers_per_pull, len(self._layers), len(keys)
         groups = [range(first, min(first + group, layers_count)) for first in range(0, layers_count, group)]
         staging = self._staging_for(n, layers_count)  # row i: block i's layers
@@ -703,7 +756,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 waiting[g] -= 1
                 complete = not waiting[g]
             if complete:
-                took = self._group_landed(load, groups[g], block_ids, staging, missing[g], failed)
+                took = self._group_landed(load, groups[g], rows, staging, missing[g], failed)
                 with lock:  # (streams finish groups on their own threads)
                     copied[0] += took
 
@@ -737,26 +790,28 @@ class KvpoolConnector(KVConnectorBase_V1):
         load.copy_s += copied[0]
         load.pull_s += time.perf_counter() - started - copied[0]
 
-    def _group_landed(self, load: _LayerLoad, layers: range, block_ids: list[int], staging: np.ndarray,
+    def _group_landed(self, load: _LayerLoad, layers: range, rows: list[int], staging: np.ndarray,
                       missing: set[int], failed: set[int]) -> float:
-        """One layer group of every block is in the staging buffer (but ``missing``): copied
-        into the paged cache and handed to the model. Returns the seconds it took."""
+        """One layer group of every block (staging row i: the load's block ``rows[i]``) is in
+        the staging buffer (but ``missing``): copied into the paged cache and handed to the
+        model. Returns the seconds it took."""
         started = time.perf_counter()
-        ok = [i for i in range(len(block_ids)) if i not in missing]
+        ok = [i for i in range(len(rows)) if i not in missing]
         with load.lock:
-            failed.update(block_ids[i] for i in missing)
+            failed.update(load.ids_of(rows[i] for i in missing))
             if load.timed_out:  # the model went on without these blocks: vLLM recomputes them
                 return 0.0  # into blocks it may reuse meanwhile, so nothing more is written there
             try:
                 for layer in layers:
                     if ok:
-                        self._write_layer(layer, [block_ids[i] for i in ok],
-                                          staging[:, layer] if len(ok) == len(block_ids) else staging[ok, layer])
+                        ids = load.groups[self._layer_group[layer]]
+                        self._write_layer(layer, [ids[rows[i]] for i in ok],
+                                          staging[:, layer] if len(ok) == len(rows) else staging[ok, layer])
                     load.done[layer].set()
             except Exception:  # (called from inside a get_many: never raised there) recomputed whole
                 log.exception("kvpool: copying layers %d..%d into the paged cache failed; their %d blocks are "
-                              "recomputed", layers[0], layers[-1], len(block_ids))
-                failed.update(block_ids)
+                              "recomputed", layers[0], layers[-1], len(rows))
+                failed.update(load.ids_of(rows))
         return time.perf_counter() - started
 
     def _staging_for(self, blocks: int, layers: int) -> np.ndarray:
@@ -771,7 +826,13 @@ class KvpoolConnector(KVConnectorBase_V1):
     def _write_layer(self, layer: int, block_ids: list[int], data: np.ndarray) -> None:
         """Copy one layer of several blocks (host bytes, [blocks, ...]) into the paged cache,
         wherever it lives, in one call: a numpy scatter on the host (~4x faster than torch's
-        ``index_copy_`` there), ``index_copy_`` on a device."""
+        ``index_copy_`` there), ``index_copy_`` on a device. A block that is vLLM's null block
+        (a window group's block left behind) is skipped: that layer of it is not kept."""
+        if NULL_BLOCK in block_ids:
+            keep = [i for i, b in enumerate(block_ids) if b != NULL_BLOCK]
+            if not keep:
+                return
+            block_ids, data = [block_ids[i] for i in keep], data[keep]
         target = self._layers[layer]
         if target.dtype == torch.bfloat16:
             target, data = target.view(torch.int16), data.view(np.int16)
@@ -803,7 +864,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             return
         if self._load_future is not None:
             concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
-        failed = set(load.block_ids) if load.timed_out else load.failed_blocks
+        failed = load.ids_of(range(len(load.block_ids))) if load.timed_out else load.failed_blocks
         if failed:
             self._failed_blocks |= failed
             self._count("blocks_failed", len(failed))
@@ -839,7 +900,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                             "recomputed", len(load.block_ids), self.settings.load_timeout_s)
                 load.finished_s = now - load.started
             done.update(load.req_ids)
-            failed = set(load.block_ids) if load.timed_out else load.failed_blocks
+            failed = load.ids_of(range(len(load.block_ids))) if load.timed_out else load.failed_blocks
             if failed:
                 self._failed_blocks |= failed
                 self._count("blocks_failed", len(failed))
@@ -884,15 +945,17 @@ class KvpoolConnector(KVConnectorBase_V1):
         if stage is None:
             # The step's blocks to save, each key once (two requests may fill the same block),
             # staged as one array: object i is stage.objects[i], [layers, ...], contiguous.
-            chosen: dict[bytes, int] = {}
+            chosen: dict[bytes, tuple[int, ...]] = {}
             for transfer in meta.saves:
-                for key, block_id in zip(transfer.keys, transfer.block_ids):
-                    chosen.setdefault(key, block_id)
-            stage = self._stage = _Stage(list(chosen), torch.tensor(list(chosen.values()), dtype=torch.long),
-                                         np.empty((len(chosen), len(self._layers), *self._shape[1:]),
-                                                  self._np_dtype))
+                for i, key in enumerate(transfer.keys):
+                    chosen.setdefault(key, tuple(transfer.ids(g)[i] for g in range(self._groups)))
+            stage = self._stage = _Stage(
+                list(chosen), [torch.tensor([ids[g] for ids in chosen.values()], dtype=torch.long)
+                               for g in range(self._groups)],
+                np.empty((len(chosen), len(self._layers), *self._shape[1:]), self._np_dtype))
         # One gather of the layer's blocks (no per-block Python), then one strided copy.
-        blocks = self._layers[layer].index_select(0, stage.block_ids.to(self._layers[layer].device)).cpu()
+        ids = stage.block_ids[self._layer_group[layer]]
+        blocks = self._layers[layer].index_select(0, ids.to(self._layers[layer].device)).cpu()
         if blocks.dtype == torch.bfloat16:
             blocks = blocks.view(torch.int16)
         stage.objects[:, layer] = blocks.numpy().view(self._np_dtype).reshape(len(stage.keys), *self._shape[1:])
