@@ -478,7 +478,10 @@ def save_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, mo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=4, help="documents (one request each) per prefix size")
+    parser.add_argument("--docs", type=int, default=12,
+                        help="documents (one request each) per prefix size: an engine's first requests after its "
+                             "start run slower (its first saves fault in its pool's memory, its first loads touch "
+                             "cache blocks for the first time), which the median of 4 still showed")
     parser.add_argument("--prefix", default="2048,8192",
                         help="tokens per document, comma-separated sizes (each a multiple of 128)")
     parser.add_argument("--layers", type=int, default=8)
