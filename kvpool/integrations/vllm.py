@@ -508,11 +508,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         tracked = self._tracked.get(request.request_id)
         if tracked is None or num_external_tokens <= 0:
             return
-        first = tracked.first
-        groups = [list(ids[first:first + num_external_tokens // self.block_size])
-                  for ids in blocks.get_block_ids()]  # (a window group's blocks left behind: NULL_BLOCK)
-        count = min(len(ids) for ids in groups)
-        groups = [ids[:count] for ids in groups]
+        first, count = tracked.first, num_external_tokens // self.block_size
+        # (a window group's blocks left behind, or not given at all: NULL_BLOCK, never written)
+        groups = [list(ids[first:first + count]) for ids in blocks.get_block_ids()]
+        groups = [ids + [NULL_BLOCK] * (count - len(ids)) for ids in groups]
         load = Transfer(request.request_id, tracked.keys[first:first + count], groups[0], tuple(groups[1:]))
         if self.settings.load_async:  # the request waits outside the steps: loaded from this step on
             self._async_pending.append(load)
