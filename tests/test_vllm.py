@@ -336,6 +336,12 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         # All but the last token at most: a prompt of exactly 3 held blocks loads 2 of them.
         request3 = SimpleNamespace(request_id="r3", prompt_token_ids=tokens[:3 * BLOCK], num_computed_tokens=0)
         assert connector.get_num_new_matched_tokens(request3, 0) == (2 * BLOCK, False)
+        # A tracked request scheduled before vLLM gave it any block: nothing to save yet.
+        unblocked = SimpleNamespace(
+            scheduled_new_reqs=[], num_scheduled_tokens={"r3": 2 * BLOCK}, total_num_scheduled_tokens=2 * BLOCK,
+            scheduled_cached_reqs=SimpleNamespace(req_ids=["r3"], new_block_ids=[None], num_computed_tokens=[0],
+                                                  resumed_req_ids=set()))
+        assert connector.build_connector_meta(unblocked).saves == []
         # The workers' measurements reach the planner: a link this slow (1 s per request) against
         # an engine this fast makes recomputing the held blocks cheaper, so none load.
         from kvpool.integrations.vllm import KvpoolStats, Settings

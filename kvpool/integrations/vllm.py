@@ -545,7 +545,8 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             # (each in every group: in this step even a window group still has them).
             after = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
                         len(tracked.keys) * self.block_size)
-            full = min([after // self.block_size, *(len(ids) for ids in tracked.block_ids)])
+            full = min([after // self.block_size, *(len(ids) for ids in tracked.block_ids)]) \
+                if tracked.block_ids else 0  # (no blocks given yet: nothing to save)
             if full > tracked.saved_upto:
                 span = range(tracked.saved_upto, full)
                 whole = [i for i in span if all(ids[i] != NULL_BLOCK for ids in tracked.block_ids)]
