@@ -221,12 +221,11 @@ class _LayerLoad:
     """One step's loads: a thread pulls layer by layer; the model waits per layer (an
     asynchronous load: nobody waits; get_finished reports ``req_ids`` when it is done)."""
 
-    def __init__(self, layers: int, block_ids: list[int], req_ids: list[str] | None = None,
-                 groups: list[list[int]] | None = None) -> None:
+    def __init__(self, layers: int, groups: list[list[int]], req_ids: list[str] | None = None) -> None:
         self.req_ids = req_ids or []
         self.done = [threading.Event() for _ in range(layers)]
-        self.block_ids = block_ids  # block i of the first KV cache group
-        self.groups = groups or [block_ids]  # block i of each group (the first's included)
+        self.groups = groups  # the load's block i in the paged cache: groups[g][i], g its KV cache group
+        self.blocks = len(groups[0])
         self.failed_blocks: set[int] = set()
         self.timed_out = False  # the model went on without a layer: every block is recomputed
         self.waited_s = 0.0
@@ -628,7 +627,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.async_loads:
             keys = [k for t in meta.async_loads for k in t.keys]
             groups = self._group_ids(meta.async_loads)
-            load = _LayerLoad(len(self._layers), groups[0], [t.req_id for t in meta.async_loads], groups)
+            load = _LayerLoad(len(self._layers), groups, [t.req_id for t in meta.async_loads])
             self._loading(+1)
             self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys)))
             self._count("blocks_loaded", len(keys))
@@ -636,7 +635,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not keys:
             return
         groups = self._group_ids(meta.loads)
-        load = self._load = _LayerLoad(len(self._layers), groups[0], groups=groups)
+        load = self._load = _LayerLoad(len(self._layers), groups)
         self._loading(+1)
         self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
@@ -864,7 +863,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if self._load_future is not None:
             concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
-        failed = load.ids_of(range(len(load.block_ids))) if load.timed_out else load.failed_blocks
+        failed = load.ids_of(range(load.blocks)) if load.timed_out else load.failed_blocks
         if failed:
             self._failed_blocks |= failed
             self._count("blocks_failed", len(failed))
@@ -875,7 +874,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d in place "
                  "from a same-host arena; %d layers per pull; pulls %.2f ms, copies into the cache %.2f ms, the loader "
                  "thread's CPU time %.2f ms, started %.2f ms after the step)",
-                 len(load.block_ids), len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3, load.in_place,
+                 load.blocks, len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3, load.in_place,
                  self._layers_per_pull, load.pull_s * 1e3, load.copy_s * 1e3, load.loader_cpu_s * 1e3,
                  (load.started - self._step_started) * 1e3 if self._step_started else 0.0)
 
@@ -897,10 +896,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                 with load.lock:  # a layer being written finishes first; then nothing more is
                     load.timed_out = True
                 log.warning("kvpool: an asynchronous load of %d blocks did not finish within %.1f s: they are "
-                            "recomputed", len(load.block_ids), self.settings.load_timeout_s)
+                            "recomputed", load.blocks, self.settings.load_timeout_s)
                 load.finished_s = now - load.started
             done.update(load.req_ids)
-            failed = load.ids_of(range(len(load.block_ids))) if load.timed_out else load.failed_blocks
+            failed = load.ids_of(range(load.blocks)) if load.timed_out else load.failed_blocks
             if failed:
                 self._failed_blocks |= failed
                 self._count("blocks_failed", len(failed))
@@ -908,7 +907,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_total_s"] += load.finished_s
             log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited 0.00 ms for them (%d in place "
                      "from a same-host arena; asynchronous: %d requests waited outside the model's steps; pulls "
-                     "%.2f ms, copies into the cache %.2f ms)", len(load.block_ids), len(self._layers),
+                     "%.2f ms, copies into the cache %.2f ms)", load.blocks, len(self._layers),
                      load.finished_s * 1e3, load.in_place, len(load.req_ids), load.pull_s * 1e3, load.copy_s * 1e3)
         self._async_loads = pending
         return None, done or None
