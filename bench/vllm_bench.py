@@ -398,6 +398,7 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
         ("same-host-inherit", "kvpool, same host, threads on the model's core", [*kv, "--cpus", "inherit"]),
         ("same-host-all", "kvpool, same host, threads on every core", [*kv, "--cpus", every]),
         ("tcp", "kvpool, TCP", [*kv, "--transport", "tcp"]),  # (TCP rows last: the arena node goes first)
+        ("tcp-async", "kvpool, TCP, load_async", [*kv, "--transport", "tcp", "--load", "async"]),
         ("tcp-inherit", "kvpool, TCP, threads on the model's core", [*kv, "--transport", "tcp", "--cpus", "inherit"]),
         ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", every]),
         *((f"tcp-l{n}", f"kvpool, TCP, {n} layers per pull", [*kv, "--transport", "tcp", "--layers-per-pull", str(n)])

@@ -169,10 +169,11 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
         assert f"worker threads on CPUs {sorted(os.sched_getaffinity(0) - {0})}, a load's pulls on " \
                f"{sorted(os.sched_getaffinity(0))} (the model's: [0])" in log
 
-    # load_async ("second" loaded in its steps, the default): each request waits for its blocks
-    # outside the model's steps (vLLM's WAITING_FOR_REMOTE_KVS) and no forward pass waits for a
-    # load; same tokens, the same recompute of the corrupt block.
-    third = engine(tmp_path, "third", *common, *kv, "--no-plan", "--load", "async")
+    # The default, load_async = "auto" ("second" said sync): these blocks come over the network
+    # (the storage node holds them on nvme), so each request waits for them outside the model's
+    # steps (vLLM's WAITING_FOR_REMOTE_KVS) and no forward pass waits for a load; same tokens,
+    # the same recompute of the corrupt block.
+    third = engine(tmp_path, "third", *common, *kv, "--no-plan")
     assert [o["tokens"] for o in third["outputs"]] == tokens
     log = (tmp_path / "third.log").read_text()
     assert "kvpool: 1 blocks failed to load" in log and "asynchronous: " in log
@@ -228,6 +229,7 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
                         ({"master": "tcp://h:1", "durable": "yes"}, "durable"),
                         ({"master": "tcp://h:1", "load_timeout_s": -1}, "load_timeout_s"),
                         ({"master": "tcp://h:1", "on_load_failure": "ignore"}, "on_load_failure"),
+                        ({"master": "tcp://h:1", "load_async": "yes"}, '"load_async" must be "auto", true or false'),
                         ({"master": "tcp://h:1", "mastr": "x"}, "unknown setting")]:
         with pytest.raises(errors.ConfigError, match=says):
             Settings.from_extra(extra)
@@ -271,6 +273,7 @@ def _scheduler(master_address: str):
     from kvpool.cluster.wire.master_client import MasterClient
     from kvpool.integrations.planner import Planner
     from kvpool.integrations.vllm import KvpoolConnector, Settings
+    from kvpool.transport.engine import local_host_id
 
     connector = object.__new__(KvpoolConnector)
     connector.settings = Settings.from_extra({"master": master_address, "load_async": False})
@@ -282,6 +285,8 @@ def _scheduler(master_address: str):
     connector._master = MasterClient(master_address, request_timeout_s=5.0)
     connector._tracked = {}
     connector._async_pending = []
+    connector._host_id = local_host_id()
+    connector._worker_nodes = set()
     return connector
 
 
@@ -385,6 +390,79 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
     finally:
         connector._master.close()
         holder.close()
+
+
+def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_them_outside_the_steps(
+        tmp_path: Path, spawn_python) -> None:
+    """``load_async = "auto"``: blocks a worker reads without the network (a same-host node's
+    cxl arena, copied in place; the worker's own pool) load in the request's first step, layer
+    by layer; blocks pulled from another node's memory or disk load outside the steps, so no
+    step of the other requests waits for the pull. Judged by a request's first and last held
+    block, against a real master and real pools."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import kvpool
+    from kvpool.integrations.vllm import KvpoolStats, Settings
+
+    master = start_master(spawn_python)
+
+    def pool(name: str, tier: str):
+        tiers = {"dram": {"capacity": 0}, "cxl": {"capacity": 0}, "nvme": {"capacity": 0}}
+        tiers[tier] = {"capacity": "8MiB", **({"mlock": False} if tier == "dram" else {})}
+        return kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / name)}, "tiers": tiers,
+                                              "master": {"listen": master}})
+
+    arena, memory, own = pool("arena", "cxl"), pool("memory", "dram"), pool("own", "dram")
+    connector = _scheduler(master)
+    connector.settings = Settings.from_extra({"master": master, "plan": False})
+    assert connector.settings.load_async == "auto"
+    prompts = {name: list(range(base, base + 3 * BLOCK + 1)) for name, base in
+               (("arena", 1), ("memory", 5000), ("own", 9000), ("mixed", 13000))}
+    keys = {name: prefix_hashes(tokens, BLOCK, namespace="test-namespace") for name, tokens in prompts.items()}
+    block = np.zeros((2, 2, BLOCK, 1, 8), np.float16)
+    try:
+        arena.put_many([(k, block) for k in keys["arena"][:3]])
+        memory.put_many([(k, block) for k in keys["memory"][:3]])
+        own.put_many([(k, block) for k in keys["own"][:3]])
+        arena.put_many([(k, block) for k in keys["mixed"][:2]])  # the last held block is elsewhere
+        memory.put(keys["mixed"][2], block)
+
+        def matched(name: str) -> tuple[int, bool]:
+            connector._tracked.clear()
+            request = SimpleNamespace(request_id=name, prompt_token_ids=prompts[name], num_computed_tokens=0)
+            return connector.get_num_new_matched_tokens(request, 0)
+
+        assert matched("arena") == (3 * BLOCK, False)
+        assert matched("memory") == (3 * BLOCK, True)
+        assert matched("mixed") == (3 * BLOCK, True)
+        assert matched("own") == (3 * BLOCK, True)  # until the worker says which node is its own
+        connector.update_connector_output(SimpleNamespace(kv_connector_stats=KvpoolStats(data={
+            "block_bytes": 2 * BLOCK * 8 * 2, "layers": 2, "node_ids": [own.node_id]})))
+        assert matched("own") == (3 * BLOCK, False)
+        # The request is routed as decided: a load at its first step, or one outside the steps.
+        blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+        for name, waits_outside in (("arena", False), ("memory", True)):
+            connector._tracked.clear()
+            connector._async_pending.clear()
+            request = SimpleNamespace(request_id=name, prompt_token_ids=prompts[name], num_computed_tokens=0)
+            connector.get_num_new_matched_tokens(request, 0)
+            connector.update_state_after_alloc(request, blocks, 3 * BLOCK)
+            assert (connector._tracked[name].load is None) == waits_outside
+            assert [t.keys for t in connector._async_pending] == ([keys[name][:3]] if waits_outside else [])
+        # Over TCP a same-host arena is pulled too: only the worker's own blocks load in the step.
+        connector.settings = Settings.from_extra({"master": master, "plan": False, "transport": "tcp"})
+        assert matched("arena") == (3 * BLOCK, True) and matched("own") == (3 * BLOCK, False)
+        # Set explicitly, the setting is obeyed whatever holds the blocks.
+        connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": False})
+        assert matched("memory") == (3 * BLOCK, False)
+        connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": True})
+        assert matched("arena") == (3 * BLOCK, True)
+    finally:
+        connector._master.close()
+        for p in (arena, memory, own):
+            p.close()
 
 
 @pytest.mark.parametrize(("layers_per_pull", "in_place"), [(1, True), (3, True), ("auto", True), (1, False)])

@@ -92,6 +92,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import errors
+from kvpool.cluster.node.located import LocatedReplica, checked_quietly
 from kvpool.hashing import prefix_hashes
 from kvpool.integrations.planner import Planner
 from kvpool.integrations.vllm_settings import Settings, model_fingerprint, namespace_of
@@ -167,7 +168,7 @@ class KvpoolStats(KVConnectorStats):
     """What a worker measured since its last report, for the scheduler's planner and vLLM's
     stats log: ``pulls`` [[bytes, seconds]] of each load request, ``prefill`` [[tokens,
     seconds]] of each step that computed at least a block, ``block_bytes`` (one block, one
-    layer), ``layers``, and counters."""
+    layer), ``layers``, ``node_ids`` (the workers' kvpool nodes), and counters."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -204,6 +205,7 @@ class _Tracked:
     saved_upto: int = 0          # blocks below this are in kvpool (loaded, hit, or saved)
     first: int = 0               # blocks vLLM had computed itself when the request arrived
     load: Transfer | None = None  # blocks to load at its first step
+    load_async: bool = False     # whether it waits for its blocks outside the model's steps
 
 
 @dataclass
@@ -373,6 +375,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._block_bytes = 0  # one block of one layer, as the workers report it
             self._layers_count = 0
             self._rounds = 0  # requests per load (layer groups), as the workers report it
+            from kvpool.transport.engine import local_host_id
+
+            self._host_id = local_host_id()
+            self._worker_nodes: set[str] = set()  # this engine's workers' kvpool node ids, as they report them
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -482,8 +488,35 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             if recompute is not None:  # a real comparison (the prefill rate is measured): say it
                 log.info("kvpool plan: request %s loads %d held blocks: %.2f ms beats recomputing them in %.2f ms",
                          request.request_id, held, transfer * 1e3, recompute * 1e3)
-        log.debug("request %s: kvpool holds blocks %d..%d of %d", request.request_id, first, hits, len(keys))
-        return held * self.block_size, self.settings.load_async
+        tracked.load_async = self._load_async(keys[first:hits])
+        log.debug("request %s: kvpool holds blocks %d..%d of %d (%s)", request.request_id, first, hits, len(keys),
+                  "loaded outside the steps" if tracked.load_async else "loaded in its first step")
+        return held * self.block_size, tracked.load_async
+
+    def _load_async(self, keys: list[bytes]) -> bool:
+        """Whether a request whose held blocks are ``keys`` waits for them outside the model's
+        steps (``load_async``). ``"auto"``: not when a worker reads them without the network (its
+        own pool holds them, or a same-host node's cxl arena it copies in place from: a load of
+        64 MiB in ~25 ms, layer by layer under the forward pass); otherwise yes: a pull over the
+        network took 50-250 ms for 64 MiB inside an engine here, and a step that waits for it
+        stalls every other running request. Judged by the first and the last block (one locate
+        without leases); a wrong guess costs time, never bytes."""
+        setting = self.settings.load_async
+        if setting != "auto":
+            return bool(setting)
+        probe = keys[:1] + keys[-1:] if len(keys) > 1 else keys
+        try:
+            located = self._master.locate_many(probe, lease=False)
+        except errors.KVPoolError as exc:
+            log.debug("kvpool: locating %d blocks failed (%s): loaded outside the steps", len(probe), exc)
+            return True
+        return not all(any(self._read_here(r) for r in checked_quietly(replicas)) for replicas in located.replicas)
+
+    def _read_here(self, replica: LocatedReplica) -> bool:
+        """Whether a worker of this engine reads ``replica`` without the network."""
+        if replica.node_id in self._worker_nodes:
+            return True
+        return self.settings.transport == "auto" and replica.host_id == self._host_id and replica.tier == "cxl"
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' measurements (:class:`KvpoolStats`) refine the planner."""
@@ -498,6 +531,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_bytes = int(data.get("block_bytes") or self._block_bytes)
         self._layers_count = int(data.get("layers") or self._layers_count)
         self._rounds = int(data.get("rounds") or self._rounds or self._layers_count)
+        for node_id in data.get("node_ids", []):  # (one per worker)
+            if isinstance(node_id, str) and node_id:
+                self._worker_nodes.add(node_id)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -512,7 +548,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         groups = [list(ids[first:first + count]) for ids in blocks.get_block_ids()]
         groups = [ids + [NULL_BLOCK] * (count - len(ids)) for ids in groups]
         load = Transfer(request.request_id, tracked.keys[first:first + count], groups[0], tuple(groups[1:]))
-        if self.settings.load_async:  # the request waits outside the steps: loaded from this step on
+        if tracked.load_async:  # the request waits outside the steps: loaded from this step on
             self._async_pending.append(load)
         else:  # loaded at the request's first step, which waits for it
             tracked.load = load
@@ -612,7 +648,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         blocks = min(-(-int(longest) // self.block_size),
                      _STAGING_PREPARED_BYTES // (len(self._layers) * self._block_nbytes))
         if blocks > 0:
-            loader = self._async_loader if self.settings.load_async else self._loader
+            loader = self._loader if self.settings.load_async is False else self._async_loader  # (the one that pulls)
             loader.submit(lambda: self._staging_for(blocks, len(self._layers)).fill(0))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -921,7 +957,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         # One round: every layer group of a load is asked for at once (see _pull_remote).
         return KvpoolStats(data={**report, "block_bytes": self._block_nbytes, "layers": len(self._layers),
-                                 "rounds": 1})
+                                 "rounds": 1, "node_ids": [getattr(self._pool, "node_id", "")]})
 
     def _count(self, name: str, n: float) -> None:
         """A worker counter: in this process's stats and in the next report to the scheduler

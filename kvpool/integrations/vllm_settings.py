@@ -30,7 +30,9 @@ class Settings:
     transport: str = "auto"
     plan: bool = True
     layers_per_pull: int = 0  # 0: auto
-    load_async: bool = False  # True: requests wait for their blocks outside the model's steps
+    # True: requests wait for their blocks outside the model's steps; False: their first step
+    # waits, layer by layer; "auto": False when the blocks are read without the network, else True
+    load_async: bool | Literal["auto"] = "auto"
     cpus: str | frozenset[int] = "auto"  # where the connector's threads run: "auto", "inherit" or CPU ids
 
     @classmethod
@@ -74,10 +76,10 @@ class Settings:
         if per_pull != "auto" and (isinstance(per_pull, bool) or not isinstance(per_pull, int) or per_pull < 1):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "layers_per_pull" must be "auto" or an int >= 1, got {per_pull!r}')
-        load_async = extra.get("load_async", False)
-        if not isinstance(load_async, bool):
+        load_async = extra.get("load_async", "auto")
+        if not isinstance(load_async, bool) and load_async != "auto":
             raise errors.ConfigError(
-                f'kv_connector_extra_config "load_async" must be true or false, got {load_async!r}')
+                f'kv_connector_extra_config "load_async" must be "auto", true or false, got {load_async!r}')
         cpus = extra.get("cpus", "auto")
         if cpus not in ("auto", "inherit"):
             if not isinstance(cpus, list) or not cpus or any(
@@ -86,7 +88,8 @@ class Settings:
                     f'kv_connector_extra_config "cpus" must be "auto", "inherit" or a list of CPU ids, got {cpus!r}')
             cpus = frozenset(cpus)
         return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
-                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async, cpus)
+                   transport, plan, 0 if per_pull == "auto" else per_pull,
+                   "auto" if load_async == "auto" else bool(load_async), cpus)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
