@@ -16,11 +16,13 @@ prefix cache:
    per stored document (the document + a 16-token tail), one at a time, ``max_tokens=1``: the
    call's time is the TTFT. Rows: no connector (recompute), ExampleConnector, kvpool same host
    (``transport=auto``: copied from the same-host node's arena straight into the paged
-   cache, the model waiting in its step layer by layer), the same with ``load_async``
-   (requests wait for their blocks outside the model's steps), kvpool over TCP
-   (``transport=tcp``; the arena node is replaced by one holding the blocks in private
-   memory, ``dram``, so they are pulled over its TCP port, as from another host).
-   Every row's tokens are checked against the first's;
+   cache; the default ``load_async="auto"`` loads them in the request's step, the model
+   waiting layer by layer), the same with ``load_async`` (the request waits for its blocks
+   outside the model's steps), kvpool over TCP (``transport=tcp``; the arena node is replaced
+   by one holding the blocks in private memory, ``dram``, so they are pulled over its TCP
+   port, as from another host; ``"auto"`` then loads them outside the steps), and the same
+   loaded in the step (``load_async`` false). Every row's tokens are checked against the
+   first's;
 3. from the kvpool engines' logs: the time the model waited for layers against the time loads
    were in flight (``kvpool load: ... in X ms, the model waited Y ms``), the blocks copied in
    place, and the planner's decisions (``kvpool plan: ... loads|recomputes N held blocks``);
@@ -398,7 +400,7 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
         ("same-host-inherit", "kvpool, same host, threads on the model's core", [*kv, "--cpus", "inherit"]),
         ("same-host-all", "kvpool, same host, threads on every core", [*kv, "--cpus", every]),
         ("tcp", "kvpool, TCP", [*kv, "--transport", "tcp"]),  # (TCP rows last: the arena node goes first)
-        ("tcp-async", "kvpool, TCP, load_async", [*kv, "--transport", "tcp", "--load", "async"]),
+        ("tcp-sync", "kvpool, TCP, loaded in the step", [*kv, "--transport", "tcp", "--load", "sync"]),
         ("tcp-inherit", "kvpool, TCP, threads on the model's core", [*kv, "--transport", "tcp", "--cpus", "inherit"]),
         ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", every]),
         *((f"tcp-l{n}", f"kvpool, TCP, {n} layers per pull", [*kv, "--transport", "tcp", "--layers-per-pull", str(n)])
@@ -496,7 +498,7 @@ def main() -> None:
                              "ttft: only the TTFT engines (no saves rows)")
     parser.add_argument("--iters", type=int, default=15, help="loads measured per path")
     parser.add_argument("--lookups", type=int, default=400, help="lookup requests measured")
-    parser.add_argument("--configs", default="recompute,example,same-host,async,tcp",
+    parser.add_argument("--configs", default="recompute,example,same-host,async,tcp,tcp-sync",
                         help="the TTFT rows to run, comma-separated (tokens are checked against the first row's, "
                              "TTFT against ExampleConnector's, or the first row's without it)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (engine and daemon logs)")
