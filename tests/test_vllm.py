@@ -441,6 +441,11 @@ def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_
         connector.update_connector_output(SimpleNamespace(kv_connector_stats=KvpoolStats(data={
             "block_bytes": 2 * BLOCK * 8 * 2, "layers": 2, "node_ids": [own.node_id]})))
         assert matched("own") == (3 * BLOCK, False)
+        # Still one question per batch of keys when the prompt takes several: the first
+        # batch's first hit and the last batch's last one decide.
+        connector._master.max_batch = 2
+        assert matched("arena") == (3 * BLOCK, False) and matched("mixed") == (3 * BLOCK, True)
+        connector._master.max_batch = 1000
         # The request is routed as decided: a load at its first step, or one outside the steps.
         blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
         for name, waits_outside in (("arena", False), ("memory", True)):

@@ -21,7 +21,9 @@ instead; ``"fail"``: vLLM fails the request, its own default), ``transport``
 (``"auto"``: same-host holders over shared memory, others over TCP; ``"tcp"``),
 ``plan`` (load only where loading beats recomputing; true), ``layers_per_pull``
 (``"auto"`` or a count, below), ``load_async`` (true: a request waits for its blocks
-outside the model's steps; false: its first step waits for them, layer by layer), ``cpus``
+outside the model's steps; false: its first step waits for them, layer by layer;
+``"auto"``, the default: false for blocks read without the network, true for pulled ones,
+see :meth:`KvpoolConnector._lookup`), ``cpus``
 (where the worker's kvpool threads run, :func:`worker_cpus`: ``"auto"``, ``"inherit"`` or a
 list of CPU ids).
 
@@ -37,17 +39,21 @@ straight into the paged cache's block (``out=`` views of it), no decode.
 Scheduler side (EngineCore process): one batched ``lookup`` per new request
 (one master round trip) finds how many leading blocks of the prompt kvpool holds
 beyond vLLM's own prefix-cache hits; at most all but the last prompt token load
-(vLLM must compute one). Partial blocks are never stored or loaded.
+(vLLM must compute one). Partial blocks are never stored or loaded. When some are
+held and ``load_async`` is ``"auto"``, the same request says whether the first and the
+last held block are where a worker reads them without the network.
 
 Worker side, loads: blocks a same-host node keeps in its shared-memory ``cxl`` arena are
 copied from there straight into the paged cache, layer by layer, each copy verified as it
 is made (found through the arena's shared index: no master, no pull); the others are
-pulled. With ``load_async``, :meth:`KvpoolConnector.get_num_new_matched_tokens` tells
+pulled. For a request that waits outside the steps (``load_async``: by default one whose
+blocks are pulled over the network), :meth:`KvpoolConnector.get_num_new_matched_tokens` tells
 vLLM to keep the request waiting (``WAITING_FOR_REMOTE_KVS``) while a thread of its own
 loads the blocks, and :meth:`~KvpoolConnector.get_finished` hands the request back when
 they are in (failed blocks reported in the same pass): no forward pass waits for a load,
 other requests' steps go on, but the request's own forward pass starts only after its
-load (``docs/vllm.md`` compares the two). Without it (the default),
+load (``docs/vllm.md`` compares the two). For the others (by default blocks in a
+same-host arena or the worker's own pool),
 :meth:`KvpoolConnector.start_load_kv` hands the step's loads to a long-lived loader
 thread, which asks for every block in one pipelined ``get_many`` per stream (one
 ``locate`` for all the step's blocks at most, then the location cache), ``layers_per_pull``
@@ -92,7 +98,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import errors
-from kvpool.cluster.node.located import LocatedReplica, checked_quietly
 from kvpool.hashing import prefix_hashes
 from kvpool.integrations.planner import Planner
 from kvpool.integrations.vllm_settings import Settings, model_fingerprint, namespace_of
@@ -462,7 +467,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if loadable <= first:
             return 0, False
         try:
-            hits = self._master.lookup(keys[:loadable])
+            hits, near = self._lookup(keys[:loadable])
         except errors.KVPoolError as exc:  # no master: compute everything, as without a connector
             log.warning("kvpool lookup failed (%s): computing request %s", exc, request.request_id)
             return 0, False
@@ -488,35 +493,26 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             if recompute is not None:  # a real comparison (the prefill rate is measured): say it
                 log.info("kvpool plan: request %s loads %d held blocks: %.2f ms beats recomputing them in %.2f ms",
                          request.request_id, held, transfer * 1e3, recompute * 1e3)
-        tracked.load_async = self._load_async(keys[first:hits])
+        # "auto": loaded in its first step only when a worker reads the blocks without the network
+        setting = self.settings.load_async
+        tracked.load_async = bool(setting) if setting != "auto" else near != (True, True)
         log.debug("request %s: kvpool holds blocks %d..%d of %d (%s)", request.request_id, first, hits, len(keys),
                   "loaded outside the steps" if tracked.load_async else "loaded in its first step")
         return held * self.block_size, tracked.load_async
 
-    def _load_async(self, keys: list[bytes]) -> bool:
-        """Whether a request whose held blocks are ``keys`` waits for them outside the model's
-        steps (``load_async``). ``"auto"``: not when a worker reads them without the network (its
-        own pool holds them, or a same-host node's cxl arena it copies in place from: a load of
-        64 MiB in ~25 ms, layer by layer under the forward pass); otherwise yes: a pull over the
-        network took 50-250 ms for 64 MiB inside an engine here, and a step that waits for it
-        stalls every other running request. Judged by the first and the last block (one locate
-        without leases); a wrong guess costs time, never bytes."""
-        setting = self.settings.load_async
-        if setting != "auto":
-            return bool(setting)
-        probe = keys[:1] + keys[-1:] if len(keys) > 1 else keys
-        try:
-            located = self._master.locate_many(probe, lease=False)
-        except errors.KVPoolError as exc:
-            log.debug("kvpool: locating %d blocks failed (%s): loaded outside the steps", len(probe), exc)
-            return True
-        return not all(any(self._read_here(r) for r in checked_quietly(replicas)) for replicas in located.replicas)
-
-    def _read_here(self, replica: LocatedReplica) -> bool:
-        """Whether a worker of this engine reads ``replica`` without the network."""
-        if replica.node_id in self._worker_nodes:
-            return True
-        return self.settings.transport == "auto" and replica.host_id == self._host_id and replica.tier == "cxl"
+    def _lookup(self, keys: list[bytes]) -> tuple[int, tuple[bool, bool] | None]:
+        """How many leading ``keys`` kvpool holds (one request to the master) and, for
+        ``load_async = "auto"``, whether a worker reads the first and the last of them without
+        the network: its own pool holds them (each worker reports its node id), or (``transport =
+        "auto"``) a same-host node's cxl arena it copies them from in place (a 64 MiB load in
+        ~14-25 ms, layer by layer under the forward pass). Other blocks are pulled (50-250 ms for
+        64 MiB over TCP inside an engine here), and a step that waits for a pull stalls every
+        request running in it: such a request waits outside the steps instead. Two blocks judge
+        the whole prefix; a wrong guess costs time, never bytes."""
+        if self.settings.load_async != "auto":
+            return self._master.lookup(keys), None
+        return self._master.lookup_near(keys, self._worker_nodes,
+                                        self._host_id if self.settings.transport == "auto" else "")
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' measurements (:class:`KvpoolStats`) refine the planner."""

@@ -175,7 +175,20 @@ class MasterState(IndexState):
         c["lookups"] += 1
         c["lookup_hashes"] += len(keys)
         c["lookup_hits"] += prefix
+        if prefix and (body.near_nodes or body.near_host):
+            near = set(body.near_nodes)
+            return {"prefix": prefix, "near": [self._near(keys[i], near, body.near_host) for i in (0, prefix - 1)]}
         return {"prefix": prefix}
+
+    def _near(self, key: bytes, nodes: set[str], host: str) -> bool:
+        """Whether ``key`` has a replica on one of ``nodes``, or in a cxl arena on ``host``."""
+        for node_id, record in (self.index.get(key) or {}).items():
+            if node_id in nodes:
+                return True
+            node = self.nodes.get(node_id)
+            if host and node is not None and node.host_id == host and record["tier"] == "cxl":
+                return True
+        return False
 
     def op_exists(self, body: S.Keys) -> Any:
         keys = self._keys(body.keys, strict=False)

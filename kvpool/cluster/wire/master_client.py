@@ -434,9 +434,21 @@ class MasterClient:
 
     def lookup(self, hashes: Iterable[KeyLike]) -> int:
         """How many leading ``hashes`` are cached somewhere (the longest cached prefix)."""
-        replies = self._batched(_keys(hashes), lambda b: self._question(P.LOOKUP, {"keys": list(b)}).prefix,
-                                until=lambda batch, prefix: prefix < len(batch))
-        return sum(replies)
+        return self.lookup_near(hashes)[0]
+
+    def lookup_near(self, hashes: Iterable[KeyLike], nodes: Iterable[str] = (),
+                    host: str = "") -> tuple[int, tuple[bool, bool] | None]:
+        """:meth:`lookup`, and (when ``nodes`` or ``host`` is given) whether the first and the last
+        leading hit each have a replica near the asker: held by one of ``nodes`` (at most 64), or
+        in a cxl arena of a node on ``host``. None: no hit, or a master that does not say."""
+        near = {"near_nodes": list(nodes)[:64], "near_host": host} if nodes or host else {}
+        replies = self._batched(_keys(hashes), lambda b: self._question(P.LOOKUP, {"keys": list(b), **near}),
+                                until=lambda batch, reply: reply.prefix < len(batch))
+        prefix = sum(reply.prefix for reply in replies)
+        hit = [reply.near for reply in replies if reply.prefix]
+        if not near or not hit or any(ends is None or len(ends) != 2 for ends in (hit[0], hit[-1])):
+            return prefix, None
+        return prefix, (bool(hit[0][0]), bool(hit[-1][1]))
 
     def exists_many(self, keys: Iterable[KeyLike]) -> list[bool]:
         return [hit for reply in self._batched(

@@ -16,7 +16,7 @@ master costs that replica, not the whole answer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -142,6 +142,11 @@ class Heartbeat(Body):
 
 class Keys(Body):  # lookup, exists
     keys: list[bytes]
+    # lookup only: also say whether the first and the last leading hit each have a replica near
+    # the asker (LookupReply.near): held by one of ``near_nodes``, or in a cxl arena (read in
+    # place) of a node on host ``near_host``. Booleans about keys, as every question's answer.
+    near_nodes: Annotated[list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=64)] = []
+    near_host: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 class Locate(Body):
@@ -274,6 +279,7 @@ class HeartbeatReply(Body):
 
 class LookupReply(Body):
     prefix: int
+    near: list[bool] | None = None  # asked for (Keys.near_nodes / near_host) and prefix > 0
 
 
 class ExistsReply(Body):
