@@ -443,9 +443,9 @@ def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_
         assert matched("own") == (3 * BLOCK, False)
         # Still one question per batch of keys when the prompt takes several: the first
         # batch's first hit and the last batch's last one decide.
-        connector._master.max_batch = 2
+        batch, connector._master.max_batch = connector._master.max_batch, 2
         assert matched("arena") == (3 * BLOCK, False) and matched("mixed") == (3 * BLOCK, True)
-        connector._master.max_batch = 1000
+        connector._master.max_batch = batch
         # The request is routed as decided: a load at its first step, or one outside the steps.
         blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
         for name, waits_outside in (("arena", False), ("memory", True)):
