@@ -78,9 +78,9 @@ def main() -> int:
         if args.role == "writer":
             for i in keys:
                 pool.put(key_of(i), content(i), durable=args.durable, replicas=args.replicas)
-            print(f"READY {pool.node_id}", flush=True)
             stop = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before READY: a test may stop it at once
+            print(f"READY {pool.node_id}", flush=True)
             while not stop.wait(0.5):
                 pass
             return 0
