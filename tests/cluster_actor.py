@@ -85,7 +85,6 @@ def main() -> int:
                 pass
             return 0
         if args.role == "putstream":
-            print("READY", flush=True)
             return put_stream(pool, list(keys), args.seconds)
         layers = range(*map(int, args.layers.split(":"))) if args.layers else None
         if args.role == "stream":
@@ -113,6 +112,7 @@ def put_stream(pool: kvpool.Pool, keys: list[int], seconds: float) -> int:
     {i: error}}``, then keep serving them until SIGTERM (non-durable keys live here)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print("READY", flush=True)
     ok: list[int] = []
     failed: dict[int, str] = {}
     pause = seconds / max(1, len(keys))
