@@ -644,8 +644,11 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         blocks = min(-(-int(longest) // self.block_size),
                      _STAGING_PREPARED_BYTES // (len(self._layers) * self._block_nbytes))
         if blocks > 0:
-            loader = self._loader if self.settings.load_async is False else self._async_loader  # (the one that pulls)
-            loader.submit(lambda: self._staging_for(blocks, len(self._layers)).fill(0))
+            # Each loader that may pull: with load_async "auto" both (the step's loader pulls the
+            # blocks of the worker's own pool, and any a same-host arena lost meanwhile).
+            setting = self.settings.load_async
+            for loader in [self._loader] * (setting is not True) + [self._async_loader] * (setting is not False):
+                loader.submit(lambda: self._staging_for(blocks, len(self._layers)).fill(0))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Each step starts here, before its forward pass (vLLM starts loads only after the

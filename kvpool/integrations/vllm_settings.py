@@ -88,8 +88,7 @@ class Settings:
                     f'kv_connector_extra_config "cpus" must be "auto", "inherit" or a list of CPU ids, got {cpus!r}')
             cpus = frozenset(cpus)
         return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
-                   transport, plan, 0 if per_pull == "auto" else per_pull,
-                   "auto" if load_async == "auto" else bool(load_async), cpus)
+                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async, cpus)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
