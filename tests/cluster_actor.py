@@ -32,8 +32,11 @@ def key_of(i: int) -> bytes:
     return b"cluster-key-%04d" % i
 
 
-def content(i: int) -> np.ndarray:
-    return np.random.default_rng(1000 + i).standard_normal(SHAPE).astype(np.float16)
+SMALL_SHAPE = (2, 2, 8, 2, 16)  # 2 layers x 1 KiB: many puts fit a small storage node
+
+
+def content(i: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
+    return np.random.default_rng(1000 + i).standard_normal(shape).astype(np.float16)
 
 
 def small_config(master: str, name: str, data_dir: str, heartbeat_ms: int, dram: str = "4MiB",
@@ -63,6 +66,7 @@ def main() -> int:
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--layers", default="")
     parser.add_argument("--durable", action="store_true")
+    parser.add_argument("--small", action="store_true", help="putstream: objects of SMALL_SHAPE")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--heartbeat-ms", type=int, default=200)
@@ -85,7 +89,8 @@ def main() -> int:
                 pass
             return 0
         if args.role == "putstream":
-            return put_stream(pool, list(keys), args.seconds)
+            return put_stream(pool, list(keys), args.seconds, durable=args.durable,
+                              shape=SMALL_SHAPE if args.small else SHAPE)
         layers = range(*map(int, args.layers.split(":"))) if args.layers else None
         if args.role == "stream":
             print("READY", flush=True)
@@ -107,23 +112,27 @@ def main() -> int:
         pool.close()
 
 
-def put_stream(pool: kvpool.Pool, keys: list[int], seconds: float) -> int:
+def put_stream(pool: kvpool.Pool, keys: list[int], seconds: float, *, durable: bool = False,
+               shape: tuple[int, ...] = SHAPE) -> int:
     """Put ``keys`` one after another, spread over ``seconds``; print ``{"ok": [i...], "failed":
-    {i: error}}``, then keep serving them until SIGTERM (non-durable keys live here)."""
+    {i: error}, "acked": [[i, wall time], ...]}``, then keep serving them until SIGTERM
+    (non-durable keys live here)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print("READY", flush=True)
     ok: list[int] = []
+    acked: list[tuple[int, float]] = []
     failed: dict[int, str] = {}
     pause = seconds / max(1, len(keys))
     for i in keys:
         try:
-            pool.put(key_of(i), content(i))
+            pool.put(key_of(i), content(i, shape), durable=durable)
             ok.append(i)
+            acked.append((i, time.time()))
         except Exception as exc:  # reported: the test decides what is acceptable
             failed[i] = type(exc).__name__
         time.sleep(pause)
-    print(json.dumps({"ok": ok, "failed": failed}), flush=True)
+    print(json.dumps({"ok": ok, "failed": failed, "acked": acked}), flush=True)
     while not stop.wait(0.5):
         pass
     return 0

@@ -21,12 +21,17 @@ Standby side (:class:`Follower`)
     leads *cold* after a grace period and says so in its log and in ``stats``
     (``ha.warm = false``): the nodes re-register everything, as after a restart.
 
-What a takeover can lose
-    Changes the old leader made after the standby's last answered ``follow`` (at most a poll
-    period, plus whatever the standby was behind). A lost publish is a miss until the node
-    publishes that key again; a lost delete leaves an entry whose holder no longer has the
-    bytes (a reader's pull misses). Never wrong bytes: readers check the header and checksums
-    of what they pull.
+What a takeover can miss, and how the nodes fill it in
+    The copy lacks the changes the old leader made after the standby last asked a question
+    whose answer left nothing behind (``Follower.covered_at``: at most a poll period before the
+    leader stopped, plus whatever the standby was behind). A warm leader therefore asks every
+    node, in its first heartbeat reply of the term, to publish again what it changed since then
+    (``HeartbeatReply.resend_s``, measured back from when the node sent the beat):
+    :class:`kvpool.cluster.node.recent.RecentChanges` remembers which keys each node changed and
+    when, so the node publishes each such key as its tiers hold it now (durable counts from its
+    ``durable.log``) or says it is gone, and registers everything instead if it no longer
+    remembers that far back. An acknowledged put is thus back in the index at the node's first
+    beat to the new leader; until then a get of it is a miss, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -171,7 +176,10 @@ def answer_follow(state: MasterState, body: Any) -> Any:
     if body.stream == changes.stream:
         got = changes.after(body.since)
         if got is not None:
-            return {"stream": changes.stream, "head": changes.head, "last": got[1], "changes": got[0]}
+            answer = {"stream": changes.stream, "head": changes.head, "last": got[1], "changes": got[0]}
+            if state.resend_from is not None:  # this leader's own takeover is not filled in yet
+                answer["resend_age"] = now - state.resend_from
+            return answer
     snap = changes.snapshot_for(state)
     return {"stream": changes.stream, "snapshot": snap.ident, "seq": snap.seq, "part": 0,
             "parts": len(snap.parts), "data": snap.part(0)}
@@ -256,6 +264,12 @@ class Follower:
         self.seq = 0
         self.loaded = False
         self.answered_at = -1e9
+        # When (this clock) this master last *asked* a question whose answer left it with every
+        # change the leader had made: the copy lacks at most what the leader changed after this.
+        self.covered_at = -1e9
+        # The leader's own takeover gap, while some node has not filled it in yet (this clock, at
+        # or before the leader's): a takeover from this copy must ask the nodes from there.
+        self.resend_before: float | None = None
         self.behind = 0
         self.leader: str | None = None
         self._stop = threading.Event()
@@ -270,17 +284,20 @@ class Follower:
         self._thread.join(10.0)
 
     def eligible(self) -> bool:
-        """May lead warm: holds a copy the leader answered for within the window."""
-        return self.loaded and time.monotonic() - self.answered_at < self.window_s
+        """May lead warm: holds a copy that was complete (nothing behind) within the window."""
+        return self.loaded and time.monotonic() - self.covered_at < self.window_s
 
     def forget(self) -> None:
         """This master leads now: what it followed is its own state; after a deposition it
         starts over from a snapshot of the next leader."""
         self.stream, self.seq, self.loaded = "", 0, False
+        self.covered_at, self.resend_before = -1e9, None
 
     def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
         return {"following": self.leader, "loaded": self.loaded, "change": self.seq, "behind": self.behind,
-                "answered_s_ago": round(time.monotonic() - self.answered_at, 3) if self.loaded else None}
+                "answered_s_ago": round(now - self.answered_at, 3) if self.loaded else None,
+                "complete_s_ago": round(now - self.covered_at, 3) if self.loaded and self.covered_at > 0 else None}
 
     def _run(self) -> None:
         client: MasterClient | None = None
@@ -315,6 +332,7 @@ class Follower:
     def _follow(self, client: MasterClient) -> bool:
         """One question to the leader; True if more changes are waiting."""
         server = self.server
+        asked = time.monotonic()
         reply = client.call(P.FOLLOW, {"stream": self.stream, "since": self.seq, "follower": server.endpoint})
         if "snapshot" in reply:
             self._load(client, reply)
@@ -329,6 +347,10 @@ class Follower:
         self.seq = reply["last"]
         self.behind = reply["head"] - self.seq
         self.answered_at = time.monotonic()
+        if self.behind == 0:  # every change the leader made before it read this question
+            self.covered_at = asked
+        age = reply.get("resend_age")
+        self.resend_before = None if age is None else asked - float(age)
         return self.behind > 0
 
     def _load(self, client: MasterClient, first: dict[str, Any]) -> None:
@@ -344,5 +366,8 @@ class Follower:
             self.server.adopt(state)
             self.stream, self.seq, self.loaded = first["stream"], first["seq"], True
             self.answered_at = time.monotonic()
+            # A snapshot may have been made a while before it was asked for: the copy is
+            # complete only once a follow answer leaves nothing behind.
+            self.covered_at = -1e9
         log.info("standby: loaded a snapshot of %d keys from the leader %s at change %d (%.2f s); following it",
                  len(state.index), self.leader, self.seq, time.perf_counter() - started)

@@ -21,6 +21,11 @@ from kvpool.cluster.wire import schema as S
 
 log = logging.getLogger("kvpool.master")
 
+# Added to what nodes are asked to publish again after a warm takeover (HeartbeatReply.resend_s):
+# the nodes measure it back from when they sent the beat, with their own clock; this covers the
+# two clocks running at slightly different rates.
+RESEND_MARGIN_S = 0.5
+
 
 class MasterState(IndexState):
     """All master state and every operation on it; no sockets, no threads."""
@@ -86,7 +91,9 @@ class MasterState(IndexState):
             node.address, node.host_id, node.tiers = address, host_id, tiers
             node.last_seen, node.alive, node.committed_since_beat = now, True, 0
         node.role, node.persistent_tiers, node.control = role, tuple(persistent), control
-        node.endpoint, node.state = endpoint, "alive"
+        node.endpoint, node.state, node.term_seen = endpoint, "alive", self.term
+        if self.resend_from is not None:
+            self._takeover_filled_in()
         self._journal(["node", node_wire(node)])
         skipped = 0
         pending = node.pending_deletes
@@ -130,6 +137,7 @@ class MasterState(IndexState):
             "lease_s": self.config.lease_s,
             "indexed": indexed,
             "skipped_deleted": skipped,
+            "term": self.term,
         }
 
     def op_leave(self, body: S.Leave) -> Any:
@@ -147,15 +155,22 @@ class MasterState(IndexState):
         tiers = None if body.tiers is None else self._tiers(body.tiers)
         self.counters["heartbeats"] += 1
         node = self.nodes.get(node_id)
+        term = self.term
+        resend_s = 0.0 if self.resend_from is None else self.clock() - self.resend_from + RESEND_MARGIN_S
         if node is None or not node.alive:
-            return {"reregister": True, "delete": [], "delete_seq": 0}
+            return {"reregister": True, "delete": [], "delete_seq": 0, "term": term}
         node.last_seen = self.clock()
+        if body.term != node.term_seen:
+            node.term_seen = body.term
+            if self.resend_from is not None and body.term == term:
+                self._takeover_filled_in()
         if tiers is not None:
             node.tiers = tiers
             node.committed_since_beat = 0
         pending = node.pending_deletes
         if not pending:
-            return {"reregister": False, "delete": [], "delete_seq": node.delete_seq}
+            return {"reregister": False, "delete": [], "delete_seq": node.delete_seq, "term": term,
+                    "resend_s": resend_s}
         if ack:
             for key in [k for k, seq in pending.items() if 0 < seq <= ack]:
                 del pending[key]
@@ -166,7 +181,8 @@ class MasterState(IndexState):
             node.delete_seq += 1
             for key in sendable:
                 pending[key] = node.delete_seq
-        return {"reregister": False, "delete": sendable, "delete_seq": node.delete_seq}
+        return {"reregister": False, "delete": sendable, "delete_seq": node.delete_seq, "term": term,
+                "resend_s": resend_s}
 
     def op_lookup(self, body: S.Keys) -> Any:
         keys = self._keys(body.keys, strict=False)

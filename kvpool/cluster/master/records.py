@@ -85,6 +85,7 @@ class NodeInfo:
     control: str = ""       # the node's control socket (replicate, stats)
     endpoint: str = "?"     # host:port, for log lines
     state: str = "alive"    # alive | dead | left
+    term_seen: int = 0      # the last master term whose takeover gap this node filled in (or registered in)
 
     @property
     def label(self) -> str:

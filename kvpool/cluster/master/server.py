@@ -138,9 +138,13 @@ class MasterServer:
                     node.last_seen = now
             self.rereplicator.close()
             self.rereplicator = Rereplicator(state, self._context, self.config, self.cluster_key)
+            # The copy may lack what the last leader changed after the standby's last complete
+            # answer: every node publishes again what it changed since then (see follow.py).
+            state.resend_from = min(follower.covered_at, follower.resend_before or follower.covered_at)
             why = (f"warm: {len(state.index):,} keys of {sum(n.alive for n in state.nodes.values())} nodes "
-                   f"followed from the last leader up to its change {follower.seq} "
-                   f"({now - follower.answered_at:.2f} s before, {follower.behind} behind)")
+                   f"followed from the last leader up to its change {follower.seq}, complete as of "
+                   f"{now - follower.covered_at:.2f} s before; the nodes publish again what they changed in the "
+                   f"last {now - state.resend_from:.2f} s")
         else:
             self.rereplicator.close()
             self.state, self.rereplicator = self._fresh_state()
@@ -148,6 +152,7 @@ class MasterServer:
                                f"the followed copy is {now - follower.answered_at:.1f} s old") +
                    "; nodes re-register what they hold")
         state = self.state
+        state.term = self._term
         state.record_changes(ChangeLog())
         state.ha = {"etcd": election.client.urls, "prefix": election.prefix, "term": self._term,
                     "endpoint": self.endpoint}

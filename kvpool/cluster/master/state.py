@@ -178,6 +178,12 @@ class IndexState:
         self.change_log: Any = None
         #: with master.etcd: how this leader's term began (warm from a followed copy, or cold)
         self.takeover: dict[str, Any] | None = None
+        #: with master.etcd: the cluster term this master leads (told to nodes with each beat)
+        self.term = 0
+        #: on a leader that took over warm: the time (this clock) after which the last leader's
+        #: changes may be missing from the copy it followed; nodes publish again what they
+        #: changed since then (HeartbeatReply.resend_s). None: nothing to resend (cold or no etcd)
+        self.resend_from: float | None = None
         self.changes: Callable[[list[Any]], None] | None = None
 
     def record_changes(self, change_log: Any) -> None:
@@ -384,9 +390,20 @@ class IndexState:
             self._unpin(lease)
             self.counters["leases_expired"] += 1
 
+    def _takeover_filled_in(self) -> None:
+        """Once every live node has published again what a warm takeover may have missed, the
+        term's index is whole: nodes joining later need not, and a standby's takeover from
+        this copy asks only for its own gap."""
+        waiting = [n for n in self.nodes.values() if n.alive and n.term_seen != self.term]
+        if not waiting:
+            log.info("term %d: every node published again what the takeover may have missed", self.term)
+            self.resend_from = None
+
     def _retire(self, node: NodeInfo, now: float, state: str) -> tuple[int, int]:
         """Take a dead or departed node out of service; returns (replicas, reservations) dropped."""
         node.alive = False
+        if self.resend_from is not None:
+            self._takeover_filled_in()
         node.state = state
         node.died_at = now
         held = self._durable_held_by(node)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 import zmq
@@ -41,6 +42,7 @@ class Heartbeater:
         state_fn: Callable[[], Mapping[str, Mapping[str, int]]],
         on_reregister: Callable[[], None],
         on_delete: Callable[[list[bytes]], None] | None = None,
+        on_new_term: Callable[[float], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.period_s = period_s
@@ -48,6 +50,8 @@ class Heartbeater:
         self._state_fn = state_fn
         self._on_reregister = on_reregister
         self._on_delete = on_delete
+        self._on_new_term = on_new_term
+        self.term = 0  # the last master term whose takeover gap this node filled in (or registered in)
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"kvpool-heartbeat-{node_id[:8]}", daemon=True)
@@ -77,6 +81,24 @@ class Heartbeater:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _fill_in(self, term: int, since: float | None) -> None:
+        """A new master term: publish again what this node changed at the master since ``since``
+        (this clock; None: nothing asked), which a warm takeover may have missed. The next beat
+        tells the master it is done; a failure is retried at the next beat."""
+        if since is not None and self._on_new_term is not None:
+            try:
+                self._on_new_term(since)
+            except errors.KVPoolError as exc:
+                log.warning("node %s: publishing again for master term %d failed (%s); retrying next beat",
+                            self.node_id[:8], term, exc)
+                return
+            except Exception:
+                log.exception("node %s: publishing again for master term %d failed; retrying next beat",
+                              self.node_id[:8], term)
+                return
+        self.term = term
+        self._wake.set()  # tell the master at once: it stops asking once every node has
+
     def _run(self) -> None:
         client = self._client_factory()
         try:
@@ -89,8 +111,9 @@ class Heartbeater:
             client.close()
 
     def _beat(self, client: MasterClient) -> None:
+        sent = time.monotonic()
         try:
-            reply = client.heartbeat(self.node_id, self._state_fn(), self._delete_ack)
+            reply = client.heartbeat(self.node_id, self._state_fn(), self._delete_ack, self.term)
         except errors.MasterUnreachableError as exc:
             if self.reachable:
                 log.warning("node %s: heartbeat failed: %s", self.node_id[:8], exc)
@@ -117,9 +140,14 @@ class Heartbeater:
             try:
                 self._on_reregister()
                 self.reregistrations += 1
+                self.term = reply.term  # everything this node holds is in that term's index
+            except errors.KVPoolError as exc:  # typed (the master went away meanwhile): no traceback
+                log.warning("node %s: re-registration failed (%s); retrying next beat", self.node_id[:8], exc)
             except Exception:
                 log.exception("node %s: re-registration failed; retrying next beat", self.node_id[:8])
             return
+        if reply.term != self.term:
+            self._fill_in(reply.term, sent - reply.resend_s if reply.resend_s > 0 else None)
         if reply.delete:
             if self._on_delete is None:
                 log.warning("node %s: %d deletes relayed but no on_delete handler", self.node_id[:8], len(reply.delete))

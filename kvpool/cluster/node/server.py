@@ -25,8 +25,10 @@ import json
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ import zmq
 from kvpool import errors
 from kvpool.cluster.node import durable_log
 from kvpool.cluster.node.heartbeat import Heartbeater
+from kvpool.cluster.node.recent import RecentChanges
 from kvpool.cluster.wire import protocol as P
 from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.master_client import MasterClient
@@ -211,6 +214,9 @@ class Node:
         self.heartbeater: Heartbeater | None = None
         self.address: NodeAddress | None = None
         self._registered = False  # the master has answered a register at least once
+        self._registered_term = 0  # the master term of the last register's answer
+        # What this node changed at the master lately: published again after a warm takeover.
+        self.recent = RecentChanges()
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -244,6 +250,7 @@ class Node:
         self.address = NodeAddress(peer, self.control_address, arena)
         self.manager.listener = self
         self.manager.may_drop_many = self._may_drop_many
+        self._keep_durable_copies()
         self._publisher.start()
         self._control_thread.start()
         self.register()
@@ -252,7 +259,10 @@ class Node:
                                  context=self._zmq),
             self.node_id,
             self.config.master.heartbeat_ms / 1000.0, self.tier_state, self.register, self._on_delete,
-        ).start()
+            self.publish_again,
+        )
+        self.heartbeater.term = self._registered_term
+        self.heartbeater.start()
         peer = self.address.peer
         ways = [f"TCP port {peer.tcp_port}"] if peer.tcp_port else []
         ways.append(f"UCX port {peer.port}" if peer.port else "UCX by worker address" if peer.worker_address
@@ -390,22 +400,91 @@ class Node:
         re-registration is still to come), register everything now instead: the register
         carries these records too, so they are visible when this returns either way."""
         self._want_ucx_for(records)
+        deadline = time.monotonic() + self.master.request_timeout_s
         try:
-            with self._publish_lock:
-                self.master.publish(self.node_id, records)
+            with self._publish_lock_until(deadline):
+                try:
+                    self.master.publish(self.node_id, records, timeout_s=max(0.0, deadline - time.monotonic()))
+                finally:  # also when it failed: the master may have taken it before it went
+                    self.recent.note(r["key"] for r in records)
         except errors.UnknownNodeError:
             log.info("node %s: the master does not know this node (restarted or failed over): registering",
                      self.node_id[:8])
             self.register()
 
+    @contextlib.contextmanager
+    def _publish_lock_until(self, deadline: float) -> Iterator[None]:
+        """``_publish_lock``, waited for until ``deadline`` at most: a put's publish queued behind
+        others that wait on an unreachable master fails within its own deadline
+        (MasterUnreachableError), not after all of theirs."""
+        if not self._publish_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise errors.MasterUnreachableError(
+                f"node {self.node_id[:8]}: earlier changes still wait for the master at {self.master.address} "
+                f"after {self.master.request_timeout_s:.3g} s")
+        try:
+            yield
+        finally:
+            self._publish_lock.release()
+
+    def publish_again(self, since: float) -> None:
+        """Publish again, as the tiers hold them now, the keys this node changed at the master at
+        or after ``since`` (this clock): a master that took over warm may have missed them (see
+        :mod:`kvpool.cluster.node.recent`). Registers everything if it does not remember that far."""
+        keys = self.recent.since(since)
+        if keys is None:
+            log.info("node %s: the new master leader asks for %.1f s of changes, more than this node "
+                     "remembers: registering everything", self.node_id[:8], time.monotonic() - since)
+            self.register()
+            return
+        with self._publish_lock:
+            durable = self._durable_counts() if keys else {}
+            records: list[ReplicaRecord] = []
+            gone: list[bytes] = []
+            for key in keys:
+                found = self.manager.describe(key)
+                if found is None:
+                    gone.append(key)
+                else:
+                    records.append(record_for(key, *found, durable.get(key) if found[0].persistent else None))
+            if gone:
+                self.master.removed(self.node_id, gone)
+            if records:
+                self.master.publish(self.node_id, records)
+        self.counters["published_again"] += len(keys)
+        log.info("node %s: published again %d objects and %d removals changed in the last %.2f s, which the new "
+                 "master leader may have missed", self.node_id[:8], len(records), len(gone),
+                 time.monotonic() - since)
+
+    def _keep_durable_copies(self) -> None:
+        """At start: the durable copies ``durable.log`` names are never evicted for room (see
+        :meth:`TierManager.protect`); those a persistent tier dropped at open (they lay beyond a
+        capacity lowered since) are counted in ``durable_dropped`` and named in the log."""
+        durable = self._durable_counts()
+        if not durable:
+            return
+        kept = self.manager.protect(list(durable))
+        dropped = [key for tier in self.manager.tiers for key in getattr(tier, "dropped_keys", ()) if key in durable]
+        if dropped:
+            self.manager.counters["durable_dropped"] += len(dropped)
+            log.warning("node %s: %d durable copies lay beyond the persistent tier's (smaller) capacity and are "
+                        "gone from here (first: %s); the master copies them again from another holder if one "
+                        "exists", self.node_id[:8], len(dropped), dropped[0][:32].hex())
+        log.info("node %s: %d durable copies held (never evicted for room)", self.node_id[:8], kept)
+
+    def _durable_counts(self) -> dict[bytes, int]:
+        """Key -> copies wanted, of the durable copies this node's persistent tiers hold (their
+        ``durable.log``)."""
+        durable: dict[bytes, int] = {}
+        for tier in self.manager.tiers:
+            path = getattr(tier, "path", None)
+            if tier.persistent and tier.capacity_bytes > 0 and path is not None:
+                durable.update(durable_log.read(path, self.config.pool.max_key_bytes))
+        return durable
+
     def _register(self) -> None:
         role = getattr(self, "role", "client")
         persistent = [t for t in self.manager.tiers if t.persistent and t.capacity_bytes > 0]
-        durable: dict[bytes, int] = {}
-        for tier in persistent:
-            path = getattr(tier, "path", None)
-            if path is not None:  # any bytes there: malformed lines are skipped and logged
-                durable.update(durable_log.read(path, self.config.pool.max_key_bytes))
+        durable = self._durable_counts()  # any bytes there: malformed lines are skipped and logged
         records = [record_for(key, tier, extent, header, durable.get(key) if tier.persistent else None)
                    for key, tier, extent, header in self.manager.snapshot()]
         self._want_ucx_for(records)
@@ -415,6 +494,9 @@ class Node:
                                      persistent_tiers=[t.name for t in persistent],
                                      control=self.control_address)
         self._registered = True
+        self._registered_term = int(reply.get("term", 0))
+        if self.heartbeater is not None:
+            self.heartbeater.term = self._registered_term
         log.info("node %s registered with master %s as %s: %d objects indexed (%d durable)", self.node_id[:8],
                  self.master.address, role, reply.get("indexed", len(records)),
                  sum(1 for r in records if r.get("durable")))
@@ -450,11 +532,14 @@ class Node:
                     changed = list(dict.fromkeys(k for kind, k, _ in batch if kind != "stop"))
                     now = {k: self.record(k) for k in changed}
                     removed = [k for k, record in now.items() if record is None]
-                    if removed:
-                        self.master.removed(self.node_id, removed)
                     moved = [record for record in now.values() if record is not None]
-                    if moved:
-                        self.master.publish(self.node_id, moved)
+                    try:
+                        if removed:
+                            self.master.removed(self.node_id, removed)
+                        if moved:
+                            self.master.publish(self.node_id, moved)
+                    finally:
+                        self.recent.note(changed)
             except errors.KVPoolError as exc:
                 # The next register (after a master restart) resends the truth.
                 log.warning("could not publish %d changes to the master: %s", len(batch), exc)
@@ -464,7 +549,10 @@ class Node:
     def _may_drop_many(self, keys: list[bytes]) -> set[bytes]:
         """The bottom tier asks (outside the manager's lock, one batch): remotely leased objects stay."""
         try:
-            decision = self.master.evict_request(self.node_id, keys)
+            try:
+                decision = self.master.evict_request(self.node_id, keys)
+            finally:
+                self.recent.note(keys)
         except errors.KVPoolError as exc:
             log.debug("master unreachable for evict_request (%s): dropping %d victims", exc, len(keys))
             return set(keys)  # a cache must make room; readers verify and fall back
@@ -610,7 +698,10 @@ class Node:
         if isinstance(outcome, BaseException):
             raise outcome
         record, tier = self._store_replica(item, spec, payload, raw_header, body.persistent, body.replicas)
-        self.master.commit(item.reservation, record)
+        try:
+            self.master.commit(item.reservation, record)
+        finally:
+            self.recent.note([item.key])
         self.counters["replicated_objects"] += 1
         return {"node_id": self.node_id, "tier": tier}
 
@@ -641,7 +732,10 @@ class Node:
                 continue
             commits.append((item.reservation, record))
             tiers.append(tier)
-        committed = sum(self.master.commit_many(commits)) if commits else 0
+        try:
+            committed = sum(self.master.commit_many(commits)) if commits else 0
+        finally:
+            self.recent.note(record["key"] for _, record in commits)
         self.counters["replicated_objects"] += committed
         if failures or committed < len(items):
             raise errors.TransferError(

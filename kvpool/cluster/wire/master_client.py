@@ -405,9 +405,12 @@ class MasterClient:
         return cast(int, self.call(P.LEAVE, {"node_id": node_id}, timeout_s=timeout_s).withdrawn)
 
     def heartbeat(
-        self, node_id: str, tiers: Mapping[str, Mapping[str, int]] | None = None, delete_ack: int = 0
+        self, node_id: str, tiers: Mapping[str, Mapping[str, int]] | None = None, delete_ack: int = 0,
+        term: int = 0,
     ) -> HeartbeatReply:
-        body: dict[str, Any] = {"node_id": node_id, "delete_ack": delete_ack}
+        """``term``: the last master term whose takeover gap this node filled in (see
+        :class:`kvpool.cluster.node.recent.RecentChanges`)."""
+        body: dict[str, Any] = {"node_id": node_id, "delete_ack": delete_ack, "term": term}
         if tiers is not None:
             body["tiers"] = tiers
         return cast(HeartbeatReply, self.call(P.HEARTBEAT, body))

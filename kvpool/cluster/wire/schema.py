@@ -134,6 +134,7 @@ class Heartbeat(Body):
     node_id: str
     tiers: dict[str, TierState] | None = None
     delete_ack: int = 0
+    term: int = 0  # the last master term whose takeover gap this node filled in (HeartbeatReply.resend_s)
 
     def __post_init__(self) -> None:
         if self.tiers is not None:
@@ -264,6 +265,7 @@ class RegisterReply(Body):
     lease_s: float
     indexed: int
     skipped_deleted: int = 0
+    term: int = 0  # with master.etcd: the master term this register is part of
 
 
 class LeaveReply(Body):
@@ -275,6 +277,11 @@ class HeartbeatReply(Body):
     reregister: bool      # the master does not know this node: register again with everything held
     delete: list[bytes]   # keys other clients deleted; drop them, the next beat acknowledges
     delete_seq: int       # acknowledge with this in the next heartbeat's delete_ack
+    # With master.etcd: the cluster's term this master leads, and how many seconds back a node
+    # must publish again what it changed (the tail of the last leader's changes that a warm
+    # takeover may not have followed). 0 / 0.0 from a master without etcd, or an older one.
+    term: int = 0
+    resend_s: float = 0.0
 
 
 class LookupReply(Body):
