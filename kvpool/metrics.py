@@ -141,6 +141,10 @@ class StatsCollector(Collector):
             ("kvpool_evictions", "Objects dropped from the bottom tier", counters.get("evictions", 0)),
             ("kvpool_demotions", "Objects moved one tier down", counters.get("demotions", 0)),
             ("kvpool_promotions", "Objects moved up after repeated hits", counters.get("promotions", 0)),
+            ("kvpool_durable_dropped", "Acknowledged durable copies this node lost (corrupt, file gone, "
+             "or beyond a smaller capacity at start)", counters.get("durable_dropped", 0)),
+            ("kvpool_published_again", "Objects published again after a master takeover",
+             counters.get("published_again", 0)),
         ):
             family = CounterMetricFamily(name, help_text)
             family.add_metric([], value)

@@ -38,6 +38,9 @@ class Entry:
     #: a copy left in a persistent tier when the object was promoted out of it (never read
     #: while the upper copy exists; dropped when its tier needs the space)
     backing: tuple[int, Extent] | None = None
+    #: an acknowledged durable copy: its persistent copy is never an eviction victim (it is in
+    #: no policy of its persistent tier); only a delete, an overwrite or a lost file removes it
+    durable: bool = False
 
 
 class NeedsApproval(Exception):

@@ -20,6 +20,11 @@ Invariants:
 - A full disk is capacity, not failure: DiskFullError from a tier (which then
   lowers its effective capacity) makes the manager evict and retry, so the
   newest objects are the ones that survive.
+- A durable copy (``put(persistent=True)``, or named by ``protect`` after a
+  restart) is never evicted to make room: its persistent copy is in no eviction
+  policy, so a persistent tier full of durable copies refuses new puts
+  (PoolFullError) instead. It goes only by ``delete``, an overwrite, or a read
+  that finds it corrupt or gone (counted in ``durable_dropped`` and logged).
 
 Concurrency: one lock guards the index, the policies and the allocators'
 callers. Bulk copies of a put and of a read run outside the lock; demotions and
@@ -151,13 +156,35 @@ class TierManager:
             if old is not None:
                 self._unindex(old, keep_persistent_record=index in (old.tier, (old.backing or (-1,))[0]),
                               reason=None)
-            self._index[key] = Entry(key, index, extent, header)
-            self.policies[index].insert(key, nbytes)
+            entry = self._index[key] = Entry(key, index, extent, header, durable=persistent)
+            if not entry.durable:
+                self.policies[index].insert(key, nbytes)
             if self.listener is not None:
                 self.listener.stored(key, tier, extent, header)
             self.counters["puts"] += 1
             self.counters["bytes_put"] += spec.payload_nbytes
         return tier.name
+
+    def protect(self, keys: Sequence[bytes]) -> int:
+        """Mark the objects of ``keys`` that have a persistent copy as durable (after a restart:
+        the keys the node's ``durable.log`` names), so they are never evicted for room; returns
+        how many were marked."""
+        marked = 0
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None or entry.durable:
+                    continue
+                if self.tiers[entry.tier].persistent:
+                    where = entry.tier
+                elif entry.backing is not None:
+                    where = entry.backing[0]
+                else:
+                    continue
+                entry.durable = True
+                self.policies[where].remove(key)
+                marked += 1
+        return marked
 
     def _candidates(self, persistent: bool) -> list[int]:
         if persistent:
@@ -488,6 +515,10 @@ class TierManager:
         """
         if self._index.get(entry.key) is entry:
             del self._index[entry.key]
+            if entry.durable and reason not in (None, "deleted"):
+                self.counters["durable_dropped"] += 1
+                log.warning("durable copy of %s dropped (%s): the master re-replicates it from another holder if "
+                            "one exists", entry.key[:32].hex(), reason)
             if reason is not None and self.listener is not None:
                 self.listener.removed(entry.key, reason)
         if not policy_removed:

@@ -74,6 +74,7 @@ class IndexedSegments(SegmentFiles):
     _file_limit: int | None
     _loaded: list[tuple[bytes, Extent, ObjectHeader]] | None
     dropped_records: int
+    dropped_keys: list[bytes]  # keys of the objects dropped at open because they lay beyond the capacity
     index_rebuilt: str
     recovered_objects: int
 
@@ -305,6 +306,7 @@ class IndexedSegments(SegmentFiles):
         if stale or outside:
             self._index_write(lambda txn: [txn.delete(key) for key in stale + outside])
             self.dropped_records = len(stale) + len(outside)
+            self.dropped_keys = outside
         if stale:
             log.info("nvme tier at %s: dropped %d index records of objects already tombstoned", self.path, len(stale))
         if outside:

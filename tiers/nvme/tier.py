@@ -114,6 +114,7 @@ class NvmeTier(IndexedSegments):
         # dropped at the first index write.
         self._loaded: list[tuple[bytes, Extent, ObjectHeader]] | None = None
         self.dropped_records = 0  # index or segment records discarded at open
+        self.dropped_keys: list[bytes] = []
         self.index_rebuilt = ""  # why the index was rebuilt from the segments at open ("" if it was not)
         try:
             self._open(direct_io)
