@@ -3,7 +3,7 @@ clean departures and malformed master addresses. Every process is stopped at the
 
 from __future__ import annotations
 
-import os
+import contextlib
 import subprocess
 import sys
 import time
@@ -233,14 +233,15 @@ def test_durable_copies_follow_one_rule() -> None:
             durable_copies(durable, bad.get("durable"), bad.get("replicas"))  # type: ignore[arg-type]
 
 
-def test_a_storage_node_on_a_small_filesystem_keeps_room_for_its_durable_log(
+def test_a_full_disk_refuses_new_durable_copies_and_loses_no_acknowledged_one(
         cluster: Cluster, tmpfs: Callable[[str], Path]) -> None:
-    """A storage node whose nvme tier (64 MiB configured) sits on a real 16 MiB tmpfs: durable
-    puts of 24 MiB in all, far past the filesystem's size, every one succeeds — the tier keeps
-    tiers.nvme.headroom free there (auto: a quarter of so small a filesystem, 4 MiB), so each
-    copy's durable.log line is written (the fault soak saw DiskFullError once the segments had
-    taken the last byte)."""
-    disk = tmpfs("16m")
+    """A storage node alone on a real 48 MiB filesystem (its nvme tier configured at 64 MiB),
+    durable puts of 256 KiB: the disk is filled by another file for a while, then freed, then the
+    puts go on past what the filesystem holds. Puts fail with a typed error while there is no
+    room (never by evicting an acknowledged copy); the tier keeps tiers.nvme.headroom free for
+    durable.log; with the writer gone, every acknowledged put is read back, exact bytes, from
+    the storage node, and it dropped no durable copy."""
+    disk = tmpfs("48m")
     start_master(cluster)
     config = cluster.tmp_path / "store.toml"
     config.write_text(node_config("store", cluster.tmp_path / "store", cluster.master_address).replace(
@@ -250,15 +251,45 @@ def test_a_storage_node_on_a_small_filesystem_keeps_room_for_its_durable_log(
     store = cluster.spawn(["-m", "kvpool.cli.server", "--role", "node", "--config", str(config)],
                           log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=30)
     writer = cluster.connect("writer")
+    acked: list[int] = []
+    refused: dict[int, str] = {}
+
+    def put(i: int) -> None:
+        try:
+            writer.put(key_of(i), content(i), durable=True)
+        except errors.KVPoolError as exc:  # typed, or the test fails here
+            refused[i] = f"{type(exc).__name__}: {exc}"
+        else:
+            acked.append(i)
+
     try:
         wait_for(lambda: len(cluster.alive_nodes()) == 2, 10, "nodes to register")
-        for i in range(96):  # 256 KiB each
-            writer.put(key_of(i), content(i), durable=True)  # raises if the copy failed
-        st = os.statvfs(disk)
-        assert st.f_bavail * st.f_frsize >= 3 * MiB  # the headroom, less the index's own growth
-        # a line per copy made (re-replications of copies evicted to make room add lines)
-        assert set(durable_log.read(disk / "nvme", 256)) == {key_of(i) for i in range(96)}
-        assert list(storage_holders(cluster, key_of(95)).values()) == ["nvme"]
-        assert "DiskFullError" not in store.output() and "headroom" in store.output()
+        for i in range(40):
+            put(i)
+        assert acked == list(range(40)), refused
+        filler = disk / "filler"
+        with open(filler, "wb") as fh:  # another writer takes every byte left
+            with contextlib.suppress(OSError):
+                while True:
+                    fh.write(b"\0" * MiB)
+                    fh.flush()
+        during = len(acked)
+        for i in range(40, 60):
+            put(i)
+        assert len(refused) > 0, "the full disk refused nothing"
+        filler.unlink()
+        for i in range(60, 200):  # 35 MiB more: past what the filesystem holds
+            put(i)
+        assert len(acked) > during + 20 and any(i > 60 for i in refused), (len(acked), sorted(refused)[:5])
+        assert any("DiskFull" in why or "PoolFull" in why or "room" in why for why in refused.values()), refused
+        assert set(durable_log.read(disk / "nvme", 256)) >= {key_of(i) for i in acked}
     finally:
-        writer.close()
+        writer.close()  # a clean leave: only the storage node's durable copies remain
+    reader = cluster.connect("reader")
+    try:
+        wrong = [i for i in acked if not np.array_equal(reader.get(key_of(i)), content(i))]
+        assert wrong == [], f"{len(wrong)} of {len(acked)} acknowledged durable puts lost: {wrong[:10]}"
+    finally:
+        reader.close()
+    assert "durable copy of" not in store.output()  # no "durable copy ... dropped" warning
+    print(f"{len(acked)} durable puts acknowledged, {len(refused)} refused typed, 0 lost")

@@ -71,6 +71,7 @@ class IndexedSegments(SegmentFiles):
     _meta_db: Any
     _index_lock: threading.Lock
     _blocked: list[int]
+    _blocked_ranges: list[list[tuple[int, int]]]
     _file_limit: int | None
     _loaded: list[tuple[bytes, Extent, ObjectHeader]] | None
     dropped_records: int
@@ -92,6 +93,7 @@ class IndexedSegments(SegmentFiles):
         with self._alloc_lock:
             self._segments = [ExtentAllocator(s.capacity, ALIGN) for s in self._segments]
             self._blocked = [0] * len(self._segments)
+            self._blocked_ranges = [[] for _ in self._segments]
 
     def _index_write(self, operation: Callable[[Any], Any]) -> Any:
         """Run ``operation(txn)`` in one write transaction, growing the map when full."""

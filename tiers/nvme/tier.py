@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +28,8 @@ from tiers.nvme.layout import ALIGN, INDEX_RESERVE_BYTES, LIVE, MAX_KEY_NBYTES, 
 if TYPE_CHECKING:
     from kvpool.config import Config, NvmeSection
 
+
+REGAIN_EVERY_S = 1.0  # a full tier looks at its filesystem for room again at most this often
 
 log = logging.getLogger("tiers.nvme")
 
@@ -103,6 +106,9 @@ class NvmeTier(IndexedSegments):
         self._pool: ThreadPoolExecutor | None = None
         # Space above the effective capacity, reserved in the allocators so nothing lands there.
         self._blocked = [0] * len(self._segments)
+        # The ranges behind _blocked, per segment: (offset, bytes), given back by _regain.
+        self._blocked_ranges: list[list[tuple[int, int]]] = [[] for _ in self._segments]
+        self._regain_checked = 0.0  # when _regain last looked at the filesystem
         self._file_limit: int | None = None  # no segment byte at or past this offset is usable (EFBIG)
         self.disk_limited = ""  # why capacity_bytes is below the configured capacity
         self.disk_full_events = 0
@@ -149,26 +155,38 @@ class NvmeTier(IndexedSegments):
         self._check_open()
         size = self.allocated_size(nbytes)
         with self._alloc_lock:
-            for index, segment in enumerate(self._segments):
-                if index not in self._prepared:
-                    self._keep_headroom(index)
-                start = segment.allocate(size)
-                if start is None:
-                    continue
-                if index not in self._prepared:
-                    try:
-                        self._prepare_segment(index, segment.capacity - self._blocked[index])
-                    except errors.DiskFullError as exc:
-                        segment.free(start, size)
-                        preallocated = sum(s.capacity - b for i, (s, b) in
-                                           enumerate(zip(self._segments, self._blocked)) if i in self._prepared)
-                        self._lower_capacity(exc.errno, preallocated, str(exc))
-                        raise
-                    except BaseException:
-                        segment.free(start, size)
-                        raise
-                    self._prepared.add(index)
-                return Extent(index, start + PREFIX_NBYTES, nbytes)
+            while True:
+                found = self._allocate(size)
+                if found is not None or not self._regain():
+                    break
+        if found is None:
+            return None
+        index, start = found
+        return Extent(index, start + PREFIX_NBYTES, nbytes)
+
+    def _allocate(self, size: int) -> tuple[int, int] | None:
+        """(segment, record offset) of ``size`` bytes, preparing the segment first if new (alloc
+        lock held)."""
+        for index, segment in enumerate(self._segments):
+            if index not in self._prepared:
+                self._keep_headroom(index)
+            start = segment.allocate(size)
+            if start is None:
+                continue
+            if index not in self._prepared:
+                try:
+                    self._prepare_segment(index, segment.capacity - self._blocked[index])
+                except errors.DiskFullError as exc:
+                    segment.free(start, size)
+                    preallocated = sum(s.capacity - b for i, (s, b) in
+                                       enumerate(zip(self._segments, self._blocked)) if i in self._prepared)
+                    self._lower_capacity(exc.errno, preallocated, str(exc))
+                    raise
+                except BaseException:
+                    segment.free(start, size)
+                    raise
+                self._prepared.add(index)
+            return index, start
         return None
 
     def free(self, extent: Extent) -> None:
@@ -191,7 +209,44 @@ class NvmeTier(IndexedSegments):
             if hi > lo:
                 segment.reserve(lo, hi - lo)
                 self._blocked[index] += hi - lo
+                self._blocked_ranges[index].append((lo, hi - lo))
                 self.capacity_bytes -= hi - lo
+
+    def _regain(self) -> bool:
+        """Give back capacity that a full filesystem took away, once it has room again (alloc
+        lock held; looks at the filesystem at most every REGAIN_EVERY_S): a disk filled by
+        another writer and freed must not leave the tier refusing puts until it is reopened.
+        Returns True if any capacity came back. Space past a file size limit (EFBIG) stays out."""
+        if not self.disk_limited or self._file_limit is not None:
+            return False
+        now = time.monotonic()
+        if now - self._regain_checked < REGAIN_EVERY_S:
+            return False
+        self._regain_checked = now
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return False
+        free = st.f_bavail * st.f_frsize
+        headroom = headroom_bytes(self.headroom, st.f_blocks * st.f_frsize)
+        usable = max(0, free - max(headroom, INDEX_RESERVE_BYTES + free // 128))
+        before = self.capacity_bytes
+        for index, ranges in enumerate(self._blocked_ranges):
+            prepared = index in self._prepared  # its file holds the blocked space already
+            while ranges and (prepared or ranges[-1][1] <= usable):
+                offset, size = ranges.pop()
+                self._segments[index].free(offset, size)
+                self._blocked[index] -= size
+                self.capacity_bytes += size
+                if not prepared:
+                    usable -= size
+        if self.capacity_bytes == before:
+            return False
+        if self.capacity_bytes >= self.configured_capacity_bytes:
+            self.disk_limited = ""
+        log.info("nvme tier at %s: the filesystem has room again: effective capacity raised from %d to %d bytes",
+                 self.path, before, self.capacity_bytes)
+        return True
 
     def _keep_headroom(self, index: int) -> None:
         """Before segment ``index`` is first prepared (alloc lock held): take out of service the
