@@ -229,17 +229,18 @@ class NvmeTier(IndexedSegments):
             return False
         free = st.f_bavail * st.f_frsize
         headroom = headroom_bytes(self.headroom, st.f_blocks * st.f_frsize)
-        usable = max(0, free - max(headroom, INDEX_RESERVE_BYTES + free // 128))
+        # What segments not prepared yet will take when they are, comes first; a blocked range
+        # may lie past what its segment's file holds, so each costs its size.
+        budget = max(0, free - max(headroom, INDEX_RESERVE_BYTES + free // 128)) - sum(
+            s.capacity - b for i, (s, b) in enumerate(zip(self._segments, self._blocked)) if i not in self._prepared)
         before = self.capacity_bytes
         for index, ranges in enumerate(self._blocked_ranges):
-            prepared = index in self._prepared  # its file holds the blocked space already
-            while ranges and (prepared or ranges[-1][1] <= usable):
+            while ranges and ranges[-1][1] <= budget:
                 offset, size = ranges.pop()
                 self._segments[index].free(offset, size)
                 self._blocked[index] -= size
                 self.capacity_bytes += size
-                if not prepared:
-                    usable -= size
+                budget -= size
         if self.capacity_bytes == before:
             return False
         if self.capacity_bytes >= self.configured_capacity_bytes:
