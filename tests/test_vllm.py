@@ -140,9 +140,11 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     # the plain engine generated.
     durable_config = tmp_path / "durable-engine.toml"
     durable_config.write_text(engine_config.read_text() + "[node]\ndurable = true\n")
-    first = engine(tmp_path, "first", *common, *kv[:-1], str(durable_config))
+    # It is a kv_producer (the prefill side of a P/D split): it saves and never looks up or loads.
+    first = engine(tmp_path, "first", *common, *kv[:-1], str(durable_config), "--kv-role", "kv_producer")
     assert [o["tokens"] for o in first["outputs"]] == tokens
     assert [o["cached"] for o in first["outputs"]] == [0, 3 * BLOCK, 0, 3 * BLOCK]  # vLLM's own prefix cache
+    assert "(scheduler, kv_producer: saves, never loads)" in (tmp_path / "first.log").read_text()
 
     # Corrupt the middle block of the second prefix on the storage node's disk.
     keys = prefix_hashes(bases[1][:3 * BLOCK], BLOCK, namespace=first["namespace"])
@@ -172,10 +174,12 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     # The default, load_async = "auto" ("second" said sync): these blocks come over the network
     # (the storage node holds them on nvme), so each request waits for them outside the model's
     # steps (vLLM's WAITING_FOR_REMOTE_KVS) and no forward pass waits for a load; same tokens,
-    # the same recompute of the corrupt block.
-    third = engine(tmp_path, "third", *common, *kv, "--no-plan")
+    # the same recompute of the corrupt block. It is a kv_consumer (the decode side): it loads
+    # what the producer saved and saves nothing.
+    third = engine(tmp_path, "third", *common, *kv, "--no-plan", "--kv-role", "kv_consumer")
     assert [o["tokens"] for o in third["outputs"]] == tokens
     log = (tmp_path / "third.log").read_text()
+    assert "(scheduler, kv_consumer: loads, never saves)" in log
     assert "kvpool: 1 blocks failed to load" in log and "asynchronous: " in log
     assert "the model waited 0.00 ms" in log
 
@@ -241,17 +245,6 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
         "tiers": {"dram": {"capacity": "8MiB"}}}
 
 
-def test_the_namespace_names_the_weights_not_just_their_path(tmp_path: Path) -> None:
-    from kvpool.integrations.vllm import model_fingerprint
-
-    (tmp_path / "model.safetensors").write_bytes(b"a" * 100)
-    before = model_fingerprint(str(tmp_path))
-    assert model_fingerprint(str(tmp_path)) == before
-    (tmp_path / "model.safetensors").write_bytes(b"b" * 101)  # saved again at the same path
-    assert model_fingerprint(str(tmp_path)) != before
-    assert model_fingerprint("org/model", "abc") != model_fingerprint("org/model", "def")
-
-
 def start_master(spawn_python) -> str:
     """A real master process on a free port; its address."""
     from kvpool.cluster.wire.master_client import MasterClient
@@ -266,9 +259,12 @@ def start_master(spawn_python) -> str:
     return master
 
 
-def _scheduler(master_address: str):
-    """The scheduler half of a KvpoolConnector without an engine: its state, a real master."""
+def _scheduler(master_address: str, kv_role: str = "kv_both"):
+    """The scheduler half of a KvpoolConnector without an engine: its state, a real master,
+    vLLM's own KVTransferConfig with ``kv_role``."""
     from collections import Counter
+
+    from vllm.config import KVTransferConfig
 
     from kvpool.cluster.wire.master_client import MasterClient
     from kvpool.integrations.planner import Planner
@@ -276,6 +272,8 @@ def _scheduler(master_address: str):
     from kvpool.transport.engine import local_host_id
 
     connector = object.__new__(KvpoolConnector)
+    connector._kv_transfer_config = KVTransferConfig(kv_connector="KvpoolConnector", kv_role=kv_role,
+                                                     kv_connector_extra_config={"master": master_address})
     connector.settings = Settings.from_extra({"master": master_address, "load_async": False})
     connector.block_size = BLOCK
     connector.namespace = "test-namespace"
@@ -468,6 +466,111 @@ def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_
         connector._master.close()
         for p in (arena, memory, own):
             p.close()
+
+
+def test_a_kv_producer_saves_and_never_looks_up_or_loads_and_a_kv_consumer_loads_and_never_saves(
+        tmp_path: Path, spawn_python) -> None:
+    """vLLM's ``kv_role`` (its own KVTransferConfig): a ``kv_producer`` scheduler never asks the
+    master about a prompt and schedules no load, only saves of the blocks it computes; a
+    ``kv_consumer`` scheduler loads what kvpool holds and schedules no save, and its worker
+    puts nothing even when handed saves; ``kv_both`` does both. A real master and pools."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import kvpool
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer
+    from tests.vllm_engine import worker_connector
+
+    master = start_master(spawn_python)
+    tokens = list(range(1, 4 * BLOCK + 1))  # 4 full blocks; kvpool holds the first 3
+    keys = prefix_hashes(tokens, BLOCK, namespace="test-namespace")
+
+    def pool(name: str):
+        return kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / name)},
+                                              "tiers": {"dram": {"capacity": "16MiB", "mlock": False},
+                                                        "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                              "master": {"listen": master}})
+
+    holder = pool("holder")
+    holder.put_many([(k, np.zeros((2, 2, BLOCK, 1, 8), np.float16)) for k in keys[:3]])
+    none_cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+
+    def first_step(computed: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="r", num_computed_tokens=computed,
+                                                block_ids=([10, 11, 12, 13],))],
+            scheduled_cached_reqs=none_cached, num_scheduled_tokens={"r": len(tokens) - computed},
+            total_num_scheduled_tokens=len(tokens) - computed)
+
+    schedulers = {role: _scheduler(master, role) for role in ("kv_producer", "kv_consumer", "kv_both")}
+    asked: dict[str, int] = {role: 0 for role in schedulers}
+
+    def counted(role: str, call: Any) -> Any:
+        def ask(*args: Any) -> Any:
+            asked[role] += 1
+            return call(*args)
+        return ask
+
+    for role, scheduler in schedulers.items():
+        for name in ("lookup", "lookup_near"):  # every question the scheduler asks the master
+            setattr(scheduler._master, name, counted(role, getattr(scheduler._master, name)))
+        scheduler.settings = Settings.from_extra({"master": master, "plan": False})
+    caches = {f"layer.{i}": torch.zeros(6, 1, BLOCK, 16, dtype=torch.bfloat16) for i in range(2)}
+    consumer_worker = worker_connector(Settings.from_extra({"master": master}), pool("consumer"), caches, 1, BLOCK,
+                                       kv_role="kv_consumer")
+    producer_worker = worker_connector(Settings.from_extra({"master": master}), pool("producer"),
+                                       {n: c.clone() for n, c in caches.items()}, 1, BLOCK, kv_role="kv_producer")
+    try:
+        assert [(s.loads_blocks, s.saves_blocks) for s in schedulers.values()] == [(False, True), (True, False),
+                                                                                 (True, True)]
+        request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, num_computed_tokens=0)
+
+        # The producer: no lookup, nothing to load; it computes the whole prompt and saves every
+        # full block of it (those kvpool holds too: it never asked).
+        producer = schedulers["kv_producer"]
+        assert producer.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert asked["kv_producer"] == 0 and producer.stats["lookups"] == 0
+        producer.update_state_after_alloc(request, blocks, 0)
+        meta = producer.build_connector_meta(first_step(0))
+        assert meta.loads == [] and meta.async_loads == []
+        assert [(t.keys, t.block_ids) for t in meta.saves] == [(keys, [10, 11, 12, 13])]
+
+        # The consumer: looks up and loads the 3 held blocks, computes the 4th and saves nothing.
+        consumer = schedulers["kv_consumer"]
+        matched = consumer.get_num_new_matched_tokens(request, 0)
+        assert matched[0] == 3 * BLOCK and asked["kv_consumer"] == 1
+        consumer.update_state_after_alloc(request, blocks, 3 * BLOCK)
+        meta = consumer.build_connector_meta(first_step(3 * BLOCK))
+        assert [t.keys for t in meta.loads + meta.async_loads] == [keys[:3]] and meta.saves == []
+        # kv_both, for comparison: the same load and the save of the block it computes.
+        both = schedulers["kv_both"]
+        assert both.get_num_new_matched_tokens(request, 0)[0] == 3 * BLOCK and asked["kv_both"] == 1
+        both.update_state_after_alloc(request, blocks, 3 * BLOCK)
+        meta = both.build_connector_meta(first_step(3 * BLOCK))
+        assert [t.keys for t in meta.loads + meta.async_loads] == [keys[:3]]
+        assert [(t.keys, t.block_ids) for t in meta.saves] == [(keys[3:], [13])]
+
+        # Workers: handed a step's saves, the consumer's saver thread puts nothing; the producer's does.
+        for worker in (consumer_worker, producer_worker):
+            worker.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("r", keys[3:], [1])],
+                                                                   num_tokens=BLOCK))
+            for i, cache in enumerate(worker._layers):
+                worker.save_kv_layer(f"layer.{i}", cache, None)
+            worker.wait_for_save()
+            worker.wait_saved(10)
+            if worker is consumer_worker:
+                assert worker.stats["blocks_saved"] == 0 and holder.lookup(keys[3:]) == 0
+        assert producer_worker.stats["blocks_saved"] == 1 and holder.lookup(keys[3:]) == 1
+    finally:
+        for scheduler in schedulers.values():
+            scheduler._master.close()
+        for worker in (consumer_worker, producer_worker):
+            worker._saver.shutdown()
+            worker._pool.close()
+        holder.close()
 
 
 @pytest.mark.parametrize(("layers_per_pull", "in_place"), [(1, True), (3, True), ("auto", True), (1, False)])

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
             extra["cpus"] = args.cpus if args.cpus in ("auto", "inherit") else [int(c) for c in args.cpus.split(",")]
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra)
+            kv_role=args.kv_role, kv_connector_extra_config=extra)
     elif args.connector == "example":  # vLLM's own reference connector: safetensors files on disk
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
@@ -147,6 +147,8 @@ def main() -> None:
     go.add_argument("--load", choices=["default", "async", "sync"], default="default",
                     help="kvpool: requests wait for their blocks outside the model's steps (async) or "
                          "the model waits in its step, layer by layer (sync, the connector's default)")
+    go.add_argument("--kv-role", choices=["kv_both", "kv_producer", "kv_consumer"], default="kv_both",
+                    help="kvpool: vLLM's kv_role (a producer saves, a consumer loads)")
     go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
     go.add_argument("--layers-per-pull", type=int, default=0, help="kvpool: layers per pull (0: auto)")
     go.add_argument("--cpus", default="", help="kvpool: where the worker's kvpool threads run (auto, inherit, 0,1,...)")
@@ -169,16 +171,19 @@ if __name__ == "__main__":  # vLLM on CPU spawns its engine processes: this guar
 
 
 def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads: int, block_size: int = BLOCK_SIZE,
-                     kv_cache_config: Any = None):
+                     kv_cache_config: Any = None, kv_role: str = "kv_both"):
     """The worker half of a KvpoolConnector without an engine (tests, bench/vllm_bench.py's load
     rows): its kvpool client ``pool`` and paged ``caches`` ({layer name: tensor}, shaped as
     vLLM-CPU's [blocks, kv_heads, block, 2 * head_dim]); ``kv_cache_config``: vLLM's
-    ``KVCacheConfig`` naming each layer's KV cache group (None: one group)."""
+    ``KVCacheConfig`` naming each layer's KV cache group (None: one group); ``kv_role``: vLLM's."""
     from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
 
     from kvpool.integrations.vllm import KvpoolConnector, worker_cpus
 
     connector = object.__new__(KvpoolConnector)
+    connector._kv_transfer_config = KVTransferConfig(kv_connector="KvpoolConnector", kv_role=kv_role)
     connector.settings, connector.block_size = settings, block_size
     connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: kv_heads),
                                              parallel_config=None)

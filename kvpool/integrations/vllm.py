@@ -25,7 +25,13 @@ outside the model's steps; false: its first step waits for them, layer by layer;
 ``"auto"``, the default: false for blocks read without the network, true for pulled ones,
 see :meth:`KvpoolConnector._lookup`), ``cpus``
 (where the worker's kvpool threads run, :func:`worker_cpus`: ``"auto"``, ``"inherit"`` or a
-list of CPU ids).
+list of CPU ids), ``model_id`` (names the model's weights in the namespace instead of
+their content fingerprint, :func:`~kvpool.integrations.vllm_settings.model_fingerprint`).
+
+``kv_role``: ``kv_both`` engines load and save; a ``kv_producer`` engine (prefill in a
+prefill/decode split) saves its blocks and never looks them up or loads them (every request
+is computed whole); a ``kv_consumer`` engine (decode) loads and never saves (nothing it
+computes is stored, no saver thread puts anything).
 
 One kvpool object per full vLLM block: the block's bytes of every layer,
 layer-major, under the block's prefix hash (:func:`kvpool.hashing.prefix_hashes`
@@ -402,8 +408,23 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                      "as created" if cpus is None else sorted(cpus),
                      "as created" if self._pull_cpus is None else sorted(self._pull_cpus),
                      sorted(os.sched_getaffinity(0)))
-        log.info("kvpool connector (%s) on master %s, namespace %s", role.name.lower(), self.settings.master,
-                 self.namespace)
+        log.info("kvpool connector (%s, %s: %s) on master %s, namespace %s", role.name.lower(),
+                 self._kv_transfer_config.kv_role,
+                 "loads and saves" if self.loads_blocks and self.saves_blocks else
+                 "saves, never loads" if self.saves_blocks else "loads, never saves",
+                 self.settings.master, self.namespace)
+
+    @property
+    def loads_blocks(self) -> bool:
+        """``kv_role`` is ``kv_consumer`` or ``kv_both``: the scheduler looks prompts up and
+        the workers load blocks; a ``kv_producer`` engine does neither."""
+        return bool(self._kv_transfer_config.is_kv_consumer)
+
+    @property
+    def saves_blocks(self) -> bool:
+        """``kv_role`` is ``kv_producer`` or ``kv_both``: the blocks a step computes are
+        saved; a ``kv_consumer`` engine schedules no save and its saver thread puts nothing."""
+        return bool(self._kv_transfer_config.is_kv_producer)
 
     def _init_worker(self, pool: Any, cpus: frozenset[int] | None = None) -> None:
         """The worker side's state around its kvpool client ``pool``; its threads run on
@@ -464,7 +485,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         loadable = (len(tokens) - 1) // self.block_size  # vLLM computes at least the last token
         first = num_computed_tokens // self.block_size
         tracked.saved_upto = tracked.first = first
-        if loadable <= first:
+        if loadable <= first or not self.loads_blocks:  # (a kv_producer: tracked for its saves only)
             return 0, False
         try:
             hits, near = self._lookup(keys[:loadable])
@@ -572,6 +593,8 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             if tracked.load is not None:
                 meta.loads.append(tracked.load)
                 tracked.load = None
+            if not self.saves_blocks:  # a kv_consumer
+                continue
             # Blocks of the prompt that this step fills are saved as the layers produce them
             # (each in every group: in this step even a window group still has them).
             after = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
@@ -643,7 +666,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         longest = getattr(getattr(self._vllm_config, "model_config", None), "max_model_len", 0) or 0
         blocks = min(-(-int(longest) // self.block_size),
                      _STAGING_PREPARED_BYTES // (len(self._layers) * self._block_nbytes))
-        if blocks > 0:
+        if blocks > 0 and self.loads_blocks:  # (a kv_producer never loads)
             # Each loader that may pull: with load_async "auto" both (the step's loader pulls the
             # blocks of the worker's own pool, and any a same-host arena lost meanwhile).
             setting = self.settings.load_async
@@ -973,7 +996,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
         layer = self._layer_index.get(layer_name)
-        if layer is None or not meta.saves:
+        if layer is None or not meta.saves or not self.saves_blocks:  # (a kv_consumer's scheduler sends none)
             return
         stage = self._stage
         if stage is None:
