@@ -131,8 +131,10 @@ class ClusterPool(PoolAPI):
         at the master, which then keeps the count: copies lost with a storage node are
         re-created elsewhere.
 
-        Raises what :meth:`Pool.put` raises, MasterUnreachableError (the object
-        then stays in the local tiers, readable here, and becomes visible to the
+        Raises what :meth:`Pool.put` raises, MasterUnreachableError within
+        ``master.request_timeout_s`` (twice that when the bottom tier must first ask the
+        master before it evicts, which it does not again while the master is known away; the
+        object then stays in the local tiers, readable here, and becomes visible to the
         cluster when this node re-registers with the master), and (durable)
         InvalidArgumentError for ``replicas < 1`` and NotEnoughReplicasError when
         fewer storage nodes are eligible (both before anything is stored or

@@ -241,14 +241,17 @@ class Etcd:
         self.port, peer = free_tcp_port(), free_tcp_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / "etcd.log"
-        with self.log_path.open("wb") as log:
-            popen = subprocess.Popen(
-                [binary, "--name", "test", "--data-dir", str(tmp_path / "etcd-data"),
-                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.args = [binary, "--name", "test", "--data-dir", str(tmp_path / "etcd-data"),
+                     "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                     "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                     "--initial-cluster", f"test=http://127.0.0.1:{peer}"]
+        self.start()
+
+    def start(self) -> None:
+        """Start etcd (again, after ``child.kill()``: same ports, same data) and wait until it serves."""
+        with self.log_path.open("ab") as log:
+            popen = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.child = ChildProcess(popen, self.log_path)
         from kvpool.cluster.wire.etcd import EtcdClient
 

@@ -74,14 +74,31 @@ class EtcdClient:
         self._conn: http.client.HTTPConnection | None = None
         self._current = 0  # index of the endpoint that answered last
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """One request, answered by the first endpoint that can. ``timeout_s``: the most it may
+        take in all, waiting for another thread's request included (None: ``self.timeout_s``
+        per endpoint tried); CoordinatorError past it."""
         payload = json.dumps(body).encode()
         last: Exception | None = None
-        with self._lock:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._lock.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+            raise errors.CoordinatorError(f"etcd at {self.urls} did not answer {path} within {timeout_s:.3g} s "
+                                          "(another request still waits for it)")
+        try:
             for attempt in range(len(self.endpoints) + 1):  # every endpoint once, the current one twice
+                wait_s = self.timeout_s
+                if deadline is not None:
+                    wait_s = min(wait_s, deadline - time.monotonic())
+                    if wait_s <= 0:
+                        last = last or TimeoutError(f"no time left within {timeout_s:.3g} s")
+                        break
                 if self._conn is None:
                     host, port = self.endpoints[self._current]
-                    self._conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+                    self._conn = http.client.HTTPConnection(host, port, timeout=wait_s)
+                else:  # a kept-alive connection: this request's own deadline
+                    self._conn.timeout = wait_s
+                    if self._conn.sock is not None:
+                        self._conn.sock.settimeout(wait_s)
                 try:
                     self._conn.request("POST", path, payload, {"Content-Type": "application/json"})
                     response = self._conn.getresponse()
@@ -103,6 +120,8 @@ class EtcdClient:
                 if not isinstance(reply, dict):
                     raise errors.CoordinatorError(f"etcd {path}: unexpected reply {reply!r:.200}")
                 return reply
+        finally:
+            self._lock.release()
         raise errors.CoordinatorError(f"etcd at {self.urls} is unreachable ({path}: {last})")
 
     def grant(self, ttl_s: int) -> tuple[int, int]:
@@ -121,9 +140,13 @@ class EtcdClient:
     def revoke(self, lease: int) -> None:
         self._post("/v3/lease/revoke", {"ID": str(lease)})
 
-    def get(self, key: bytes) -> bytes | None:
-        kvs = self._post("/v3/kv/range", {"key": _b64(key)}).get("kvs") or []
-        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+    def get(self, key: bytes, *, timeout_s: float | None = None) -> bytes | None:
+        """The value of ``key``, None if it does not exist (``timeout_s``: see :meth:`_post`)."""
+        kvs = self._post("/v3/kv/range", {"key": _b64(key)}, timeout_s).get("kvs") or []
+        try:
+            return base64.b64decode(kvs[0].get("value", ""), validate=True) if kvs else None
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            raise errors.CoordinatorError(f"etcd: unreadable value of {key!r:.200}") from None
 
     def delete(self, key: bytes) -> None:
         self._post("/v3/kv/deleterange", {"key": _b64(key)})
@@ -370,21 +393,24 @@ class LeaderFinder:
     def describe(self) -> str:
         return f"the leader in etcd at {self.client.urls}"
 
-    def current(self) -> str | None:
-        """The leader last read (reads etcd once if it was never read)."""
+    def current(self, timeout_s: float | None = None) -> str | None:
+        """The leader last read (reads etcd once if it was never read; ``timeout_s``: see
+        :meth:`refresh`)."""
         if self._address is None:
-            return self.refresh()
+            return self.refresh(timeout_s)
         return self._address
 
-    def refresh(self) -> str | None:
-        """Read the leader key again (at most once per ``min_interval_s`` across threads)."""
+    def refresh(self, timeout_s: float | None = None) -> str | None:
+        """Read the leader key again (at most once per ``min_interval_s`` across threads).
+        ``timeout_s``: the most this may take (None: the etcd client's timeout per endpoint);
+        an etcd that does not answer in time, or at all, leaves the leader last read."""
         with self._lock:
             now = time.monotonic()
             if now - self._read_at < self.min_interval_s:
                 return self._address
             self._read_at = now
         try:
-            value = self.client.get(self.key)
+            value = self.client.get(self.key, timeout_s=timeout_s)
         except errors.CoordinatorError as exc:
             log.debug("leader lookup failed: %s", exc)
             return self._address

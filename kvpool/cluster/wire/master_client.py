@@ -162,7 +162,7 @@ class MasterClient:
         """The master this client talks to (with etcd: the leader last seen, or where to find it)."""
         if self._finder is None:
             return self._fixed  # type: ignore[return-value]
-        return self._finder.current() or self._finder.describe()
+        return self._finder.current(LEADER_CHECK_S) or self._finder.describe()
 
     def _leader(self, deadline: float, refresh: bool = False) -> str:
         """The master to send to: the fixed address, or the leader in etcd (waits for one
@@ -170,7 +170,10 @@ class MasterClient:
         if self._finder is None:
             return self._fixed  # type: ignore[return-value]
         while True:
-            leader = self._finder.refresh() if refresh else self._finder.current()
+            # etcd is read within the call's deadline: an etcd that does not answer (frozen, cut
+            # off) leaves the leader last read, never a call past its deadline.
+            wait_s = max(0.0, deadline - time.monotonic())
+            leader = self._finder.refresh(wait_s) if refresh else self._finder.current(wait_s)
             if leader is not None:
                 return check_master_address(leader, "leader address in etcd")
             if time.monotonic() >= deadline:
@@ -238,9 +241,9 @@ class MasterClient:
                 refresh = False  # the finder has just read the new leader
             except errors.NotLeaderError:  # a standby (the leader key moved since it was read)
                 self._discard(conn)
-                if time.monotonic() >= deadline:
+                if deadline - time.monotonic() <= LEADER_CHECK_S / 4:  # no time left to ask again
                     raise
-                time.sleep(min(LEADER_CHECK_S / 4, max(0.0, deadline - time.monotonic())))
+                time.sleep(LEADER_CHECK_S / 4)
                 refresh = True
 
     def _call_once(self, conn: _Connection, op: str, body: Mapping[str, Any], deadline: float,
@@ -265,10 +268,12 @@ class MasterClient:
         slice_ms = int(LEADER_CHECK_S * 1000)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
+            # Set before anything can raise: a deadline already past (a resend after a
+            # NotLeaderError, a leader found at the last moment) waits 0 ms and times out.
+            wait_ms = max(0, min(remaining_ms, slice_ms))
             try:
                 if remaining_ms <= 0:
                     raise zmq.Again
-                wait_ms = min(remaining_ms, slice_ms)
                 if conn.answered:
                     # A blocking recv with a timeout costs one call; poll + recv would be two.
                     socket.setsockopt(zmq.RCVTIMEO, wait_ms)
@@ -290,7 +295,8 @@ class MasterClient:
                         raise errors.MasterUnreachableError(
                             f"master at {conn.address} dropped the connection before answering {op} (it "
                             f"stopped or restarted); the request may or may not have taken effect") from None
-                    if self._finder is not None and self._finder.refresh() not in (None, conn.address):
+                    if self._finder is not None and self._finder.refresh(
+                            min(LEADER_CHECK_S, (deadline - time.monotonic()))) not in (None, conn.address):
                         self._discard(conn)
                         raise _LeaderMoved from None
                     continue
@@ -425,15 +431,19 @@ class MasterClient:
         """How the answers on a query port were waited for (:class:`ReplyPoll` counters)."""
         return self._queries.poll.stats()
 
-    def _query_port(self) -> int:
-        """The query port of the master a call goes to (0: none), asked over ZeroMQ."""
-        return cast(int, self.call(P.PING, {}).query_port)
+    def _query_port(self, deadline: float) -> int:
+        """The query port of the master a call goes to (0: none), asked over ZeroMQ by ``deadline``."""
+        return cast(int, self.call(P.PING, {}, timeout_s=max(0.0, deadline - time.monotonic())).query_port)
 
     def _question(self, op: str, body: Mapping[str, Any]) -> Any:
-        """A question (exists, lookup): on the query port if it answers, else over ZeroMQ."""
-        address = self._fixed if self._finder is None else self._finder.current()
-        reply = None if address is None or self._closed else self._queries.ask(address, op, body, self._query_port)
-        return reply if reply is not None else self.call(op, body)
+        """A question (exists, lookup): on the query port if it answers, else over ZeroMQ; both
+        within one ``request_timeout_s`` (a query port that took part of it, a frozen master's,
+        leaves the rest to the ZeroMQ call)."""
+        deadline = time.monotonic() + self.request_timeout_s
+        address = self._fixed if self._finder is None else self._finder.current(self._queries.timeout_s)
+        reply = None if address is None or self._closed else self._queries.ask(
+            address, op, body, lambda: self._query_port(deadline))
+        return reply if reply is not None else self.call(op, body, timeout_s=max(0.0, deadline - time.monotonic()))
 
     def lookup(self, hashes: Iterable[KeyLike]) -> int:
         """How many leading ``hashes`` are cached somewhere (the longest cached prefix)."""
@@ -535,10 +545,11 @@ class MasterClient:
         return sum(self._batched(list(reservation_ids),
                                  lambda b: self.call(P.REVOKE, {"reservations": list(b)}).revoked))
 
-    def publish(self, node_id: str, objects: Sequence[ReplicaRecord]) -> int:
-        """Index replicas a node already holds, in one step (records with ``key``)."""
+    def publish(self, node_id: str, objects: Sequence[ReplicaRecord], *, timeout_s: float | None = None) -> int:
+        """Index replicas a node already holds, in one step (records with ``key``); ``timeout_s``:
+        each request's deadline (default ``request_timeout_s``)."""
         return sum(self._batched(list(objects), lambda b: self.call(
-            P.PUBLISH, {"node_id": node_id, "objects": list(b)}).indexed))
+            P.PUBLISH, {"node_id": node_id, "objects": list(b)}, timeout_s=timeout_s).indexed))
 
     def evict_request(self, node_id: str, keys: Iterable[KeyLike]) -> EvictDecision:
         """Ask to drop keys: allowed ones are already out of the index; pinned ones
