@@ -655,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     faults.add_argument("--duration", type=_duration, default=None,
                         help="run this long (90s, 30m, 1h) with every fault applied in turn, then report")
     faults.add_argument("--faults", default="", help="comma-separated subset of kill9,sigstop,master,disk_full,"
-                                                     "small_arena,corrupt (default: all)")
+                                                     "small_arena,corrupt,freeze_leader,etcd (default: all)")
     faults.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults")
     faults.add_argument("--stop-s", type=float, default=6.0, help="how long a SIGSTOP or a full disk lasts")
     faults.add_argument("--victims", type=int, default=2, help="worker processes the faults hit")

@@ -25,7 +25,16 @@ Faults, one every ``--fault-every`` seconds, in this order, cycling:
                   to the full) size;
 ``corrupt``       a storage node is killed (SIGKILL), bytes of its nvme segment files, its
                   LMDB index and its durable.log are overwritten with random (non-ASCII) bytes,
-                  and it is started again.
+                  and it is started again;
+``freeze_leader`` the master leader is frozen (SIGSTOP) past its etcd lease, so the standby takes
+                  over, then resumed (it finds itself deposed and follows); etcd only;
+``etcd``          etcd is killed (SIGKILL) for ``--stop-s``, then started again on its data; etcd
+                  only.
+
+Beside the checkers, the ledger (:mod:`bench.soak_ledger`) makes durable puts (2 copies) from a
+new short-lived client every batch (client churn), reads every acknowledged one back after its
+client left, and counts the lost ones: the bar is 0. The storage nodes' descriptors are counted
+at the start and the end (a node must not keep a socket per departed client).
 
 Reports the soak's per-process table, wrong values (the bar is 0), errors by type, the worst
 get, the longest any op was blocked (an op still in flight counts: a watchdog samples it), the
@@ -52,7 +61,7 @@ from typing import Any
 from bench.peer_backends.base import PeerError, ServerProcess, free_port
 from bench.soak import Latencies, parse_result, table, worker_command
 
-FAULTS = ("kill9", "sigstop", "master", "disk_full", "small_arena", "corrupt")
+FAULTS = ("kill9", "sigstop", "master", "disk_full", "small_arena", "corrupt", "freeze_leader", "etcd")
 PULL_TIMEOUT_S = 5.0  # node.pull_timeout_s of the workers (bench.soak.worker_config)
 DEAD_AFTER_MISSED = 4
 
@@ -88,6 +97,10 @@ class FaultSoak:
         self.victim_lives: Counter[int] = Counter()
         self.victim_small: dict[int, bool] = {}
         self.results: list[dict[str, Any]] = []
+        self.ledger: ServerProcess | None = None
+        self.ledger_result: dict[str, Any] | None = None
+        self.store_fds: dict[int, list[int]] = {}  # storage node -> descriptors at the start, at the end
+        self.etcd_command: list[str] = []
         self.failures: list[str] = []
         self.faults = [f for f in args.faults.split(",") if f] if args.faults else list(FAULTS)
         unknown = set(self.faults) - set(FAULTS)
@@ -125,14 +138,18 @@ class FaultSoak:
             return
         port, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{port}"
-        with (self.work / "etcd.log").open("wb") as log:
-            self.etcd = subprocess.Popen(
-                [binary, "--name", "soak", "--data-dir", str(self.work / "etcd-data"),
-                 "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"soak=http://127.0.0.1:{peer}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.etcd_command = [binary, "--name", "soak", "--data-dir", str(self.work / "etcd-data"),
+                             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"soak=http://127.0.0.1:{peer}"]
+        self.run_etcd()
+
+    def run_etcd(self) -> None:
+        """(Re)start etcd on its data directory and wait until it serves."""
+        with (self.work / "etcd.log").open("ab") as log:
+            self.etcd = subprocess.Popen(self.etcd_command, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
         from kvpool.cluster.wire.etcd import EtcdClient
 
         client = EtcdClient(self.etcd_url, timeout_s=1.0)
@@ -238,6 +255,10 @@ class FaultSoak:
             self.start_store(n)
         for n in range(self.args.victims):
             self.start_victim(n)
+        self.start_ledger()
+        for n, store in enumerate(self.stores):
+            if store is not None:
+                self.store_fds[n] = [_descriptors(store)]
         checkers = []
         for n in range(self.args.processes):
             name = f"checker-{n}"
@@ -252,6 +273,15 @@ class FaultSoak:
             checker.wait_ready(lambda c=checker: "READY" in c.output(), 120)
         self.started = time.monotonic()  # the checkers' clocks start about now
         return checkers
+
+    def start_ledger(self) -> None:
+        command = [sys.executable, "-m", "bench.soak_ledger", "--master", self.master_address,
+                   "--data-dir", str(self.work / "ledger"), "--seconds", str(self.seconds),
+                   "--heartbeat-ms", str(self.args.heartbeat_ms)]
+        if self.etcd_url:
+            command += ["--etcd", self.etcd_url, "--etcd-prefix", self.prefix]
+        self.ledger = self.spawn("ledger", command)
+        self.ledger.wait_ready(lambda: "READY" in self.ledger.output() if self.ledger else False, 120)
 
     # -- faults ----------------------------------------------------------------------------
 
@@ -371,6 +401,35 @@ class FaultSoak:
         self.start_store(n)
         return f"store-{n} killed (SIGKILL), {', '.join(done)}; restarted and ready in {time.monotonic() - began:.1f} s"
 
+    def fault_freeze_leader(self) -> str:
+        if not self.etcd_url:
+            return "skipped (no etcd)"
+        leader = self.leader()
+        if leader is None or leader not in self.masters:
+            return f"no leader known (etcd says {leader!r}): skipped"
+        process = self.masters[leader]
+        process.popen.send_signal(signal.SIGSTOP)
+        began = time.monotonic()
+        try:
+            self._wait(lambda: self.leader() not in (None, leader), 30, "a new leader")
+            took = self.wait_master(30)
+        finally:
+            process.popen.send_signal(signal.SIGCONT)
+        return (f"leader {leader} frozen (SIGSTOP) past its lease; {self.leader()} leads, answering "
+                f"{time.monotonic() - began:.1f} s after (ping {took:.1f} s); the old one resumed as standby")
+
+    def fault_etcd(self) -> str:
+        if self.etcd is None:
+            return "skipped (no etcd)"
+        self.etcd.kill()
+        self.etcd.wait(10)
+        time.sleep(self.args.stop_s)
+        began = time.monotonic()
+        self.run_etcd()
+        took = self.wait_master(60)
+        return (f"etcd killed (SIGKILL) for {self.args.stop_s:g} s, restarted; a master answers "
+                f"{time.monotonic() - began:.1f} s after (ping {took:.1f} s)")
+
     # -- the run -----------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -393,6 +452,11 @@ class FaultSoak:
                     break
                 time.sleep(0.2)
             deadline = time.monotonic() + max(0.0, self.seconds - self.now()) + 120
+            if self.ledger is not None:
+                self.ledger.popen.send_signal(signal.SIGTERM)  # stop putting; verify what is left
+            for n, store in enumerate(self.stores):
+                if store is not None and n in self.store_fds:
+                    self.store_fds[n].append(_descriptors(store))
             for process in [*checkers, *self.victims.values()]:
                 while process.alive() and time.monotonic() < deadline:
                     time.sleep(0.2)
@@ -402,6 +466,14 @@ class FaultSoak:
                                          f"{process.output()[-2000:]}")
                 else:
                     self.results.append(result)
+            if self.ledger is not None:
+                while self.ledger.alive() and time.monotonic() < deadline + 60:
+                    time.sleep(0.2)
+                from bench.soak_ledger import parse_ledger
+
+                self.ledger_result = parse_ledger(self.ledger.output(tail_chars=1 << 20))
+                if self.ledger_result is None:
+                    self.failures.append(f"the ledger reported nothing:\n{self.ledger.output()[-2000:]}")
         except PeerError as exc:
             self.failures.append(str(exc))
         finally:
@@ -452,9 +524,19 @@ class FaultSoak:
             print(f"longest any get was blocked (checkers, in flight or done): {worst[0]:.2f} s ({worst[1]})")
             print("longest blocked, by op (checkers): " + ", ".join(
                 f"{op} {seconds:.2f} s" for op, (seconds, _) in sorted(blocked.items())))
+        lost = 0
+        ledger = self.ledger_result
+        if ledger is not None:
+            lost = ledger["lost"] + ledger["wrong"]
+            print(f"\ndurable puts (ledger, 2 copies each): {ledger['acknowledged']} acknowledged, "
+                  f"{ledger['verified']} read back exact, {ledger['lost']} lost, {ledger['wrong']} wrong; "
+                  f"refused (typed): {ledger['refused'] or 'none'}; {ledger['clients']} short-lived clients"
+                  + (f"; lost keys {ledger['lost_keys']}" if ledger["lost"] else ""))
+        for n, fds in sorted(self.store_fds.items()):
+            print(f"store-{n} descriptors: {' -> '.join(map(str, fds))} (start -> end)")
         for failure in self.failures:
             print(f"FAILED: {failure}", file=sys.stderr)
-        return 1 if (self.failures or not self.results or wrong) else 0
+        return 1 if (self.failures or not self.results or wrong or lost) else 0
 
     @staticmethod
     def _wait(condition: Callable[[], Any], timeout_s: float, what: str) -> None:
@@ -468,6 +550,14 @@ class FaultSoak:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {what} within {timeout_s:g} s")
             time.sleep(0.05)
+
+
+def _descriptors(process: ServerProcess) -> int:
+    """Open descriptors of a running process (-1 if it cannot be read)."""
+    try:
+        return len(os.listdir(f"/proc/{process.popen.pid}/fd"))
+    except OSError:
+        return -1
 
 
 def _bytes(text: str) -> int:
