@@ -199,6 +199,46 @@ def test_an_idle_connection_the_holder_closed_is_replaced_once(sent_first: bool)
         assert client.connects == 2 and client.failures == 0
 
 
+def test_pooled_connections_whose_holder_hung_up_or_left_are_swept() -> None:
+    """A pooled connection outlives neither its holder's socket nor its node (issue 44): sweep()
+    closes the idle ones their holder closed (each sat in CLOSE-WAIT, a descriptor, until
+    reused, and a departed holder's never is) and, told the master's alive nodes, those to the
+    others."""
+    from kvpool.cluster.node.server import NodeAddress, alive_peers_of
+    from kvpool.transport.puller import Pulls
+
+    with TcpPullServer(_memory_provider, idle_timeout_s=0.3) as hanging_up, \
+            TcpPullServer(_memory_provider) as leaving, TcpPullServer(_memory_provider) as staying:
+        pulls = Pulls(local_host_id(), tcp_pull_max=1 << 20)
+        try:
+            tcp = pulls.tcp
+            assert tcp is not None
+            peers = [PeerAddress("127.0.0.1", 0, tcp_port=s.port) for s in (hanging_up, leaving, staying)]
+            out = bytearray(LAYER_NBYTES)
+            for peer in peers:
+                pulls.pull(peer, b"a", LayerRange(0, 1), memoryview(out), timeout_s=10)
+            assert tcp.idle_connections() == 3 and pulls.sweep() == 0
+            deadline = time.monotonic() + 10
+            while hanging_up.stats()["connections"] and time.monotonic() < deadline:
+                time.sleep(0.05)  # the holder drops its idle connection
+            assert pulls.sweep() == 1 and tcp.idle_connections() == 2  # the hung-up one
+            stats = {"nodes": {
+                "staying": {"alive": True, "address": NodeAddress(peers[2], "tcp://127.0.0.1:1").encode()},
+                "leaving": {"alive": False, "address": NodeAddress(peers[1], "tcp://127.0.0.1:2").encode()},
+                "garbled": {"alive": True, "address": "{not json"},
+            }}
+            alive = alive_peers_of(stats)
+            assert alive == [peers[2]] and alive_peers_of({"nodes": "?"}) is None
+            assert pulls.sweep(alive) == 1 and tcp.idle_connections() == 1  # the departed node's
+            assert tcp.stats()["swept"] == 2 and tcp.connects == 3
+            pulls.pull(peers[2], b"b", LayerRange(0, 1), memoryview(out), timeout_s=10)  # the kept one, reused
+            assert bytes(out) == expected(b"b", 0, 1).tobytes() and tcp.connects == 3
+            pulls.pull(peers[0], b"c", LayerRange(0, 1), memoryview(out), timeout_s=10)  # a new one
+            assert bytes(out) == expected(b"c", 0, 1).tobytes() and tcp.connects == 4 and tcp.failures == 0
+        finally:
+            pulls.close()
+
+
 def test_a_pull_sent_first_lands_in_the_buffer_bound_after_it_went_out(holder: ServerProcess,
                                                                       client: TcpPullClient) -> None:
     """start() sends on an idle connection; finish() reads into a buffer prepared meanwhile."""

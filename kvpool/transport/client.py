@@ -10,7 +10,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvpool import errors
@@ -246,6 +246,23 @@ class PullClient:
             self._engine.stop(self._close_on_thread)
         else:
             self._engine.call(self._close_on_thread)
+
+    def forget_peers_except(self, alive: Iterable[PeerAddress]) -> None:
+        """Close the cached endpoints to peers other than ``alive`` (nodes that left or died)
+        that carry no pull now. An endpoint with UCX's failure detection goes when its peer
+        does anyway; one reached by a same-host worker address has none and stayed otherwise."""
+        keep: set[tuple[Any, ...]] = set()
+        for address in alive:
+            keep.update({("wa", address.worker_address), ("wa-eh", address.worker_address),
+                         ("tcp", address.host, address.port)})
+
+        def forget() -> None:
+            for peer in list(self._peers.values()):
+                if peer.key not in keep and not peer.pulls:
+                    self._drop_peer(peer, "its node left")
+
+        if not self._closing:
+            self._engine.post(forget)
 
     def __enter__(self) -> PullClient:
         return self

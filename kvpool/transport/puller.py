@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.objformat import LayerRange
@@ -198,6 +198,26 @@ class Pulls:
         """Whether ``exc`` says the way to the holder could not be used (nothing was asked of it:
         the caller may get the bytes another way); not a miss, not a failure of the holder."""
         return isinstance(exc, TcpPathUnusable)
+
+    # -- pooled connections ------------------------------------------------------------------------
+
+    def sweep(self, alive: Collection[PeerAddress] | None = None) -> int:
+        """Close pooled connections that can no longer serve: TCP ones whose holder hung up and,
+        with ``alive`` (every node the master lists alive), TCP connections and idle UCX
+        endpoints to any other holder (nodes that left or died). Never blocks; run it
+        periodically (a node's neighbour watch, a storage node's peer sweep). Returns how many
+        TCP connections it closed."""
+        tcp_ports = None if alive is None else {(a.host, a.tcp_port) for a in alive if a.tcp_port}
+        closed = 0
+        if self.tcp is not None:
+            closed = self.tcp.sweep(None if tcp_ports is None else tcp_ports.__contains__)
+        if alive is not None and self._ucx is not None:
+            self._ucx.forget_peers_except(alive)
+        return closed
+
+    def idle_connections(self, older_than_s: float = 0.0) -> int:
+        """TCP connections waiting in the pool, idle for more than ``older_than_s``."""
+        return self.tcp.idle_connections(older_than_s) if self.tcp is not None else 0
 
     def stats(self) -> dict[str, Any]:
         ucx = (self._ucx.stats() if self._ucx is not None  # none yet: nothing pulled over UCX

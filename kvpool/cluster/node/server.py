@@ -69,6 +69,11 @@ from tiers.manager import TierManager
 log = logging.getLogger("kvpool.node")
 
 _PUBLISH_BATCH = 512
+#: how often a node closes the pooled pull connections (of its replicas' pulls) whose holder hung up
+PEER_SWEEP_S = 2.0
+#: a pooled connection idle this long, its holder silent (a host gone without closing it), has
+#: the node ask the master which nodes are alive, and close those to the others
+PEER_ASK_IDLE_S = 10.0
 #: the UCX pull server's counters (:meth:`PullServer.stats`), all 0 before UCX has started
 _UCX_COUNTERS = ("bytes_sent", "messages_sent", "requests_served", "misses", "errors", "refused", "in_flight")
 
@@ -133,6 +138,21 @@ def ucx_reachable(peer: PeerAddress) -> bool:
     """Whether ``peer`` has published a UCX way in (a listener port or a worker address): a node
     whose UCX is still starting has not, and is pulled from over TCP whatever the size."""
     return bool(peer.port or peer.worker_address)
+
+
+def alive_peers_of(master_stats: Any) -> list[PeerAddress] | None:
+    """Where the nodes the master's stats list as alive serve pulls; None when the stats are
+    unreadable (then no pooled connection is taken for one to a departed node)."""
+    nodes = master_stats.get("nodes") if isinstance(master_stats, dict) else None
+    if not isinstance(nodes, dict):
+        return None
+    peers = []
+    for node in nodes.values():
+        if isinstance(node, dict) and node.get("alive") is True and isinstance(node.get("address"), str):
+            address = NodeAddress.parse(node["address"])
+            if address is not None:
+                peers.append(address.peer)
+    return peers
 
 
 def _is_port(value: Any) -> bool:
@@ -208,6 +228,7 @@ class Node:
         self.control_address = f"tcp://{self.host}:{port}"
         self._replicator: Pulls | None = None  # the pulls of replicas copied here, made on first use
         self._replicator_lock = threading.Lock()
+        self._peer_sweeper: threading.Thread | None = None  # started with the replicator
         #: control requests served: ``replicate_requests`` (one per replicate or replicate_many
         #: exchange), ``replicated_objects`` (copies committed)
         self.counters = Counter[str]()
@@ -364,6 +385,8 @@ class Node:
         except errors.KVPoolError as exc:
             log.info("node %s could not deregister from the master on close: %s", self.node_id[:8], exc)
         self._control.close(0)
+        if self._peer_sweeper is not None:  # before the master client closes: it may be asking it
+            self._peer_sweeper.join(self.master.request_timeout_s + 1.0)
         if self._replicator is not None:
             self._replicator.close()
         if self.tcp_server is not None:
@@ -677,7 +700,41 @@ class Node:
                                          tcp_pull_max=self.config.node.tcp_pull_max,
                                          check_proof=key.check_holder_proof, prove=key.reader_proof,
                                          same_host_tcp_pull_max=None)
+                self._peer_sweeper = threading.Thread(target=self._sweep_peers_loop, daemon=True,
+                                                      name=f"kvpool-node-peers-{self.node_id[:8]}")
+                self._peer_sweeper.start()
             return self._replicator
+
+    def sweep_peers(self, alive: list[PeerAddress] | None = None) -> None:
+        """Close the pooled connections of this node's replica pulls whose holder hung up and,
+        with ``alive`` (the master's alive nodes), those to any other node."""
+        if self._replicator is not None:
+            self._replicator.sweep(alive)
+
+    def _sweep_peers_loop(self) -> None:
+        """Every PEER_SWEEP_S: close the replicator's pooled connections whose holder hung up (a
+        client that did durable puts and exited); when one stays idle past PEER_ASK_IDLE_S,
+        ask the master which nodes are alive and close those to the others (at most once per
+        PEER_ASK_IDLE_S). No descriptor outlives the client that came and went."""
+        asked = time.monotonic()
+        while not self._stopping.wait(PEER_SWEEP_S):
+            replicator = self._replicator
+            try:
+                if replicator is None:
+                    continue
+                replicator.sweep()
+                now = time.monotonic()
+                if now - asked < PEER_ASK_IDLE_S or not replicator.idle_connections(PEER_ASK_IDLE_S):
+                    continue
+                asked = now
+                alive = alive_peers_of(self.master.stats())
+                if alive is not None and not self._stopping.is_set():
+                    replicator.sweep(alive)
+            except errors.KVPoolError as exc:  # the master is away: asked again later
+                log.debug("node %s: sweeping pooled pull connections: %s", self.node_id[:8], exc)
+            except Exception as exc:  # never ends the thread
+                log.warning("node %s: sweeping pooled pull connections failed: %s: %.200s", self.node_id[:8],
+                            type(exc).__name__, exc)
 
     def _replicate(self, body: S.Replicate) -> dict[str, Any]:
         """Pull a whole object from a holder, verify it, store it, commit the reservation.

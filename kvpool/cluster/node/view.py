@@ -36,7 +36,7 @@ from kvpool.cluster.node.checks import Speculation
 from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of, replicas_at
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.same_host import shared_dirs_of
-from kvpool.cluster.node.server import Node, NodeAddress
+from kvpool.cluster.node.server import Node, NodeAddress, alive_peers_of
 from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.master_client import MasterClient
@@ -171,13 +171,18 @@ class ClusterView:
     # -- the other nodes --------------------------------------------------------------------
 
     def _refresh_from_master(self) -> None:
-        """Map same-host arenas and forget remembered holders that are no longer alive."""
+        """Map same-host arenas, forget remembered holders that are no longer alive, and close
+        pooled pull connections to them or whose holder hung up (a reader's, and this node's
+        replica pulls)."""
         stats = self.master.stats()
         if self.config.node.same_host_index:
             self.reader.arenas.refresh(stats)
         alive = alive_nodes_of(stats)  # None: the master's stats are unreadable, keep what we know
         if alive is not None:
             self.reader.forget_nodes_except(alive)
+        peers = alive_peers_of(stats)
+        self.reader.pulls.sweep(peers)
+        self.node.sweep_peers(peers)
 
     def _watch_neighbours(self) -> None:
         """Keep the view of the other nodes current (they join, leave, die) once per heartbeat."""

@@ -44,7 +44,10 @@ class TcpPullClient:
     """Pulls from :class:`TcpPullServer` peers into caller buffers, on the calling thread.
 
     Thread-safe: each call takes its own connection to a holder (kept open for the next call
-    afterwards, at most ``idle_per_peer`` per holder). Errors as :meth:`PullClient.pull_into`.
+    afterwards, at most ``idle_per_peer`` per holder). An idle connection the holder closed
+    meanwhile is never reused (one non-blocking peek at checkout), and :meth:`sweep`, run
+    periodically by its owner, closes those and the ones to holders that left: a pooled
+    connection outlives neither its holder's socket nor its node. Errors as :meth:`PullClient.pull_into`.
     A holder whose port cannot be connected to, or which closes a new connection unasked
     (over its connection limit), is :meth:`reachable` no more for ``retry_after_s``: callers
     pull from it over UCX meanwhile. ``check_proof(nonce, proof)``: whether a holder's answer
@@ -74,6 +77,7 @@ class TcpPullClient:
         self.timeouts = 0
         self.bytes_received = 0
         self.connects = 0
+        self.swept = 0  # idle connections closed because their holder hung up or left
 
     def pull_into(self, address: PeerAddress, key: bytes, layer_range: Any, out: Any, *,
                   timeout_s: float = 10.0, alive: Callable[[], bool] | None = None,
@@ -233,6 +237,37 @@ class TcpPullClient:
         until = self._unreachable.get((address.host, address.tcp_port))
         return until is None or time.monotonic() >= until
 
+    def sweep(self, keep: Callable[[tuple[str, int]], bool] | None = None) -> int:
+        """Close the idle connections whose holder hung up (closed or reset them: each would sit
+        in CLOSE-WAIT, holding a descriptor, until reused, and a departed holder's never is)
+        and, with ``keep``, those to holders ``keep((host, tcp_port))`` rejects (nodes that
+        left or died); forget the holders' unreachable marks that ran out. Never blocks: one
+        non-blocking peek per idle connection. Returns how many connections it closed."""
+        now = time.monotonic()
+        closing: list[_Conn] = []
+        with self._lock:
+            for where, idle in list(self._idle.items()):
+                left = keep is not None and not keep(where)
+                usable = [] if left else [conn for conn in idle if not conn.hung_up()]
+                closing += [conn for conn in idle if conn not in usable]
+                if usable:
+                    self._idle[where] = usable
+                else:
+                    del self._idle[where]
+            for where, until in list(self._unreachable.items()):
+                if until <= now:
+                    del self._unreachable[where]
+        for conn in closing:
+            conn.close()
+        self.swept += len(closing)
+        return len(closing)
+
+    def idle_connections(self, older_than_s: float = 0.0) -> int:
+        """How many connections wait in the pool, idle for more than ``older_than_s``."""
+        since = time.monotonic() - older_than_s
+        with self._lock:
+            return sum(conn.idle_since <= since for idle in self._idle.values() for conn in idle)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -248,8 +283,11 @@ class TcpPullClient:
         self.close()
 
     def stats(self) -> dict[str, int]:
+        with self._lock:
+            idle = sum(len(conns) for conns in self._idle.values())
         return {"pulls": self.pulls, "failures": self.failures, "timeouts": self.timeouts,
-                "bytes_received": self.bytes_received, "connects": self.connects, **self.poll.stats()}
+                "bytes_received": self.bytes_received, "connects": self.connects, "idle_connections": idle,
+                "swept": self.swept, **self.poll.stats()}
 
     # -- one holder ------------------------------------------------------------------------------
 
@@ -388,13 +426,20 @@ class TcpPullClient:
                   fresh: bool = False) -> _Conn | OSError:
         """A connection to ``where`` (an idle one unless ``fresh``; a new one has sent its
         hello), waking every ``wait_s`` while it waits; or why none could be made."""
-        if not fresh:
+        while not fresh:
             with self._lock:
                 idle = self._idle.get(where)
                 conn = idle.pop() if idle else None
-            if conn is not None:
-                conn.wake_every(wait_s)
-                return conn
+                if idle == []:
+                    del self._idle[where]
+            if conn is None:
+                break
+            if conn.hung_up():  # closed by the holder while idle: never sent on
+                conn.close()
+                self.swept += 1
+                continue
+            conn.wake_every(wait_s)
+            return conn
         nonce, hello = PULL_HELLO.opening()
         try:
             sock = socket.create_connection(where, timeout=min(self.connect_timeout_s, pull.timeout_s))
@@ -416,6 +461,7 @@ class TcpPullClient:
         with self._lock:
             idle = self._idle.setdefault(where, [])
             if not self._closed and len(idle) < self.idle_per_peer and not conn.pending:
+                conn.idle_since = time.monotonic()
                 idle.append(conn)
                 return
         conn.close()
@@ -474,6 +520,19 @@ class _Conn:
         self.nonce = nonce  # of the hello sent, until the holder's answer to it was checked
         self.pending = bytearray()  # received, not yet consumed: the stream goes on with these
         self.wait_s = 0.0
+        self.idle_since = 0.0  # when it last went back to the pool
+
+    def hung_up(self) -> bool:
+        """Whether this idle connection can no longer carry a pull: the holder closed or reset
+        it, or sent bytes nobody asked for. One non-blocking peek (the socket is blocking with
+        kernel timeouts, see :func:`set_timeouts`, so MSG_DONTWAIT never waits)."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:  # nothing to read: still open
+            return False
+        except OSError:  # reset, or already closed here
+            return True
+        return True  # b"": closed by the holder; a byte: out of step
 
     def wake_every(self, wait_s: float) -> None:
         if wait_s != self.wait_s:
