@@ -275,8 +275,9 @@ TestManagerRealTiers.settings = settings(max_examples=25, stateful_step_count=40
 # -- promotion keeps the persistent copy; eviction asks outside the lock ------------------------
 
 
-def _dram_over_nvme(tmp_path: Path, dram_bytes: int = 512 * KiB, **kw) -> TierManager:
-    return TierManager([DramTier(dram_bytes, mlock=False), NvmeTier(tmp_path / "nvme", 8 << 20, segment_size=8 << 20)],
+def _dram_over_nvme(tmp_path: Path, dram_bytes: int = 512 * KiB, nvme_bytes: int = 8 << 20, **kw) -> TierManager:
+    return TierManager([DramTier(dram_bytes, mlock=False),
+                        NvmeTier(tmp_path / "nvme", nvme_bytes, segment_size=min(8 << 20, nvme_bytes))],
                        promote_min_hits=2, **kw)
 
 
@@ -381,3 +382,46 @@ def test_a_victim_pinned_while_the_master_was_asked_stays_and_is_republished() -
     first.read_layers(LayerRange(0, first.spec.layers), byte_view(out))
     np.testing.assert_array_equal(out, objs[first.key])
     manager.unpin(first)
+
+
+def test_durable_copies_are_never_evicted_for_room_and_a_full_tier_refuses_new_ones(tmp_path: Path) -> None:
+    """nvme holds durable copies and plain objects: making room drops only plain ones (also
+    backing copies of promoted durable objects stay); once it is all durable copies a new put
+    is PoolFullError, and every durable copy reads back exact. After a restart protect() (what a
+    node does with its durable.log) restores the rule; a corrupt durable copy is counted."""
+    manager = _dram_over_nvme(tmp_path, dram_bytes=64 * KiB, nvme_bytes=1024 * KiB)
+    durable = {b"d%d" % i: kv(4, 64, i) for i in range(6)}  # ~33 KiB each with its header
+    try:
+        for key, arr in durable.items():
+            assert put_durable(manager, key, arr) == "nvme"
+        for _ in range(3):  # promote two: their nvme copies become backing copies
+            for key in (b"d0", b"d1"):
+                read(manager, key)
+        plain = {b"p%d" % i: kv(4, 64, 100 + i) for i in range(40)}  # far more than fits
+        for key, arr in plain.items():
+            put(manager, key, arr)  # demoted into nvme, then dropped from it
+        assert manager.counters["evictions"] > 0
+        for key, arr in durable.items():
+            np.testing.assert_array_equal(read(manager, key), arr)
+        with pytest.raises(errors.PoolFullError):
+            for i in range(40):
+                put_durable(manager, b"more-%d" % i, kv(4, 64, 200 + i))
+        for key, arr in durable.items():
+            np.testing.assert_array_equal(read(manager, key), arr)
+        assert manager.counters["durable_dropped"] == 0
+    finally:
+        manager.close()
+    manager = _dram_over_nvme(tmp_path, dram_bytes=64 * KiB, nvme_bytes=1024 * KiB)
+    try:
+        assert manager.protect(list(durable)) == len(durable)
+        for i in range(40):
+            put(manager, b"plain-again-%d" % i, kv(4, 64, 300 + i))
+        for key, arr in durable.items():
+            np.testing.assert_array_equal(read(manager, key), arr)
+        obj = manager.pin(b"d3")
+        assert obj is not None
+        manager.unpin(obj)
+        manager.discard_corrupt(obj)  # as a reader that found its checksum wrong
+        assert manager.counters["durable_dropped"] == 1 and read(manager, b"d3") is None
+    finally:
+        manager.close()
