@@ -259,19 +259,30 @@ def start_master(spawn_python) -> str:
     return master
 
 
-def _scheduler(master_address: str, kv_role: str = "kv_both"):
+def vllm_request(request_id: str, tokens: list[int], **extras: Any) -> Any:
+    """vLLM's own Request of prompt ``tokens``; ``extras``: its ``lora_request``,
+    ``mm_features``, ``cache_salt`` or ``prompt_embeds``."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id, tokens, SamplingParams(max_tokens=1), None, **extras)
+
+
+def _scheduler(master_address: str, kv_role: str = "kv_both", parallel_config: Any = None):
     """The scheduler half of a KvpoolConnector without an engine: its state, a real master,
-    vLLM's own KVTransferConfig with ``kv_role``."""
+    vLLM's own KVTransferConfig with ``kv_role``; ``parallel_config``: vLLM's ParallelConfig
+    of the engine (None: one rank)."""
     from collections import Counter
 
     from vllm.config import KVTransferConfig
 
     from kvpool.cluster.wire.master_client import MasterClient
     from kvpool.integrations.planner import Planner
-    from kvpool.integrations.vllm import KvpoolConnector, Settings
+    from kvpool.integrations.vllm import KvpoolConnector, Settings, rank_tags
     from kvpool.transport.engine import local_host_id
 
     connector = object.__new__(KvpoolConnector)
+    connector._rank_tags = rank_tags(parallel_config)
     connector._kv_transfer_config = KVTransferConfig(kv_connector="KvpoolConnector", kv_role=kv_role,
                                                      kv_connector_extra_config={"master": master_address})
     connector.settings = Settings.from_extra({"master": master_address, "load_async": False})
@@ -307,7 +318,7 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
     try:
         for key in keys[:3]:  # the pool holds blocks 0..2
             holder.put(key, np.zeros((2, 2, BLOCK, 1, 8), np.float16))
-        request = SimpleNamespace(request_id="r1", prompt_token_ids=tokens, num_computed_tokens=0)
+        request = vllm_request("r1", tokens)
         # Nothing computed locally: blocks 0..2 load (the 4th is not held, and the last prompt
         # token is always computed by vLLM anyway).
         assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
@@ -334,10 +345,10 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         assert meta.loads == [] and meta.saves == []
 
         # vLLM's own prefix cache had the first block: only blocks 1..2 come from kvpool.
-        request2 = SimpleNamespace(request_id="r2", prompt_token_ids=tokens[:3 * BLOCK + 5], num_computed_tokens=0)
+        request2 = vllm_request("r2", tokens[:3 * BLOCK + 5])
         assert connector.get_num_new_matched_tokens(request2, BLOCK) == (2 * BLOCK, False)
         # All but the last token at most: a prompt of exactly 3 held blocks loads 2 of them.
-        request3 = SimpleNamespace(request_id="r3", prompt_token_ids=tokens[:3 * BLOCK], num_computed_tokens=0)
+        request3 = vllm_request("r3", tokens[:3 * BLOCK])
         assert connector.get_num_new_matched_tokens(request3, 0) == (2 * BLOCK, False)
         # A tracked request scheduled before vLLM gave it any block: nothing to save yet.
         unblocked = SimpleNamespace(
@@ -429,7 +440,7 @@ def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_
 
         def matched(name: str) -> tuple[int, bool]:
             connector._tracked.clear()
-            request = SimpleNamespace(request_id=name, prompt_token_ids=prompts[name], num_computed_tokens=0)
+            request = vllm_request(name, prompts[name])
             return connector.get_num_new_matched_tokens(request, 0)
 
         assert matched("arena") == (3 * BLOCK, False)
@@ -449,7 +460,7 @@ def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_
         for name, waits_outside in (("arena", False), ("memory", True)):
             connector._tracked.clear()
             connector._async_pending.clear()
-            request = SimpleNamespace(request_id=name, prompt_token_ids=prompts[name], num_computed_tokens=0)
+            request = vllm_request(name, prompts[name])
             connector.get_num_new_matched_tokens(request, 0)
             connector.update_state_after_alloc(request, blocks, 3 * BLOCK)
             assert (connector._tracked[name].load is None) == waits_outside
@@ -526,7 +537,7 @@ def test_a_kv_producer_saves_and_never_looks_up_or_loads_and_a_kv_consumer_loads
     try:
         assert [(s.loads_blocks, s.saves_blocks) for s in schedulers.values()] == [(False, True), (True, False),
                                                                                  (True, True)]
-        request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, num_computed_tokens=0)
+        request = vllm_request("r", tokens)
 
         # The producer: no lookup, nothing to load; it computes the whole prompt and saves every
         # full block of it (those kvpool holds too: it never asked).
@@ -570,6 +581,193 @@ def test_a_kv_producer_saves_and_never_looks_up_or_loads_and_a_kv_consumer_loads
         for worker in (consumer_worker, producer_worker):
             worker._saver.shutdown()
             worker._pool.close()
+        holder.close()
+
+
+def test_each_tensor_parallel_rank_saves_and_loads_its_own_share_of_a_block_and_a_missing_one_is_recomputed(
+        tmp_path: Path, spawn_python) -> None:
+    """TP 2 (vLLM's own ParallelConfig; its two worker connectors built as ranks 0 and 1, each
+    with its own pool and its own shard of the cache): both ranks save a block under two
+    different keys, each loads its own bytes back, the scheduler counts a block held only
+    while every rank's object of it is, and a rank whose object went missing after the lookup
+    reports the block failed (vLLM recomputes it) and never loads the other rank's. A real
+    master and pools."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import ParallelConfig
+
+    import kvpool
+    from kvpool.integrations.vllm import Settings, object_key, rank_tag
+    from tests.vllm_engine import worker_connector
+
+    master = start_master(spawn_python)
+    layers, blocks, heads, head_dim = 2, 10, 1, 16  # per rank: 1 of the model's 2 KV heads
+    parallel = ParallelConfig(tensor_parallel_size=2)
+    settings = Settings.from_extra({"master": master, "plan": False, "load_async": False})
+
+    def worker(name: str, rank: int):
+        pool = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / name)},
+                                              "tiers": {"dram": {"capacity": "16MiB", "mlock": False},
+                                                        "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                              "master": {"listen": master}})
+        caches = {f"layer.{i}": torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
+                  for i in range(layers)}
+        return worker_connector(settings, pool, caches, heads, BLOCK, parallel_config=parallel, tp_rank=rank)
+
+    writers = [worker(f"writer{rank}", rank) for rank in (0, 1)]
+    readers = [worker(f"reader{rank}", rank) for rank in (0, 1)]
+    scheduler = _scheduler(master, parallel_config=parallel)
+    scheduler.settings = settings
+    none_cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+
+    def step(req_id: str, computed: int, ids: list[int], scheduled: int) -> Any:
+        return scheduler.build_connector_meta(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=computed, block_ids=(ids,))],
+            scheduled_cached_reqs=none_cached, num_scheduled_tokens={req_id: scheduled},
+            total_num_scheduled_tokens=scheduled))
+
+    def run(connector: Any, meta: Any) -> set[int]:
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        for i in range(layers):
+            connector.wait_for_layer_load(f"layer.{i}")
+            connector.save_kv_layer(f"layer.{i}", connector._layers[i], None)
+        connector.wait_for_save()
+        connector.wait_saved(10)
+        return connector.get_block_ids_with_load_errors()
+
+    try:
+        tags = [rank_tag(parallel, 0), rank_tag(parallel, 1)]
+        assert [c._rank_tag for c in writers + readers] == tags + tags
+        rng = torch.Generator().manual_seed(0)
+        for writer in writers:  # each rank's shard of the same blocks: other bytes
+            for cache in writer._layers:
+                cache.copy_(torch.randn(cache.shape, generator=rng).to(torch.bfloat16))
+        tokens = list(range(1, 3 * BLOCK + 2))  # 3 full blocks and a token
+        keys = prefix_hashes(tokens, BLOCK, namespace="test-namespace")
+        # The writing engine computes the prompt: each rank saves its own share of blocks 1..3.
+        assert scheduler.get_num_new_matched_tokens(vllm_request("w", tokens), 0) == (0, False)
+        save = step("w", 0, [1, 2, 3, 4], len(tokens))
+        assert [(t.keys, t.block_ids) for t in save.saves] == [(keys, [1, 2, 3])]
+        for writer in writers:
+            assert run(writer, save) == set() and writer.stats["blocks_saved"] == 3
+        ranked = [[object_key(k, tag) for k in keys] for tag in tags]
+        probe = writers[0]._pool
+        assert probe.lookup(ranked[0]) == probe.lookup(ranked[1]) == 3  # two objects per block,
+        assert not set(ranked[0]) & set(ranked[1]) and probe.lookup(keys[:1]) == 0  # none under the block key
+
+        # A reading engine: all 3 blocks held by both ranks; each rank loads its own bytes.
+        assert scheduler.get_num_new_matched_tokens(vllm_request("r", tokens), 0) == (3 * BLOCK, False)
+        scheduler.update_state_after_alloc(vllm_request("r", tokens),
+                                           SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8],)), 3 * BLOCK)
+        load = step("r", 3 * BLOCK, [5, 6, 7, 8], 1)
+        assert [(t.keys, t.block_ids) for t in load.loads] == [(keys, [5, 6, 7])] and load.saves == []
+        for reader, writer in zip(readers, writers):
+            assert run(reader, load) == set()
+            for i in range(layers):
+                assert torch.equal(reader._layers[i][5:8], writer._layers[i][1:4])
+        assert not torch.equal(readers[0]._layers[0][5:8], readers[1]._layers[0][5:8])
+
+        # Rank 1 loses its object of block 1 (rank 0 still has it): from the scheduler's view
+        # the prompt's held prefix is block 0 alone.
+        writers[1]._pool.delete(ranked[1][1])
+        assert probe.lookup(ranked[0]) == 3 and probe.lookup(ranked[1]) == 1
+        scheduler._tracked.clear()
+        assert scheduler.get_num_new_matched_tokens(vllm_request("s", tokens), 0) == (BLOCK, False)
+        # A load decided before the loss: rank 1 reports the block failed (vLLM takes the union of
+        # its workers' failed blocks and recomputes it) and writes nothing of rank 0's into it;
+        # rank 0 loads its own share; the blocks before and after load on both.
+        for reader in readers:
+            for cache in reader._layers:
+                cache.zero_()
+        assert run(readers[0], load) == set()
+        assert run(readers[1], load) == {6}
+        for i in range(layers):
+            assert torch.equal(readers[0]._layers[i][5:8], writers[0]._layers[i][1:4])
+            assert not readers[1]._layers[i][6].any()
+            assert torch.equal(readers[1]._layers[i][5], writers[1]._layers[i][1])
+            assert torch.equal(readers[1]._layers[i][7], writers[1]._layers[i][3])
+    finally:
+        scheduler._master.close()
+        for connector in writers + readers:
+            connector._saver.shutdown()
+            connector._pool.close()
+
+
+def test_lora_multimodal_and_cache_salt_requests_never_hit_blocks_of_other_extras(
+        tmp_path: Path, spawn_python) -> None:
+    """The scheduler looks a request up under keys with its LoRA adapter, multimodal inputs
+    and cache_salt (vLLM's own Request, LoRARequest, MultiModalFeatureSpec): the same tokens
+    with other or no extras are a miss, with the same extras a hit; a request with prompt
+    embeddings is neither looked up nor saved. A real master and pool."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    import kvpool
+    from kvpool.integrations.vllm import Settings, request_keys
+
+    master = start_master(spawn_python)
+    holder = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "holder")},
+                                            "tiers": {"dram": {"capacity": "8MiB", "mlock": False},
+                                                      "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                            "master": {"listen": master}})
+    connector = _scheduler(master)
+    connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": False})
+    tokens = [9] * BLOCK + list(range(1, 2 * BLOCK + 2))  # 3 full blocks and a token; block 0: placeholders
+
+    def image(identifier: str) -> list[MultiModalFeatureSpec]:
+        return [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                      mm_position=PlaceholderRange(offset=BLOCK + 8, length=32))]  # in block 1
+
+    def lora(name: str) -> LoRARequest:
+        return LoRARequest(name, 1, f"/adapters/{name}")
+
+    def matched(**extras: Any) -> int:
+        connector._tracked.clear()
+        return connector.get_num_new_matched_tokens(vllm_request("r", tokens, **extras), 0)[0] // BLOCK
+
+    block = np.zeros((2, 2, BLOCK, 1, 8), np.float16)
+    try:
+        def computed(**extras: Any) -> None:  # an engine computed the request and saved its blocks
+            keys = request_keys(vllm_request("w", tokens, **extras), BLOCK, "test-namespace")
+            assert keys is not None
+            holder.put_many([(k, block) for k in keys])
+
+        computed(lora_request=lora("adapter-a"))
+        computed(cache_salt="tenant-1")
+        assert matched() == 0  # the base model's request: none of theirs
+        assert matched(lora_request=lora("adapter-a")) == 3
+        assert matched(lora_request=LoRARequest("adapter-a", 2, "/adapters/adapter-a")) == 3  # another int id
+        assert matched(lora_request=lora("adapter-b")) == 0
+        assert matched(cache_salt="tenant-1") == 3 and matched(cache_salt="tenant-2") == 0
+        assert matched(cache_salt="tenant-1", lora_request=lora("adapter-a")) == 0
+        # The same placeholder tokens with another image: only block 0, before any image (its KV
+        # is the same with or without the image after it: vLLM shares it too).
+        computed(mm_features=image("image-a"))
+        assert matched(mm_features=image("image-a")) == 3 and matched(mm_features=image("image-b")) == 1
+        assert matched() == 1
+        holder.put_many([(k, block) for k in prefix_hashes(tokens, BLOCK, namespace="test-namespace")])
+        assert matched() == 3 and matched(lora_request=lora("adapter-b")) == 0
+        assert matched(mm_features=image("image-b")) == 1
+
+        # Prompt embeddings: kvpool stays out of the request (no lookup, nothing saved).
+        lookups = connector.stats["lookups"]
+        request = vllm_request("e", tokens, prompt_embeds=torch.zeros(len(tokens), 4))
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert connector.stats["lookups"] == lookups and connector.stats["requests_skipped"] == 1
+        meta = connector.build_connector_meta(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="e", num_computed_tokens=0, block_ids=([1, 2, 3, 4],))],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                  resumed_req_ids=set()),
+            num_scheduled_tokens={"e": len(tokens)}, total_num_scheduled_tokens=len(tokens)))
+        assert meta.saves == [] and meta.loads == []
+    finally:
+        connector._master.close()
         holder.close()
 
 
@@ -1048,7 +1246,7 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
         for cache in writer._layers:
             cache.copy_(torch.randn(cache.shape, generator=rng).to(torch.bfloat16))
         none_cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
-        request = SimpleNamespace(request_id="w", prompt_token_ids=tokens, num_computed_tokens=0)
+        request = vllm_request("w", tokens)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
         meta = scheduler.build_connector_meta(SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id="w", num_computed_tokens=0,
@@ -1068,7 +1266,7 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
 
         # The reading engine: vLLM gives it full-attention blocks 2..5 and, for the window
         # group, the null block for the two blocks outside the window of the 4 loaded.
-        request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, num_computed_tokens=0)
+        request = vllm_request("r", tokens)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
         allocated = ([2, 3, 4, 5, 11], [NULL_BLOCK, NULL_BLOCK, 7, 8, 6])
         scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: allocated), 4 * BLOCK)
@@ -1108,7 +1306,7 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
 
         # A block whose window-group block is the null block when it is to be saved (vLLM
         # dropped it) is not saved: its object would lack those layers.
-        request = SimpleNamespace(request_id="s", prompt_token_ids=tokens[::-1], num_computed_tokens=0)
+        request = vllm_request("s", tokens[::-1])
         scheduler.get_num_new_matched_tokens(request, 0)
         meta = scheduler.build_connector_meta(SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id="s", num_computed_tokens=0,

@@ -203,6 +203,7 @@ def test_model_id_names_the_weights_and_the_rest_of_the_namespace_stays(tmp_path
     assert "id:llama-3-8b-instruct@v2|" in ns(model, named)
     assert ns(model, named) != ns(model, {**named, "model_id": "other"})
     assert ns(model, named).split("|")[2:] == ns(model).split("|")[2:]  # dtype, layout, ranks still agree
+    assert ns(model).endswith("|tp1|pp1")  # the engine's parallel sizes; a rank's share: object_key
     # How the weights are read is part of the model: quantization at load, config overrides.
     assert ns(model, quantization="fp8") != ns(model)
     assert ns(model, hf_overrides={"rope_theta": 1e6}) != ns(model)
@@ -211,3 +212,112 @@ def test_model_id_names_the_weights_and_the_rest_of_the_namespace_stays(tmp_path
     for bad in ("", "  ", 7):
         with pytest.raises(errors.ConfigError, match='"model_id"'):
             Settings.from_extra({"master": "tcp://h:1", "model_id": bad})
+
+
+def _request(request_id: str, tokens: list[int], **extras: object) -> object:
+    """vLLM's own Request (its extras: ``lora_request``, ``mm_features``, ``cache_salt``, ...)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id, tokens, SamplingParams(max_tokens=1), None, **extras)  # type: ignore[arg-type]
+
+
+def test_a_requests_keys_tell_apart_what_vllms_prefix_cache_tells_apart() -> None:
+    """LoRA adapter, multimodal inputs (each with its place) and ``cache_salt`` are in a
+    request's block keys, as in vLLM's own block hashes: the same tokens with other (or no)
+    extras never share a key; with the same extras they do. A request whose extras cannot be
+    read as vLLM 0.32 gives them (or one with prompt embeddings) gets no keys at all. vLLM's own
+    Request, LoRARequest, MultiModalFeatureSpec and PlaceholderRange."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    import torch
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from kvpool.hashing import prefix_hashes
+    from kvpool.integrations.vllm_settings import request_keys
+
+    block, ns = 16, "test-namespace"
+    tokens = [7] * 8 + list(range(100, 100 + 3 * block))  # 3.5 blocks; placeholder tokens 7, 7, ...
+
+    def keys(**extras: object) -> list[bytes]:
+        got = request_keys(_request("r", tokens, **extras), block, ns)
+        assert got is not None and len(got) == 3
+        return got
+
+    def image(identifier: str, offset: int, length: int = 8) -> MultiModalFeatureSpec:
+        return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                     mm_position=PlaceholderRange(offset=offset, length=length))
+
+    def disjoint(a: list[bytes], b: list[bytes], shared: int = 0) -> bool:
+        """The first ``shared`` keys equal, every later one different (a prefix: once apart, apart)."""
+        return a[:shared] == b[:shared] and all(x != y for x, y in zip(a[shared:], b[shared:]))
+
+    plain = keys()
+    assert plain == prefix_hashes(tokens, block, namespace=ns)  # no extras: the token prefix hashes
+    # LoRA: named by its name and path, not the int id each engine numbers its own way.
+    lora_a = keys(lora_request=LoRARequest("adapter-a", 1, "/adapters/a"))
+    assert keys(lora_request=LoRARequest("adapter-a", 7, "/adapters/a")) == lora_a
+    lora_b = keys(lora_request=LoRARequest("adapter-b", 1, "/adapters/b"))
+    repointed = keys(lora_request=LoRARequest("adapter-a", 1, "/adapters/a-v2"))
+    for one, other in [(lora_a, plain), (lora_b, plain), (lora_a, lora_b), (repointed, lora_a)]:
+        assert disjoint(one, other)
+    # cache_salt: isolates from block 0 on; an empty salt is none (as in vLLM).
+    salted = keys(cache_salt="tenant-1")
+    assert keys(cache_salt="tenant-1") == salted and keys(cache_salt="") == plain
+    assert disjoint(salted, plain) and disjoint(salted, keys(cache_salt="tenant-2"))
+    assert disjoint(keys(cache_salt="tenant-1", lora_request=LoRARequest("adapter-a", 1, "/adapters/a")), lora_a)
+    # Multimodal: the same placeholder tokens with another image never share a block that
+    # holds it, nor any after; blocks before the first image are the plain ones (vLLM shares them too).
+    with_a = keys(mm_features=[image("image-a", block + 4)])
+    assert with_a == keys(mm_features=[image("image-a", block + 4)])
+    assert disjoint(with_a, keys(mm_features=[image("image-b", block + 4)]), shared=1)
+    assert disjoint(with_a, plain, shared=1)
+    assert disjoint(with_a, keys(mm_features=[image("image-a", block + 5)]), shared=1)  # moved inside its block
+    assert disjoint(with_a, keys(mm_features=[image("image-a", block + 4, length=9)]), shared=1)
+    two = keys(mm_features=[image("image-a", 0), image("image-b", 2 * block - 4)])  # the second spans blocks 1-2
+    assert disjoint(two, keys(mm_features=[image("image-a", 0), image("image-c", 2 * block - 4)]), shared=1)
+    assert disjoint(two, keys(mm_features=[image("image-a", 0)]), shared=1)
+    assert keys(mm_features=[image("image-a", 0), image("image-b", 2 * block - 4)]) == two
+    assert disjoint(keys(mm_features=[image("image-a", 0)]), keys(mm_features=[image("image-a", 0)],
+                                                                   lora_request=LoRARequest("adapter-a", 1, "/a")))
+    # Extras that cannot be read as vLLM 0.32 gives them: kvpool stays out of the request.
+    assert request_keys(SimpleNamespace(request_id="r", prompt_token_ids=tokens), block, ns) is None
+    assert request_keys(_request("r", tokens, prompt_embeds=torch.zeros(len(tokens), 4)), block, ns) is None
+    for broken in (LoRARequest("", 1, "/a"), SimpleNamespace(lora_int_id=1)):
+        assert request_keys(_request("r", tokens, lora_request=broken), block, ns) is None
+    assert request_keys(_request("r", tokens, cache_salt=b"bytes"), block, ns) is None
+    for odd in (SimpleNamespace(identifier=None, mm_position=PlaceholderRange(offset=0, length=4)),
+                SimpleNamespace(identifier="image-a", mm_position=None),
+                SimpleNamespace(identifier="image-a", mm_position=PlaceholderRange(offset=-1, length=4)),
+                SimpleNamespace(identifier="image-a", mm_position=PlaceholderRange(offset=0, length=0))):
+        assert request_keys(_request("r", tokens, mm_features=[odd]), block, ns) is None
+
+
+def test_each_parallel_rank_keys_its_own_share_of_a_block_and_context_parallelism_is_refused() -> None:
+    """vLLM's own ParallelConfig: every tensor- and pipeline-parallel rank has its own object
+    key of a block (an engine of one rank: the block's key itself); decode and prefill context
+    parallelism are refused with one ConfigError."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from vllm.config import ParallelConfig
+
+    from kvpool.integrations.vllm_settings import check_parallel, object_key, rank_tag, rank_tags
+
+    key = b"k" * 16
+    one = ParallelConfig()
+    assert rank_tag(one, 0) is None and rank_tags(one) == [] and object_key(key, None) == key
+    check_parallel(one)
+    tp2 = ParallelConfig(tensor_parallel_size=2)
+    assert rank_tags(tp2) == [rank_tag(tp2, 0), rank_tag(tp2, 1)] == [b"tp0/2|pp0/1", b"tp1/2|pp0/1"]
+    tp2pp2 = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    tags = rank_tags(tp2pp2)
+    assert len(tags) == 4 and rank_tag(tp2pp2, 1, 1) in tags
+    keys = {object_key(key, tag) for tag in tags + rank_tags(tp2)}
+    assert len(keys) == 6 and key not in keys and all(len(k) == 16 for k in keys)
+    assert object_key(b"j" * 16, tags[0]) != object_key(key, tags[0])
+    check_parallel(tp2pp2)
+    with pytest.raises(errors.ConfigError, match="rank tp2/pp0 is outside"):
+        rank_tag(tp2, 2)
+    for refused in (ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
+                    ParallelConfig(prefill_context_parallel_size=2)):
+        with pytest.raises(errors.ConfigError, match="context parallelism is not supported"):
+            check_parallel(refused)

@@ -171,26 +171,29 @@ if __name__ == "__main__":  # vLLM on CPU spawns its engine processes: this guar
 
 
 def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads: int, block_size: int = BLOCK_SIZE,
-                     kv_cache_config: Any = None, kv_role: str = "kv_both"):
+                     kv_cache_config: Any = None, kv_role: str = "kv_both", parallel_config: Any = None,
+                     tp_rank: int = 0, pp_rank: int = 0):
     """The worker half of a KvpoolConnector without an engine (tests, bench/vllm_bench.py's load
     rows): its kvpool client ``pool`` and paged ``caches`` ({layer name: tensor}, shaped as
     vLLM-CPU's [blocks, kv_heads, block, 2 * head_dim]); ``kv_cache_config``: vLLM's
-    ``KVCacheConfig`` naming each layer's KV cache group (None: one group); ``kv_role``: vLLM's."""
+    ``KVCacheConfig`` naming each layer's KV cache group (None: one group); ``kv_role``: vLLM's;
+    ``parallel_config``: vLLM's ParallelConfig (None: one rank), of which this worker is
+    rank ``tp_rank`` / ``pp_rank``."""
     from types import SimpleNamespace
 
     from vllm.config import KVTransferConfig
 
-    from kvpool.integrations.vllm import KvpoolConnector, worker_cpus
+    from kvpool.integrations.vllm import KvpoolConnector, rank_tag, worker_cpus
 
     connector = object.__new__(KvpoolConnector)
     connector._kv_transfer_config = KVTransferConfig(kv_connector="KvpoolConnector", kv_role=kv_role)
     connector.settings, connector.block_size = settings, block_size
     connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: kv_heads),
-                                             parallel_config=None)
+                                             parallel_config=parallel_config)
     connector._role = None
     connector._kv_cache_config = kv_cache_config
     connector._connector_metadata = None
     connector.stats = {}
-    connector._init_worker(pool, worker_cpus(settings.cpus))
+    connector._init_worker(pool, worker_cpus(settings.cpus), rank_tag(parallel_config, tp_rank, pp_rank))
     connector.register_kv_caches(caches)
     return connector

@@ -34,13 +34,21 @@ is computed whole); a ``kv_consumer`` engine (decode) loads and never saves (not
 computes is stored, no saver thread puts anything).
 
 One kvpool object per full vLLM block: the block's bytes of every layer,
-layer-major, under the block's prefix hash (:func:`kvpool.hashing.prefix_hashes`
-of the request's tokens, chunk = block size). The bytes are vLLM's own block
-layout, stored as they are: the namespace of the hashes names the model, the
-cache dtype, the block size, the layout of a block (shape and device kind, the
-CPU's vector ISA on CPU) and the tensor-parallel rank, so only an engine that
-reads blocks the same way ever finds them, and a load is a copy of each layer
-straight into the paged cache's block (``out=`` views of it), no decode.
+layer-major, under the block's key: the prefix hash (:func:`kvpool.hashing.prefix_hashes`
+of the request's tokens, chunk = block size), chained with what else vLLM's own
+prefix cache tells apart when the request has it (LoRA adapter, multimodal inputs,
+``cache_salt``; a request whose extras cannot be read, or with prompt embeddings, is
+computed without kvpool: :func:`~kvpool.integrations.vllm_settings.request_keys`).
+The bytes are vLLM's own block layout, stored as they are: the namespace of the hashes
+names the model, the cache dtype, the block size, the layout of a block (shape and
+device kind, the CPU's vector ISA on CPU) and the tensor- and pipeline-parallel sizes,
+so only an engine that reads blocks the same way ever finds them, and a load is a copy
+of each layer straight into the paged cache's block (``out=`` views of it), no decode.
+With several ranks (TP, PP), each rank's share of a block is its own object, under
+``xxh3_128(rank || block key)`` (:func:`~kvpool.integrations.vllm_settings.object_key`):
+the scheduler counts a block held only when every rank's object is, and a rank that
+misses its own at load time reports the block failed (recomputed), never reading
+another rank's. Context parallelism (DCP, PCP) is refused at start.
 
 Scheduler side (EngineCore process): one batched ``lookup`` per new request
 (one master round trip) finds how many leading blocks of the prompt kvpool holds
@@ -104,9 +112,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import errors
-from kvpool.hashing import prefix_hashes
 from kvpool.integrations.planner import Planner
-from kvpool.integrations.vllm_settings import Settings, model_fingerprint, namespace_of
+from kvpool.integrations.vllm_settings import (
+    Settings,
+    check_parallel,
+    model_fingerprint,
+    namespace_of,
+    object_key,
+    rank_tag,
+    rank_tags,
+    request_keys,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -117,7 +133,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolStats", "Settings", "Transfer",
-           "check_model_kind", "model_fingerprint", "namespace_of", "pull_cpus", "threads_on", "worker_cpus"]
+           "check_model_kind", "check_parallel", "model_fingerprint", "namespace_of", "object_key", "pull_cpus",
+           "rank_tag", "rank_tags", "request_keys", "threads_on", "worker_cpus"]
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
@@ -364,12 +381,14 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         check_model_kind(kv_cache_config)  # before anything is opened
+        check_parallel(getattr(vllm_config, "parallel_config", None))
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "blocks_loaded": 0, "blocks_failed": 0,
                                         "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0,
-                                        "plan_loaded_blocks": 0, "plan_recomputed_blocks": 0}
+                                        "plan_loaded_blocks": 0, "plan_recomputed_blocks": 0,
+                                        "requests_skipped": 0}
         if role == KVConnectorRole.SCHEDULER:
             from kvpool.cluster.wire.master_client import MasterClient
             from kvpool.config import Config
@@ -378,7 +397,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             # scheduler reads this after it made the connector (``on_load_failure`` = "fail" keeps
             # vLLM's own default).
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
-            self.namespace = namespace_of(vllm_config, 0)
+            self.namespace = namespace_of(vllm_config)
+            # Every rank's tag ([] for an engine of one rank): a block is held when each rank's
+            # object of it is (see _lookup).
+            self._rank_tags = rank_tags(vllm_config.parallel_config)
             self._master = MasterClient(self.settings.master, config=Config.load(self.settings.pool_config()))
             self._tracked: dict[str, _Tracked] = {}
             self._async_pending: list[Transfer] = []  # loads of requests that wait outside the steps
@@ -391,11 +413,13 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._host_id = local_host_id()
             self._worker_nodes: set[str] = set()  # this engine's workers' kvpool node ids, as they report them
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             import kvpool
 
-            self.namespace = namespace_of(vllm_config, get_tensor_model_parallel_rank())
+            self.namespace = namespace_of(vllm_config)
+            tag = rank_tag(vllm_config.parallel_config, get_tensor_model_parallel_rank(),
+                           get_pp_group().rank_in_group)
             cpus = worker_cpus(self.settings.cpus)
             with threads_on(cpus):  # the client's own threads (serving pulls, heartbeats, UCX)
                 pool = kvpool.connect(self.settings.master, config=self.settings.pool_config(),
@@ -403,16 +427,18 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                 # Now, not at the first save of a block above 1 MiB: starting UCX holds the GIL
                 # for ~0.4 s, which stalled the model and a load in flight mid-request.
                 pool.start_ucx()
-            self._init_worker(pool, cpus)
+            self._init_worker(pool, cpus, tag)
             log.info("kvpool connector: worker threads on CPUs %s, a load's pulls on %s (the model's: %s)",
                      "as created" if cpus is None else sorted(cpus),
                      "as created" if self._pull_cpus is None else sorted(self._pull_cpus),
                      sorted(os.sched_getaffinity(0)))
-        log.info("kvpool connector (%s, %s: %s) on master %s, namespace %s", role.name.lower(),
+        log.info("kvpool connector (%s, %s: %s) on master %s, namespace %s%s", role.name.lower(),
                  self._kv_transfer_config.kv_role,
                  "loads and saves" if self.loads_blocks and self.saves_blocks else
                  "saves, never loads" if self.saves_blocks else "loads, never saves",
-                 self.settings.master, self.namespace)
+                 self.settings.master, self.namespace,
+                 "" if role == KVConnectorRole.SCHEDULER or self._rank_tag is None
+                 else f", rank {self._rank_tag.decode()}")
 
     @property
     def loads_blocks(self) -> bool:
@@ -426,9 +452,12 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         saved; a ``kv_consumer`` engine schedules no save and its saver thread puts nothing."""
         return bool(self._kv_transfer_config.is_kv_producer)
 
-    def _init_worker(self, pool: Any, cpus: frozenset[int] | None = None) -> None:
+    def _init_worker(self, pool: Any, cpus: frozenset[int] | None = None, tag: bytes | None = None) -> None:
         """The worker side's state around its kvpool client ``pool``; its threads run on
-        ``cpus`` (:func:`worker_cpus`), a load's pulls on :func:`pull_cpus`."""
+        ``cpus`` (:func:`worker_cpus`), a load's pulls on :func:`pull_cpus`; ``tag``: its
+        parallel rank's (:func:`~kvpool.integrations.vllm_settings.rank_tag`; None: the engine's
+        only rank), which its objects' keys are made of (:meth:`_object_keys`)."""
+        self._rank_tag = tag
         for name in ("blocks_loaded", "blocks_failed", "blocks_saved", "load_wait_s", "load_total_s", "save_s"):
             self.stats.setdefault(name, 0)
         self._pool = pool
@@ -478,11 +507,17 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = request.prompt_token_ids or []
         tracked = self._tracked.get(request.request_id)
         if tracked is None:  # hashed once per request (a waiting request is asked again each step)
-            tracked = self._tracked[request.request_id] = _Tracked(
-                prefix_hashes(tokens if isinstance(tokens, list) else list(tokens), self.block_size,
-                              namespace=self.namespace))
+            keys = request_keys(request, self.block_size, self.namespace)
+            if keys is None:  # extras kvpool cannot name for sure: neither looked up, loaded nor saved
+                self.stats["requests_skipped"] += 1
+                (log.info if self.stats["requests_skipped"] == 1 else log.debug)(
+                    "kvpool: request %s is computed without kvpool (prompt embeddings, or LoRA, multimodal or "
+                    "cache_salt extras it cannot read)", request.request_id)
+                keys = []
+            tracked = self._tracked[request.request_id] = _Tracked(keys)
         keys = tracked.keys
-        loadable = (len(tokens) - 1) // self.block_size  # vLLM computes at least the last token
+        # vLLM computes at least the last token
+        loadable = min((len(tokens) - 1) // self.block_size, len(keys))
         first = num_computed_tokens // self.block_size
         tracked.saved_upto = tracked.first = first
         if loadable <= first or not self.loads_blocks:  # (a kv_producer: tracked for its saves only)
@@ -529,11 +564,20 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         ~14-25 ms, layer by layer under the forward pass). Other blocks are pulled (50-250 ms for
         64 MiB over TCP inside an engine here), and a step that waits for a pull stalls every
         request running in it: such a request waits outside the steps instead. Two blocks judge
-        the whole prefix; a wrong guess costs time, never bytes."""
+        the whole prefix; a wrong guess costs time, never bytes.
+
+        With several parallel ranks, a block is held when every rank's object of it is: each
+        rank's key of each block is asked for, block by block, in the same one request (a rank
+        that then misses its object at load time reports the block failed: vLLM recomputes it)."""
+        tags = self._rank_tags
+        if tags:
+            keys = [object_key(key, tag) for key in keys for tag in tags]
         if self.settings.load_async != "auto":
-            return self._master.lookup(keys), None
-        return self._master.lookup_near(keys, self._worker_nodes,
-                                        self._host_id if self.settings.transport == "auto" else "")
+            hits, near = self._master.lookup(keys), None
+        else:
+            hits, near = self._master.lookup_near(keys, self._worker_nodes,
+                                                  self._host_id if self.settings.transport == "auto" else "")
+        return (hits // len(tags) if tags else hits), near
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' measurements (:class:`KvpoolStats`) refine the planner."""
@@ -683,13 +727,13 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
         if meta.async_loads:
-            keys = [k for t in meta.async_loads for k in t.keys]
+            keys = self._object_keys(k for t in meta.async_loads for k in t.keys)
             groups = self._group_ids(meta.async_loads)
             load = _LayerLoad(len(self._layers), groups, [t.req_id for t in meta.async_loads])
             self._loading(+1)
             self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys)))
             self._count("blocks_loaded", len(keys))
-        keys = [k for t in meta.loads for k in t.keys]
+        keys = self._object_keys(k for t in meta.loads for k in t.keys)
         if not keys:
             return
         groups = self._group_ids(meta.loads)
@@ -697,6 +741,13 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._loading(+1)
         self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
+
+    def _object_keys(self, keys: Iterable[bytes]) -> list[bytes]:
+        """This rank's objects of the blocks ``keys`` (the scheduler's, one per block): the keys
+        themselves in an engine of one rank, else each rank's own
+        (:func:`~kvpool.integrations.vllm_settings.object_key`): a rank saves and loads only its
+        own share of a block, and a rank whose object is missing fails the block (recomputed)."""
+        return [object_key(key, self._rank_tag) for key in keys]
 
     def _group_ids(self, transfers: list[Transfer]) -> list[list[int]]:
         """The transfers' blocks in each KV cache group, one list per group."""
@@ -1007,7 +1058,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                 for i, key in enumerate(transfer.keys):
                     chosen.setdefault(key, tuple(transfer.ids(g)[i] for g in range(self._groups)))
             stage = self._stage = _Stage(
-                list(chosen), [torch.tensor([ids[g] for ids in chosen.values()], dtype=torch.long)
+                self._object_keys(chosen), [torch.tensor([ids[g] for ids in chosen.values()], dtype=torch.long)
                                for g in range(self._groups)],
                 np.empty((len(chosen), len(self._layers), *self._shape[1:]), self._np_dtype))
         # One gather of the layer's blocks (no per-block Python), then one strided copy.

@@ -1,6 +1,9 @@
-"""The vLLM connector's settings (``kv_connector_extra_config``) and the namespace of its
-block hashes: what must agree for two engines to read each other's blocks, the model named
-by its weights' content (:func:`model_fingerprint`), not by where they are.
+"""The vLLM connector's settings (``kv_connector_extra_config``) and the keys of its blocks:
+the namespace (what must agree for two engines to read each other's blocks, the model named
+by its weights' content, :func:`model_fingerprint`, not by where they are), a request's keys
+(its tokens and what else vLLM's own prefix cache tells apart: LoRA adapter, multimodal
+inputs, ``cache_salt``; :func:`request_keys`) and each parallel rank's object key of a block
+(:func:`object_key`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import xxhash
 
 from kvpool import errors
+from kvpool.hashing import prefix_hashes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -283,13 +287,15 @@ def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None) -> st
     return path if isinstance(path, str) and os.path.isdir(path) else None
 
 
-def namespace_of(vllm_config: VllmConfig, tp_rank: int = 0) -> str:
+def namespace_of(vllm_config: VllmConfig) -> str:
     """What must agree for two engines to read each other's blocks (see
     :mod:`kvpool.integrations.vllm`): the model (the ``model_id`` setting of
     ``kv_connector_extra_config`` when given, else :func:`model_fingerprint`), how its weights
     are read (vLLM's ``quantization`` and ``hf_overrides``), the dtype, the cache dtype, the
     block size, the layout of a block (device kind, the CPU's vector ISA on CPU) and the
-    parallel ranks. ``model_id`` names the weights only: the rest is added to it all the same."""
+    tensor- and pipeline-parallel sizes. ``model_id`` names the weights only: the rest is added
+    to it all the same. The namespace is the engine's, the scheduler's and every worker's: a
+    parallel rank's own share of a block is its object, under :func:`object_key`."""
     import torch
 
     model = vllm_config.model_config
@@ -312,4 +318,130 @@ def namespace_of(vllm_config: VllmConfig, tp_rank: int = 0) -> str:
         read_as.append(f"hf-{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}")
     return "|".join(["vllm-blocks-v1", weights, *read_as, str(model.dtype), str(cache.cache_dtype),
                      f"bs{cache.block_size}", f"{device}{'-' + isa if isa else ''}",
-                     f"tp{tp_rank}/{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}"])
+                     f"tp{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}"])
+
+
+def check_parallel(parallel_config: Any) -> None:
+    """Refuse, with one ConfigError at start-up, a parallel layout whose blocks this connector
+    cannot key: decode or prefill context parallelism (vLLM's blocks then hold
+    ``block_size`` x DCP x PCP tokens spread over ranks, not the ``block_size`` tokens a key
+    names). Tensor and pipeline parallelism are served: each rank keeps its own share of a
+    block under its own key (:func:`object_key`)."""
+    dcp = getattr(parallel_config, "decode_context_parallel_size", 1) or 1
+    pcp = getattr(parallel_config, "prefill_context_parallel_size", 1) or 1
+    if dcp > 1 or pcp > 1:
+        raise errors.ConfigError(
+            f"kvpool connector: context parallelism is not supported (decode_context_parallel_size {dcp}, "
+            f"prefill_context_parallel_size {pcp}): its blocks span ranks and more tokens than a key names. "
+            f"Run without it, or without the kvpool connector.")
+
+
+_RANK_TAG = b"kvpool-vllm-rank-v1\0"
+_RANK_SEED = 0x6B76706F6F6C5232  # xxh3's seed of ranks' object keys
+
+
+def rank_tag(parallel_config: Any, tp_rank: int, pp_rank: int = 0) -> bytes | None:
+    """What names a worker's share of a block among the engine's ranks: its tensor- and
+    pipeline-parallel rank (each holds other heads or other layers of every block); None for
+    an engine of one rank, whose object is the block's whole KV."""
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if tp * pp == 1:
+        return None
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise errors.ConfigError(f"kvpool connector: rank tp{tp_rank}/pp{pp_rank} is outside tp {tp} x pp {pp}")
+    return f"tp{tp_rank}/{tp}|pp{pp_rank}/{pp}".encode()
+
+
+def rank_tags(parallel_config: Any) -> list[bytes]:
+    """Every rank's :func:`rank_tag` (the scheduler's lookup asks for each); [] for one rank."""
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    tags = [rank_tag(parallel_config, t, p) for p in range(pp) for t in range(tp)]
+    return [tag for tag in tags if tag is not None]
+
+
+def object_key(key: bytes, tag: bytes | None) -> bytes:
+    """The key of one rank's object of a block: the block's key (the scheduler's, from the
+    request's tokens) itself for an engine of one rank, else ``xxh3_128(rank tag || key)``, so
+    two ranks never save under one key and a rank never loads another's share."""
+    if tag is None:
+        return key
+    return bytes(xxhash.xxh3_128_digest(_RANK_TAG + tag + b"\0" + key, seed=_RANK_SEED))
+
+
+_EXTRAS_TAG = b"kvpool-vllm-extras-v1\0"
+_EXTRAS_SEED = 0x6B76706F6F6C5831  # xxh3's seed of the chain of keys with extras (prefix hashes: 0)
+
+
+def request_keys(request: Any, block_size: int, namespace: str) -> list[bytes] | None:
+    """The keys of a vLLM request's full prompt blocks, or None when kvpool must stay out of
+    the request (no lookup, no load, no save).
+
+    A block's KV depends on more than its tokens, and vLLM's own prefix cache mixes in the
+    rest (``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``): the LoRA
+    adapter, the multimodal inputs a block holds placeholders of, and ``cache_salt``. So does
+    this: with none of them a key is the token prefix hash (:func:`kvpool.hashing.prefix_hashes`
+    in ``namespace``); with any, key ``i`` is ``xxh3_128(key[i-1] || hash[i] || block i's
+    multimodal inputs)`` (under another xxh3 seed than the prefix hashes'), started from
+    ``xxh3_128(tag || adapter, salt)``, so a request never matches one with other (or no)
+    extras, and equal tokens with equal extras do. A request with multimodal inputs only keeps
+    the plain keys of its blocks before the first block holding an input (as vLLM shares them:
+    their KV does not depend on later tokens) and chains from that block on. The adapter is named by
+    ``lora_name`` and ``lora_path`` (as vLLM does; not ``lora_int_id``, which each engine
+    numbers its own way): re-pointing a name at another adapter is a miss, but an adapter
+    edited in place under one name and path is not seen (give each version its own name).
+    A multimodal input is named by its ``identifier`` (vLLM's hash of its content) with its
+    offset from the block's start and its length, in every block it overlaps.
+
+    None (kvpool stays out) when the request's extras cannot be read as expected: a request
+    object without vLLM's ``lora_request``, ``cache_salt``, ``mm_features`` or
+    ``prompt_embeds``, one with prompt embeddings (their tokens are placeholders), or extras
+    of another shape than vLLM 0.32's."""
+    try:
+        lora, salt, features, embeds = request.lora_request, request.cache_salt, request.mm_features, \
+            request.prompt_embeds
+        tokens = request.prompt_token_ids
+    except AttributeError:
+        return None
+    if embeds is not None or tokens is None:
+        return None
+    whole: list[list[str]] = []
+    if lora is not None:
+        name, path = getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)
+        if not isinstance(name, str) or not name or not isinstance(path, str):
+            return None
+        whole.append(["lora", name, path])
+    if salt is not None:
+        if not isinstance(salt, str):
+            return None
+        if salt:  # (vLLM: an empty salt is none)
+            whole.append(["cache_salt", salt])
+    inputs: list[tuple[int, int, str]] = []
+    try:
+        for feature in features or ():
+            identifier, position = feature.identifier, feature.mm_position
+            offset, length = position.offset, position.length
+            if not isinstance(identifier, str) or not identifier or type(offset) is not int \
+                    or type(length) is not int or offset < 0 or length < 1:
+                return None
+            inputs.append((offset, length, identifier))
+    except (AttributeError, TypeError):
+        return None
+    hashes = prefix_hashes(tokens if isinstance(tokens, list) else list(tokens), block_size, namespace=namespace)
+    if not whole and not inputs:
+        return hashes
+    prev = xxhash.xxh3_128_digest(_EXTRAS_TAG + json.dumps(whole).encode(), seed=_EXTRAS_SEED)
+    chained = bool(whole)  # (else from the first block holding a multimodal input: those before are plain)
+    keys: list[bytes] = []
+    for i, block_hash in enumerate(hashes):
+        start, end = i * block_size, (i + 1) * block_size
+        held = sorted([offset - start, length, identifier] for offset, length, identifier in inputs
+                      if offset < end and offset + length > start)
+        if not chained and not held:
+            keys.append(block_hash)
+            continue
+        chained = True
+        prev = xxhash.xxh3_128_digest(prev + block_hash + json.dumps(held).encode(), seed=_EXTRAS_SEED)
+        keys.append(bytes(prev))
+    return keys
