@@ -123,9 +123,9 @@ def test_a_large_file_is_sampled_and_a_byte_outside_every_window_is_not_seen_unl
     path = original / "model.safetensors"
     size = path.stat().st_size
     with path.open("rb") as fh:
-        from kvpool.integrations.vllm_settings import _sampled_ranges
+        from kvpool.integrations.vllm_settings import sampled_ranges
 
-        ranges = _sampled_ranges(fh.fileno(), size, True)
+        ranges = sampled_ranges(fh.fileno(), size, True)
     assert sum(stop - start for start, stop in ranges) < size  # sampled, not read whole
     # The first byte no window covers: inside a tensor (the header is read whole).
     middle = next(stop for (_, stop), (start, _) in zip(ranges, ranges[1:]) if start > stop)

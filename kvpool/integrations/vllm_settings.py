@@ -223,7 +223,7 @@ def _file_digest(path: str, whole_file_bytes: int) -> bytes:
                 while read := fh.readinto(buffer):
                     hasher.update(buffer[:read])
                 return hasher.digest()
-            for start, stop in _sampled_ranges(fh.fileno(), size, path.endswith(".safetensors")):
+            for start, stop in sampled_ranges(fh.fileno(), size, path.endswith(".safetensors")):
                 hasher.update(start.to_bytes(8, "little"))
                 hasher.update(os.pread(fh.fileno(), stop - start, start))
     except OSError as exc:
@@ -232,7 +232,7 @@ def _file_digest(path: str, whole_file_bytes: int) -> bytes:
     return hasher.digest()
 
 
-def _sampled_ranges(fd: int, size: int, safetensors: bool) -> list[tuple[int, int]]:
+def sampled_ranges(fd: int, size: int, safetensors: bool) -> list[tuple[int, int]]:
     """The byte ranges of a large file that its fingerprint reads, sorted and merged."""
     window = min(_SPREAD_WINDOW_BYTES, size)
     ranges = [(at, at + window) for at in
