@@ -1147,3 +1147,25 @@ def test_a_master_with_max_keys_refuses_more_with_a_typed_error_and_keeps_servin
         finally:
             node.stop()
         assert child.popen.poll() is None
+
+
+def test_a_warm_leader_asks_each_node_once_for_its_changes_since_the_copy_was_complete():
+    """After a warm takeover (term 7, copy complete as of 2 s before), every heartbeat reply says
+    the term and how far back to publish again, measured from now; a node that says it filled the
+    term in is no longer waited for, and once every live node has (or left), nothing more is
+    asked. A node registering in the term has nothing to fill in."""
+    m = SyntheticMaster()
+    m.register("a")
+    m.register("b")
+    m.state.term, m.state.resend_from = 7, m.now - 2.0
+    reply = m.heartbeat("a")
+    assert reply["term"] == 7 and reply["resend_s"] == pytest.approx(2.5)
+    m.advance(0.5)
+    assert m.heartbeat("b")["resend_s"] == pytest.approx(3.0)
+    m.call(P.HEARTBEAT, node_id="a", term=7)
+    assert m.state.resend_from is not None  # b has not said so yet
+    m.register("c")
+    assert m.state.nodes["c"].term_seen == 7
+    m.call(P.HEARTBEAT, node_id="b", term=7)
+    assert m.state.resend_from is None
+    assert m.heartbeat("a")["resend_s"] == 0.0
