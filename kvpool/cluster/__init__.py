@@ -10,6 +10,6 @@
   ``connect()``'d client embeds): serving pulls and its control socket, heartbeats, the
   reader that pulls and verifies located replicas, and a process's view of the cluster.
 
-``master`` and ``node`` both import ``wire`` and never each other (tests/cluster/test_layering.py).
+``master`` and ``node`` both import ``wire`` and never each other (tests/test_layering.py).
 Builds on :mod:`kvpool.transport` and the tiers.
 """
