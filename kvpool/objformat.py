@@ -624,6 +624,37 @@ def byte_view(arr: np.ndarray) -> memoryview:
         return arr.reshape(-1).view(np.uint8).data
 
 
+def out_view(spec: ObjectSpec, layer_range: LayerRange, out: Any) -> tuple[np.ndarray, memoryview]:
+    """(array to return, byte view to fill) for ``out=``, or fresh if ``out`` is None."""
+    shape = spec.array_shape(layer_range)
+    if out is None:
+        arr = np.empty(shape, dtype=numpy_dtype(spec.dtype))
+        return arr, byte_view(arr)
+    if isinstance(out, np.ndarray):
+        if out.shape != shape:
+            raise errors.OutBufferError(f"out has shape {out.shape}, layers need {shape}")
+        if out.dtype != numpy_dtype(spec.dtype) and out.dtype != storage_dtype(spec.dtype):
+            raise errors.OutDTypeError(f"out has dtype {out.dtype}, object is {spec.dtype}")
+        flags = out.flags
+        if not flags.c_contiguous or not flags.writeable:
+            raise errors.OutBufferError("out must be C-contiguous and writable")
+        return out, byte_view(out)
+    try:
+        mv = memoryview(out)
+    except TypeError:
+        raise errors.OutBufferError(
+            f"out must be a numpy array or a writable buffer, got {type(out).__name__}"
+        ) from None
+    if mv.readonly or not mv.c_contiguous:
+        raise errors.OutBufferError("out must be C-contiguous and writable")
+    mv = mv.cast("B")
+    need = spec.layer_nbytes * layer_range.count
+    if len(mv) != need:
+        raise errors.OutBufferError(f"out holds {len(mv)} bytes, layers need {need}")
+    arr = np.frombuffer(mv, dtype=numpy_dtype(spec.dtype)).reshape(shape)
+    return arr, mv
+
+
 def encode(kv: Any, key: bytes, dtype: str | None = None) -> bytes:
     """Serialise an array to one self-describing object (header naming ``key`` + payload)."""
     spec, arr = spec_of(kv, dtype)

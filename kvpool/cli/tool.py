@@ -182,10 +182,10 @@ def _why_missed(replicas: int, counters: dict[str, int]) -> str:
 
 
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
-    from kvpool.api import out_view
     from kvpool.cluster.node.located import replicas_at
     from kvpool.cluster.node.reader import ReplicaReader
     from kvpool.cluster.node.same_host import shared_dirs_of
+    from kvpool.objformat import out_view
     from kvpool.transport import local_host_id
 
     key = _key(args.key, args.text)

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
-from kvpool.api import out_view
 from kvpool.cluster.node.checks import Speculation
 from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of, replicas_at
 from kvpool.cluster.node.reader import ReplicaReader
@@ -42,7 +41,7 @@ from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.cluster.wire.protocol import Located, Placement, ReplicaRecord
 from kvpool.config import Config
-from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
+from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, out_view
 from tiers.manager import TierManager
 
 log = logging.getLogger("kvpool.client")
