@@ -32,6 +32,7 @@ _SIZE_UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _TCP_ADDRESS_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):([0-9]{1,5})$")
+_ETCD_URL_RE = re.compile(r"^(?:http://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})/?$")
 VALID_ADDRESS_HINT = "tcp://HOST:PORT with a port 1-65535 (e.g. tcp://127.0.0.1:7700) or ipc:///path/to/socket"
 
 
@@ -51,6 +52,19 @@ def check_master_address(address: Any, what: str = "master address") -> str:
     raise errors.ConfigError(f"{what} {address!r} is not valid: expected {VALID_ADDRESS_HINT}")
 
 
+def parse_endpoints(value: str) -> list[tuple[str, int]]:
+    """``"http://h1:2379,h2:2379"`` -> ``[("h1", 2379), ("h2", 2379)]``; ConfigError when malformed."""
+    endpoints = []
+    for part in (p.strip() for p in value.split(",")):
+        m = _ETCD_URL_RE.match(part)
+        if not part or m is None or not 1 <= int(m.group(2)) <= 65535:
+            raise errors.ConfigError(
+                f"master.etcd: {part!r} is not an etcd client URL: expected http://HOST:PORT[,http://HOST:PORT...] "
+                f"(e.g. http://127.0.0.1:2379; TLS endpoints are not supported)")
+        endpoints.append((m.group(1).strip("[]"), int(m.group(2))))
+    return endpoints
+
+
 def master_address(config: Config, explicit: str | None = None) -> str | None:
     """The master a client or node talks to: ``explicit``, else None with ``master.etcd`` (follow
     the leader there), else ``master.listen``."""
@@ -66,8 +80,6 @@ def node_host(config: Config, master: str | None = None) -> str:
     if config.node.host:
         return config.node.host
     if master is None and config.master.etcd:  # the masters' hosts are not known yet: route to etcd's
-        from kvpool.cluster.wire.etcd import parse_endpoints
-
         host, port = parse_endpoints(config.master.etcd)[0]
         master = f"tcp://{host}:{port}"
     master = master or config.master.listen
@@ -391,8 +403,6 @@ class Config:
         except errors.ConfigError as exc:
             raise bad("master.listen", str(exc)) from None
         if self.master.etcd:
-            from kvpool.cluster.wire.etcd import parse_endpoints
-
             try:
                 parse_endpoints(self.master.etcd)
             except errors.ConfigError as exc:

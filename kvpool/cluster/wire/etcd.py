@@ -36,27 +36,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool import errors
+from kvpool.config import parse_endpoints
 
 log = logging.getLogger("kvpool.etcd")
 
-_URL_RE = re.compile(r"^(?:http://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})/?$")
 # How often a standby (or a client that lost its leader) reads the leader key.
 POLL_S = 0.2
 # The request deadline of one etcd call.
 REQUEST_TIMEOUT_S = 2.0
-
-
-def parse_endpoints(value: str) -> list[tuple[str, int]]:
-    """``"http://h1:2379,h2:2379"`` -> ``[("h1", 2379), ("h2", 2379)]``; ConfigError when malformed."""
-    endpoints = []
-    for part in (p.strip() for p in value.split(",")):
-        m = _URL_RE.match(part)
-        if not part or m is None or not 1 <= int(m.group(2)) <= 65535:
-            raise errors.ConfigError(
-                f"master.etcd: {part!r} is not an etcd client URL: expected http://HOST:PORT[,http://HOST:PORT...] "
-                f"(e.g. http://127.0.0.1:2379; TLS endpoints are not supported)")
-        endpoints.append((m.group(1).strip("[]"), int(m.group(2))))
-    return endpoints
 
 
 def _b64(data: bytes) -> str:
