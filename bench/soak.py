@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import random
 import shutil
@@ -54,14 +53,12 @@ import xxhash
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import format_table  # noqa: E402
+from bench.soak_report import RESULT_PREFIX, Latencies, parse_result, table, worker_command  # noqa: E402
 
 KV_HEADS, HEAD_DIM = 2, 32
 TAG = struct.Struct("<4sIII")  # magic, key index, version, layer index: the first 16 bytes of every layer
 TAG_MAGIC = b"SOAK"
-RESULT_PREFIX = "RESULT "
 WRONG_SAMPLES = 8
-HIST_BASE = 1.02  # latency histogram bucket ratio
 # A get raising one of these for a request that fits the key's real shape read another object's header.
 CALLER_ERRORS = ("OutBufferError", "LayerRangeError", "ShapeError")
 DEFAULT_MIX = "put=3,get=5,get_many=1,delete=1"
@@ -159,50 +156,6 @@ def _summarise(tags: Sequence[Any]) -> str:
         else:
             parts.append(str(first))
     return "[" + ", ".join(parts) + "]"
-
-
-# -- latency histogram ------------------------------------------------------------------------
-
-
-class Latencies:
-    """Count and a log histogram (2% buckets) of seconds; exact max; mergeable through JSON."""
-
-    def __init__(self) -> None:
-        self.buckets: Counter[int] = Counter()
-        self.max_s = 0.0
-        self.count = 0
-
-    def add(self, seconds: float) -> None:
-        self.count += 1
-        self.max_s = max(self.max_s, seconds)
-        self.buckets[max(0, int(math.log(max(seconds, 1e-7) / 1e-7, HIST_BASE)))] += 1
-
-    def percentile(self, pct: float) -> float:
-        """Upper edge of the bucket holding the ``pct``-th percentile (NaN if empty)."""
-        if not self.count:
-            return math.nan
-        rank = math.ceil(self.count * pct / 100.0)
-        seen = 0
-        for bucket in sorted(self.buckets):
-            seen += self.buckets[bucket]
-            if seen >= rank:
-                return min(1e-7 * HIST_BASE ** (bucket + 1), self.max_s)
-        return self.max_s
-
-    def to_json(self) -> dict[str, Any]:
-        return {"count": self.count, "max_s": self.max_s, "buckets": {str(k): v for k, v in self.buckets.items()}}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Latencies:
-        lat = cls()
-        lat.count, lat.max_s = data["count"], data["max_s"]
-        lat.buckets.update({int(k): v for k, v in data["buckets"].items()})
-        return lat
-
-    def merge(self, other: Latencies) -> None:
-        self.count += other.count
-        self.max_s = max(self.max_s, other.max_s)
-        self.buckets.update(other.buckets)
 
 
 # -- one worker process -------------------------------------------------------------------------
@@ -487,58 +440,6 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-ms", type=float, default=0.0, help="sleep between ops")
     parser.add_argument("--no-same-host-index", action="store_true",
                         help="node.same_host_index = false: no reads through other processes' arena indexes")
-
-
-def worker_command(python: str, master: str, name: str, data_dir: Path, **options: Any) -> list[str]:
-    """``python -m bench.soak worker ...`` with ``options`` as flags (``seed_share=(0, 8)`` -> ``--seed-share 0/8``)."""
-    command = [python, "-m", "bench.soak", "worker", "--master", master, "--name", name, "--data-dir", str(data_dir)]
-    for option, value in options.items():
-        if value is None or value is False:
-            continue
-        flag = f"--{option.replace('_', '-')}"
-        if value is True:
-            command.append(flag)
-            continue
-        if isinstance(value, tuple):
-            value = "/".join(map(str, value))
-        command += [flag, str(value)]
-    return command
-
-
-def parse_result(output: str) -> dict[str, Any] | None:
-    for line in reversed(output.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    return None
-
-
-# -- report -----------------------------------------------------------------------------------------
-
-
-def table(results: Sequence[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """The per-process table with a total row, and the totals."""
-    total: Counter[str] = Counter()
-    latency = Latencies()
-    rows = []
-    for r in results:
-        lat = Latencies.from_json(r["get_latency"])
-        latency.merge(lat)
-        errors = sum(r["errors"].values())
-        remote = r.get("remote", {})
-        for k in ("ops", "puts", "gets", "hits", "misses", "wrong", "deletes"):
-            total[k] += r[k]
-        total["errors"] += errors
-        total["same_host"] += remote.get("hits_same_host", 0)
-        total["located"] += remote.get("hits_remote", 0)
-        rows.append([r["name"], r["ops"], r["puts"], r["gets"], r["hits"], r["misses"], r["wrong"], errors,
-                     remote.get("hits_same_host", 0), remote.get("hits_remote", 0),
-                     lat.percentile(99) * 1e3, lat.max_s * 1e3])
-    rows.append(["total", total["ops"], total["puts"], total["gets"], total["hits"], total["misses"], total["wrong"],
-                 total["errors"], total["same_host"], total["located"], latency.percentile(99) * 1e3,
-                 latency.max_s * 1e3])
-    headers = ["process", "ops", "puts", "gets", "hits", "misses", "wrong", "errors", "same-host", "located",
-               "get p99 ms", "get max ms"]
-    return format_table(headers, rows), {**total, "get_p99_s": latency.percentile(99), "get_max_s": latency.max_s}
 
 
 # -- the orchestrator -----------------------------------------------------------------------------

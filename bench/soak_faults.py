@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.peer_backends.base import PeerError, ServerProcess, free_port
-from bench.soak import Latencies, parse_result, table, worker_command
+from bench.soak_report import Latencies, parse_result, table, worker_command
 
 FAULTS = ("kill9", "sigstop", "master", "disk_full", "small_arena", "corrupt", "freeze_leader", "etcd")
 PULL_TIMEOUT_S = 5.0  # node.pull_timeout_s of the workers (bench.soak.worker_config)
