@@ -41,8 +41,9 @@ import secrets
 import threading
 import time
 from collections import deque
+from contextlib import AbstractContextManager
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import msgspec
 import numpy as np
@@ -54,9 +55,10 @@ from kvpool.cluster.wire import protocol as P
 from kvpool.cluster.wire.master_client import MasterClient
 
 if TYPE_CHECKING:
-    from kvpool.cluster.master.ops import MasterState
-    from kvpool.cluster.master.server import MasterServer
     from kvpool.cluster.master.state import IndexState
+    from kvpool.cluster.wire.etcd import Election
+    from kvpool.cluster.wire.security import ClusterKey
+    from kvpool.config import MasterSection
 
 log = logging.getLogger("kvpool.master.follow")
 
@@ -156,7 +158,7 @@ class ChangeLog:
                               for who, (seq, at) in self.followers.items() if now - at < 60}}
 
 
-def answer_follow(state: MasterState, body: Any) -> Any:
+def answer_follow(state: IndexState, body: Any) -> Any:
     """The leader's answer to ``follow`` (see the module)."""
     changes: ChangeLog | None = state.change_log
     if changes is None:
@@ -254,10 +256,41 @@ def apply_change(state: IndexState, change: list[Any]) -> None:
         raise errors.ProtocolError(f"change stream: unknown change {kind!r:.40}")
 
 
-class Follower:
+StateT = TypeVar("StateT", bound="IndexState")
+
+
+class Standby(Protocol[StateT]):
+    """What a :class:`Follower` uses of the master it runs in
+    (:class:`kvpool.cluster.master.server.MasterServer`)."""
+
+    @property
+    def election(self) -> Election | None: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def config(self) -> MasterSection: ...
+
+    @property
+    def cluster_key(self) -> ClusterKey: ...
+
+    @property
+    def state(self) -> StateT: ...
+
+    def turn(self) -> AbstractContextManager[Any]:
+        """Held while the state served changes: one request, or one change followed, at a time."""
+
+    def new_state(self) -> StateT: ...
+
+    def adopt(self, state: StateT) -> None:
+        """Serve ``state`` from now on (called within a turn)."""
+
+
+class Follower(Generic[StateT]):
     """A standby master's thread following the leader's change stream (see the module)."""
 
-    def __init__(self, server: MasterServer, window_s: float) -> None:
+    def __init__(self, server: Standby[StateT], window_s: float) -> None:
         self.server = server
         self.window_s = window_s  # eligible while the leader answered within this long
         self.stream = ""
@@ -275,7 +308,7 @@ class Follower:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpool-master-follow", daemon=True)
 
-    def start(self) -> Follower:
+    def start(self) -> Follower[StateT]:
         self._thread.start()
         return self
 
@@ -338,7 +371,7 @@ class Follower:
             self._load(client, reply)
             return True
         changes = reply["changes"]
-        with server._turn:
+        with server.turn():
             if server.election is None or server.election.leading() or reply["stream"] != self.stream:
                 return False
             state = server.state
@@ -360,7 +393,7 @@ class Follower:
             parts.append(client.call(P.FOLLOW, {"snapshot": first["snapshot"], "part": i})["data"])
         state = self.server.new_state()
         load_snapshot(state, parts)
-        with self.server._turn:
+        with self.server.turn():
             if self.server.election is None or self.server.election.leading():
                 return
             self.server.adopt(state)

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpool import errors
 from kvpool.cluster.master.bulk import RecordColumns
+from kvpool.cluster.master.follow import answer_follow
 from kvpool.cluster.master.records import MAX_DELETES_PER_BEAT, Lease, NodeInfo, describe_address, node_wire
 from kvpool.cluster.master.state import IndexState
 from kvpool.cluster.wire import protocol as P
@@ -435,8 +436,6 @@ class MasterState(IndexState):
 
     def op_follow(self, body: S.Follow) -> Any:
         """A standby's question for the changes it has not seen (kvpool.cluster.master.follow)."""
-        from kvpool.cluster.master.follow import answer_follow
-
         return answer_follow(self, body)
 
     def op_stats(self, body: Any) -> Any:  # no fields (tests call it with {})

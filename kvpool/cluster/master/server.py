@@ -39,7 +39,7 @@ class MasterServer:
     """The ROUTER socket and the single thread that serves :class:`MasterState`."""
 
     election: Election | None = None  # with master.etcd: this master serves only while it leads
-    follower: Follower | None = None  # with master.etcd: follows the leader's changes while standing by
+    follower: Follower[MasterState] | None = None  # with master.etcd: follows the leader's changes while standing by
     queries: QueryServer | None = None  # the query port (master.tcp_queries)
 
     def __init__(self, config: MasterSection, *, cluster_key: ClusterKey, max_key_bytes: int = 256) -> None:
@@ -98,6 +98,11 @@ class MasterServer:
     def _fresh_state(self) -> tuple[MasterState, Rereplicator]:
         state = self.new_state()
         return state, Rereplicator(state, self._context, self.config, self.cluster_key)
+
+    def turn(self) -> threading.Lock:
+        """The lock that makes the served state change one request at a time: hold it to change
+        the state from a thread of one's own (a standby's follower applying the leader's changes)."""
+        return self._turn
 
     def new_state(self) -> MasterState:
         state = MasterState(self.config, max_key_bytes=self.max_key_bytes)
