@@ -338,7 +338,12 @@ class FaultSoak:
         filler = self.tmpfs / "filler"
         fs = os.statvfs(self.tmpfs)
         free = fs.f_bavail * fs.f_frsize
-        with open(filler, "wb") as fh:
+        try:
+            fh = open(filler, "wb")  # noqa: SIM115 (closed below)
+        except OSError as exc:  # already full to the last byte (no room even for the file)
+            time.sleep(self.args.stop_s)
+            return f"store-0's tmpfs was already full ({exc.strerror}); waited {self.args.stop_s:g} s"
+        with fh:
             try:
                 os.posix_fallocate(fh.fileno(), 0, max(4096, free))
             except OSError:

@@ -5,7 +5,8 @@ node of the cluster) that each make ``--batch`` durable puts of keys of their ow
 (``ledger-key-N``, values derived from the key), note every put that returned, and leave
 (a clean close withdraws their own copies, so only the storage nodes' durable copies remain).
 A long-lived verifier client then reads every acknowledged key back, exact bytes, and deletes it
-(the storage nodes stay bounded; a key whose delete failed is no longer counted either way).
+(the storage nodes stay bounded; a key whose delete failed is no longer counted either way). A
+key whose put failed is deleted at once: the copies such a put committed stay durable.
 
 A read that misses is retried for ``--grace-s`` (a master takeover or a node restart may hide a
 key for a moment); a key still missing then is **lost**: acknowledged, yet gone. Every result is
@@ -94,6 +95,9 @@ class Ledger:
                     pool.put(key_of(i), value_of(i), durable=True, replicas=self.args.replicas)
                 except Exception as exc:
                     self.refused[type(exc).__name__] += 1
+                    # Copies a failed durable put committed stay (and the master completes their
+                    # count): as a user would, give the key up, or the storage nodes fill with them.
+                    self.give_up(pool, i)
                     continue
                 acked.append(i)
                 self.counts["acknowledged"] += 1
@@ -103,6 +107,13 @@ class Ledger:
             except Exception as exc:
                 self.refused[f"close:{type(exc).__name__}"] += 1
         self.pending.extend(acked)
+
+    def give_up(self, pool: Any, i: int) -> None:
+        try:
+            pool.delete(key_of(i))
+            self.counts["given_up"] += 1
+        except Exception as exc:  # KeyNotFoundError: nothing was committed
+            self.counts[f"give_up_error:{type(exc).__name__}"] += 1
 
     def verify(self, keys: list[int], grace_s: float) -> None:
         """Read each key back (exact bytes), retrying misses for ``grace_s``; then delete it."""
