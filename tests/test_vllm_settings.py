@@ -321,3 +321,29 @@ def test_each_parallel_rank_keys_its_own_share_of_a_block_and_context_parallelis
                     ParallelConfig(prefill_context_parallel_size=2)):
         with pytest.raises(errors.ConfigError, match="context parallelism is not supported"):
             check_parallel(refused)
+
+
+def test_without_a_config_an_engines_pool_saves_into_a_shared_memory_arena_sized_by_dev_shm(monkeypatch) -> None:
+    """The connector's pool when ``kv_connector_extra_config`` names no ``config``: no dram
+    tier (every save lands in the cxl arena, which same-host engines read in place), no nvme
+    tier, and an arena of 2 GiB or a sixteenth of /dev/shm, whichever is less."""
+    from kvpool.config import settings_for
+    from kvpool.integrations.vllm_settings import default_arena_bytes, default_pool_config
+
+    mib, gib = 1 << 20, 1 << 30
+    for shm_bytes, arena in [(1 << 40, 2 * gib), (24 * gib, 1536 * mib), (64 * mib, 4 * mib), (4 * mib, mib)]:
+        monkeypatch.setattr(os, "statvfs", lambda path, n=shm_bytes: SimpleNamespace(f_blocks=n // 4096,
+                                                                                     f_frsize=4096))
+        assert default_arena_bytes() == arena, shm_bytes
+
+    def unreadable(path: str) -> None:
+        raise OSError("no /dev/shm")
+
+    monkeypatch.setattr(os, "statvfs", unreadable)
+    assert default_arena_bytes() == 2 * gib
+    monkeypatch.undo()
+
+    config = settings_for(default_pool_config(), process="client")  # as kvpool.connect opens it
+    assert (config.tiers.dram.capacity, config.tiers.nvme.capacity) == (0, 0)
+    assert config.tiers.cxl.capacity == default_arena_bytes() and config.tiers.cxl.path == ""  # under /dev/shm
+    assert Settings.from_extra({"master": "tcp://h:1"}).pool_config() == default_pool_config()

@@ -3,12 +3,17 @@
     python -m tests.vllm_engine make-model DIR
     python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example|offloading]
                                 [--master ADDR] [--config TOML] [--durable] [--store DIR] [--max-tokens N]
+    python -m tests.vllm_engine save-blocks MASTER OUT.npy KEY_HEX...
 
 ``run`` generates greedily for every prompt (a JSON list of token-id lists), one
 request at a time or all at once (``--batch``), and writes ``{"outputs": [{"tokens",
 "cached", "ttft_s"}], "namespace", "startup_s", "total_s"}``. There is no model
 hub here: ``make-model`` builds a 4-layer Llama (2 KV heads of 64) with random
-weights (std 0.15, so greedy output depends on the prompt) and saves it.
+weights (std 0.15, so greedy output depends on the prompt) and saves it. ``save-blocks``
+is the worker half of an engine with the connector's default settings (only ``master``), in
+a process of its own: it saves one block of random KV per key, writes their bytes to OUT.npy
+([blocks, layers, kv_heads, block, 2 * head_dim] bfloat16 as uint16) once they are stored,
+and keeps its pool open until SIGTERM.
 """
 
 from __future__ import annotations
@@ -125,6 +130,42 @@ def run(args: argparse.Namespace) -> None:
         json.dump({"outputs": outputs, "namespace": namespace, "startup_s": startup_s, "total_s": total_s}, fh)
 
 
+def save_blocks(args: argparse.Namespace) -> None:
+    import signal
+    import threading
+
+    import numpy as np
+    import torch
+
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings, Transfer, open_pool
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    settings = Settings.from_extra({"master": args.master})  # the defaults: no "config"
+    keys = [bytes.fromhex(k) for k in args.keys]
+    caches = {f"layer.{i}": torch.zeros(len(keys) + 1, args.kv_heads, BLOCK_SIZE, 2 * args.head_dim,
+                                        dtype=torch.bfloat16) for i in range(args.layers)}
+    connector = worker_connector(settings, open_pool(settings), caches, args.kv_heads)
+    try:
+        rng = torch.Generator().manual_seed(args.seed)
+        for cache in caches.values():
+            cache.copy_(torch.randn(cache.shape, generator=rng).to(torch.bfloat16))
+        block_ids = list(range(1, len(keys) + 1))  # (block 0 is vLLM's null block)
+        connector.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("w", keys, block_ids)],
+                                                                  num_tokens=len(keys) * BLOCK_SIZE))
+        for name, cache in caches.items():
+            connector.save_kv_layer(name, cache, None)
+        connector.wait_for_save()
+        connector.wait_saved(60)
+        assert connector.stats["blocks_saved"] == len(keys), connector.stats
+        saved = torch.stack([torch.stack([cache[b] for cache in caches.values()]) for b in block_ids])
+        np.save(args.out + ".tmp.npy", saved.view(torch.int16).numpy().view(np.uint16))
+        os.replace(args.out + ".tmp.npy", args.out)  # (whole, once every block is stored)
+        stop.wait()
+    finally:
+        connector.shutdown()  # closes the pool: its arena goes with it
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,18 +197,25 @@ def main() -> None:
     go.add_argument("--max-tokens", type=int, default=8)
     go.add_argument("--max-model-len", type=int, default=4096)
     go.add_argument("--batch", action="store_true", help="all prompts in one generate call")
+    keep = sub.add_parser("save-blocks", help="a worker with the default connector settings saves blocks, "
+                                              "then keeps them until SIGTERM")
+    keep.add_argument("master")
+    keep.add_argument("out", help="where the saved blocks' bytes go (.npy)")
+    keep.add_argument("keys", nargs="+", help="one key (hex) per block")
+    keep.add_argument("--layers", type=int, default=4)
+    keep.add_argument("--kv-heads", type=int, default=2)
+    keep.add_argument("--head-dim", type=int, default=16)
+    keep.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.command == "make-model":
+    if args.command == "save-blocks":
+        save_blocks(args)
+    elif args.command == "make-model":
         if args.kind == "gemma3":
             make_gemma3(args.path, args.layers, args.hidden, args.kv_heads)
         else:
             make_model(args.path, args.layers, args.hidden, args.kv_heads)
     else:
         run(args)
-
-
-if __name__ == "__main__":  # vLLM on CPU spawns its engine processes: this guard is required
-    sys.exit(main())
 
 
 def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads: int, block_size: int = BLOCK_SIZE,
@@ -197,3 +245,7 @@ def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads:
     connector._init_worker(pool, worker_cpus(settings.cpus), rank_tag(parallel_config, tp_rank, pp_rank))
     connector.register_kv_caches(caches)
     return connector
+
+
+if __name__ == "__main__":  # vLLM on CPU spawns its engine processes: this guard is required
+    sys.exit(main())

@@ -10,7 +10,9 @@ Load it with::
 
 (``--kv-transfer-config '{"kv_connector": "KvpoolConnector", ...}'`` for
 ``vllm serve``). Extra settings: ``master`` (required), ``config`` (a kvpool
-TOML for this engine's own pool: tiers, security), ``durable`` (also keep
+TOML for this engine's own pool: tiers, security; without one, no dram tier: every save lands
+in the worker's shared-memory arena, which the other engines on the host read in place,
+:func:`~kvpool.integrations.vllm_settings.default_pool_config`), ``durable`` (also keep
 ``replicas`` copies on kvpool storage nodes, so the KV outlives this engine) and
 ``replicas``: left out, the pool config's ``node.durable`` / ``node.replicas``
 decide (false / 1 by default), the one rule of ``put`` and ``put_many``
@@ -84,9 +86,11 @@ exchange per storage node), so the next step does not wait for them. Blocks a re
 loaded, blocks vLLM had itself and held blocks the planner recomputes are not saved
 again. A block that cannot be loaded whole (a miss, a checksum failure, a dead holder,
 the deadline) is reported to vLLM, which recomputes it: kvpool never hands the model
-bytes it did not verify. A model whose KV cache is not one group of full-attention
-layers is refused at start (:func:`check_model_kind`). Where a load's time goes:
-``docs/vllm.md``.
+bytes it did not verify. (With several KV cache groups, vLLM takes that report only as a
+failed request that waited outside the steps: such a model's loads all do, see
+:meth:`KvpoolConnector.get_transfer_results`.) A model whose KV cache is not made of
+full-attention layers, with or without sliding-window groups beside them, is refused at start
+(:func:`check_model_kind`). Where a load's time goes: ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -116,6 +122,7 @@ from kvpool.integrations.planner import Planner
 from kvpool.integrations.vllm_settings import (
     Settings,
     check_parallel,
+    default_pool_config,
     model_fingerprint,
     namespace_of,
     object_key,
@@ -132,9 +139,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolStats", "Settings", "Transfer",
-           "check_model_kind", "check_parallel", "model_fingerprint", "namespace_of", "object_key", "pull_cpus",
-           "rank_tag", "rank_tags", "request_keys", "threads_on", "worker_cpus"]
+__all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolStats", "KvpoolWorkerMetadata", "Settings",
+           "Transfer", "check_model_kind", "check_parallel", "model_fingerprint", "namespace_of", "object_key",
+           "open_pool", "pull_cpus", "rank_tag", "rank_tags", "request_keys", "threads_on", "worker_cpus"]
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
@@ -171,12 +178,14 @@ NULL_BLOCK = 0
 class Transfer:
     """Blocks of one request to load or save this step: ``keys[i]`` is block ``block_ids[i]``
     of the first KV cache group, ``groups[g - 1][i]`` of group ``g`` (vLLM's hybrid
-    allocator: one list per further group, same length; empty with one group)."""
+    allocator: one list per further group, same length; empty with one group). A load's
+    ``keys[0]`` is the request's block ``first`` (its prompt's blocks counted from 0)."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
     groups: tuple[list[int], ...] = ()
+    first: int = 0
 
     def ids(self, group: int) -> list[int]:
         return self.block_ids if group == 0 else self.groups[group - 1]
@@ -190,6 +199,23 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
     # get_finished, never waited for by a forward pass.
     async_loads: list[Transfer] = field(default_factory=list)
     num_tokens: int = 0  # tokens the step computes (the worker measures the prefill rate)
+
+
+@dataclass
+class KvpoolWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler's connector after a step (vLLM's worker-to-scheduler
+    channel): ``load_failures`` {request id: the first of its prompt's blocks that failed to
+    load}. The scheduler never loads that block or any after it for the request again: vLLM
+    computes them (and a request it looks up anew, as after a failed asynchronous load of a
+    model with several KV cache groups, loads only the blocks before)."""
+
+    load_failures: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.load_failures)
+        for req_id, block in getattr(other, "load_failures", {}).items():
+            merged[req_id] = min(block, merged.get(req_id, block))
+        return KvpoolWorkerMetadata(merged)
 
 
 class KvpoolStats(KVConnectorStats):
@@ -234,6 +260,7 @@ class _Tracked:
     first: int = 0               # blocks vLLM had computed itself when the request arrived
     load: Transfer | None = None  # blocks to load at its first step
     load_async: bool = False     # whether it waits for its blocks outside the model's steps
+    failed_from: int | None = None  # a load of this block failed: it and the blocks after it are computed
 
 
 @dataclass
@@ -249,14 +276,17 @@ class _Stage:
 
 class _LayerLoad:
     """One step's loads: a thread pulls layer by layer; the model waits per layer (an
-    asynchronous load: nobody waits; get_finished reports ``req_ids`` when it is done)."""
+    asynchronous load: nobody waits; get_finished reports ``req_ids`` when it is done).
+    Block ``i`` of the load is block ``owners[i][1]`` of request ``owners[i][0]``."""
 
-    def __init__(self, layers: int, groups: list[list[int]], req_ids: list[str] | None = None) -> None:
+    def __init__(self, layers: int, groups: list[list[int]], owners: list[tuple[str, int]],
+                 req_ids: list[str] | None = None) -> None:
         self.req_ids = req_ids or []
+        self.owners = owners
         self.done = [threading.Event() for _ in range(layers)]
         self.groups = groups  # the load's block i in the paged cache: groups[g][i], g its KV cache group
         self.blocks = len(groups[0])
-        self.failed_blocks: set[int] = set()
+        self.failed_rows: set[int] = set()  # the load's blocks (indices) that failed
         self.timed_out = False  # the model went on without a layer: every block is recomputed
         self.waited_s = 0.0
         self.started = time.perf_counter()
@@ -273,6 +303,19 @@ class _LayerLoad:
         """The paged cache's blocks, in every group, of the load's blocks ``blocks`` (indices):
         what vLLM recomputes when they fail."""
         return {ids[i] for i in blocks for ids in self.groups if ids[i] != NULL_BLOCK}
+
+    def failed(self) -> set[int]:
+        """The load's blocks (indices) that failed: every one once the model (or get_finished)
+        gave up on the load, else those that missed, failed their checksums or their copy."""
+        return set(range(self.blocks)) if self.timed_out else self.failed_rows
+
+    def failures(self) -> dict[str, int]:
+        """{request: the first of its blocks that failed} (see :class:`KvpoolWorkerMetadata`)."""
+        first: dict[str, int] = {}
+        for row in self.failed():
+            req_id, block = self.owners[row]
+            first[req_id] = min(block, first.get(req_id, block))
+        return first
 
 
 def check_model_kind(kv_cache_config: KVCacheConfig | None) -> None:
@@ -376,6 +419,23 @@ def threads_on(cpus: frozenset[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def open_pool(settings: Settings, cpus: frozenset[int] | None = None) -> Any:
+    """A worker's own kvpool client, as the connector opens it: on the master ``settings.master``
+    with ``settings.pool_config()`` (without a ``config``: every save in a shared-memory arena
+    that same-host engines read in place, :func:`~kvpool.integrations.vllm_settings.default_pool_config`)
+    and ``settings.transport``; its threads (serving pulls, heartbeats, UCX) on ``cpus``
+    (:func:`worker_cpus`). Raises what :func:`kvpool.connect` raises (MasterUnreachableError,
+    ConfigError)."""
+    import kvpool
+
+    with threads_on(cpus):
+        pool = kvpool.connect(settings.master, config=settings.pool_config(), transport=settings.transport)
+        # Now, not at the first save of a block above 1 MiB: starting UCX holds the GIL for
+        # ~0.4 s, which stalled the model and a load in flight mid-request.
+        pool.start_ucx()
+    return pool
+
+
 class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector over a kvpool cluster (see the module docstring)."""
 
@@ -385,6 +445,14 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
+        # vLLM's hybrid allocator: block ids are numbered per group, and vLLM's scheduler takes a
+        # failed load of such a model only as a failed request that waited outside the steps
+        # (see get_transfer_results): every load of it is asynchronous.
+        self._several_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1
+        if role == KVConnectorRole.SCHEDULER and self._several_groups and self.settings.load_async is False:
+            log.warning('kvpool connector: "load_async": false is not kept for a model of several KV cache groups '
+                        "(vLLM's hybrid allocator): its requests wait for their blocks outside the model's steps, "
+                        "the only way vLLM recomputes a failed load of such a model")
         self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "blocks_loaded": 0, "blocks_failed": 0,
                                         "blocks_saved": 0, "load_wait_s": 0.0, "load_total_s": 0.0,
                                         "plan_loaded_blocks": 0, "plan_recomputed_blocks": 0,
@@ -415,19 +483,17 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-            import kvpool
-
             self.namespace = namespace_of(vllm_config)
             tag = rank_tag(vllm_config.parallel_config, get_tensor_model_parallel_rank(),
                            get_pp_group().rank_in_group)
             cpus = worker_cpus(self.settings.cpus)
-            with threads_on(cpus):  # the client's own threads (serving pulls, heartbeats, UCX)
-                pool = kvpool.connect(self.settings.master, config=self.settings.pool_config(),
-                                      transport=self.settings.transport)
-                # Now, not at the first save of a block above 1 MiB: starting UCX holds the GIL
-                # for ~0.4 s, which stalled the model and a load in flight mid-request.
-                pool.start_ucx()
+            pool = open_pool(self.settings, cpus)
             self._init_worker(pool, cpus, tag)
+            if not self.settings.config:
+                arena = default_pool_config()["tiers"]["cxl"]["capacity"]
+                log.info('kvpool connector: no "config": this worker\'s saves go to its shared-memory arena '
+                         "(cxl tier, %d MiB, no dram tier), which the other engines on this host read in place",
+                         arena >> 20)
             log.info("kvpool connector: worker threads on CPUs %s, a load's pulls on %s (the model's: %s)",
                      "as created" if cpus is None else sorted(cpus),
                      "as created" if self._pull_cpus is None else sorted(self._pull_cpus),
@@ -499,7 +565,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._step_started = 0.0
         self._last_waited = 0.0  # of this step's load, once finished
         self._block_nbytes = 0
-        self._failed_blocks: set[int] = set()
+        self._failed_blocks: set[int] = set()  # for get_block_ids_with_load_errors (one KV cache group)
+        self._failed_requests: set[str] = set()  # for get_transfer_results (several groups)
+        self._load_failures: dict[str, int] = {}  # for build_connector_worker_meta
+        self._groups = 1  # KV cache groups (register_kv_caches)
 
     # -- scheduler side ---------------------------------------------------------------
 
@@ -516,8 +585,11 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                 keys = []
             tracked = self._tracked[request.request_id] = _Tracked(keys)
         keys = tracked.keys
-        # vLLM computes at least the last token
+        # vLLM computes at least the last token; a block whose load failed, and those after it,
+        # are computed (a request looked up again after a failed load loads only those before)
         loadable = min((len(tokens) - 1) // self.block_size, len(keys))
+        if tracked.failed_from is not None:
+            loadable = min(loadable, tracked.failed_from)
         first = num_computed_tokens // self.block_size
         tracked.saved_upto = tracked.first = first
         if loadable <= first or not self.loads_blocks:  # (a kv_producer: tracked for its saves only)
@@ -549,9 +621,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             if recompute is not None:  # a real comparison (the prefill rate is measured): say it
                 log.info("kvpool plan: request %s loads %d held blocks: %.2f ms beats recomputing them in %.2f ms",
                          request.request_id, held, transfer * 1e3, recompute * 1e3)
-        # "auto": loaded in its first step only when a worker reads the blocks without the network
+        # "auto": loaded in its first step only when a worker reads the blocks without the network;
+        # with several KV cache groups always outside the steps (see __init__)
         setting = self.settings.load_async
-        tracked.load_async = bool(setting) if setting != "auto" else near != (True, True)
+        tracked.load_async = self._several_groups or (bool(setting) if setting != "auto" else near != (True, True))
         log.debug("request %s: kvpool holds blocks %d..%d of %d (%s)", request.request_id, first, hits, len(keys),
                   "loaded outside the steps" if tracked.load_async else "loaded in its first step")
         return held * self.block_size, tracked.load_async
@@ -580,7 +653,13 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return (hits // len(tags) if tags else hits), near
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' measurements (:class:`KvpoolStats`) refine the planner."""
+        """The workers' measurements (:class:`KvpoolStats`) refine the planner; the blocks that
+        failed to load (:class:`KvpoolWorkerMetadata`) are never loaded for their request again."""
+        failures = getattr(getattr(connector_output, "kv_connector_worker_meta", None), "load_failures", None)
+        for req_id, block in (failures or {}).items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.failed_from = block if tracked.failed_from is None else min(block, tracked.failed_from)
         stats = getattr(connector_output, "kv_connector_stats", None)
         data = getattr(stats, "data", None)
         if not isinstance(data, dict):
@@ -608,7 +687,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         # (a window group's blocks left behind, or not given at all: NULL_BLOCK, never written)
         groups = [list(ids[first:first + count]) for ids in blocks.get_block_ids()]
         groups = [ids + [NULL_BLOCK] * (count - len(ids)) for ids in groups]
-        load = Transfer(request.request_id, tracked.keys[first:first + count], groups[0], tuple(groups[1:]))
+        load = Transfer(request.request_id, tracked.keys[first:first + count], groups[0], tuple(groups[1:]), first)
         if tracked.load_async:  # the request waits outside the steps: loaded from this step on
             self._async_pending.append(load)
         else:  # loaded at the request's first step, which waits for it
@@ -729,7 +808,8 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.async_loads:
             keys = self._object_keys(k for t in meta.async_loads for k in t.keys)
             groups = self._group_ids(meta.async_loads)
-            load = _LayerLoad(len(self._layers), groups, [t.req_id for t in meta.async_loads])
+            load = _LayerLoad(len(self._layers), groups, self._owners(meta.async_loads),
+                              [t.req_id for t in meta.async_loads])
             self._loading(+1)
             self._async_loads.append((load, self._async_loader.submit(self._pull, load, keys)))
             self._count("blocks_loaded", len(keys))
@@ -737,7 +817,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not keys:
             return
         groups = self._group_ids(meta.loads)
-        load = self._load = _LayerLoad(len(self._layers), groups)
+        load = self._load = _LayerLoad(len(self._layers), groups, self._owners(meta.loads))
         self._loading(+1)
         self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
@@ -753,12 +833,18 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         """The transfers' blocks in each KV cache group, one list per group."""
         return [[b for t in transfers for b in t.ids(g)] for g in range(self._groups)]
 
+    @staticmethod
+    def _owners(transfers: list[Transfer]) -> list[tuple[str, int]]:
+        """(request, its block) of each block the transfers load, in the load's order."""
+        return [(t.req_id, t.first + i) for t in transfers for i in range(len(t.keys))]
+
     def _pull(self, load: _LayerLoad, keys: list[bytes]) -> None:
         """The loader thread: blocks a same-host node holds in its shared-memory arena are
         copied from there straight into the paged cache (:meth:`_copy_in_place`); the others
         are pulled (:meth:`_pull_remote`, through a staging buffer: a load that timed out
         writes nothing into the cache later). Each layer is handed to the model
-        (``load.done``) as soon as every block has it."""
+        (``load.done``) as soon as every block has it; the blocks (indices) that failed end
+        in ``load.failed_rows``."""
         failed: set[int] = set()
         cpu = time.thread_time()
         try:
@@ -767,7 +853,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                 with threads_on(self._pull_cpus):  # (this thread, while it pulls)
                     self._pull_remote(load, [keys[i] for i in rest], rest, failed)
         finally:
-            load.failed_blocks = failed
+            load.failed_rows = failed
             load.finished_s = time.perf_counter() - load.started
             load.loader_cpu_s = time.thread_time() - cpu
             for event in load.done:
@@ -842,9 +928,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         per-block Python) and handed to the model (``load.done``) while the later groups are
         still arriving. A round trip per group would cost a pipeline start and drain each (16
         blocks over TCP: 4 rounds of 2 layers took twice one get_many of all 8). Blocks that
-        fail go in ``failed``; once the model went on without a layer (``load.timed_out``)
-        nothing more is written into the cache (pulls in flight land in the staging buffer
-        only). ("Groups" here are layers pulled together, not vLLM's KV cache groups.)"""
+        fail go in ``failed`` (the load's indices, ``rows[i]``); once the model went on without
+        a layer (``load.timed_out``) nothing more is written into the cache (pulls in flight
+        land in the staging buffer only). ("Groups" here are layers pulled together, not
+        vLLM's KV cache groups.)"""
         group, layers_count, n = self._layers_per_pull, len(self._layers), len(keys)
         groups = [range(first, min(first + group, layers_count)) for first in range(0, layers_count, group)]
         staging = self._staging_for(n, layers_count)  # row i: block i's layers
@@ -906,7 +993,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         started = time.perf_counter()
         ok = [i for i in range(len(rows)) if i not in missing]
         with load.lock:
-            failed.update(load.ids_of(rows[i] for i in missing))
+            failed.update(rows[i] for i in missing)
             if load.timed_out:  # the model went on without these blocks: vLLM recomputes them
                 return 0.0  # into blocks it may reuse meanwhile, so nothing more is written there
             try:
@@ -919,7 +1006,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception:  # (called from inside a get_many: never raised there) recomputed whole
                 log.exception("kvpool: copying layers %d..%d into the paged cache failed; their %d blocks are "
                               "recomputed", layers[0], layers[-1], len(rows))
-                failed.update(load.ids_of(rows))
+                failed.update(rows)
         return time.perf_counter() - started
 
     def _staging_for(self, blocks: int, layers: int) -> np.ndarray:
@@ -972,10 +1059,12 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if self._load_future is not None:
             concurrent.futures.wait([self._load_future], self.settings.load_timeout_s)
-        failed = load.ids_of(range(load.blocks)) if load.timed_out else load.failed_blocks
+        # (a load in the step: never one of a model of several KV cache groups, whose loads are
+        # all asynchronous; see get_transfer_results)
+        failed = load.ids_of(load.failed())
         if failed:
             self._failed_blocks |= failed
-            self._count("blocks_failed", len(failed))
+            self._note_failures(load)
             log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(failed))
         self._last_waited = load.waited_s
         self.stats["load_wait_s"] += load.waited_s
@@ -987,11 +1076,47 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                  self._layers_per_pull, load.pull_s * 1e3, load.copy_s * 1e3, load.loader_cpu_s * 1e3,
                  (load.started - self._step_started) * 1e3 if self._step_started else 0.0)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`'s requests, and among them (a model of several KV cache groups)
+        those whose load failed: ``failed_recving``.
+
+        vLLM 0.32's scheduler maps failed block ids (:meth:`get_block_ids_with_load_errors`)
+        back to requests only with one KV cache group: with several (the hybrid allocator) a
+        block id names a block of each group, and it raises RuntimeError on any. Such a model's
+        loads are therefore all asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS``),
+        and a request with a failed block is reported here, finished and failed in one pass:
+        vLLM then frees its blocks (none of them ever cached) and schedules it anew, and the
+        scheduler's connector, told the first failed block (:class:`KvpoolWorkerMetadata`),
+        loads only the blocks before it; vLLM computes the rest. With one group, failed blocks
+        go to :meth:`get_block_ids_with_load_errors` as before (vLLM keeps the loaded blocks
+        before the first failed one and computes from there)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_requests = self._failed_requests, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The first failed block of each request whose load failed since the last step
+        (:class:`KvpoolWorkerMetadata`); None when none failed."""
+        if self._role == KVConnectorRole.SCHEDULER or not self._load_failures:
+            return None
+        failures, self._load_failures = self._load_failures, {}
+        return KvpoolWorkerMetadata(failures)
+
+    def _note_failures(self, load: _LayerLoad) -> None:
+        """Count a finished load's failed blocks and remember each request's first (for
+        :meth:`build_connector_worker_meta`)."""
+        self._count("blocks_failed", len(load.failed()))
+        for req_id, block in load.failures().items():
+            self._load_failures[req_id] = min(block, self._load_failures.get(req_id, block))
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose asynchronous load finished (loaded, failed, or given up after
         ``load_timeout_s``: then every block of it is reported for recompute, and the loader
         writes nothing more into the cache). Their failed blocks are in this same pass's
-        :meth:`get_block_ids_with_load_errors`, as vLLM requires."""
+        :meth:`get_block_ids_with_load_errors`, as vLLM requires; with several KV cache groups
+        the requests they belong to are in :meth:`get_transfer_results`' ``failed_recving``
+        instead."""
         if self._role == KVConnectorRole.SCHEDULER or not self._async_loads:
             return None, None
         done: set[str] = set()
@@ -1008,11 +1133,17 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                             "recomputed", load.blocks, self.settings.load_timeout_s)
                 load.finished_s = now - load.started
             done.update(load.req_ids)
-            failed = load.ids_of(range(load.blocks)) if load.timed_out else load.failed_blocks
-            if failed:
-                self._failed_blocks |= failed
-                self._count("blocks_failed", len(failed))
-                log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(failed))
+            rows = load.failed()
+            if rows:
+                self._note_failures(load)
+                if self._groups > 1:
+                    requests = load.failures()
+                    self._failed_requests |= set(requests)
+                    log.info("kvpool: %d blocks of %d requests failed to load; vLLM computes each request "
+                             "from its first failed block on", len(rows), len(requests))
+                else:
+                    self._failed_blocks |= load.ids_of(rows)
+                    log.info("kvpool: %d blocks failed to load; vLLM recomputes them", len(rows))
             self.stats["load_total_s"] += load.finished_s
             log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited 0.00 ms for them (%d in place "
                      "from a same-host arena; asynchronous: %d requests waited outside the model's steps; pulls "

@@ -107,14 +107,49 @@ class Settings:
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one
         naming no ``pool.name`` opens a pool of its own (``client-<pid>``) and never collides
-        with a kvpool-server or another engine on the host."""
+        with a kvpool-server or another engine on the host. Without ``config``:
+        :func:`default_pool_config` (saves in a shared-memory arena that same-host engines read
+        in place); with one, the TOML decides every tier."""
         if not self.config:
-            return {}
+            return default_pool_config()
         try:
             with open(self.config, "rb") as fh:
                 return tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise errors.ConfigError(f'kv_connector_extra_config "config": cannot read {self.config}: {exc}') from None
+
+
+# The engine's own pool without a "config" (default_pool_config): every save in a cxl arena.
+_ARENA_BYTES = 2 << 30  # the host memory an engine's pool took before (dram 1 GiB + cxl 1 GiB)
+# At most this share of /dev/shm per engine: eight engines on a host (one per GPU) take at most
+# half of it, leaving room for vLLM's own shared memory and other processes (a tmpfs page that
+# cannot be backed is a SIGBUS for whoever touches it).
+_ARENA_SHM_SHARE = 16
+
+
+def default_pool_config(shm_dir: str = "/dev/shm") -> dict[str, Any]:
+    """An engine's own kvpool pool when ``kv_connector_extra_config`` names no ``config``: no
+    dram tier, so every block the engine saves lands in its ``cxl`` tier, a shared-memory arena
+    under ``/dev/shm/kvpool-<uid>/`` that the workers of every other engine of this user on the
+    host find through its shared index and copy straight into their paged caches (no master, no
+    pull: the connector's fast path; engines on other hosts pull them over the network). The
+    arena takes :func:`default_arena_bytes` at most, allocated as blocks first reach it; when it
+    is full the least recently used blocks are dropped (an engine's pool has no nvme tier unless
+    a ``config`` gives one, where they would move down instead), while durable copies stay on
+    the storage nodes."""
+    return {"tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": default_arena_bytes(shm_dir)}}}
+
+
+def default_arena_bytes(shm_dir: str = "/dev/shm") -> int:
+    """The capacity of an engine's default arena: 2 GiB (what its pool took before, dram and
+    cxl together), or a sixteenth of ``shm_dir``'s size where that is less (whole MiB; 2 GiB
+    when the size cannot be read: a full ``/dev/shm`` lowers the arena's capacity anyway)."""
+    try:
+        stat = os.statvfs(shm_dir)
+    except OSError:
+        return _ARENA_BYTES
+    share = stat.f_blocks * stat.f_frsize // _ARENA_SHM_SHARE
+    return max(1 << 20, min(_ARENA_BYTES, share >> 20 << 20))
 
 
 # Model identity (model_fingerprint): how much of a checkpoint is read at start.
