@@ -789,3 +789,19 @@ def test_garbage_to_the_master_does_not_stop_it(cluster: Cluster) -> None:
         assert cluster.client.ping(timeout_s=2.0)
     finally:
         sock.close(0)
+
+
+def test_a_node_beats_as_often_as_its_master_wants_whatever_its_own_setting(cluster: Cluster) -> None:
+    """A client whose settings say heartbeat_ms 1000 against a master at 200 ms (dead after 3
+    missed beats, 0.6 s) takes the master's period from its register reply: never declared
+    dead while alive."""
+    cluster.start_master(dead_after_missed=3)
+    pool = cluster.connect("slow-beats", master__heartbeat_ms=1000)
+    try:
+        node_id = pool.node_id
+        assert pool.cluster.node.heartbeater.period_s == pytest.approx(HEARTBEAT_MS / 1000)
+        time.sleep(2.0)
+        node = cluster.client.stats()["nodes"][node_id]
+        assert node["alive"], node
+    finally:
+        pool.close()

@@ -236,6 +236,7 @@ class Node:
         self.address: NodeAddress | None = None
         self._registered = False  # the master has answered a register at least once
         self._registered_term = 0  # the master term of the last register's answer
+        self._beat_s = self.config.master.heartbeat_ms / 1000.0  # or the master's period, if shorter
         # What this node changed at the master lately: published again after a warm takeover.
         self.recent = RecentChanges()
 
@@ -279,7 +280,7 @@ class Node:
             lambda: MasterClient(self.master_address, config=self.config, cluster_key=self.cluster_key,
                                  context=self._zmq),
             self.node_id,
-            self.config.master.heartbeat_ms / 1000.0, self.tier_state, self.register, self._on_delete,
+            self._beat_s, self.tier_state, self.register, self._on_delete,
             self.publish_again,
         )
         self.heartbeater.term = self._registered_term
@@ -518,8 +519,12 @@ class Node:
                                      control=self.control_address)
         self._registered = True
         self._registered_term = int(reply.get("term", 0))
+        # The master declares a node dead after its own heartbeat period times dead_after_missed:
+        # beat at least that often, whatever this node's settings say.
+        self._beat_s = min(self.config.master.heartbeat_ms, int(reply.get("heartbeat_ms") or 1 << 30)) / 1000.0
         if self.heartbeater is not None:
             self.heartbeater.term = self._registered_term
+            self.heartbeater.period_s = self._beat_s
         log.info("node %s registered with master %s as %s: %d objects indexed (%d durable)", self.node_id[:8],
                  self.master.address, role, reply.get("indexed", len(records)),
                  sum(1 for r in records if r.get("durable")))
