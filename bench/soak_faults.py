@@ -44,6 +44,7 @@ pull deadline they compare with, and every fault with how long its recovery took
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -338,26 +339,21 @@ class FaultSoak:
         filler = self.tmpfs / "filler"
         fs = os.statvfs(self.tmpfs)
         free = fs.f_bavail * fs.f_frsize
-        try:
-            fh = open(filler, "wb")  # noqa: SIM115 (closed below)
-        except OSError as exc:  # already full to the last byte (no room even for the file)
-            time.sleep(self.args.stop_s)
-            return f"store-0's tmpfs was already full ({exc.strerror}); waited {self.args.stop_s:g} s"
-        with fh:
-            try:
-                os.posix_fallocate(fh.fileno(), 0, max(4096, free))
-            except OSError:
-                pass
-            block = b"\0" * (1 << 16)
-            try:
-                while True:  # the last bytes too
-                    fh.write(block)
-                    fh.flush()
-            except OSError:
-                pass
+        try:  # every step may meet a disk already full to the last byte: the fault is on then
+            with open(filler, "wb") as fh:
+                with contextlib.suppress(OSError):
+                    os.posix_fallocate(fh.fileno(), 0, max(4096, free))
+                block = b"\0" * (1 << 16)
+                with contextlib.suppress(OSError):
+                    while True:  # the last bytes too
+                        fh.write(block)
+                        fh.flush()
+        except OSError:  # closing flushes what is left: no room for it
+            pass
         left = os.statvfs(self.tmpfs).f_bavail * os.statvfs(self.tmpfs).f_frsize
         time.sleep(self.args.stop_s)
-        filler.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            filler.unlink()
         return f"store-0's tmpfs filled ({free} bytes, {left} left) for {self.args.stop_s:g} s, then freed"
 
     def fault_small_arena(self) -> str:
@@ -370,8 +366,7 @@ class FaultSoak:
         return (f"victim-{n} stopped (SIGTERM), restarted with a {size}-size cxl arena in "
                 f"{time.monotonic() - began:.1f} s")
 
-    def fault_corrupt(self) -> str:
-        n = self.fault_counts["corrupt"] % 2
+    def _corrupt(self, n: int) -> str:
         process = self.stores[n]
         assert process is not None
         process.kill()
@@ -405,6 +400,17 @@ class FaultSoak:
         began = time.monotonic()
         self.start_store(n)
         return f"store-{n} killed (SIGKILL), {', '.join(done)}; restarted and ready in {time.monotonic() - began:.1f} s"
+
+    def fault_corrupt(self) -> str:
+        """:meth:`_corrupt`, and the storage node is started again whatever the corruption met
+        (a disk full to the last byte refuses the garbage appended to durable.log)."""
+        n = self.fault_counts["corrupt"] % 2
+        try:
+            return self._corrupt(n)
+        except OSError as exc:
+            if self.stores[n] is not None and not self.stores[n].alive():  # type: ignore[union-attr]
+                self.start_store(n)
+            return f"store-{n} killed (SIGKILL), corruption cut short ({exc.strerror}); restarted"
 
     def fault_freeze_leader(self) -> str:
         if not self.etcd_url:

@@ -293,3 +293,17 @@ def test_a_full_disk_refuses_new_durable_copies_and_loses_no_acknowledged_one(
         reader.close()
     assert "durable copy of" not in store.output()  # no "durable copy ... dropped" warning
     print(f"{len(acked)} durable puts acknowledged, {len(refused)} refused typed, 0 lost")
+
+
+def test_durable_log_compaction_keeps_exactly_the_copies_held(tmp_path: Path) -> None:
+    """compact() rewrites durable.log to the given lines through a renamed new file: what read()
+    returns after it is exactly those; a garbage or torn tail is gone with the rest."""
+    for i in range(50):
+        durable_log.append(tmp_path, key_of(i), 1 + i % 3)
+    (tmp_path / "durable.log").open("ab").write(b"\xc3\x28 torn")
+    held = {key_of(i): 1 + i % 3 for i in range(0, 50, 7)}
+    durable_log.compact(tmp_path, held)
+    assert durable_log.read(tmp_path, 256) == held
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["durable.log"]
+    durable_log.compact(tmp_path, {})
+    assert durable_log.read(tmp_path, 256) == {} and (tmp_path / "durable.log").stat().st_size == 0

@@ -186,6 +186,12 @@ class TierManager:
                 marked += 1
         return marked
 
+    def is_durable(self, key: bytes) -> bool:
+        """Is ``key`` held as a durable copy (see :meth:`protect`)?"""
+        with self._lock:
+            entry = self._index.get(key)
+            return entry is not None and entry.durable
+
     def _candidates(self, persistent: bool) -> list[int]:
         if persistent:
             found = [i for i, t in enumerate(self.tiers) if t.persistent]

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvpool.config import Config, NvmeSection
 
 
-REGAIN_EVERY_S = 1.0  # a full tier looks at its filesystem for room again at most this often
+REGAIN_EVERY_S = 0.1  # a full tier looks at its filesystem for room again at most this often (a statvfs)
 
 log = logging.getLogger("tiers.nvme")
 

@@ -4,6 +4,8 @@ A line is ``<key hex> <replicas>\\n``, appended by the node's control thread whe
 durable copy (:meth:`kvpool.cluster.node.server.Node._replicate`) and read back at every
 registration (start, and after a master restart or failover), so the master learns those
 copies are durable again. Owns only the file's format: which keys are durable is the master's.
+Lines of copies that are gone (deleted, overwritten) are dropped by :func:`compact`, which the
+node runs at start and whenever the file has grown well past what it holds.
 
 Any bytes may be found there (a torn last line after a crash, a disk that returns garbage, a
 hand edit): a line that is not exactly a bounded hex key and a replica count in range is
@@ -12,6 +14,7 @@ skipped and counted, never an exception. A file that cannot be read at all count
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -93,3 +96,24 @@ def append(directory: str | os.PathLike[str], key: bytes, replicas: int) -> None
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise errors.DiskFullError(exc.errno, f"cannot record a durable copy in {path}: {exc.strerror}") from None
         raise errors.TierError(f"cannot record a durable copy in {path}: {exc}") from None
+
+
+def compact(directory: str | os.PathLike[str], held: dict[bytes, int]) -> None:
+    """Rewrite ``directory``/durable.log to the lines of ``held`` only (key -> replicas), through a
+    new file renamed over the old one, so a crash leaves one or the other whole. DiskFullError /
+    TierError as :func:`append`; the old file then stays as it was."""
+    path = Path(directory) / FILE_NAME
+    new = path.with_name(FILE_NAME + ".new")
+    try:
+        fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as fh:
+            fh.write(b"".join(b"%s %d\n" % (key.hex().encode(), replicas) for key, replicas in held.items()))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(new, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            new.unlink()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise errors.DiskFullError(exc.errno, f"cannot rewrite {path}: {exc.strerror}") from None
+        raise errors.TierError(f"cannot rewrite {path}: {exc}") from None

@@ -66,6 +66,8 @@ from tiers.base import Extent, Tier
 from tiers.entries import LockBusy
 from tiers.manager import TierManager
 
+DURABLE_LOG_SLACK = 4096  # durable.log lines appended before it is compacted, at least
+
 log = logging.getLogger("kvpool.node")
 
 _PUBLISH_BATCH = 512
@@ -236,6 +238,8 @@ class Node:
         self.address: NodeAddress | None = None
         self._registered = False  # the master has answered a register at least once
         self._registered_term = 0  # the master term of the last register's answer
+        # durable.log: lines appended since it was last compacted, and the copies it then named
+        self._durable_appends, self._durable_held = 0, 0
         self._beat_s = self.config.master.heartbeat_ms / 1000.0  # or the master's period, if shorter
         # What this node changed at the master lately: published again after a warm takeover.
         self.recent = RecentChanges()
@@ -487,6 +491,10 @@ class Node:
         if not durable:
             return
         kept = self.manager.protect(list(durable))
+        for tier in self.manager.tiers:
+            path = getattr(tier, "path", None)
+            if tier.persistent and tier.capacity_bytes > 0 and path is not None:
+                self._compact_durable_log(path)
         dropped = [key for tier in self.manager.tiers for key in getattr(tier, "dropped_keys", ()) if key in durable]
         if dropped:
             self.manager.counters["durable_dropped"] += len(dropped)
@@ -494,6 +502,20 @@ class Node:
                         "gone from here (first: %s); the master copies them again from another holder if one "
                         "exists", self.node_id[:8], len(dropped), dropped[0][:32].hex())
         log.info("node %s: %d durable copies held (never evicted for room)", self.node_id[:8], kept)
+
+    def _compact_durable_log(self, path: str) -> None:
+        """Rewrite ``path``/durable.log to the durable copies this node still holds: lines of keys
+        deleted or overwritten since would make it grow without end. A failure (a full disk) is
+        logged; the file stays as it was and is compacted again later."""
+        held: dict[bytes, int] = {}
+        for key, replicas in durable_log.read(path, self.config.pool.max_key_bytes).items():
+            if self.manager.is_durable(key):
+                held[key] = replicas
+        try:
+            durable_log.compact(path, held)
+        except errors.KVPoolError as exc:
+            log.warning("node %s: could not compact %s/durable.log: %s", self.node_id[:8], path, exc)
+        self._durable_held, self._durable_appends = len(held), 0
 
     def _durable_counts(self) -> dict[bytes, int]:
         """Key -> copies wanted, of the durable copies this node's persistent tiers hold (their
@@ -858,4 +880,7 @@ class Node:
                 with contextlib.suppress(errors.KVPoolError):
                     self.manager.delete(key)
                 raise
+            self._durable_appends += 1
+            if self._durable_appends > max(DURABLE_LOG_SLACK, 2 * self._durable_held):
+                self._compact_durable_log(path)  # (on the control thread, the only one that appends)
         return record_for(key, *found, durable=replicas if persistent else None), found[0].name
