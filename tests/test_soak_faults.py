@@ -26,7 +26,7 @@ def test_durations_parse() -> None:
 def test_a_short_fault_soak_reports_every_fault_and_no_wrong_value(tmp_path: Path) -> None:
     faults = "kill9,sigstop,master,small_arena,corrupt"
     done = subprocess.run(
-        [sys.executable, "bench/soak.py", "--duration", "40s", "--fault-every", "6", "--stop-s", "2",
+        [sys.executable, "bench/soak.py", "--duration", "55s", "--fault-every", "6", "--stop-s", "2",
          "--processes", "1", "--victims", "1", "--keys", "16", "--no-etcd", "--faults", faults,
          "--work-dir", str(tmp_path / "soak")],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=220)

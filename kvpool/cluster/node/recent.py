@@ -30,7 +30,10 @@ class RecentChanges:
         self.keep_s = keep_s
         self._entries: deque[tuple[float, bytes]] = deque()
         # Anything changed at or before this time may have been forgotten.
-        self._forgotten_until = time.monotonic()  # a node remembers from its start only
+        self._forgotten_until = float("-inf")
+        # The node's last register (it replaced everything the master knew of it): a takeover
+        # whose gap reaches back before it must be told everything again.
+        self._registered_at = float("-inf")
         self._lock = threading.Lock()
 
     def note(self, keys: Iterable[bytes]) -> None:
@@ -43,11 +46,17 @@ class RecentChanges:
             while entries and (len(entries) > self.max_entries or entries[0][0] < cutoff):
                 self._forgotten_until = max(self._forgotten_until, entries.popleft()[0])
 
+    def registered(self) -> None:
+        """The master answered a register of this node (everything it holds) just now."""
+        with self._lock:
+            self._registered_at = time.monotonic()
+
     def since(self, since: float) -> list[bytes] | None:
         """The distinct keys changed at or after ``since`` (this process's monotonic clock), in
-        order of their last change; None if changes from then may have been forgotten."""
+        order of their last change; None if changes from then may have been forgotten, or the
+        node registered since then (a master that lacks that register needs all of it)."""
         with self._lock:
-            if since <= self._forgotten_until:
+            if since <= max(self._forgotten_until, self._registered_at):
                 return None
             newest_first: list[bytes] = []
             for t, key in reversed(self._entries):

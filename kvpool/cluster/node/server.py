@@ -460,8 +460,9 @@ class Node:
         :mod:`kvpool.cluster.node.recent`). Registers everything if it does not remember that far."""
         keys = self.recent.since(since)
         if keys is None:
-            log.info("node %s: the new master leader asks for %.1f s of changes, more than this node "
-                     "remembers: registering everything", self.node_id[:8], time.monotonic() - since)
+            log.info("node %s: the new master leader asks for %.1f s of changes, more than this node remembers "
+                     "or reaching back before its last register: registering everything", self.node_id[:8],
+                     time.monotonic() - since)
             self.register()
             return
         with self._publish_lock:
@@ -540,6 +541,7 @@ class Node:
                                      persistent_tiers=[t.name for t in persistent],
                                      control=self.control_address)
         self._registered = True
+        self.recent.registered()
         self._registered_term = int(reply.get("term", 0))
         # The master declares a node dead after its own heartbeat period times dead_after_missed:
         # beat at least that often, whatever this node's settings say.
