@@ -26,7 +26,7 @@ from kvpool import errors
 from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.config import Config
 from tests.cluster_actor import content, key_of, small_config
-from tests.conftest import ChildProcess, Etcd, wait_for
+from tests.conftest import ChildProcess, Etcd, WaitAborted, wait_for
 from tests.test_ha import HA, HEARTBEAT_MS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -207,8 +207,24 @@ def test_calls_fail_typed_within_their_deadline_while_etcd_or_the_masters_are_aw
                 return np.array_equal(pool.get(key_of(1)), content(1)) and pool.exists(key_of(101))
 
             wait_for(all_succeed, 30, "calls to succeed once etcd is back", interval_s=0.2)
-            back = calls.run(2.0, ["put", "put_durable", "get_unknown", "exists_many", "lookup", "ping"])
-            assert all(outcome == "ok" for _, outcome, _ in back), summary(back)
+            # A leader deposed while etcd was away may lose an election once more just after it
+            # returns (docs/ha.md): every call of some 2 s window succeeds within 30 s.
+            windows: list[Any] = []
+
+            def a_clean_window() -> bool:
+                windows.append(calls.run(2.0, ["put", "put_durable", "get_unknown", "exists_many", "lookup", "ping"]))
+                try:
+                    calls.check(windows[-1])  # typed and within its deadline, or the test fails now
+                except AssertionError as exc:
+                    raise WaitAborted(str(exc)) from None
+                return all(outcome == "ok" for _, outcome, _ in windows[-1])
+
+            try:
+                wait_for(a_clean_window, 30, "a 2 s window of calls that all succeed")
+            except WaitAborted:
+                raise
+            except AssertionError:
+                raise AssertionError([summary(w) for w in windows]) from None
 
             for master in ha.masters.values():
                 master.kill()
