@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from kvpool import errors
+from kvpool.transport.answer import decide, provide
 from kvpool.transport.connections import ReplyEndpoints
 from kvpool.transport.engine import (
     Array,
@@ -24,18 +25,11 @@ from kvpool.transport.engine import (
 )
 from kvpool.transport.frames import (
     ABORT_INDEX,
-    MAX_CHUNKS,
-    MAX_HEADER_NBYTES,
-    MIN_CHUNK,
     RECEIVES_POSTED,
     REQUEST_BUFFER_NBYTES,
     REQUEST_TAG,
-    STATUS_BAD_RANGE,
     STATUS_ERROR,
     STATUS_MISS,
-    STATUS_OK,
-    STATUS_OK_MAY_ABORT,
-    STATUS_OUT_TOO_SMALL,
     STATUS_UNAUTHORIZED,
     PeerAddress,
     Request,
@@ -314,22 +308,19 @@ class PullServer:
         # Runs on a worker thread (providers may take locks or touch disk), or inline on the
         # progress thread, where a provider that would have to wait says so and is retried
         # on a worker.
+        outcome: object
         try:
             INLINE.active = inline
             try:
-                if self._authorize is not None:
-                    self._authorize(job.request.key, job.request.token)
-                outcome: ServeSource | BaseException | None = self._provider(
-                    job.request.key, job.request.layer_range
-                )
+                outcome = provide(job.request, self._provider, self._authorize)
             finally:
                 INLINE.active = False
-        except ProviderWouldBlock:
+        except BaseException as exc:  # not an Exception (provide returns those): still answered
+            outcome = exc
+        if isinstance(outcome, ProviderWouldBlock):
             assert self._executor is not None
             self._executor.submit(self._call_provider, job)
             return
-        except BaseException as exc:
-            outcome = exc
         if inline:  # already on the progress thread: reply now, no hand-off
             self._on_source(job, outcome)
             return
@@ -339,60 +330,26 @@ class PullServer:
             if isinstance(outcome, ServeSource) and outcome.release is not None:
                 outcome.release()
 
-    def _on_source(self, job: ServeJob, outcome: ServeSource | BaseException | None) -> None:
-        request = job.request
+    def _on_source(self, job: ServeJob, outcome: object) -> None:
         self._awaiting_provider.discard(job)
         if isinstance(outcome, ServeSource):
-            job.source = outcome
+            job.source = outcome  # released when the job finishes, whatever the answer
         if job.finished:  # timed out or closed while the provider ran
             self._release(job)
             return
-        if outcome is None:
-            self.misses += 1
-            self._send_status(job, STATUS_MISS, text=f"key {request.key.hex()} not held here")
-            self._finish(job, ok=True, counted=False)
+        answer = decide(job.request, outcome, self.max_message)
+        if not answer.ok:
+            self.misses += answer.status == STATUS_MISS
+            self.refused += answer.status == STATUS_UNAUTHORIZED
+            self._send_status(job, answer.status, text=answer.text)
+            self._finish(job, ok=answer.status == STATUS_MISS, reason=answer.text, counted=answer.is_error)
             return
-        if isinstance(outcome, errors.AuthenticationError):
-            self.refused += 1
-            self._send_status(job, STATUS_UNAUTHORIZED, text=str(outcome))
-            self._finish(job, ok=False, reason="token refused", counted=False)
-            return
-        if isinstance(outcome, BaseException):
-            status = STATUS_BAD_RANGE if isinstance(outcome, errors.LayerRangeError) else STATUS_ERROR
-            self._send_status(job, status, text=describe(outcome))
-            self._finish(job, ok=False, reason=f"provider failed: {describe(outcome)}")
-            return
-        if not isinstance(outcome, ServeSource):
-            self._send_status(job, STATUS_ERROR, text=f"provider returned {type(outcome).__name__}")
-            self._finish(job, ok=False, reason="provider returned a non-ServeSource")
-            return
-        source = outcome
-        if source.nbytes > request.capacity:
-            self._send_status(
-                job, STATUS_OUT_TOO_SMALL,
-                text=f"payload is {source.nbytes} bytes, out buffer holds {request.capacity}",
-            )
-            self._finish(job, ok=False, reason="client buffer too small", counted=False)
-            return
-        job.chunk = max(min(MIN_CHUNK, self.max_message), min(request.max_chunk, self.max_message))
-        job.chunks_total = -(-source.nbytes // job.chunk)
-        if job.chunks_total > MAX_CHUNKS:
-            self._send_status(job, STATUS_ERROR, text="payload needs too many messages")
-            self._finish(job, ok=False, reason="too many chunks")
-            return
-        header = b""
-        if request.want_header:
-            header = source.header
-            if not 0 < len(header) <= MAX_HEADER_NBYTES:
-                self._send_status(job, STATUS_ERROR, text=f"no header to send ({len(header)} bytes)")
-                self._finish(job, ok=False, reason="provider gave no header")
-                return
-        ok = STATUS_OK if source.read_into is None else STATUS_OK_MAY_ABORT
-        if not self._send_status(job, ok, nbytes=source.nbytes, chunk=job.chunk, body=header):
+        job.chunk, job.chunks_total = answer.chunk, answer.chunks
+        if not self._send_status(job, answer.status, nbytes=answer.nbytes, chunk=answer.chunk, body=answer.header):
             return
         if job.chunks_total == 0:
             self._finish(job, ok=True)
-        elif source.read_into is None:
+        elif answer.source is not None and answer.source.read_into is None:
             self._send_buffers(job)
         else:
             self._reads.pump(job)

@@ -10,24 +10,16 @@ import time
 from collections.abc import Callable
 
 from kvpool import errors
+from kvpool.transport.answer import decide, provide
 from kvpool.transport.engine import describe
 from kvpool.transport.frames import (
     MAX_ADDRESS_BYTES,
-    MAX_HEADER_NBYTES,
     MAX_KEY_BYTES,
     MAX_TOKEN_BYTES,
-    PROTOCOL_VERSION,
     REQUEST,
-    STATUS,
-    STATUS_BAD_RANGE,
-    STATUS_ERROR,
-    STATUS_MAGIC,
     STATUS_MISS,
-    STATUS_OK,
-    STATUS_OUT_TOO_SMALL,
     STATUS_UNAUTHORIZED,
     Request,
-    pack_status,
     parse_request,
 )
 from kvpool.transport.source import Provider, ServeSource
@@ -214,47 +206,28 @@ class TcpPullServer:
 
     def _answer(self, conn: socket.socket, request: Request, staging: list[mmap.mmap],
                 authorize: Callable[[bytes, bytes], None] | None) -> None:
-        def refuse(status: int, text: str) -> None:
-            conn.sendall(pack_status(request.request_id, status, 0, 0, text))
-
+        outcome = provide(request, self._provider, authorize)
         try:
-            if authorize is not None:
-                authorize(request.key, request.token)
-            source = self._provider(request.key, request.layer_range)
-        except errors.AuthenticationError as exc:
-            self.refused += 1
-            return refuse(STATUS_UNAUTHORIZED, str(exc))
-        except Exception as exc:
-            self.errors += 1
-            return refuse(STATUS_BAD_RANGE if isinstance(exc, errors.LayerRangeError) else STATUS_ERROR,
-                          describe(exc))
-        if source is None:
-            self.misses += 1
-            return refuse(STATUS_MISS, f"key {request.key.hex()} not held here")
-        if not isinstance(source, ServeSource):
-            self.errors += 1
-            return refuse(STATUS_ERROR, f"provider returned {type(source).__name__}")
-        try:
-            if source.nbytes > request.capacity:
-                return refuse(STATUS_OUT_TOO_SMALL,
-                              f"payload is {source.nbytes} bytes, out buffer holds {request.capacity}")
-            header = source.header if request.want_header else b""
-            if request.want_header and not 0 < len(header) <= MAX_HEADER_NBYTES:
-                self.errors += 1
-                return refuse(STATUS_ERROR, f"no header to send ({len(header)} bytes)")
-            status = STATUS.pack(STATUS_MAGIC, PROTOCOL_VERSION, STATUS_OK, len(header), request.request_id,
-                                  source.nbytes, source.nbytes)
+            answer = decide(request, outcome)
+            if not answer.ok:
+                self.misses += answer.status == STATUS_MISS
+                self.refused += answer.status == STATUS_UNAUTHORIZED
+                self.errors += answer.is_error
+                conn.sendall(answer.frame(request.request_id))
+                return
+            source = answer.source
+            assert source is not None
             if source.read_into is None:
-                send_views(conn, [memoryview(status), memoryview(header), *source.buffers])
+                send_views(conn, [memoryview(answer.frame(request.request_id)), *source.buffers])
             else:
-                conn.sendall(status + header)
+                conn.sendall(answer.frame(request.request_id))
                 self._send_read(conn, source, staging)
             self.requests_served += 1
             self.bytes_sent += source.nbytes
         finally:
-            if source.release is not None:
+            if isinstance(outcome, ServeSource) and outcome.release is not None:
                 try:
-                    source.release()
+                    outcome.release()
                 except Exception:
                     log.exception("releasing a served object failed")
 
