@@ -1,21 +1,55 @@
-"""The nvme read path of a pull server: payload chunks read from disk into page-aligned
-staging buffers on worker threads, each chunk sent while the next is read.
+"""The nvme read path of both pull servers: a ``read_into`` source's payload read piece by
+piece into page-aligned staging buffers (:func:`staging_buffer`), each piece by
+:func:`read_piece`, and sent while the next is read.
 
-:class:`StagedReads` runs on the server's progress thread except :meth:`StagedReads._read`,
-which runs on a worker thread and only reads the job's state. It sends, aborts and
-releases through the callbacks the server gives it.
+Over UCX, :class:`StagedReads` pipelines it across threads: it runs on the server's progress
+thread except :meth:`StagedReads._read`, which runs on a worker thread and only reads the
+job's state; it sends, aborts and releases through the callbacks the server gives it. Over
+TCP, :func:`staged_pieces` reads the pieces on the connection's own thread, one buffer per
+connection, each sent before the next is read.
 """
 
 from __future__ import annotations
 
 import collections
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 from kvpool import errors
 from kvpool.transport.engine import describe
 from kvpool.transport.source import ServeJob, ServeSource
+
+
+def staging_buffer(nbytes: int) -> mmap.mmap:
+    """A staging buffer: anonymous memory, page-aligned as direct (O_DIRECT) reads want."""
+    return mmap.mmap(-1, nbytes)
+
+
+def read_piece(source: ServeSource, offset: int, out: memoryview) -> None:
+    """Fill ``out`` with ``source``'s payload bytes from ``offset`` (its ``read_into``).
+    Raises what the read raised, or TransferError for a short read."""
+    assert source.read_into is not None
+    got = source.read_into(offset, out)
+    if got is not None and got != out.nbytes:
+        raise errors.TransferError(f"short read: {got} of {out.nbytes} bytes at {offset}")
+
+
+def staged_pieces(source: ServeSource, buf: mmap.mmap, step: int) -> Generator[memoryview, None, None]:
+    """``source``'s payload in pieces of at most ``step`` bytes, each read into ``buf`` (so
+    valid until the next is asked for). A failed or short read raises TransferError. Close it
+    when done early (a failed send): that releases its view of ``buf``."""
+    view = memoryview(buf)
+    try:
+        for offset in range(0, source.nbytes, step):
+            piece = view[:min(step, source.nbytes - offset)]
+            try:
+                read_piece(source, offset, piece)
+            except Exception as exc:
+                raise errors.TransferError(f"reading the object failed at {offset}: {describe(exc)}") from None
+            yield piece
+    finally:
+        view.release()
 
 
 class _StagingPool:
@@ -33,7 +67,7 @@ class _StagingPool:
             return self._free.pop()
         if self._made < self._limit:
             self._made += 1
-            return mmap.mmap(-1, self.nbytes)
+            return staging_buffer(self.nbytes)
         return None
 
     def give(self, buf: mmap.mmap) -> None:
@@ -99,9 +133,7 @@ class StagedReads:
         view = memoryview(buf)[:nbytes]
         error: BaseException | None = None
         try:
-            got = source.read_into(offset, view)
-            if got is not None and got != nbytes:
-                raise errors.TransferError(f"short read: {got} of {nbytes} bytes at {offset}")
+            read_piece(source, offset, view)
         except BaseException as exc:
             error = exc
         finally:

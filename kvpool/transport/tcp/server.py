@@ -23,6 +23,7 @@ from kvpool.transport.frames import (
     parse_request,
 )
 from kvpool.transport.source import Provider, ServeSource
+from kvpool.transport.staging import staged_pieces, staging_buffer
 from kvpool.transport.tcp.admission import Admission, OpeningLoop, connection_cap
 from kvpool.transport.tcp.stream import (
     PULL_HELLO,
@@ -233,25 +234,17 @@ class TcpPullServer:
 
     def _send_read(self, conn: socket.socket, source: ServeSource, staging: list[mmap.mmap]) -> None:
         """Send a payload read while it is sent; a failed or short read cuts the connection."""
-        assert source.read_into is not None
         if not staging:
-            staging.append(mmap.mmap(-1, self.staging_nbytes))  # page-aligned, as direct I/O wants
-        view = memoryview(staging[0])
-        step = self.staging_nbytes
+            staging.append(staging_buffer(self.staging_nbytes))
+        pieces = staged_pieces(source, staging[0], self.staging_nbytes)
         try:
-            for offset in range(0, source.nbytes, step):
-                piece = view[:min(step, source.nbytes - offset)]
-                try:
-                    got = source.read_into(offset, piece)
-                except Exception as exc:
-                    self.errors += 1
-                    raise errors.TransferError(f"read at {offset} failed: {describe(exc)}") from None
-                if got is not None and got != len(piece):
-                    self.errors += 1
-                    raise errors.TransferError(f"short read at {offset}: {got} of {len(piece)} bytes")
+            for piece in pieces:
                 conn.sendall(piece)
+        except errors.TransferError:  # the read's (a failed send is an OSError)
+            self.errors += 1
+            raise
         finally:
-            view.release()
+            pieces.close()
 
 
 class _Requests:
