@@ -165,17 +165,31 @@ def parse_request(buf: bytearray, at: int = 0) -> Request:
                     bool(flags & _FLAG_REPLY_ERROR_HANDLING), bool(flags & _FLAG_WANT_HEADER))
 
 
-def parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, bytes] | None:
-    """(status, payload bytes, chunk bytes, body) of a status frame, or None if malformed. The
-    body is the text of a failure, or the header an OK carries."""
+def parse_status_head(buf: bytearray, request_id: int) -> tuple[int, int, int, int] | None:
+    """(status, body bytes, payload bytes, chunk bytes) from the head of the status frame at the
+    start of ``buf``, or None if it is not one for ``request_id`` (short, wrong magic, version or
+    id, or a failure whose text would pass MAX_STATUS_TEXT). The body (the text of a failure, or
+    the header an OK carries) follows the head; where it lands is the caller's. The one check of
+    a status frame: :func:`parse_status` and the TCP client's reads both use it."""
     try:
-        magic, version, status, text_len, frame_request_id, nbytes, chunk = STATUS.unpack_from(buf)
+        magic, version, status, body_len, frame_request_id, nbytes, chunk = STATUS.unpack_from(buf)
     except struct.error:
         return None
     if magic != STATUS_MAGIC or version != PROTOCOL_VERSION or frame_request_id != request_id \
-            or STATUS.size + text_len > len(buf) or status not in OK_STATUSES and text_len > MAX_STATUS_TEXT:
+            or status not in OK_STATUSES and body_len > MAX_STATUS_TEXT:
         return None
-    return status, nbytes, chunk, bytes(buf[STATUS.size:STATUS.size + text_len])
+    return status, body_len, nbytes, chunk
+
+
+def parse_status(buf: bytearray, request_id: int) -> tuple[int, int, int, bytes] | None:
+    """(status, payload bytes, chunk bytes, body) of the status frame filling ``buf``, or None if
+    malformed (see :func:`parse_status_head`; the body must be in ``buf`` too). The body is the
+    text of a failure, or the header an OK carries."""
+    head = parse_status_head(buf, request_id)
+    if head is None or STATUS.size + head[1] > len(buf):
+        return None
+    status, body_len, nbytes, chunk = head
+    return status, nbytes, chunk, bytes(buf[STATUS.size:STATUS.size + body_len])
 
 
 def pack_status(request_id: int, status: int, nbytes: int, chunk: int, text: str,

@@ -13,13 +13,11 @@ from kvpool import errors
 from kvpool.objformat import LayerRange
 from kvpool.transport.engine import describe
 from kvpool.transport.frames import (
-    MAX_STATUS_TEXT,
     OK_STATUSES,
-    PROTOCOL_VERSION,
     STATUS,
-    STATUS_MAGIC,
     PeerAddress,
     pack_request,
+    parse_status_head,
     status_error,
 )
 from kvpool.transport.pulls import PullRequest, checked_out, checked_pull, checked_request, header_room
@@ -209,9 +207,8 @@ class TcpPullClient:
             return 0
         nbytes = out.nbytes
         if got == STATUS.size + len(header_out) + nbytes:
-            magic, version, code, body_len, request_id, sent, _ = STATUS.unpack_from(status)
-            if magic == STATUS_MAGIC and version == PROTOCOL_VERSION and request_id == pull.request_id \
-                    and code in OK_STATUSES and body_len == len(header_out) and sent == nbytes:
+            frame = parse_status_head(status, pull.request_id)
+            if frame is not None and frame[0] in OK_STATUSES and frame[1] == len(header_out) and frame[2] == nbytes:
                 pull.conn = None
                 self._checkin(pull.where, conn)
                 self.pulls += 1
@@ -374,9 +371,10 @@ class TcpPullClient:
         got = conn.receive_some(pull, views if header.nbytes else [views[0], views[2]], replied)
         while got < STATUS.size:
             got += conn.receive_some(pull, _skip(views, got), True)
-        magic, version, status, body_len, request_id, nbytes, _ = STATUS.unpack_from(status_buf)
-        if magic != STATUS_MAGIC or version != PROTOCOL_VERSION or request_id != pull.request_id:
+        frame = parse_status_head(status_buf, pull.request_id)
+        if frame is None:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
+        status, body_len, nbytes, _ = frame
         if status in OK_STATUSES and body_len == header.nbytes and (body_len or pull.header_out is None) \
                 and nbytes <= pull.out.nbytes:
             head = STATUS.size + body_len
@@ -402,8 +400,6 @@ class TcpPullClient:
             body = bytearray(body_len)
             conn.receive(pull, memoryview(body), True)
             if status not in OK_STATUSES:
-                if body_len > MAX_STATUS_TEXT:
-                    raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
                 return self._failed(pull, status_error(status)(f"{pull.label}: {body.decode('utf-8', 'replace')}"))
             if nbytes > pull.out.nbytes:
                 raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: {nbytes} bytes for a "
