@@ -219,7 +219,7 @@ def _load_path(pool: Any, master: str, keys: list[bytes], blocks: int, shape: tu
     def load() -> None:
         connector.bind_connector_metadata(KvpoolConnectorMetadata(
             loads=[Transfer("bench", keys, list(range(blocks, 2 * blocks)))], num_tokens=1))
-        connector.start_load_kv(None)
+        connector.start_load_kv()
         loads.append(connector._load)
         for i in range(args.layers):
             connector.wait_for_layer_load(f"layer.{i}")
@@ -326,7 +326,7 @@ def lookup_rows(master: str, work: Path, args: argparse.Namespace, master_pid: i
             asked: list[float] = []
             hashed: list[float] = []
             # load_async = "auto" asks the lookup also whether the first and the last hit are near
-            # (KvpoolConnector._lookup): still one request.
+            # (KvpoolScheduler._lookup): still one request.
             near: list[float] = []
             delays: list[tuple[float, float, float]] = []  # (took, client's run-queue wait, master's)
             host = local_host_id()

@@ -52,8 +52,8 @@ CIRCLE_FREE = ("kvpool", "tiers", "bench")
 #: order allows it (they sit on top); issue 42 asks for the connector on public pool APIs only.
 #: A new entry: use the pool's API instead, or add it here and say why. One gone: delete it here.
 INTEGRATIONS_BELOW_API = {
-    ("kvpool.integrations.vllm", "kvpool.cluster.wire.master_client"),  # the scheduler's own MasterClient
-    ("kvpool.integrations.vllm", "kvpool.transport.engine"),  # local_host_id, for the worker's placement
+    ("kvpool.integrations.vllm_scheduler", "kvpool.cluster.wire.master_client"),  # the scheduler's own MasterClient
+    ("kvpool.integrations.vllm_scheduler", "kvpool.transport.engine"),  # local_host_id, for the worker's placement
 }
 
 

@@ -100,18 +100,18 @@ def pulls_held_back(connector: Any) -> Iterator[None]:
     """The connector's pulls wait (up to 10 s) until the block exits: a load is still in
     flight when the model gives up on it, whatever the machine's speed."""
     gate = threading.Event()
-    get_many = connector._pool.get_many
+    get_many = connector.pool.get_many
 
     def held_back(*args: Any, **kwargs: Any) -> Any:
         gate.wait(10)
         return get_many(*args, **kwargs)
 
-    connector._pool.get_many = held_back
+    connector.pool.get_many = held_back
     try:
         yield
     finally:
         gate.set()
-        connector._pool.get_many = get_many
+        connector.pool.get_many = get_many
 
 
 def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_tokens(tmp_path: Path, spawn_python):
@@ -273,36 +273,24 @@ def vllm_request(request_id: str, tokens: list[int], **extras: Any) -> Any:
 
 def _scheduler(master_address: str, kv_role: str = "kv_both", parallel_config: Any = None,
                kv_cache_config: Any = None):
-    """The scheduler half of a KvpoolConnector without an engine: its state, a real master,
-    vLLM's own KVTransferConfig with ``kv_role``; ``parallel_config``: vLLM's ParallelConfig
-    of the engine (None: one rank); ``kv_cache_config``: vLLM's KVCacheConfig (None: one
-    group)."""
-    from collections import Counter
-
+    """The scheduler half of the connector (KvpoolScheduler) without an engine, through its
+    constructor: a real master, vLLM's own KVTransferConfig with ``kv_role`` deciding what it
+    may do; ``parallel_config``: vLLM's ParallelConfig of the engine (None: one rank);
+    ``kv_cache_config``: vLLM's KVCacheConfig (None: one group)."""
     from vllm.config import KVTransferConfig
 
     from kvpool.cluster.wire.master_client import MasterClient
-    from kvpool.integrations.planner import Planner
-    from kvpool.integrations.vllm import KvpoolConnector, Settings, rank_tags
+    from kvpool.integrations.vllm import KvpoolScheduler, Settings, rank_tags
     from kvpool.transport.engine import local_host_id
 
-    connector = object.__new__(KvpoolConnector)
-    connector._rank_tags = rank_tags(parallel_config)
-    connector._kv_transfer_config = KVTransferConfig(kv_connector="KvpoolConnector", kv_role=kv_role,
-                                                     kv_connector_extra_config={"master": master_address})
-    connector.settings = Settings.from_extra({"master": master_address, "load_async": False})
-    connector.block_size = BLOCK
-    connector.namespace = "test-namespace"
-    connector.stats = Counter()
-    connector.planner = Planner()
-    connector._block_bytes = connector._layers_count = connector._rounds = 0
-    connector._master = MasterClient(master_address, request_timeout_s=5.0)
-    connector._tracked = {}
-    connector._async_pending = []
-    connector._host_id = local_host_id()
-    connector._worker_nodes = set()
-    connector._several_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1
-    return connector
+    config = KVTransferConfig(kv_connector="KvpoolConnector", kv_role=kv_role,
+                              kv_connector_extra_config={"master": master_address})
+    return KvpoolScheduler(Settings.from_extra({"master": master_address, "load_async": False}),
+                           MasterClient(master_address, request_timeout_s=5.0), block_size=BLOCK,
+                           namespace="test-namespace", loads=bool(config.is_kv_consumer),
+                           saves=bool(config.is_kv_producer), rank_tags=rank_tags(parallel_config),
+                           several_groups=len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1,
+                           host_id=local_host_id())
 
 
 def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_path: Path, spawn_python) -> None:
@@ -366,7 +354,7 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         # an engine this fast makes recomputing the held blocks cheaper, so none load.
         from kvpool.integrations.vllm import KvpoolStats, Settings
 
-        connector._tracked.clear()
+        connector.tracked.clear()
         connector.update_connector_output(SimpleNamespace(kv_connector_stats=KvpoolStats(data={
             "pulls": [[1 << 20, 1.0], [2 << 20, 1.0 + 1e-3]], "prefill": [[4096, 0.01]],
             "block_bytes": 2 * BLOCK * 8 * 2, "layers": 2})))
@@ -381,12 +369,12 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         meta = connector.build_connector_meta(step)
         assert meta.loads == [] and [(t.keys, t.block_ids) for t in meta.saves] == [(keys[3:4], [23])]
         connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": False})  # always load
-        connector._tracked.clear()
+        connector.tracked.clear()
         assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
         # load_async: the request waits outside the model's steps; its load goes out with the next
         # step whatever that step schedules (here nothing), and only once.
         connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": True})
-        connector._tracked.clear()
+        connector.tracked.clear()
         assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, True)
         connector.update_state_after_alloc(request, blocks, 3 * BLOCK)
         idle = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
@@ -398,12 +386,12 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         assert connector.build_connector_meta(idle).async_loads == []
         # Another namespace (model, dtype, layout) never matches.
         connector.namespace = "another-model"
-        connector._tracked.clear()
+        connector.tracked.clear()
         assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
         connector.request_finished(request, [])
-        assert "r1" not in connector._tracked
+        assert "r1" not in connector.tracked
     finally:
-        connector._master.close()
+        connector.master.close()
         holder.close()
 
 
@@ -445,7 +433,7 @@ def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_
         memory.put(keys["mixed"][2], block)
 
         def matched(name: str) -> tuple[int, bool]:
-            connector._tracked.clear()
+            connector.tracked.clear()
             request = vllm_request(name, prompts[name])
             return connector.get_num_new_matched_tokens(request, 0)
 
@@ -458,19 +446,19 @@ def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_
         assert matched("own") == (3 * BLOCK, False)
         # Still one question per batch of keys when the prompt takes several: the first
         # batch's first hit and the last batch's last one decide.
-        batch, connector._master.max_batch = connector._master.max_batch, 2
+        batch, connector.master.max_batch = connector.master.max_batch, 2
         assert matched("arena") == (3 * BLOCK, False) and matched("mixed") == (3 * BLOCK, True)
-        connector._master.max_batch = batch
+        connector.master.max_batch = batch
         # The request is routed as decided: a load at its first step, or one outside the steps.
         blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
         for name, waits_outside in (("arena", False), ("memory", True)):
-            connector._tracked.clear()
-            connector._async_pending.clear()
+            connector.tracked.clear()
+            connector.async_pending.clear()
             request = vllm_request(name, prompts[name])
             connector.get_num_new_matched_tokens(request, 0)
             connector.update_state_after_alloc(request, blocks, 3 * BLOCK)
-            assert (connector._tracked[name].load is None) == waits_outside
-            assert [t.keys for t in connector._async_pending] == ([keys[name][:3]] if waits_outside else [])
+            assert (connector.tracked[name].load is None) == waits_outside
+            assert [t.keys for t in connector.async_pending] == ([keys[name][:3]] if waits_outside else [])
         # Over TCP a same-host arena is pulled too: only the worker's own blocks load in the step.
         connector.settings = Settings.from_extra({"master": master, "plan": False, "transport": "tcp"})
         assert matched("arena") == (3 * BLOCK, True) and matched("own") == (3 * BLOCK, False)
@@ -480,7 +468,7 @@ def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_
         connector.settings = Settings.from_extra({"master": master, "plan": False, "load_async": True})
         assert matched("arena") == (3 * BLOCK, True)
     finally:
-        connector._master.close()
+        connector.master.close()
         for p in (arena, memory, own):
             p.close()
 
@@ -533,7 +521,7 @@ def test_a_kv_producer_saves_and_never_looks_up_or_loads_and_a_kv_consumer_loads
 
     for role, scheduler in schedulers.items():
         for name in ("lookup", "lookup_near"):  # every question the scheduler asks the master
-            setattr(scheduler._master, name, counted(role, getattr(scheduler._master, name)))
+            setattr(scheduler.master, name, counted(role, getattr(scheduler.master, name)))
         scheduler.settings = Settings.from_extra({"master": master, "plan": False})
     caches = {f"layer.{i}": torch.zeros(6, 1, BLOCK, 16, dtype=torch.bfloat16) for i in range(2)}
     consumer_worker = worker_connector(Settings.from_extra({"master": master}), pool("consumer"), caches, 1, BLOCK,
@@ -574,8 +562,8 @@ def test_a_kv_producer_saves_and_never_looks_up_or_loads_and_a_kv_consumer_loads
         for worker in (consumer_worker, producer_worker):
             worker.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("r", keys[3:], [1])],
                                                                    num_tokens=BLOCK))
-            for i, cache in enumerate(worker._layers):
-                worker.save_kv_layer(f"layer.{i}", cache, None)
+            for i in range(len(worker._layers)):
+                worker.save_kv_layer(f"layer.{i}")
             worker.wait_for_save()
             worker.wait_saved(10)
             if worker is consumer_worker:
@@ -583,10 +571,10 @@ def test_a_kv_producer_saves_and_never_looks_up_or_loads_and_a_kv_consumer_loads
         assert producer_worker.stats["blocks_saved"] == 1 and holder.lookup(keys[3:]) == 1
     finally:
         for scheduler in schedulers.values():
-            scheduler._master.close()
+            scheduler.master.close()
         for worker in (consumer_worker, producer_worker):
             worker._saver.shutdown()
-            worker._pool.close()
+            worker.pool.close()
         holder.close()
 
 
@@ -635,10 +623,10 @@ def test_each_tensor_parallel_rank_saves_and_loads_its_own_share_of_a_block_and_
 
     def run(connector: Any, meta: Any) -> set[int]:
         connector.bind_connector_metadata(meta)
-        connector.start_load_kv(None)
+        connector.start_load_kv()
         for i in range(layers):
             connector.wait_for_layer_load(f"layer.{i}")
-            connector.save_kv_layer(f"layer.{i}", connector._layers[i], None)
+            connector.save_kv_layer(f"layer.{i}")
         connector.wait_for_save()
         connector.wait_saved(10)
         return connector.get_block_ids_with_load_errors()
@@ -659,7 +647,7 @@ def test_each_tensor_parallel_rank_saves_and_loads_its_own_share_of_a_block_and_
         for writer in writers:
             assert run(writer, save) == set() and writer.stats["blocks_saved"] == 3
         ranked = [[object_key(k, tag) for k in keys] for tag in tags]
-        probe = writers[0]._pool
+        probe = writers[0].pool
         assert probe.lookup(ranked[0]) == probe.lookup(ranked[1]) == 3  # two objects per block,
         assert not set(ranked[0]) & set(ranked[1]) and probe.lookup(keys[:1]) == 0  # none under the block key
 
@@ -677,9 +665,9 @@ def test_each_tensor_parallel_rank_saves_and_loads_its_own_share_of_a_block_and_
 
         # Rank 1 loses its object of block 1 (rank 0 still has it): from the scheduler's view
         # the prompt's held prefix is block 0 alone.
-        writers[1]._pool.delete(ranked[1][1])
+        writers[1].pool.delete(ranked[1][1])
         assert probe.lookup(ranked[0]) == 3 and probe.lookup(ranked[1]) == 1
-        scheduler._tracked.clear()
+        scheduler.tracked.clear()
         assert scheduler.get_num_new_matched_tokens(vllm_request("s", tokens), 0) == (BLOCK, False)
         # A load decided before the loss: rank 1 reports the block failed (vLLM takes the union of
         # its workers' failed blocks and recomputes it) and writes nothing of rank 0's into it;
@@ -695,10 +683,10 @@ def test_each_tensor_parallel_rank_saves_and_loads_its_own_share_of_a_block_and_
             assert torch.equal(readers[1]._layers[i][5], writers[1]._layers[i][1])
             assert torch.equal(readers[1]._layers[i][7], writers[1]._layers[i][3])
     finally:
-        scheduler._master.close()
+        scheduler.master.close()
         for connector in writers + readers:
             connector._saver.shutdown()
-            connector._pool.close()
+            connector.pool.close()
 
 
 def test_lora_multimodal_and_cache_salt_requests_never_hit_blocks_of_other_extras(
@@ -734,7 +722,7 @@ def test_lora_multimodal_and_cache_salt_requests_never_hit_blocks_of_other_extra
         return LoRARequest(name, 1, f"/adapters/{name}")
 
     def matched(**extras: Any) -> int:
-        connector._tracked.clear()
+        connector.tracked.clear()
         return connector.get_num_new_matched_tokens(vllm_request("r", tokens, **extras), 0)[0] // BLOCK
 
     block = np.zeros((2, 2, BLOCK, 1, 8), np.float16)
@@ -773,7 +761,7 @@ def test_lora_multimodal_and_cache_salt_requests_never_hit_blocks_of_other_extra
             num_scheduled_tokens={"e": len(tokens)}, total_num_scheduled_tokens=len(tokens)))
         assert meta.saves == [] and meta.loads == []
     finally:
-        connector._master.close()
+        connector.master.close()
         holder.close()
 
 
@@ -790,7 +778,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
     import torch
 
     import kvpool
-    from kvpool.integrations.vllm import KvpoolConnector, KvpoolConnectorMetadata, Settings, Transfer
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, KvpoolWorker, Settings, Transfer
     from tests.vllm_engine import worker_connector
 
     master = start_master(spawn_python)
@@ -803,7 +791,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
                                                         "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
                                               "master": {"listen": master}})
 
-    def worker(name: str) -> KvpoolConnector:
+    def worker(name: str) -> KvpoolWorker:
         caches = {f"layer.{i}": torch.zeros(blocks + 1, heads, BLOCK, 2 * head_dim, dtype=torch.bfloat16)
                   for i in range(layers)}
         connector = worker_connector(settings, pool(name), caches, heads, BLOCK)
@@ -820,17 +808,17 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         keys = [b"block-a", b"block-b"]
         writer.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("r", keys, [2, 5])],
                                                                num_tokens=2 * BLOCK))
-        for i, layer in enumerate(writer._layers):
-            writer.save_kv_layer(f"layer.{i}", layer, None)
+        for i in range(len(writer._layers)):
+            writer.save_kv_layer(f"layer.{i}")
         writer.wait_for_save()  # hands the step's blocks to the saver thread
         writer.wait_saved(10)
-        assert writer.stats["blocks_saved"] == 2 and reader._pool.lookup(keys) == 2
+        assert writer.stats["blocks_saved"] == 2 and reader.pool.lookup(keys) == 2
 
         # The reader loads them into its blocks 7 and 1, waiting layer by layer (block 0 is
         # vLLM's null block, never a request's).
         reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [7, 1])],
                                                                num_tokens=1))
-        reader.start_load_kv(None)
+        reader.start_load_kv()
         for i in range(layers):
             reader.wait_for_layer_load(f"layer.{i}")
             assert torch.equal(reader._layers[i][7], writer._layers[i][2])
@@ -848,13 +836,13 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         many = [b"many-%d" % i for i in range(1, blocks + 1)]
         writer.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("w", many, list(range(1, blocks + 1)))],
                                                                num_tokens=blocks * BLOCK))
-        for i, layer in enumerate(writer._layers):
-            writer.save_kv_layer(f"layer.{i}", layer, None)
+        for i in range(len(writer._layers)):
+            writer.save_kv_layer(f"layer.{i}")
         writer.wait_for_save()
         writer.wait_saved(10)
         reader.bind_connector_metadata(KvpoolConnectorMetadata(
             loads=[Transfer("r", many, list(reversed(range(1, blocks + 1))))], num_tokens=1))
-        reader.start_load_kv(None)
+        reader.start_load_kv()
         for i in range(layers):
             reader.wait_for_layer_load(f"layer.{i}")
         reader.wait_for_save()
@@ -863,9 +851,9 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
                    for i in range(layers) for b in range(1, blocks + 1))
 
         # A block the pool lost is reported for recompute; the other still loads.
-        reader._pool.delete(keys[1])
+        reader.pool.delete(keys[1])
         reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [3, 4])], num_tokens=1))
-        reader.start_load_kv(None)
+        reader.start_load_kv()
         for i in range(layers):
             reader.wait_for_layer_load(f"layer.{i}")
         reader.wait_for_save()
@@ -880,7 +868,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
 
         reader._write_layer = broken
         reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys[:1], [3])], num_tokens=1))
-        reader.start_load_kv(None)
+        reader.start_load_kv()
         for i in range(layers):
             reader.wait_for_layer_load(f"layer.{i}")
         reader.wait_for_save()
@@ -897,7 +885,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
         with pulls_held_back(reader):
             reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys[:1], [6])],
                                                                    num_tokens=1))
-            reader.start_load_kv(None)
+            reader.start_load_kv()
             late = reader._load_future
             for i in range(layers):
                 reader.wait_for_layer_load(f"layer.{i}")
@@ -909,7 +897,7 @@ def test_worker_loads_every_layer_into_the_paged_cache_and_saves_what_the_step_f
     finally:
         for connector in (writer, reader):
             connector._saver.shutdown()
-            connector._pool.close()
+            connector.pool.close()
 
 
 def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadline_is_recomputed_whole(
@@ -956,7 +944,7 @@ def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadl
 
         reader.bind_connector_metadata(KvpoolConnectorMetadata(async_loads=[Transfer("a", keys[:2], [4, 1]),
                                                                             Transfer("b", keys[2:], [2])]))
-        reader.start_load_kv(None)  # type: ignore[arg-type]
+        reader.start_load_kv()
         reader.wait_for_layer_load("layer.0")  # no forward pass waits for an asynchronous load
         assert reader._load is None
         reader.wait_for_save()
@@ -974,7 +962,7 @@ def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadl
             cache.zero_()
         with pulls_held_back(reader):
             reader.bind_connector_metadata(KvpoolConnectorMetadata(async_loads=[Transfer("c", keys[:2], [3, 5])]))
-            reader.start_load_kv(None)  # type: ignore[arg-type]
+            reader.start_load_kv()
             reader.wait_for_save()
             assert finished_within(10) == {"c"}
             assert reader.get_block_ids_with_load_errors() == {3, 5}
@@ -982,7 +970,7 @@ def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadl
         assert all(not cache.any() for cache in reader._layers)
     finally:
         reader._saver.shutdown()
-        reader._pool.close()
+        reader.pool.close()
         writer.close()
 
 
@@ -1023,7 +1011,7 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
         def load(block_ids: list[int]) -> set[int]:
             reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, block_ids)],
                                                                    num_tokens=1))
-            reader.start_load_kv(None)  # type: ignore[arg-type]
+            reader.start_load_kv()
             for i in range(layers):
                 reader.wait_for_layer_load(f"layer.{i}")
             reader.wait_for_save()
@@ -1093,17 +1081,17 @@ def test_with_the_default_settings_engines_on_one_host_read_each_others_blocks_i
     scheduler.settings = settings
     try:
         # The saving worker's pool kept them in its arena (no dram tier): near, loaded in the step.
-        scheduler._worker_nodes = {reader._pool.node_id}
+        scheduler.worker_nodes = {reader.pool.node_id}
         assert scheduler.get_num_new_matched_tokens(vllm_request("r", tokens), 0) == (3 * BLOCK, False)
-        arenas = reader._pool.cluster.reader.arenas
+        arenas = reader.pool.cluster.reader.arenas
         wait_for(lambda: all(arenas.find_many(keys)), 10, "the other engine's arena mapped")
-        pulled = reader._pool.stats()["remote"].get("bytes_pulled", 0)
+        pulled = reader.pool.stats()["remote"].get("bytes_pulled", 0)
         caplog.set_level(logging.INFO, logger="vllm.kvpool")
         logging.getLogger("vllm.kvpool").addHandler(caplog.handler)
         try:
             reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, [5, 2, 7])],
                                                                    num_tokens=5))
-            reader.start_load_kv(None)  # type: ignore[arg-type]
+            reader.start_load_kv()
             for i in range(layers):
                 reader.wait_for_layer_load(f"layer.{i}")
             reader.wait_for_save()
@@ -1113,13 +1101,13 @@ def test_with_the_default_settings_engines_on_one_host_read_each_others_blocks_i
         assert reader.stats["blocks_in_place"] == 3
         assert "kvpool load: 3 blocks of 4 layers" in caplog.text and "(3 in place from a same-host arena;" \
             in caplog.text
-        assert reader._pool.stats()["remote"].get("bytes_pulled", 0) == pulled  # no pull, over TCP or otherwise
+        assert reader.pool.stats()["remote"].get("bytes_pulled", 0) == pulled  # no pull, over TCP or otherwise
         for obj, block in zip(objects, [5, 2, 7]):
             assert all(np.array_equal(caches[f"layer.{i}"][block].view(torch.int16).numpy().view(np.uint16), obj[i])
                        for i in range(layers))
         assert not any(cache[[0, 1, 3, 4, 6]].any() for cache in caches.values())  # nothing else written
     finally:
-        scheduler._master.close()
+        scheduler.master.close()
         reader.shutdown()
         writer.stop(grace_s=60)  # (a process with vLLM imported took 3-21 s to exit here)
 
@@ -1170,7 +1158,7 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
                 try:
                     connector.bind_connector_metadata(KvpoolConnectorMetadata(
                         loads=[Transfer("r", [b"absent"], [1])], num_tokens=1))
-                    connector.start_load_kv(None)
+                    connector.start_load_kv()
                     assert connector._load_future is not None
                     connector._load_future.result(10)
                     seen[str(setting)] = (cpus, [bound(t) for t in client_threads],
@@ -1329,13 +1317,13 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
         [save] = meta.saves
         assert (save.keys, save.block_ids, save.groups) == (keys, [1, 2, 3, 4], ([5, 6, 7, 8],))
         writer.bind_connector_metadata(meta)
-        for i, cache in enumerate(writer._layers):
-            writer.save_kv_layer(f"layer.{i}", cache, None)
+        for i in range(len(writer._layers)):
+            writer.save_kv_layer(f"layer.{i}")
         writer.wait_for_save()
         writer.wait_saved(10)
         assert writer.stats["blocks_saved"] == 4
-        scheduler.request_finished_all_groups(request, ([1, 2, 3, 4, 9], [5, 6, 7, 8, 10]))
-        assert "w" not in scheduler._tracked
+        scheduler.request_finished(request, [1, 2, 3, 4, 9])  # (the connector passes group 0's, SupportsHMA)
+        assert "w" not in scheduler.tracked
 
         # The reading engine: vLLM gives it full-attention blocks 2..5 and, for the window
         # group, the null block for the two blocks outside the window of the 4 loaded. The
@@ -1357,7 +1345,7 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
             """The load, as vLLM runs an asynchronous one: the requests whose load failed, and
             what the workers tell the scheduler's connector."""
             reader.bind_connector_metadata(meta)
-            reader.start_load_kv(None)  # type: ignore[arg-type]
+            reader.start_load_kv()
             reader.wait_for_save()
             results = wait_for(lambda: (r := reader.get_transfer_results(set())).finished_recving and r, 10,
                                "the asynchronous load")
@@ -1380,7 +1368,7 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
         # A block kvpool lost fails the request (vLLM frees its blocks and schedules it anew);
         # the scheduler's connector, told the first failed block, then loads only those before
         # it. The other blocks were loaded all the same, and nothing went into the null block.
-        writer._pool.delete(keys[2])
+        writer.pool.delete(keys[2])
         for cache in reader._layers:
             cache.zero_()
         failed, told = run(meta)
@@ -1402,10 +1390,10 @@ def test_with_the_hybrid_allocator_each_group_keeps_its_blocks_and_the_null_bloc
         [save] = meta.saves
         assert (save.block_ids, save.groups) == ([2, 3], ([5, 6],))
     finally:
-        scheduler._master.close()
+        scheduler.master.close()
         for connector in (writer, reader):
             connector._saver.shutdown()
-            connector._pool.close()
+            connector.pool.close()
 
 
 @pytest.mark.parametrize("case", ["one group, in the step", "one group, outside the steps", "two groups"])
@@ -1482,7 +1470,7 @@ def test_a_failed_load_never_crashes_vllms_scheduler_and_the_request_computes_fr
     try:
         rng = np.random.default_rng(11)
         tokens = [int(t) for t in rng.integers(1, 1000, 3 * BLOCK + 20)]
-        keys = prefix_hashes(tokens, BLOCK, namespace=scheduler.connector.namespace)
+        keys = prefix_hashes(tokens, BLOCK, namespace=scheduler.connector.scheduler.namespace)
         objects = [rng.integers(0, 1 << 16, (layers, 2, BLOCK, heads, head_dim), dtype=np.uint16) for _ in keys]
         holder.put_many(list(zip(keys, objects)), dtype="bfloat16")
         init_none_hash(sha256)
@@ -1500,7 +1488,7 @@ def test_a_failed_load_never_crashes_vllms_scheduler_and_the_request_computes_fr
                 block_ids = scheduler.kv_cache_manager.get_block_ids("r")
             meta = out.kv_connector_metadata
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)  # type: ignore[arg-type]
+            worker.start_load_kv()
             for name in names:  # the forward pass
                 worker.wait_for_layer_load(name)
             worker.wait_for_save()
@@ -1535,7 +1523,7 @@ def test_a_failed_load_never_crashes_vllms_scheduler_and_the_request_computes_fr
             if block != NULL_BLOCK:  # (a window group's block 0 may be out of the window)
                 assert np.array_equal(caches[name][block].view(torch.int16).numpy().reshape(-1),
                                       objects[0][i].view(np.int16).reshape(-1)), name
-        assert "r" not in scheduler.connector._tracked  # (request_finished)
+        assert "r" not in scheduler.connector.scheduler.tracked  # (request_finished)
     finally:
         scheduler.connector.shutdown()
         worker.shutdown()

@@ -153,8 +153,8 @@ def save_blocks(args: argparse.Namespace) -> None:
         block_ids = list(range(1, len(keys) + 1))  # (block 0 is vLLM's null block)
         connector.bind_connector_metadata(KvpoolConnectorMetadata(saves=[Transfer("w", keys, block_ids)],
                                                                   num_tokens=len(keys) * BLOCK_SIZE))
-        for name, cache in caches.items():
-            connector.save_kv_layer(name, cache, None)
+        for name in caches:
+            connector.save_kv_layer(name)
         connector.wait_for_save()
         connector.wait_saved(60)
         assert connector.stats["blocks_saved"] == len(keys), connector.stats
@@ -221,28 +221,21 @@ def main() -> None:
 def worker_connector(settings: Any, pool: Any, caches: dict[str, Any], kv_heads: int, block_size: int = BLOCK_SIZE,
                      kv_cache_config: Any = None, kv_role: str = "kv_both", parallel_config: Any = None,
                      tp_rank: int = 0, pp_rank: int = 0):
-    """The worker half of a KvpoolConnector without an engine (tests, bench/vllm_bench.py's load
+    """The worker half of the connector (KvpoolWorker) without an engine (tests, bench/vllm_bench.py's load
     rows): its kvpool client ``pool`` and paged ``caches`` ({layer name: tensor}, shaped as
     vLLM-CPU's [blocks, kv_heads, block, 2 * head_dim]); ``kv_cache_config``: vLLM's
     ``KVCacheConfig`` naming each layer's KV cache group (None: one group); ``kv_role``: vLLM's;
     ``parallel_config``: vLLM's ParallelConfig (None: one rank), of which this worker is
     rank ``tp_rank`` / ``pp_rank``."""
-    from types import SimpleNamespace
-
     from vllm.config import KVTransferConfig
 
-    from kvpool.integrations.vllm import KvpoolConnector, rank_tag, worker_cpus
+    from kvpool.integrations.vllm import KvpoolWorker, rank_tag, worker_cpus
 
-    connector = object.__new__(KvpoolConnector)
-    connector._kv_transfer_config = KVTransferConfig(kv_connector="KvpoolConnector", kv_role=kv_role)
-    connector.settings, connector.block_size = settings, block_size
-    connector._vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: kv_heads),
-                                             parallel_config=parallel_config)
-    connector._role = None
-    connector._kv_cache_config = kv_cache_config
-    connector._connector_metadata = None
-    connector.stats = {}
-    connector._init_worker(pool, worker_cpus(settings.cpus), rank_tag(parallel_config, tp_rank, pp_rank))
+    config = KVTransferConfig(kv_connector="KvpoolConnector", kv_role=kv_role)
+    connector = KvpoolWorker(settings, pool, block_size=block_size, kv_heads=kv_heads,
+                             loads=bool(config.is_kv_consumer), saves=bool(config.is_kv_producer),
+                             cpus=worker_cpus(settings.cpus), tag=rank_tag(parallel_config, tp_rank, pp_rank),
+                             kv_cache_config=kv_cache_config)
     connector.register_kv_caches(caches)
     return connector
 

@@ -1,0 +1,264 @@
+"""The scheduler half of kvpool's vLLM connector (it runs in vLLM's EngineCore process): which
+blocks of a new request kvpool holds (one batched ``lookup`` per request: one master round
+trip), which of them to load (the :class:`~kvpool.integrations.planner.Planner`: loading must
+beat recomputing), and each step's plan for the workers (:class:`KvpoolConnectorMetadata`):
+blocks to load in the step, blocks to load outside the steps (``load_async``), blocks the step
+fills, to save. ``docs/vllm.md`` describes the whole connector."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvpool import errors
+from kvpool.integrations.planner import Planner
+from kvpool.integrations.vllm_messages import NULL_BLOCK, KvpoolConnectorMetadata, Transfer
+from kvpool.integrations.vllm_settings import Settings, namespace_of, object_key, rank_tags, request_keys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kvpool.cluster.wire.master_client import MasterClient
+
+__all__ = ["KvpoolScheduler"]
+
+log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side remembers of a running request."""
+
+    keys: list[bytes]            # prefix hashes of its full prompt blocks
+    block_ids: list[list[int]] = field(default_factory=list)  # its blocks, per KV cache group
+    saved_upto: int = 0          # blocks below this are in kvpool (loaded, hit, or saved)
+    first: int = 0               # blocks vLLM had computed itself when the request arrived
+    load: Transfer | None = None  # blocks to load at its first step
+    load_async: bool = False     # whether it waits for its blocks outside the model's steps
+    failed_from: int | None = None  # a load of this block failed: it and the blocks after it are computed
+
+
+class KvpoolScheduler:
+    """The connector's scheduler half: vLLM's scheduler-side calls, on a kvpool master.
+
+    ``settings``: the connector's (:class:`~kvpool.integrations.vllm_settings.Settings`);
+    ``master``: a :class:`~kvpool.cluster.wire.master_client.MasterClient` it looks blocks up
+    on (closed by :meth:`shutdown`); ``block_size``: vLLM's; ``namespace``: the engine's
+    (:func:`~kvpool.integrations.vllm_settings.namespace_of`); ``loads`` / ``saves``: what
+    its ``kv_role`` lets it do (a ``kv_producer`` never looks up, a ``kv_consumer`` never
+    saves); ``rank_tags``: every parallel rank's tag ([] for an engine of one rank: a block is
+    held when each rank's object of it is, see :meth:`_lookup`); ``several_groups``: the model
+    has several KV cache groups (vLLM's hybrid allocator: every load waits outside the
+    steps); ``host_id``: this host's (:func:`kvpool.transport.engine.local_host_id`), for
+    ``load_async = "auto"``. The constructor does no I/O: :meth:`open` builds one from vLLM's
+    configuration."""
+
+    def __init__(self, settings: Settings, master: MasterClient, *, block_size: int, namespace: str,
+                 loads: bool = True, saves: bool = True, rank_tags: list[bytes] | None = None,
+                 several_groups: bool = False, host_id: str = "") -> None:
+        self.settings = settings
+        self.master = master
+        self.block_size = block_size
+        self.namespace = namespace
+        self.loads_blocks, self.saves_blocks = loads, saves
+        self.rank_tags = rank_tags or []
+        self.several_groups = several_groups
+        self.host_id = host_id
+        self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "plan_loaded_blocks": 0,
+                                        "plan_recomputed_blocks": 0, "requests_skipped": 0}
+        self.tracked: dict[str, _Tracked] = {}
+        self.async_pending: list[Transfer] = []  # loads of requests that wait outside the steps
+        self.planner = Planner()
+        self.block_bytes = 0  # one block of one layer, as the workers report it
+        self.layers_count = 0
+        self.rounds = 0  # requests per load (layer groups), as the workers report it
+        self.worker_nodes: set[str] = set()  # this engine's workers' kvpool node ids, as they report them
+        if several_groups and settings.load_async is False:
+            log.warning('kvpool connector: "load_async": false is not kept for a model of several KV cache groups '
+                        "(vLLM's hybrid allocator): its requests wait for their blocks outside the model's steps, "
+                        "the only way vLLM recomputes a failed load of such a model")
+
+    @classmethod
+    def open(cls, vllm_config: VllmConfig, settings: Settings, *, loads: bool, saves: bool,
+             several_groups: bool) -> KvpoolScheduler:
+        """The scheduler half of an engine of ``vllm_config``, with its own MasterClient."""
+        from kvpool.cluster.wire.master_client import MasterClient
+        from kvpool.config import Config
+        from kvpool.transport.engine import local_host_id
+
+        master = MasterClient(settings.master, config=Config.load(settings.pool_config()))
+        return cls(settings, master, block_size=vllm_config.cache_config.block_size,
+                   namespace=namespace_of(vllm_config), loads=loads, saves=saves,
+                   rank_tags=rank_tags(vllm_config.parallel_config), several_groups=several_groups,
+                   host_id=local_host_id())
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = request.prompt_token_ids or []
+        tracked = self.tracked.get(request.request_id)
+        if tracked is None:  # hashed once per request (a waiting request is asked again each step)
+            keys = request_keys(request, self.block_size, self.namespace)
+            if keys is None:  # extras kvpool cannot name for sure: neither looked up, loaded nor saved
+                self.stats["requests_skipped"] += 1
+                (log.info if self.stats["requests_skipped"] == 1 else log.debug)(
+                    "kvpool: request %s is computed without kvpool (prompt embeddings, or LoRA, multimodal or "
+                    "cache_salt extras it cannot read)", request.request_id)
+                keys = []
+            tracked = self.tracked[request.request_id] = _Tracked(keys)
+        keys = tracked.keys
+        # vLLM computes at least the last token; a block whose load failed, and those after it,
+        # are computed (a request looked up again after a failed load loads only those before)
+        loadable = min((len(tokens) - 1) // self.block_size, len(keys))
+        if tracked.failed_from is not None:
+            loadable = min(loadable, tracked.failed_from)
+        first = num_computed_tokens // self.block_size
+        tracked.saved_upto = tracked.first = first
+        if loadable <= first or not self.loads_blocks:  # (a kv_producer: tracked for its saves only)
+            return 0, False
+        try:
+            hits, near = self._lookup(keys[:loadable])
+        except errors.KVPoolError as exc:  # no master: compute everything, as without a connector
+            log.warning("kvpool lookup failed (%s): computing request %s", exc, request.request_id)
+            return 0, False
+        self.stats["lookups"] += 1
+        if hits <= first:
+            return 0, False
+        held = hits - first
+        self.stats["blocks_hit"] += held
+        if self.settings.plan and self.block_bytes:
+            block_bytes = self.block_bytes * self.layers_count
+            rounds = self.rounds or self.layers_count
+            transfer = self.planner.transfer_s(held, block_bytes, rounds)
+            recompute = self.planner.recompute_s(held, self.block_size)
+            if not self.planner.blocks_to_load(held, block_bytes, self.block_size, rounds):
+                self.stats["plan_recomputed_blocks"] += held
+                tracked.saved_upto = hits  # kvpool holds them already: recomputed, not saved again
+                log.info("kvpool plan: request %s recomputes %d held blocks: %.2f ms beats loading them in "
+                         "%.2f ms (alpha %.3f ms, beta %.2f GB/s, prefill %.0f tokens/s)", request.request_id,
+                         held, (recompute or 0) * 1e3, transfer * 1e3, self.planner.alpha_s * 1e3,
+                         self.planner.beta_bytes_per_s / 1e9, self.planner.prefill_tokens_per_s)
+                return 0, False
+            self.stats["plan_loaded_blocks"] += held
+            if recompute is not None:  # a real comparison (the prefill rate is measured): say it
+                log.info("kvpool plan: request %s loads %d held blocks: %.2f ms beats recomputing them in %.2f ms",
+                         request.request_id, held, transfer * 1e3, recompute * 1e3)
+        # "auto": loaded in its first step only when a worker reads the blocks without the network;
+        # with several KV cache groups always outside the steps (see __init__)
+        setting = self.settings.load_async
+        tracked.load_async = self.several_groups or (bool(setting) if setting != "auto" else near != (True, True))
+        log.debug("request %s: kvpool holds blocks %d..%d of %d (%s)", request.request_id, first, hits, len(keys),
+                  "loaded outside the steps" if tracked.load_async else "loaded in its first step")
+        return held * self.block_size, tracked.load_async
+
+    def _lookup(self, keys: list[bytes]) -> tuple[int, tuple[bool, bool] | None]:
+        """How many leading ``keys`` kvpool holds (one request to the master) and, for
+        ``load_async = "auto"``, whether a worker reads the first and the last of them without
+        the network: its own pool holds them (each worker reports its node id), or (``transport =
+        "auto"``) a same-host node's cxl arena it copies them from in place (a 64 MiB load in
+        ~14-25 ms, layer by layer under the forward pass). Other blocks are pulled (50-250 ms for
+        64 MiB over TCP inside an engine here), and a step that waits for a pull stalls every
+        request running in it: such a request waits outside the steps instead. Two blocks judge
+        the whole prefix; a wrong guess costs time, never bytes.
+
+        With several parallel ranks, a block is held when every rank's object of it is: each
+        rank's key of each block is asked for, block by block, in the same one request (a rank
+        that then misses its object at load time reports the block failed: vLLM recomputes it)."""
+        tags = self.rank_tags
+        if tags:
+            keys = [object_key(key, tag) for key in keys for tag in tags]
+        if self.settings.load_async != "auto":
+            hits, near = self.master.lookup(keys), None
+        else:
+            hits, near = self.master.lookup_near(keys, self.worker_nodes,
+                                                  self.host_id if self.settings.transport == "auto" else "")
+        return (hits // len(tags) if tags else hits), near
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' measurements (:class:`KvpoolStats`) refine the planner; the blocks that
+        failed to load (:class:`KvpoolWorkerMetadata`) are never loaded for their request again."""
+        failures = getattr(getattr(connector_output, "kv_connector_worker_meta", None), "load_failures", None)
+        for req_id, block in (failures or {}).items():
+            tracked = self.tracked.get(req_id)
+            if tracked is not None:
+                tracked.failed_from = block if tracked.failed_from is None else min(block, tracked.failed_from)
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None)
+        if not isinstance(data, dict):
+            return
+        for nbytes, seconds in data.get("pulls", []):
+            self.planner.observe_pull(nbytes, seconds)
+        for tokens, seconds in data.get("prefill", []):
+            self.planner.observe_prefill(tokens, seconds)
+        self.block_bytes = int(data.get("block_bytes") or self.block_bytes)
+        self.layers_count = int(data.get("layers") or self.layers_count)
+        self.rounds = int(data.get("rounds") or self.rounds or self.layers_count)
+        for node_id in data.get("node_ids", []):  # (one per worker)
+            if isinstance(node_id, str) and node_id:
+                self.worker_nodes.add(node_id)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self.tracked.get(request.request_id)
+        if tracked is None or num_external_tokens <= 0:
+            return
+        first, count = tracked.first, num_external_tokens // self.block_size
+        # (a window group's blocks left behind, or not given at all: NULL_BLOCK, never written)
+        groups = [list(ids[first:first + count]) for ids in blocks.get_block_ids()]
+        groups = [ids + [NULL_BLOCK] * (count - len(ids)) for ids in groups]
+        load = Transfer(request.request_id, tracked.keys[first:first + count], groups[0], tuple(groups[1:]), first)
+        if tracked.load_async:  # the request waits outside the steps: loaded from this step on
+            self.async_pending.append(load)
+        else:  # loaded at the request's first step, which waits for it
+            tracked.load = load
+        tracked.saved_upto = first + count
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvpoolConnectorMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
+        meta.async_loads, self.async_pending = self.async_pending, []
+        steps: list[tuple[str, int, Any, bool]] = []  # (request, computed tokens, new block ids per group, ...)
+        for new in scheduler_output.scheduled_new_reqs:
+            steps.append((new.req_id, new.num_computed_tokens, new.block_ids, True))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            steps.append((req_id, cached.num_computed_tokens[i], cached.new_block_ids[i],
+                          req_id in cached.resumed_req_ids))
+        for req_id, computed, block_ids, replace in steps:
+            tracked = self.tracked.get(req_id)
+            if tracked is None:
+                continue
+            if block_ids is not None:
+                if replace or not tracked.block_ids:
+                    tracked.block_ids = [[] for _ in block_ids]
+                for mine, more in zip(tracked.block_ids, block_ids):
+                    mine.extend(more or ())
+            if tracked.load is not None:
+                meta.loads.append(tracked.load)
+                tracked.load = None
+            if not self.saves_blocks:  # a kv_consumer
+                continue
+            # Blocks of the prompt that this step fills are saved as the layers produce them
+            # (each in every group: in this step even a window group still has them).
+            after = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
+                        len(tracked.keys) * self.block_size)
+            full = min([after // self.block_size, *(len(ids) for ids in tracked.block_ids)]) \
+                if tracked.block_ids else 0  # (no blocks given yet: nothing to save)
+            if full > tracked.saved_upto:
+                span = range(tracked.saved_upto, full)
+                whole = [i for i in span if all(ids[i] != NULL_BLOCK for ids in tracked.block_ids)]
+                if whole:
+                    groups = [[ids[i] for i in whole] for ids in tracked.block_ids]
+                    meta.saves.append(Transfer(req_id, [tracked.keys[i] for i in whole], groups[0],
+                                               tuple(groups[1:])))
+                tracked.saved_upto = full
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.tracked.pop(request.request_id, None)
+        return False, None  # saves complete within the step that computed the blocks
+
+    def shutdown(self) -> None:
+        self.master.close()
