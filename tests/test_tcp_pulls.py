@@ -277,9 +277,9 @@ def _slow_provider(key: bytes, layer_range: LayerRange) -> ServeSource | None:
 
 
 def test_a_reply_that_does_not_come_whole_in_one_receive_is_read_the_general_way() -> None:
-    """finish() first tries to take the whole reply with one receive (the usual small pull); a
-    reply arriving in pieces, a miss, and a header of another size than the buffer given for it
-    go on the general way, the connection staying in step for the next pull."""
+    """finish()'s first receive lands the usual small pull whole (status, header, payload, each in
+    place); a reply arriving in pieces, a miss, and a header of another size than the buffer given
+    for it are read on from there, the connection staying in step for the next pull."""
     with TcpPullServer(_slow_provider) as server, TcpPullClient() as client:
         peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
         out = memoryview(bytearray(2 * LAYER_NBYTES))

@@ -33,9 +33,6 @@ log = logging.getLogger("kvpool.transport.tcp")
 
 _WINDOW_NBYTES = 32 << 10  # request bytes a client writes ahead of the replies it has read
 _REQUEST_ID = 1
-# The most payload bytes a reply may have to be tried with one receive (finish): a larger one
-# comes in pieces anyway (loopback carries at most 64 KiB per segment).
-_WHOLE_REPLY_MAX = 256 << 10
 
 
 class TcpPullClient:
@@ -156,13 +153,6 @@ class TcpPullClient:
         ``nbytes`` asked for), the header it carries into ``header_out``, as :meth:`pull_into`
         does and with its errors. A reply that cannot land in ``out`` is never read: the
         connection is closed instead."""
-        conn = pull.conn
-        if pull.sent_on is conn and conn is not None and not conn.pending and type(header_out) is bytearray \
-                and type(out) is memoryview and out.nbytes == pull.nbytes <= _WHOLE_REPLY_MAX and out.format == "B" \
-                and out.ndim == 1 and out.c_contiguous and not out.readonly:  # what the reader passes
-            done = self._whole_reply(conn, pull, out, header_out)  # the usual: all of it in one receive
-            if done:
-                return done
         try:
             view = checked_out(out)
             if view.nbytes < pull.nbytes:
@@ -191,35 +181,6 @@ class TcpPullClient:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
-
-    def _whole_reply(self, conn: _Conn, pull: TcpPull, out: memoryview, header_out: bytearray) -> int:
-        """The payload bytes of ``pull``'s reply if one receive brought all of it, an OK with a
-        header of exactly ``header_out``'s size for exactly ``out`` (the usual small pull); else
-        0, with what was received put back in front of the stream for :meth:`finish` to read
-        the general way."""
-        status = bytearray(STATUS.size)
-        views: list[bytearray | memoryview] = [status, header_out, out]
-        try:
-            got = conn.polled(pull, views)
-            if got is None:
-                got = conn.sock.recvmsg_into(views)[0]
-        except OSError:  # nothing came within the wait, or the connection failed: finish decides
-            return 0
-        nbytes = out.nbytes
-        if got == STATUS.size + len(header_out) + nbytes:
-            frame = parse_status_head(status, pull.request_id)
-            if frame is not None and frame[0] in OK_STATUSES and frame[1] == len(header_out) and frame[2] == nbytes:
-                pull.conn = None
-                self._checkin(pull.where, conn)
-                self.pulls += 1
-                self.bytes_received += nbytes
-                return nbytes
-        pieces = []
-        for piece in (status, header_out, out):  # (nothing, when the holder closed the connection)
-            pieces.append(bytes(piece[:got]))
-            got -= min(got, len(piece))
-        conn.unread(b"".join(pieces))
-        return 0
 
     def cancel(self, pull: TcpPull) -> None:
         """Drop a pull :meth:`start` sent, unread (its connection is closed)."""
@@ -353,13 +314,19 @@ class TcpPullClient:
         conn.send(pull, self.prove(challenge) if self.prove is not None else bytes(PROOF_NBYTES))
 
     def _reply(self, conn: _Conn, pull: TcpPull, replied: bool) -> int | BaseException:
-        """Read one reply: its status frame (with the header an OK carries), then its payload.
+        """Read one reply: its status frame, the body that follows (a failure's text, or the
+        header an OK carries, into ``pull.header_out``), then an OK's payload into ``pull.out``.
 
-        The usual reply (OK, a header of the size asked for) lands with one ``recvmsg_into``:
-        status and header in small buffers, the payload straight in ``out``. Any other is read
-        piece by piece, after the bytes already received are put back in front of the stream.
+        Every reply is read here. The first receive lands bytes where the usual reply (OK, a
+        header of the size asked for) wants them: status and header in small buffers, the
+        payload straight in ``out``, often all of it with one ``recvmsg_into``. Whatever landed
+        elsewhere than this reply wants it (the start of the next reply; or, after another
+        status, everything past the status frame) is put back in front of the stream and read
+        again into its place. A payload is reported to ``pull.progress`` as it lands, after
+        the header is in ``header_out``.
         """
         status_buf = bytearray(STATUS.size)
+        status_view = memoryview(status_buf)
         header_out = pull.header_out
         if header_out is None:
             header = _EMPTY
@@ -367,48 +334,47 @@ class TcpPullClient:
             header = memoryview(header_out)
         else:
             header = memoryview(bytearray(pull.header_room))
-        views = [memoryview(status_buf), header, pull.out]
-        got = conn.receive_some(pull, views if header.nbytes else [views[0], views[2]], replied)
+        views = [status_view, header, pull.out] if header.nbytes else [status_view, pull.out]
+        got = conn.receive_some(pull, views, replied)
         while got < STATUS.size:
             got += conn.receive_some(pull, _skip(views, got), True)
         frame = parse_status_head(status_buf, pull.request_id)
         if frame is None:
             raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: malformed status frame"), replied=True)
         status, body_len, nbytes, _ = frame
-        if status in OK_STATUSES and body_len == header.nbytes and (body_len or pull.header_out is None) \
-                and nbytes <= pull.out.nbytes:
-            head = STATUS.size + body_len
-            end = head + nbytes
+        ok = status in OK_STATUSES
+        if ok and nbytes > pull.out.nbytes:
+            raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: {nbytes} bytes for a "
+                                                       f"{pull.out.nbytes}-byte buffer"), replied=True)
+        head = STATUS.size + body_len
+        end = head + nbytes if ok else head
+        if ok and body_len == header.nbytes:  # the usual: landed in place
+            body = header
             if got > end:  # the start of the next reply, received into the out buffer's tail
                 conn.unread(pull.out[nbytes:got - head])
-            views[2] = pull.out[:nbytes]
-            while got < head:
-                got += conn.receive_some(pull, _skip(views, got), True)
-            if header_out is not None and header.obj is not header_out:
-                header_out[:] = header
-            while True:
-                if pull.progress is not None:
-                    pull.progress(min(got, end) - head)
-                if got >= end:
-                    break
-                got += conn.receive_some(pull, _skip(views, got), True)
         else:
             received = got - STATUS.size
             conn.unread(bytes(header[:received]) + bytes(pull.out[:max(0, received - header.nbytes)]))
             if header is not _EMPTY:
                 header.release()  # header_out is free to take the header's own length below
-            body = bytearray(body_len)
-            conn.receive(pull, memoryview(body), True)
-            if status not in OK_STATUSES:
-                return self._failed(pull, status_error(status)(f"{pull.label}: {body.decode('utf-8', 'replace')}"))
-            if nbytes > pull.out.nbytes:
-                raise _ConnectionLost(errors.ProtocolError(f"{pull.label}: {nbytes} bytes for a "
-                                                           f"{pull.out.nbytes}-byte buffer"), replied=True)
-            conn.receive(pull, pull.out[:nbytes], True)
-            if pull.header_out is not None:
-                if not body or len(body) > pull.header_room:
-                    return self._failed(pull, errors.ProtocolError(f"{pull.label}: OK without a usable header"))
-                pull.header_out[:] = body
+            body = memoryview(bytearray(body_len))
+            got = STATUS.size
+        views = [status_view, body, (pull.out if nbytes == pull.out.nbytes else pull.out[:nbytes]) if ok else _EMPTY]
+        while got < head:
+            got += conn.receive_some(pull, _skip(views, got), True)
+        if not ok:
+            return self._failed(pull, status_error(status)(f"{pull.label}: {bytes(body).decode('utf-8', 'replace')}"))
+        usable = header_out is None or 0 < body_len <= pull.header_room
+        if usable and header_out is not None and body.obj is not header_out:
+            header_out[:] = body
+        while True:
+            if pull.progress is not None and usable:
+                pull.progress(min(got, end) - head)
+            if got >= end:
+                break
+            got += conn.receive_some(pull, _skip(views, got), True)
+        if not usable:
+            return self._failed(pull, errors.ProtocolError(f"{pull.label}: OK without a usable header"))
         self.pulls += 1
         self.bytes_received += nbytes
         return int(nbytes)
