@@ -214,3 +214,30 @@ def test_poll_bench_quick_runs(tmp_path: Path) -> None:
             assert polled > 0, row
     for placement in ("split", "shared"):  # the side-by-side ratios are reported
         assert re.search(rf"{placement}\s+get\s+[0-9.]+x", proc.stdout), proc.stdout
+
+
+@pytest.mark.timeout(900)  # four vLLM servers, two at a time, a minute or more each to start here
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (pip install 'kvpool[vllm]')")
+def test_serving_bench_smallest_prefix_and_kvpool(tmp_path: Path) -> None:
+    """The serving bench at its smallest (2 users x 2 turns, 2 P/D prompts, a 2-layer model):
+    every row and workload reported, kvpool's rows without an error; not how fast."""
+    rows_json = tmp_path / "serving.json"
+    proc = run_or_dump(
+        [str(REPO_ROOT / "bench" / "serving_bench.py"), "--rows", "prefix,kvpool", "--users", "2", "--turns", "2",
+         "--doc-tokens", "256", "--pd-prompts", "2", "--pd-tokens", "256", "--layers", "2", "--hidden", "128",
+         "--max-tokens", "8", "--reference-runs", "1", "--json", str(rows_json)],
+        timeout_s=840, env={"TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    for label in ("prefix caching only", "kvpool", "one engine recomputing", "kvpool P/D"):
+        assert any(line.startswith(label + " ") for line in proc.stdout.splitlines()), (label, proc.stdout)
+    assert "ratios (issue 41's targets)" in proc.stdout
+    rows = {(r["row"], r["workload"]): r for r in json.loads(rows_json.read_text())["rows"]}
+    assert set(rows) == {("prefix", "multiturn"), ("prefix", "pd"), ("kvpool", "multiturn"), ("kvpool", "pd")}
+    for (row, workload), r in rows.items():
+        assert r["requests"] == (4 if workload == "multiturn" else 2), r
+        assert r["ttft_p50_ms"] > 0 and r["wall_s"] > 0, r
+        if row == "kvpool":
+            assert r["status"] == "ok" and r["errors"] == 0, (r["status"], r["error_samples"], proc.stderr[-5000:])
+            assert r["equal_to_reference"] is not None
+    assert not any(tmp_path.glob("kvpool-serving-bench-*")), "the bench left its work directory behind"
