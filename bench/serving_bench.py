@@ -594,10 +594,10 @@ class Bench:
     def lmcache_server(self, name: str) -> tuple[Proc, int]:
         port = _free_port()
         exe = Path(self.args.lmcache_venv) / "bin" / "lmcache"
-        proc = self.procs.start(name, [str(exe), "server", "--host", "localhost", "--port", str(port),
-                                       "--chunk-size", "256", "--l1-size-gb", str(self.args.lmcache_l1_gb),
-                                       "--supported-transfer-mode", "auto"], self.work / f"{name}.log",
-                                {"LMCACHE_DISABLE_BANNER": "1"})
+        argv = [str(exe), "server", "--host", "localhost", "--port", str(port), "--chunk-size", "256",
+                "--l1-size-gb", str(self.args.lmcache_l1_gb), "--eviction-policy", "LRU",  # (0.5.6 requires one)
+                "--supported-transfer-mode", "auto"]
+        proc = self.procs.start(name, argv, self.work / f"{name}.log", {"LMCACHE_DISABLE_BANNER": "1"})
         wait_ready([(proc, f"tcp://127.0.0.1:{port}")], 120)
         return proc, port
 
@@ -805,7 +805,9 @@ def report(results: list[RowResult], args: argparse.Namespace) -> list[dict[str,
           f"{args.hidden}, {args.kv_heads} KV heads of 64, bf16; max_tokens {args.max_tokens}; one compute core per "
           f"engine")
     print("ms. TTFT: multi-turn over turns >= 1; P/D: the consumer's (D's) own, the client's (through the proxy, "
-          "the prefill included) beside it. ITL: gaps between streamed chunks (P/D: D's own stream).")
+          "the prefill included) beside it. ITL: gaps between streamed chunks (P/D: D's own stream). Loaded: "
+          "prompt tokens the engines counted as external_kv_transfer, of those another engine had computed in full "
+          "blocks (a store that also loads a partial block may exceed it).")
     print(format_table(["row", "status", "TTFT p50 / p90", "client TTFT p50", "ITL p50 / p99", "wall s",
                         "tokens loaded from outside", "local cache hits", "errors", "answers = reference", "router"],
                        out_rows, align="llrrrrrrrll"))
