@@ -395,6 +395,93 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         holder.close()
 
 
+def test_a_consumer_given_a_producers_kv_transfer_params_waits_for_the_blocks_it_published_then_loads_them(
+        tmp_path: Path, spawn_python) -> None:
+    """The producer's answer names how many leading blocks it published and the key of the last
+    (request_finished's kv_transfer_params, which vLLM echoes and the P/D proxy passes on); a
+    consumer given them says "not yet" (None: vLLM asks again later) while fewer are found,
+    loads them once they are, gives up after load_timeout_s (computing what is missing), and
+    ignores params that name another model's keys."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import kvpool
+    from kvpool.integrations.vllm import Settings
+    from kvpool.integrations.vllm_scheduler import PARAMS_KEY
+
+    master = start_master(spawn_python)
+    tokens = list(range(1, 4 * BLOCK + 1))
+    keys = prefix_hashes(tokens, BLOCK, namespace="test-namespace")
+    holder = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "holder")},
+                                            "tiers": {"dram": {"capacity": "8MiB", "mlock": False},
+                                                      "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                            "master": {"listen": master}})
+    producer, consumer = _scheduler(master, "kv_producer"), _scheduler(master, "kv_consumer")
+
+    def request(request_id: str, params: dict[str, Any] | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": params} if params is not None else None
+        return Request(request_id, tokens, SamplingParams(max_tokens=1, extra_args=extra), None)
+
+    try:
+        # The producer computes the prompt: its step saves blocks 0..3; finishing, it names them.
+        produced = request("p", None)
+        assert producer.get_num_new_matched_tokens(produced, 0) == (0, False)
+        step = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="p", num_computed_tokens=0, block_ids=([1, 2, 3, 4],))],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                  resumed_req_ids=set()),
+            num_scheduled_tokens={"p": 4 * BLOCK}, total_num_scheduled_tokens=4 * BLOCK)
+        assert [t.keys for t in producer.build_connector_meta(step).saves] == [keys]
+        _, params = producer.request_finished(produced, [1, 2, 3, 4])
+        assert params == {PARAMS_KEY: {"blocks": 4, "last": keys[3].hex()}}
+        assert consumer.request_finished(request("c", None), []) == (False, None)  # (a consumer names nothing)
+
+        # The consumer (the last prompt token is always computed: 3 blocks load) while only
+        # block 0 is published: "not yet", then, the rest published, all three.
+        holder.put(keys[0], np.zeros((2, 2, BLOCK, 1, 8), np.float16))
+        waiting = request("c1", params)
+        assert consumer.get_num_new_matched_tokens(waiting, 0) == (None, False)
+        time.sleep(0.01)
+        assert consumer.get_num_new_matched_tokens(waiting, 0) == (None, False)
+        holder.put_many([(key, np.zeros((2, 2, BLOCK, 1, 8), np.float16)) for key in keys[1:]])
+        time.sleep(0.01)
+        assert consumer.get_num_new_matched_tokens(waiting, 0) == (3 * BLOCK, False)
+        assert consumer.stats["producer_waits"] == 1
+
+        # Params naming blocks of another namespace: nothing waited for (found blocks load).
+        other = prefix_hashes(tokens, BLOCK, namespace="another-model")
+        stranger = request("c2", {PARAMS_KEY: {"blocks": 4, "last": other[3].hex()}})
+        assert consumer.get_num_new_matched_tokens(stranger, 0) == (3 * BLOCK, False)
+
+        # A producer's blocks that never come: "not yet" until load_timeout_s, then what is there.
+        late = _scheduler(master, "kv_consumer")
+        late.settings = Settings.from_extra({"master": master, "load_async": False, "load_timeout_s": 0.2})
+        fresh = list(range(7, 4 * BLOCK + 7))
+        fresh_keys = prefix_hashes(fresh, BLOCK, namespace="test-namespace")
+        holder.put(fresh_keys[0], np.zeros((2, 2, BLOCK, 1, 8), np.float16))
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        never = Request("c3", fresh, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
+            PARAMS_KEY: {"blocks": 4, "last": fresh_keys[3].hex()}}}), None)
+        started = time.monotonic()
+        answers = []
+        while not answers or answers[-1] == (None, False):
+            answers.append(late.get_num_new_matched_tokens(never, 0))
+            time.sleep(0.01)
+            assert time.monotonic() - started < 5
+        assert answers[-1] == (BLOCK, False) and time.monotonic() - started >= 0.2
+        late.shutdown()
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+        holder.close()
+
+
 def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_them_outside_the_steps(
         tmp_path: Path, spawn_python) -> None:
     """``load_async = "auto"``: blocks a worker reads without the network (a same-host node's

@@ -8,6 +8,7 @@ fills, to save. ``docs/vllm.md`` describes the whole connector."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +27,15 @@ if TYPE_CHECKING:
 
     from kvpool.cluster.wire.master_client import MasterClient
 
-__all__ = ["KvpoolScheduler"]
+__all__ = ["PARAMS_KEY", "KvpoolScheduler"]
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
+
+#: kvpool's entry in a request's ``kv_transfer_params``: {"blocks": n, "last": key of block n - 1, hex}
+PARAMS_KEY = "kvpool"
+# A request waiting for a producer's blocks is looked up again at most this often (vLLM asks at
+# every scheduler step).
+_WAIT_LOOKUP_EVERY_S = 0.005
 
 
 @dataclass
@@ -42,6 +49,9 @@ class _Tracked:
     load: Transfer | None = None  # blocks to load at its first step
     load_async: bool = False     # whether it waits for its blocks outside the model's steps
     failed_from: int | None = None  # a load of this block failed: it and the blocks after it are computed
+    expected: int = 0            # blocks a producer said it published (kv_transfer_params): waited for
+    waiting_since: float = 0.0   # when it began waiting for them (monotonic)
+    looked_at: float = 0.0       # its last lookup while waiting (monotonic)
 
 
 class KvpoolScheduler:
@@ -71,7 +81,8 @@ class KvpoolScheduler:
         self.several_groups = several_groups
         self.host_id = host_id
         self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "plan_loaded_blocks": 0,
-                                        "plan_recomputed_blocks": 0, "requests_skipped": 0}
+                                        "plan_recomputed_blocks": 0, "requests_skipped": 0, "producer_waits": 0,
+                                        "producer_wait_s": 0.0}
         self.tracked: dict[str, _Tracked] = {}
         self.async_pending: list[Transfer] = []  # loads of requests that wait outside the steps
         self.planner = Planner()
@@ -98,7 +109,11 @@ class KvpoolScheduler:
                    rank_tags=rank_tags(vllm_config.parallel_config), several_groups=several_groups,
                    host_id=local_host_id())
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """How many tokens beyond ``num_computed_tokens`` kvpool loads for ``request``, and
+        whether it waits for them outside the model's steps. None: not known yet (a request
+        whose ``kv_transfer_params`` name blocks a producer published, while fewer are found:
+        vLLM asks again at a later step, for at most ``load_timeout_s``)."""
         tokens = request.prompt_token_ids or []
         tracked = self.tracked.get(request.request_id)
         if tracked is None:  # hashed once per request (a waiting request is asked again each step)
@@ -110,6 +125,7 @@ class KvpoolScheduler:
                     "cache_salt extras it cannot read)", request.request_id)
                 keys = []
             tracked = self.tracked[request.request_id] = _Tracked(keys)
+            tracked.expected = self._expected(request, keys)
         keys = tracked.keys
         # vLLM computes at least the last token; a block whose load failed, and those after it,
         # are computed (a request looked up again after a failed load loads only those before)
@@ -120,12 +136,30 @@ class KvpoolScheduler:
         tracked.saved_upto = tracked.first = first
         if loadable <= first or not self.loads_blocks:  # (a kv_producer: tracked for its saves only)
             return 0, False
+        now = time.monotonic()
+        if tracked.expected and now - tracked.looked_at < _WAIT_LOOKUP_EVERY_S:
+            return None, False  # (vLLM asks every step: one lookup per few ms is plenty)
+        tracked.looked_at = now
         try:
             hits, near = self._lookup(keys[:loadable])
         except errors.KVPoolError as exc:  # no master: compute everything, as without a connector
             log.warning("kvpool lookup failed (%s): computing request %s", exc, request.request_id)
             return 0, False
         self.stats["lookups"] += 1
+        if tracked.expected:
+            if hits < min(tracked.expected, loadable):
+                tracked.waiting_since = tracked.waiting_since or now
+                if now - tracked.waiting_since < self.settings.load_timeout_s:
+                    return None, False
+                log.warning("kvpool: request %s: %d of the %d blocks its producer published were found within "
+                            "%.1f s; the rest are computed", request.request_id, hits,
+                            min(tracked.expected, loadable), self.settings.load_timeout_s)
+            elif tracked.waiting_since:
+                self.stats["producer_waits"] += 1
+                self.stats["producer_wait_s"] += now - tracked.waiting_since
+                log.info("kvpool: request %s waited %.1f ms for the blocks its producer published",
+                         request.request_id, (now - tracked.waiting_since) * 1e3)
+            tracked.expected = 0
         if hits <= first:
             return 0, False
         held = hits - first
@@ -257,8 +291,37 @@ class KvpoolScheduler:
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.tracked.pop(request.request_id, None)
-        return False, None  # saves complete within the step that computed the blocks
+        """Forget the request; its blocks are free at once (False): the workers published every
+        block it saved inside the step that computed it (``save_async`` false) or hand them to
+        their saver thread with copies of their own. An engine that saves answers, in
+        ``kv_transfer_params`` (vLLM echoes them in the response; a P/D proxy hands them to the
+        consumer, :mod:`kvpool.integrations.vllm_proxy`), how many of the prompt's leading
+        blocks kvpool has now and the key of the last: a consumer given them waits for that
+        many (:meth:`get_num_new_matched_tokens`) instead of recomputing what is still being
+        published."""
+        tracked = self.tracked.pop(request.request_id, None)
+        if tracked is None or not self.saves_blocks or not tracked.saved_upto:
+            return False, None
+        held = min(tracked.saved_upto, len(tracked.keys))
+        return False, {PARAMS_KEY: {"blocks": held, "last": tracked.keys[held - 1].hex()}}
+
+    def _expected(self, request: Request, keys: list[bytes]) -> int:
+        """How many leading blocks of ``request`` its ``kv_transfer_params`` say a producer
+        published (:meth:`request_finished`), when they name this engine's own key of the last
+        of them (else a producer of another model, layout or namespace: 0, nothing waited for)."""
+        params = getattr(request, "kv_transfer_params", None)
+        ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+        if not isinstance(ours, dict) or not self.loads_blocks:
+            return 0
+        blocks, last = ours.get("blocks"), ours.get("last")
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 < blocks <= len(keys) \
+                or not isinstance(last, str) or keys[blocks - 1].hex() != last:
+            log.warning("kvpool: request %s names %r blocks from a producer this engine does not share keys with "
+                        "(another model, block size, layout or namespace): nothing is waited for",
+                        request.request_id, blocks)
+            return 0
+        return blocks
+
 
     def shutdown(self) -> None:
         self.master.close()

@@ -44,6 +44,9 @@ class Settings:
     # Names the model's weights in the namespace instead of their content fingerprint
     # (model_fingerprint): engines with one model_id share blocks whatever their files say.
     model_id: str | None = None
+    # False: a step's blocks are published before the step's output leaves the engine (a response
+    # means its prompt's full blocks are findable); True: a saver thread publishes them after it
+    save_async: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -51,7 +54,7 @@ class Settings:
 
         extra = dict(extra or {})
         known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport", "plan",
-                 "layers_per_pull", "load_async", "cpus", "model_id"}
+                 "layers_per_pull", "load_async", "cpus", "model_id", "save_async"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -101,8 +104,12 @@ class Settings:
         if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "model_id" must be a non-empty string naming the weights, got {model_id!r}')
+        save_async = extra.get("save_async", False)
+        if not isinstance(save_async, bool):
+            raise errors.ConfigError(
+                f'kv_connector_extra_config "save_async" must be true or false, got {save_async!r}')
         return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
-                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async, cpus, model_id)
+                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async, cpus, model_id, save_async)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one

@@ -230,7 +230,8 @@ class KvpoolWorker:
         self._meta: KvpoolConnectorMetadata | None = None  # this step's plan (bind_connector_metadata)
         self.stats: dict[str, float] = {}
         self._rank_tag = tag
-        for name in ("blocks_loaded", "blocks_failed", "blocks_saved", "load_wait_s", "load_total_s", "save_s"):
+        for name in ("blocks_loaded", "blocks_failed", "blocks_saved", "load_wait_s", "load_total_s", "save_s",
+                     "save_wait_s"):
             self.stats.setdefault(name, 0)
         self.pool = pool
         self._layers: list[torch.Tensor] = []
@@ -773,21 +774,41 @@ class KvpoolWorker:
             self._report.setdefault("prefill", []).append([meta.num_tokens, seconds])
         self._step_started, self._last_waited = 0.0, 0.0
         stage, self._stage = self._stage, None
-        if stage is not None:  # stored off the model's path: the next step does not wait for it
+        if stage is None:
+            return
+        if self.settings.save_async:  # stored off the model's path: the next step does not wait for it
             self._saves.append(self._saver.submit(self._save, stage))
             self._saves = [f for f in self._saves if not f.done()]
+            return
+        # Published before the step's output leaves the engine: once a request's answer (or first
+        # token) is out, any engine's lookup finds its prompt's full blocks. The put runs on the
+        # saver thread (on the connector's CPUs) while the model's thread waits, at most
+        # load_timeout_s: then the step goes on and the save finishes on its own.
+        started = time.perf_counter()
+        future = self._saver.submit(self._save, stage, False)
+        self._saves.append(future)
+        done, _ = concurrent.futures.wait([future], self.settings.load_timeout_s)
+        waited = time.perf_counter() - started
+        self._count("save_wait_s", waited)
+        if not done:
+            log.warning("kvpool: saving %d blocks took over %.1f s: the step went on without them (a request "
+                        "sent now may recompute them)", len(stage.keys), self.settings.load_timeout_s)
+        self._saves = [f for f in self._saves if not f.done()]
 
-    def _save(self, stage: _Stage) -> None:
+    def _save(self, stage: _Stage, yield_to_loads: bool = True) -> None:
         """Put one step's blocks (the saver thread) in ``put_many`` batches of about
         ``_SAVE_BATCH_BYTES``, durable by the one rule of :func:`kvpool.client.durable_copies`
         (the ``durable`` / ``replicas`` settings, else the pool config's ``node.durable`` /
         ``node.replicas``): one placement and one replicate exchange per storage node for each
-        batch. Loads come first: before each batch the saver waits, up to ``_SAVE_YIELD_S``,
-        while a load is in flight (the saver and the loader share the cores the model leaves)."""
+        batch. ``yield_to_loads`` (``save_async``): loads come first: before each batch the saver
+        waits, up to ``_SAVE_YIELD_S``, while a load is in flight (the saver and the loader share
+        the cores the model leaves); else (the step waits for this) one ``put_many`` of them all,
+        one master round trip."""
         started = time.perf_counter()
-        per_batch = max(1, _SAVE_BATCH_BYTES // max(1, stage.objects[0].nbytes))
+        per_batch = max(1, _SAVE_BATCH_BYTES // max(1, stage.objects[0].nbytes)) if yield_to_loads else len(stage.keys)
         for at in range(0, len(stage.keys), per_batch):
-            self._loads_idle.wait(_SAVE_YIELD_S)
+            if yield_to_loads:
+                self._loads_idle.wait(_SAVE_YIELD_S)
             keys = stage.keys[at:at + per_batch]
             try:
                 self.pool.put_many(zip(keys, stage.objects[at:at + per_batch]), dtype=self._dtype_name,
@@ -810,6 +831,6 @@ class KvpoolWorker:
         self._async_loader.shutdown(wait=False)
         self._streams.shutdown(wait=False)
         self._saver.shutdown(wait=True)  # saves in flight finish first
-        log.info("kvpool saves: %d blocks saved in %.3f s on the saver thread", self.stats["blocks_saved"],
-                 self.stats["save_s"])
+        log.info("kvpool saves: %d blocks saved in %.3f s on the saver thread (the steps waited %.3f s for them)",
+                 self.stats["blocks_saved"], self.stats["save_s"], self.stats.get("save_wait_s", 0.0))
         self.pool.close()

