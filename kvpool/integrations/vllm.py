@@ -28,7 +28,9 @@ outside the model's steps; false: its first step waits for them, layer by layer;
 see :meth:`~kvpool.integrations.vllm_scheduler.KvpoolScheduler._lookup`), ``cpus``
 (where the worker's kvpool threads run, :func:`worker_cpus`: ``"auto"``, ``"inherit"`` or a
 list of CPU ids), ``model_id`` (names the model's weights in the namespace instead of
-their content fingerprint, :func:`~kvpool.integrations.vllm_settings.model_fingerprint`).
+their content fingerprint, :func:`~kvpool.integrations.vllm_settings.model_fingerprint`),
+``save_async`` (false: a step's saves are published before its output leaves the engine;
+true: after, on the saver thread, below).
 
 ``kv_role``: ``kv_both`` engines load and save; a ``kv_producer`` engine (prefill in a
 prefill/decode split) saves its blocks and never looks them up or loads them (every request
@@ -81,9 +83,16 @@ later ones are still in flight. Every pull costs a fixed amount of CPU on both s
 ``"auto"`` (the default) makes each move at least 4 MiB of a block: blocks up to that
 size go whole, one pull each. :meth:`~kvpool.integrations.vllm_worker.KvpoolWorker.save_kv_layer` gathers
 each layer's newly full blocks as the forward pass produces them;
-:meth:`~kvpool.integrations.vllm_worker.KvpoolWorker.wait_for_save` hands the step's objects to a saver thread (one
-``put_many``: one master round trip, and when durable one placement and one replicate
-exchange per storage node), so the next step does not wait for them. Blocks a request
+:meth:`~kvpool.integrations.vllm_worker.KvpoolWorker.wait_for_save` hands the step's objects to the saver
+thread (one ``put_many``: one master round trip, and when durable one placement and one
+replicate exchange per storage node) and, by default (``save_async`` false), waits for it:
+the step's output (a first token, an answer) leaves the engine only once its prompt's
+full blocks are published, so a request sent the moment an answer arrived, to any engine,
+finds them. A producer's answer also names them in its ``kv_transfer_params``
+(``{"kvpool": {"blocks": n, "last": key}}``, which vLLM echoes); a consumer given them
+waits, at most ``load_timeout_s``, until that many are found, instead of recomputing them
+(the P/D proxy :mod:`kvpool.integrations.vllm_proxy` passes them on). ``save_async``
+true: the step does not wait (a request sent at once may recompute them). Blocks a request
 loaded, blocks vLLM had itself and held blocks the planner recomputes are not saved
 again. A block that cannot be loaded whole (a miss, a checksum failure, a dead holder,
 the deadline) is reported to vLLM, which recomputes it: kvpool never hands the model
