@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, ChildProcess, free_tcp_port, wait_for
 
 HEARTBEAT_MS = 200
 CHUNK_TOKENS = 256
@@ -226,6 +228,105 @@ def test_import_kvpool_loads_no_lmcache() -> None:
     probe = "import sys, kvpool, kvpool.integrations; print('lmcache' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+# -- end to end: kvpool's master and storage node, LMCache's server, two vLLM engines -------------
+
+
+def start_lmcache_server(spawn_python: Callable[..., ChildProcess], tmp_path: Path, name: str,
+                         params: dict[str, Any]) -> tuple[ChildProcess, int]:
+    """``lmcache server`` with kvpool as its L2 adapter (``params``: adapter_params); (it, its port)."""
+    port = free_tcp_port()
+    spec = {"type": "plugin", "module_path": "kvpool.integrations.lmcache", "class_name": "KvpoolL2Adapter",
+            "config_class_name": "KvpoolL2AdapterConfig", "adapter_params": params}
+    log = tmp_path / f"{name}.log"
+    server = spawn_python(["-c", "import sys; from lmcache.cli.main import main; sys.exit(main())", "server",
+                           "--host", "localhost", "--port", str(port), "--chunk-size", str(CHUNK_TOKENS),
+                           "--l1-size-gb", "0.25", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+                           "--http-port", str(free_tcp_port()), "--prometheus-port", str(free_tcp_port()),
+                           "--l2-adapter", json.dumps(spec)],
+                          log_path=log, ready=lambda: "cache server is running" in log.read_text(errors="replace"),
+                          timeout_s=120)
+    return server, port
+
+
+def run_engine(tmp_path: Path, name: str, model: Path, prompts: Path, port: int) -> dict[str, Any]:
+    """tests/lmcache_engine.py in a session of its own (vLLM starts child processes): every
+    process of it is killed when it is done, also on failure or timeout."""
+    out, log_path = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
+    with log_path.open("wb") as log:
+        engine = subprocess.Popen([sys.executable, "-m", "tests.lmcache_engine", "run", str(model), str(prompts),
+                                   str(out), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, cwd=REPO_ROOT, start_new_session=True,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        code = engine.wait(150)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        try:
+            os.killpg(engine.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        engine.wait(10)
+    output = log_path.read_text(errors="replace")[-4000:]
+    assert code == 0, f"engine {name} ended with {code}\n{output}"
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)  # ~2.5 min on 2 idle vCPUs: two vLLM engines and two LMCache servers start
+def test_an_engine_loads_through_a_restarted_lmcache_server_from_kvpool(
+        lmcache: None, cluster: Any, tmp_path: Path, spawn_python: Callable[..., ChildProcess]) -> None:
+    """Engine 1 computes a 512-token prompt through LMCache's server, which keeps its two chunks in
+    kvpool (durable: on the storage node); the server restarts with its memory empty (and the
+    first one's kvpool node gone); engine 2 gets the same tokens from the same prompt, with
+    both chunks loaded by the new server from kvpool."""
+    pytest.importorskip("vllm")
+
+    def params(name: str) -> dict[str, Any]:
+        return {"master": cluster.master_address, "config": pool_config(tmp_path, name), "durable": True}
+
+    started = time.monotonic()
+    model = tmp_path / "model"  # made while the servers start
+    making = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)], cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        cluster.start_master()
+        cluster.start_node("store-a")
+        server, port = start_lmcache_server(spawn_python, tmp_path, "lmcache-1", params("lmcache-1"))
+        _, made_err = making.communicate(timeout=120)
+    finally:
+        if making.poll() is None:
+            making.kill()
+            making.wait(10)
+    assert making.returncode == 0, made_err[-3000:]
+    prompt = [(7 * i + 3) % 997 + 1 for i in range(2 * CHUNK_TOKENS)]  # two whole LMCache chunks
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([prompt]))
+
+    first = run_engine(tmp_path, "engine-1", model, prompts, port)
+    assert first["outputs"][0]["cached"] == 0
+    # LMCache hands the chunks to kvpool as it stores them; durable: a copy on the storage node too
+
+    def durable_chunks() -> int:
+        return sum(len(item["replicas"]) >= 2 for item in cluster.client.list_keys(b"", 100)[0])
+
+    wait_for(lambda: durable_chunks() >= 2, 60, "both chunks stored in kvpool with a durable copy")
+    server.stop()
+
+    # a new server, its memory empty: the chunks come from kvpool (the first server's node is gone)
+    server2_log = tmp_path / "lmcache-2.log"
+    server2, port2 = start_lmcache_server(spawn_python, tmp_path, "lmcache-2", params("lmcache-2"))
+    second = run_engine(tmp_path, "engine-2", model, prompts, port2)
+    assert second["outputs"][0]["tokens"] == first["outputs"][0]["tokens"]
+    assert second["outputs"][0]["cached"] >= 2 * CHUNK_TOKENS - 1, second  # vLLM computes the last token itself
+    loads = re.findall(r"\((\d+) L1, (\d+) L2\)", server2_log.read_text(errors="replace"))
+    assert ("0", "2") in loads, loads  # both chunks from the L2 (kvpool), none in its memory
+    server2.stop()
+    print(f"end to end in {time.monotonic() - started:.0f} s; TTFT {first['outputs'][0]['ttft_s'] * 1e3:.0f} ms "
+          f"computed, {second['outputs'][0]['ttft_s'] * 1e3:.0f} ms loaded through LMCache from kvpool")
 
 
 # -- from the main venv -------------------------------------------------------------------------
