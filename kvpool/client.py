@@ -25,6 +25,7 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.api import Key, LayerSource, PoolAPI, timed
+from kvpool.cluster.node.same_host import ArenaBlock, copy_layer
 from kvpool.cluster.node.view import ClusterView, LeaseReleaser
 from kvpool.cluster.wire.protocol import Placement
 from kvpool.config import Config, NodeSection, settings_for
@@ -235,6 +236,27 @@ class ClusterPool(PoolAPI):
 
     def _layer_source(self, key: bytes) -> LayerSource | None:
         return self.local.pin_layers(key) or self.cluster.layer_source(key)
+
+    # -- in place, on this host -------------------------------------------------------------
+
+    def find_in_place(self, prefix_hashes: Sequence[Key]) -> list[ArenaBlock | None]:
+        """Where each object lies in the shared-memory (cxl) arena of another kvpool node on
+        this host, found through that arena's shared index: no master round trip, no pull;
+        None where no same-host arena has it (or none is mapped yet). Copy its layers with
+        :meth:`copy_layer_in_place`. A hint, not a hold: the holder may evict the object and
+        reuse its extent at any time, which the copy's checksums catch."""
+        self._check_open()
+        return self.cluster.reader.arenas.find_many([self._key(h) for h in prefix_hashes])
+
+    def copy_layer_in_place(self, layer: int, blocks: Sequence[ArenaBlock], outs: Sequence[Any]) -> list[bool]:
+        """Copy layer ``layer`` of each of ``blocks`` (:meth:`find_in_place`) straight into
+        ``outs[i]`` (one layer's bytes each, e.g. a paged KV cache's block), one verified copy
+        per arena for all its blocks. ``ok[i]`` False: that copy failed its checksum (the
+        extent was reused, or rot) or the arena went away, and ``outs[i]`` holds bytes that
+        must not be used. Raises LayerRangeError for a layer a block lacks, OutBufferError
+        for an ``out`` of another size or read-only (before anything is copied)."""
+        self._check_open()
+        return copy_layer(layer, blocks, outs)
 
     # -- metadata -------------------------------------------------------------------------
 

@@ -1118,7 +1118,8 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
         # Flip one byte of block 1's layer 2 in the holder's arena: that copy fails its checksum,
         # the block is tried on the pull path (the same corrupt replica: a miss) and reported for
         # recompute; blocks 0 and 2 load.
-        [(arena, offset, header)] = reader_pool.cluster.reader.arenas.find_many(keys[1:2])
+        [block] = reader_pool.find_in_place(keys[1:2])
+        arena, offset, header = block.reader, block.offset, block.header
         at = arena.header.data_offset + offset + header.spec.header_nbytes + 2 * header.spec.layer_nbytes + 100
         with open(arena.path, "r+b") as fh:
             fh.seek(at)
@@ -1170,8 +1171,7 @@ def test_with_the_default_settings_engines_on_one_host_read_each_others_blocks_i
         # The saving worker's pool kept them in its arena (no dram tier): near, loaded in the step.
         scheduler.worker_nodes = {reader.pool.node_id}
         assert scheduler.get_num_new_matched_tokens(vllm_request("r", tokens), 0) == (3 * BLOCK, False)
-        arenas = reader.pool.cluster.reader.arenas
-        wait_for(lambda: all(arenas.find_many(keys)), 10, "the other engine's arena mapped")
+        wait_for(lambda: all(reader.pool.find_in_place(keys)), 10, "the other engine's arena mapped")
         pulled = reader.pool.stats()["remote"].get("bytes_pulled", 0)
         caplog.set_level(logging.INFO, logger="vllm.kvpool")
         logging.getLogger("vllm.kvpool").addHandler(caplog.handler)

@@ -441,25 +441,24 @@ class KvpoolWorker:
     def _copy_in_place(self, load: _LayerLoad, keys: list[bytes], failed: set[int]) -> list[int]:
         """Copy the blocks found in a same-host node's cxl arena (through its shared index, no
         master, no pull) layer by layer into the paged cache, each copy verified against the
-        block's header as it is made (one ``copy_layer_out`` per layer for every block); the
+        block's header as it is made (one ``copy_layer_in_place`` per layer for every block); the
         indices of the blocks left to pull: not found, or a copy failed its checksum (all of
         that block's layers are then pulled again, so it is whole or reported failed). Hands
         each layer to the model as it lands when nothing is left to pull."""
         everything = list(range(len(keys)))
-        arenas = getattr(getattr(getattr(self.pool, "cluster", None), "reader", None), "arenas", None)
-        if not self._on_host or self.settings.transport != "auto" or arenas is None:
+        if not self._on_host or self.settings.transport != "auto":
             return everything
         started = time.perf_counter()
-        found = arenas.find_many(keys)
+        found = self.pool.find_in_place(keys)
         here = [i for i, hit in enumerate(found) if hit is not None]
         if not here:
             return everything
-        fits = [i for i in here if found[i][2].spec.layers == len(self._layers)
-                and found[i][2].spec.layer_nbytes == self._block_nbytes]
+        fits = [i for i in here if found[i].spec.layers == len(self._layers)
+                and found[i].spec.layer_nbytes == self._block_nbytes]
         bad: set[int] = set(here) - set(fits)
         if bad:
             log.warning("kvpool: %d same-host blocks have another shape than this cache's (%s): pulled instead",
-                        len(bad), found[min(bad)][2].spec)
+                        len(bad), found[min(bad)].spec)
         rest = sorted(set(everything) - set(fits) | bad)
         for layer, cache in enumerate(self._byte_layers):
             with load.lock:
@@ -467,17 +466,13 @@ class KvpoolWorker:
                     break
                 ids = load.groups[self._layer_group[layer]]  # (a window group's block left behind: none)
                 live = [i for i in fits if i not in bad and ids[i] != NULL_BLOCK]
-                by_reader: dict[Any, list[int]] = {}
-                for i in live:
-                    by_reader.setdefault(found[i][0], []).append(i)
-                for reader, items in by_reader.items():
-                    try:
-                        ok = reader.copy_layer_out(layer, [found[i][1:] for i in items],
-                                                   [cache[ids[i]] for i in items])
-                    except (errors.KVPoolError, OSError) as exc:  # the arena went away: pull these
-                        log.info("kvpool: same-host arena copy failed (%s): pulling %d blocks", exc, len(items))
-                        ok = [False] * len(items)
-                    bad.update(i for i, good in zip(items, ok) if not good)
+                try:
+                    ok = self.pool.copy_layer_in_place(layer, [found[i] for i in live],
+                                                       [cache[ids[i]] for i in live])
+                except errors.KVPoolError as exc:  # (shapes were checked above) these are pulled
+                    log.warning("kvpool: same-host arena copy refused (%s): pulling %d blocks", exc, len(live))
+                    ok = [False] * len(live)
+                bad.update(i for i, good in zip(live, ok) if not good)
                 if not rest and not bad:
                     load.done[layer].set()
         in_place = len(fits) - len(bad)

@@ -15,6 +15,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,48 @@ log = logging.getLogger("kvpool.remote")
 OutView = Callable[[ObjectSpec, LayerRange, Any], "tuple[np.ndarray, memoryview]"]
 
 DEFAULT_SHARED_DIRS = ("/dev/shm",)
+
+
+@dataclass(frozen=True)
+class ArenaBlock:
+    """Where an object lies in a same-host node's cxl arena, found through the arena's shared
+    index (:meth:`SameHostArenas.find_many`): ``reader`` (the arena, mapped read-only),
+    ``offset`` and ``header`` (the object's header as it was found: every copy of a layer
+    is checked against its checksums, so an extent reused since fails the copy)."""
+
+    reader: Any
+    offset: int
+    header: Any
+
+    @property
+    def spec(self) -> ObjectSpec:
+        spec: ObjectSpec = self.header.spec
+        return spec
+
+
+def copy_layer(layer: int, blocks: Sequence[ArenaBlock], outs: Sequence[Any]) -> list[bool]:
+    """Copy layer ``layer`` of each of ``blocks`` into ``outs[i]`` (one layer's bytes each):
+    one verified copy per arena for all its blocks. ``ok[i]`` False: that copy failed its
+    checksum or its arena went away (``outs[i]`` then holds bytes that must not be used).
+    Raises LayerRangeError / OutBufferError (before anything is copied) as the arena's
+    ``copy_layer_out`` does."""
+    ok = [False] * len(blocks)
+    by_reader: dict[int, list[int]] = {}
+    for i, block in enumerate(blocks):
+        by_reader.setdefault(id(block.reader), []).append(i)
+    for items in by_reader.values():
+        reader = blocks[items[0]].reader
+        try:
+            copied = reader.copy_layer_out(layer, [(blocks[i].offset, blocks[i].header) for i in items],
+                                           [outs[i] for i in items])
+        except (errors.LayerRangeError, errors.OutBufferError):
+            raise
+        except (errors.KVPoolError, OSError) as exc:  # the arena went away: these are not copied
+            log.info("same-host arena copy failed (%s): %d blocks not copied", exc, len(items))
+            continue
+        for i, good in zip(items, copied):
+            ok[i] = bool(good)
+    return ok
 
 
 def shared_dirs_of(config: Any) -> tuple[str, ...]:
@@ -136,15 +179,15 @@ class SameHostArenas:
             return arr
         return None
 
-    def find_many(self, keys: Sequence[bytes]) -> list[tuple[Any, int, Any] | None]:
-        """Where each key lies in a neighbour's arena, through its shared index (no master):
-        ``(reader, offset, header)``, or None. Copy its layers with the reader's
-        ``copy_layer_out`` (each copy verified against that header: a reused extent fails)."""
+    def find_many(self, keys: Sequence[bytes]) -> list[ArenaBlock | None]:
+        """Where each key lies in a neighbour's arena, through its shared index (no master), or
+        None. Copy its layers with :func:`copy_layer` (each copy verified against the header
+        found: a reused extent fails)."""
         if not self._neighbours:
             return [None] * len(keys)
         with self._lock:
             neighbours = list(self._neighbours.values())
-        found: list[tuple[Any, int, Any] | None] = []
+        found: list[ArenaBlock | None] = []
         for key in keys:
             hit = None
             for reader in neighbours:
@@ -153,7 +196,7 @@ class SameHostArenas:
                 except (errors.KVPoolError, OSError):
                     continue
                 if at is not None:
-                    hit = (reader, *at)
+                    hit = ArenaBlock(reader, *at)
                     break
             found.append(hit)
         return found
