@@ -14,6 +14,7 @@ typed error (a :mod:`kvpool.errors` class).
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,14 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool import errors
-from kvpool.cluster.master.ops import MasterState
 from kvpool.cluster.master.server import MasterServer
 from kvpool.cluster.node.server import Node
 from kvpool.cluster.wire import protocol as P
 from kvpool.config import Config, MasterSection
 from kvpool.objformat import LayerRange, ObjectSpec
 from kvpool.transport import frames as T
-from tests.conftest import bounded
+from tests.conftest import bounded, default_cluster_key
 
 SPEC = ObjectSpec("float16", layers=4, tokens=16, kv_heads=2, head_dim=8)
 TIERS = {"dram": {"capacity": 1 << 30, "free": 1 << 30}}
@@ -77,9 +77,8 @@ def record(key: bytes | None = None) -> P.ReplicaRecord:
 
 
 @pytest.fixture(scope="module")
-def master() -> MasterServer:
-    srv = object.__new__(MasterServer)  # serve_frames needs only the state: no socket
-    srv.state = MasterState(MasterSection(max_batch=64))
+def master() -> Iterator[MasterServer]:
+    srv = MasterServer(MasterSection(max_batch=64), cluster_key=default_cluster_key())  # nothing bound
     for node_id in ("n1", "n2"):
         body = {"node_id": node_id, "address": f"tcp://127.0.0.1:{len(node_id)}", "host_id": "h",
                 "tiers": TIERS, "objects": [record(b"k%d" % i) for i in range(8)], "role": P.ROLE_STORAGE,
@@ -87,7 +86,10 @@ def master() -> MasterServer:
         srv.state.handle(P.REGISTER, body)
     srv.state.handle(P.RESERVE, {"items": [{"key": b"r", "nbytes": 1, "node_id": "n1"}]})
     srv.state.handle(P.LOCATE, {"keys": [b"k1"]})
-    return srv
+    try:
+        yield srv
+    finally:
+        srv.close()
 
 
 VALID_MASTER_REQUESTS = [

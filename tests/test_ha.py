@@ -221,7 +221,7 @@ def test_no_leader_and_bad_etcd_settings_are_typed_errors(tmp_path: Path) -> Non
 
     with pytest.raises(errors.ConfigError, match="wildcard"):
         MasterServer(Config.load({"master": {"etcd": dead, "listen": f"tcp://0.0.0.0:{free_tcp_port()}"}}).master,
-                     cluster_key=ClusterKey(None))
+                     cluster_key=ClusterKey(None)).start()
 
 
 def test_kvpool_server_with_etcd_runs_its_own_etcd_for_a_demo(tmp_path: Path,

@@ -38,7 +38,8 @@ def record(key: bytes | None = None) -> P.ReplicaRecord:
 
 @pytest.fixture
 def server() -> Iterator[MasterServer]:
-    srv = MasterServer(MasterSection(listen="tcp://127.0.0.1:*", max_batch=1000), cluster_key=default_cluster_key())
+    srv = MasterServer(MasterSection(listen="tcp://127.0.0.1:*", max_batch=1000),
+                       cluster_key=default_cluster_key()).start()
     try:
         yield srv
     finally:
@@ -162,7 +163,7 @@ def test_a_node_sending_its_index_in_batches_is_alive_without_heartbeats() -> No
     # longer than dead_after while other nodes do the same: those requests are proof of life.
     now = [100.0]
     state = MasterState(MasterSection(heartbeat_ms=100, dead_after_missed=3), clock=lambda: now[0])
-    srv = object.__new__(MasterServer)
+    srv = MasterServer(state.config, cluster_key=default_cluster_key())  # nothing bound: serve_frames only
     srv.state = state
     register(srv, "n1")
     for _ in range(10):  # 10 x 0.2 s: four times dead_after, no heartbeat
@@ -180,7 +181,7 @@ def test_a_long_request_does_not_starve_liveness_fake_clock() -> None:
     now = [100.0]
     section = MasterSection(heartbeat_ms=100, dead_after_missed=3)
     state = MasterState(section, clock=lambda: now[0])
-    srv = object.__new__(MasterServer)  # serve_frames needs only the state
+    srv = MasterServer(section, cluster_key=default_cluster_key())  # nothing bound: serve_frames only
     srv.state = state
     register(srv, "n1")
     register(srv, "n2")

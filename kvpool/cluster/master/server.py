@@ -43,32 +43,48 @@ class MasterServer:
     queries: QueryServer | None = None  # the query port (master.tcp_queries)
 
     def __init__(self, config: MasterSection, *, cluster_key: ClusterKey, max_key_bytes: int = 256) -> None:
+        """The master's state, ready to answer request frames (:meth:`serve_frames`,
+        :meth:`answer`); nothing bound or started: :meth:`start` binds ``config.listen``, joins
+        the election (with ``master.etcd``) and opens the query port, and :meth:`serve` serves."""
         # Only holders of the cluster key get an answer: the key of the settings this master was
         # started with (a MasterSection has no [security]: its caller passes the key down).
         self.cluster_key = cluster_key
         self.config = config
-        raise_descriptor_limit()  # before any socket: the query port's cap is sized from it
         self.max_key_bytes = max_key_bytes
+        # (ZeroMQ starts a context's I/O thread with its first socket, in start())
         self._context = zmq.Context(io_threads=1)
         self._context.setsockopt(zmq.LINGER, 0)
         self.state, self.rereplicator = self._fresh_state()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self.cluster_key.secure_server(self._socket)
-        # A larger message is dropped by ZeroMQ before it is read (the peer is disconnected).
-        self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes)
-        try:
-            self._socket.bind(config.listen)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise errors.ConfigError(f"master.listen = {config.listen!r}: cannot bind: {exc}") from None
-        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket: zmq.Socket[bytes] | None = None
+        self.endpoint: str = ""  # the bound address, once started
         # With master.etcd this master serves only while it leads (see kvpool.cluster.wire.etcd); a
         # standby answers every request with NotLeaderError naming the leader.
         self._term = 0
         # One request at a time: the ZeroMQ loop holds this for each of its turns, the query
         # port's threads for each of their questions (and a standby's follower for each change).
         self._turn = threading.Lock()
+        # Timers (dead nodes, reservation and lease expiry) run at least this
+        # often; between requests the socket poll blocks for at most this long.
+        heartbeat_s = config.heartbeat_ms / 1000
+        self.tick_s = max(0.01, min(0.25, heartbeat_s / 2))
+
+    def start(self) -> MasterServer:
+        """Bind ``master.listen`` (ConfigError when it cannot be bound), with ``master.etcd``
+        join the election and follow the leader while standing by, and open the query port
+        (``master.tcp_queries``). Returns this server; :meth:`close` undoes it all."""
+        config = self.config
+        raise_descriptor_limit()  # before any socket: the query port's cap is sized from it
+        self._socket = socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        self.cluster_key.secure_server(socket)
+        # A larger message is dropped by ZeroMQ before it is read (the peer is disconnected).
+        socket.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes)
+        try:
+            socket.bind(config.listen)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise errors.ConfigError(f"master.listen = {config.listen!r}: cannot bind: {exc}") from None
+        self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         if config.etcd:
             try:
                 check_address_for_etcd(self.endpoint)
@@ -83,10 +99,6 @@ class MasterServer:
                                      config.leader_ttl_s, eligible=self.follower.eligible,
                                      cold_after_s=config.leader_ttl_s + 1.0).start()
             self.follower.start()
-        # Timers (dead nodes, reservation and lease expiry) run at least this
-        # often; between requests the socket poll blocks for at most this long.
-        heartbeat_s = config.heartbeat_ms / 1000
-        self.tick_s = max(0.01, min(0.25, heartbeat_s / 2))
         if config.tcp_queries:
             try:
                 self.queries = QueryServer(self._answer_query, query_host(self.endpoint), self.cluster_key)
@@ -94,6 +106,7 @@ class MasterServer:
                 log.warning("no query port on %s: %s", query_host(self.endpoint), exc)
             else:
                 self.state.query_port = self.queries.port
+        return self
 
     def _fresh_state(self) -> tuple[MasterState, Rereplicator]:
         state = self.new_state()
@@ -168,6 +181,8 @@ class MasterServer:
         (log.info if warm else log.warning)("serving as master leader, term %d, %s", self._term, why)
 
     def serve(self, stop_event: threading.Event) -> None:
+        """Serve requests until ``stop_event`` is set (after :meth:`start`)."""
+        assert self._socket is not None, "MasterServer.serve before start()"
         sock, tick_s = self._socket, self.tick_s
         # A blocking recv with a timeout is one call per request when busy (a
         # poll and a failing non-blocking recv would be three) and wakes up at
@@ -262,7 +277,8 @@ class MasterServer:
         if self.election is not None:
             self.election.stop()  # the lease is revoked: a standby takes over at once
         self.rereplicator.close()
-        self._socket.close(linger=0)
+        if self._socket is not None:
+            self._socket.close(linger=0)
         stop_authenticator(self._context)  # its ZAP thread holds a socket of this context
         # destroy(): closes whatever socket is still open (a worker that did not stop in
         # time) instead of waiting for it forever, as term() would.
@@ -291,7 +307,7 @@ def run_master(
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: stop.set())
     cluster_key = ClusterKey.from_config(full)
-    server = MasterServer(section, max_key_bytes=full.pool.max_key_bytes, cluster_key=cluster_key)
+    server = MasterServer(section, max_key_bytes=full.pool.max_key_bytes, cluster_key=cluster_key).start()
     try:
         (log.info if cluster_key.enabled else log.warning)(
             "kvpool master authenticates with %s", cluster_key.describe())
