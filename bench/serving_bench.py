@@ -105,7 +105,8 @@ _LOG_PATTERNS = {  # what a kvpool engine's log says (kvpool/integrations/vllm_*
     "plan_recomputes": re.compile(r"kvpool plan: request \S+ recomputes (\d+) held blocks"),
     "waited_for_producer": re.compile(r"waited ([\d.]+) ms for the blocks its producer published"),
     "producer_blocks_missing": re.compile(r"(\d+) of the (\d+) blocks its producer published were found"),
-    "saves": re.compile(r"kvpool saves: (\d+) blocks saved in ([\d.]+) s"),
+    "saves": re.compile(r"kvpool saves: (\d+) blocks saved in ([\d.]+) s(?: on the saver thread)?"
+                        r"(?: \(the steps waited ([\d.]+) s)?"),
     "warnings": re.compile(r"WARNING.*kvpool|kvpool.*WARNING"),
     "errors": re.compile(r"\bERROR\b"),
 }
@@ -498,6 +499,7 @@ class RowResult:
     start_s: float | None = None
     log_summary: dict[str, Any] = field(default_factory=dict)
     answers: dict[str, list[int]] = field(default_factory=dict)
+    per_request: list[dict[str, Any]] = field(default_factory=list)
 
 
 def summarize(rr: RowResult, results: list[Result], wall: float, ttft_of: list[float] | None = None,
@@ -517,6 +519,9 @@ def summarize(rr: RowResult, results: list[Result], wall: float, ttft_of: list[f
         rr.itl_p50_ms, rr.itl_p99_ms = percentile(gaps, 50) * 1e3, percentile(gaps, 99) * 1e3
     rr.wall_s = wall
     rr.answers = {r.key: r.tokens for r in results if not r.error}
+    rr.per_request = [{"key": r.key, "url": r.url, "prompt_tokens": r.prompt_len, "start_s": round(r.start, 4),
+                       "end_s": round(r.end, 4), "ttft_ms": None if r.ttft is None else round(r.ttft * 1e3, 2),
+                       "status": r.status, "error": r.error} for r in results]
     if rr.http_500:
         rr.status = f"crashed: {rr.http_500} of {rr.requests} requests HTTP 500"
     elif rr.errors:
@@ -526,6 +531,7 @@ def summarize(rr: RowResult, results: list[Result], wall: float, ttft_of: list[f
 def log_summary(logs: dict[Path, int]) -> dict[str, Any]:
     """What the engines logged up to ``logs[path]`` bytes (until the workload ended: not their shutdown)."""
     text = "\n".join(p.read_bytes()[:size].decode(errors="replace") for p, size in logs.items() if p.exists())
+    whole = "\n".join(p.read_text(errors="replace") for p in logs if p.exists())  # (saves: summed up at exit)
     out: dict[str, Any] = {}
     loads = _LOG_PATTERNS["loads"].findall(text)
     if loads:
@@ -545,9 +551,10 @@ def log_summary(logs: dict[Path, int]) -> dict[str, Any]:
     missing = _LOG_PATTERNS["producer_blocks_missing"].findall(text)
     if missing:
         out["producer_blocks_missing"] = [f"{a} of {b}" for a, b in missing][:10]
-    saves = _LOG_PATTERNS["saves"].findall(text)
+    saves = _LOG_PATTERNS["saves"].findall(whole)
     if saves:
-        out["saves_last"] = f"{saves[-1][0]} blocks in {saves[-1][1]} s"
+        out["saves"] = {"blocks": sum(int(m[0]) for m in saves), "saver_s": round(sum(float(m[1]) for m in saves), 3),
+                        "steps_waited_s": round(sum(float(m[2] or 0) for m in saves), 3)}
     warnings = [line.strip()[:300] for line in text.splitlines() if _LOG_PATTERNS["warnings"].search(line)]
     if warnings:
         out["warnings"] = {"count": len(warnings), "first": warnings[:5]}
@@ -669,7 +676,7 @@ class Bench:
                 rr.prompt_tokens = sum(r.prompt_len for r in results)
                 # what another engine computed in full blocks, less what the engine's own cache had
                 rr.loadable_tokens = max(0, loadable - int(rr.local_hit_tokens))
-                if row == "prefix":  # the same servers: the P/D reference (one engine, no connector)
+                if row == "prefix" and "pd" in self.args.workloads.split(","):  # the P/D reference, same servers
                     self.reference_pd = self.pd_on_one_engine(pa, run)
             else:
                 rr = self.run_pd(rr, row, store, python, tag, logs)
