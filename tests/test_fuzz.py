@@ -167,11 +167,9 @@ class _Puller:
 
 @pytest.fixture(scope="module")
 def node() -> Node:
-    n = object.__new__(Node)  # serve_control needs config, ids, tiers, a puller: stand-ins, no sockets
-    n.config = Config()
+    n = Node(Config(), _Manager(), "tcp://127.0.0.1:1")  # nothing bound or started: serve_control only
     n.node_id = "fuzz-node"
     n.host_id = "h"
-    n.manager = _Manager()
     n.server = SimpleNamespace(stats=lambda: {})
     n._puller = lambda: _Puller()
     return n

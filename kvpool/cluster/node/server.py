@@ -177,7 +177,6 @@ class Node:
         self.config = config
         self.manager = manager
         self.node_id = uuid.uuid4().hex
-        raise_descriptor_limit()  # before any socket: the pull port's cap is sized from it
         self.host_id = local_host_id()
         self.master_address = master_address
         self.host = node_host(config, master_address)  # what this node binds and advertises
@@ -217,17 +216,8 @@ class Node:
         self._publish_lock = threading.Lock()
         self._control_thread = threading.Thread(target=self._control_loop, name="kvpool-node-control",
                                                 daemon=True)
-        self._control = self._zmq.socket(zmq.ROUTER)
-        self._control.setsockopt(zmq.LINGER, 0)
-        # A larger message is dropped unread (its peer disconnected), never buffered.
-        self._control.setsockopt(zmq.MAXMSGSIZE, config.master.max_request_bytes)
-        self.cluster_key.secure_server(self._control)  # only holders of the cluster key are answered
-        try:
-            port = self._control.bind_to_random_port(f"tcp://{self.host}")
-        except zmq.ZMQError:
-            self._control.close(0)
-            raise
-        self.control_address = f"tcp://{self.host}:{port}"
+        self._control: zmq.Socket[bytes] | None = None  # bound by start()
+        self.control_address = ""  # where the master asks this node to copy replicas, once started
         self._replicator: Pulls | None = None  # the pulls of replicas copied here, made on first use
         self._replicator_lock = threading.Lock()
         self._peer_sweeper: threading.Thread | None = None  # started with the replicator
@@ -252,6 +242,21 @@ class Node:
         return getattr(self, "role", "client") != "storage" and self.tcp_server is not None \
             and not self.config.node.port
 
+    def _bind_control(self) -> None:
+        """The control socket (the master's replicate requests), on a free port of ``host``."""
+        control = self._zmq.socket(zmq.ROUTER)
+        control.setsockopt(zmq.LINGER, 0)
+        # A larger message is dropped unread (its peer disconnected), never buffered.
+        control.setsockopt(zmq.MAXMSGSIZE, self.config.master.max_request_bytes)
+        self.cluster_key.secure_server(control)  # only holders of the cluster key are answered
+        try:
+            port = control.bind_to_random_port(f"tcp://{self.host}")
+        except zmq.ZMQError:
+            control.close(0)
+            raise
+        self._control = control
+        self.control_address = f"tcp://{self.host}:{port}"
+
     def start(self) -> Node:
         """Serve pulls, register with the master, heartbeat.
 
@@ -265,6 +270,8 @@ class Node:
         reads only small objects never loads UCX. A storage node starts UCX before it
         registers: it registers its whole nvme index, which it should send once.
         """
+        raise_descriptor_limit()  # before any socket: the pull port's cap is sized from it
+        self._bind_control()
         tcp_port = self.tcp_server.start().port if self.tcp_server is not None else 0
         if self.ucx_later:
             peer = PeerAddress(self.host, 0, b"", self.host_id, tcp_port)
@@ -389,7 +396,8 @@ class Node:
                 log.info("node %s left the master: %d replicas withdrawn", self.node_id[:8], withdrawn)
         except errors.KVPoolError as exc:
             log.info("node %s could not deregister from the master on close: %s", self.node_id[:8], exc)
-        self._control.close(0)
+        if self._control is not None:
+            self._control.close(0)
         if self._peer_sweeper is not None:  # before the master client closes: it may be asking it
             self._peer_sweeper.join(self.master.request_timeout_s + 1.0)
         if self._replicator is not None:
@@ -672,19 +680,21 @@ class Node:
 
     def _control_loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._control, zmq.POLLIN)
+        control = self._control
+        assert control is not None  # (the loop starts after the socket is bound)
+        poller.register(control, zmq.POLLIN)
         while not self._stopping.is_set():
             if not poller.poll(200):
                 continue
             try:
-                frames = self._control.recv_multipart(zmq.NOBLOCK)
+                frames = control.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:
                 continue
             if len(frames) < 2:
                 continue
             reply = self.serve_control(frames[-1])
             try:
-                self._control.send_multipart([*frames[:-1], reply], zmq.NOBLOCK)
+                control.send_multipart([*frames[:-1], reply], zmq.NOBLOCK)
             except zmq.ZMQError:  # the peer is gone or its queue is full: it times out
                 pass
 
