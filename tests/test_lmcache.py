@@ -29,6 +29,7 @@ from tests.conftest import REPO_ROOT, ChildProcess, free_tcp_port, wait_for
 HEARTBEAT_MS = 200
 CHUNK_TOKENS = 256
 SHAPE = (2, 4, CHUNK_TOKENS, 128)  # LMCache's KV_2LTD chunk of the tiny Llama: K/V, layers, tokens, hidden
+NO_TELEMETRY = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}  # LMCache's usage reports, off in tests
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -246,7 +247,7 @@ def start_lmcache_server(spawn_python: Callable[..., ChildProcess], tmp_path: Pa
                            "--http-port", str(free_tcp_port()), "--prometheus-port", str(free_tcp_port()),
                            "--l2-adapter", json.dumps(spec)],
                           log_path=log, ready=lambda: "cache server is running" in log.read_text(errors="replace"),
-                          timeout_s=120)
+                          timeout_s=120, env=NO_TELEMETRY)
     return server, port
 
 
@@ -258,7 +259,7 @@ def run_engine(tmp_path: Path, name: str, model: Path, prompts: Path, port: int)
         engine = subprocess.Popen([sys.executable, "-m", "tests.lmcache_engine", "run", str(model), str(prompts),
                                    str(out), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, cwd=REPO_ROOT, start_new_session=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **NO_TELEMETRY})
     try:
         code = engine.wait(150)
     except subprocess.TimeoutExpired:
