@@ -49,7 +49,10 @@ dead server's log tail is printed.
         [--users 6] [--turns 4] [--doc-tokens 1536] [--pd-prompts 8] [--pd-tokens 2048]
         [--layers 8] [--hidden 512] [--kv-heads 4] [--json out.json]
 
-A smoke run (a few minutes on 2 loaded vCPUs):
+The full run is the defaults (issue 41's sizes, every row, the reference twice; on a quiet
+machine with 2+ cores, nothing else running): ``python bench/serving_bench.py --json serving.json``.
+
+A smoke run (4 to 6 minutes on 2 loaded vCPUs, mostly the engines' starts):
 
     python bench/serving_bench.py --rows prefix,kvpool --users 2 --turns 2 --doc-tokens 256 \\
         --pd-prompts 2 --pd-tokens 256 --layers 2 --hidden 128 --reference-runs 1
@@ -110,6 +113,10 @@ _LOG_PATTERNS = {  # what a kvpool engine's log says (kvpool/integrations/vllm_*
     "warnings": re.compile(r"WARNING.*kvpool|kvpool.*WARNING"),
     "errors": re.compile(r"\bERROR\b"),
 }
+
+
+# No usage reports from vLLM or LMCache (nothing is reachable from a bench machine anyway).
+_NO_USAGE = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
 
 def _free_port() -> int:
@@ -586,7 +593,8 @@ class Bench:
                 *shlex.split(self.args.engine_args)]
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.args.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.args.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+               **_NO_USAGE}
         return self.procs.start(name, argv, self.work / f"{name}.log", env), port
 
     def kvpool_server(self, name: str) -> tuple[Proc, str]:
@@ -604,7 +612,7 @@ class Bench:
         argv = [str(exe), "server", "--host", "localhost", "--port", str(port), "--chunk-size", "256",
                 "--l1-size-gb", str(self.args.lmcache_l1_gb), "--eviction-policy", "LRU",  # (0.5.6 requires one)
                 "--supported-transfer-mode", "auto"]
-        proc = self.procs.start(name, argv, self.work / f"{name}.log", {"LMCACHE_DISABLE_BANNER": "1"})
+        proc = self.procs.start(name, argv, self.work / f"{name}.log", {"LMCACHE_DISABLE_BANNER": "1", **_NO_USAGE})
         wait_ready([(proc, f"tcp://127.0.0.1:{port}")], 120)
         return proc, port
 
