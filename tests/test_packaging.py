@@ -22,8 +22,8 @@ def test_the_wheel_holds_every_package_and_the_extension(tmp_path: Path) -> None
     # package the configuration leaves out.
     source = tmp_path / "src"
     shutil.copytree(REPO_ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so", ".pytest_cache", ".hypothesis",
-        ".mypy_cache", ".ruff_cache"))
+        ".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pycache__", "*.so", ".pytest_cache",
+        ".hypothesis", ".mypy_cache", ".ruff_cache", ".whl"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                             "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=110)
     assert built.returncode == 0, built.stdout + built.stderr

@@ -26,7 +26,7 @@ import pytest
 
 from kvpool.hashing import prefix_hashes
 from kvpool.objformat import key_digest
-from tests.conftest import REPO_ROOT, free_tcp_port
+from tests.conftest import REPO_ROOT, free_tcp_port, wait_for
 from tests.test_daemon import http_get
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvpool[vllm]')")
@@ -480,6 +480,50 @@ def test_a_consumer_given_a_producers_kv_transfer_params_waits_for_the_blocks_it
         producer.shutdown()
         consumer.shutdown()
         holder.close()
+
+
+def test_with_the_master_away_requests_are_computed_without_waiting_and_lookups_resume_once_it_answers(
+        tmp_path: Path, spawn_python) -> None:
+    """The scheduler is one thread: a lookup the master does not answer holds every request of
+    the engine. After one such lookup (its 1 s deadline), requests are computed without asking
+    while a probe thread pings the master; once it answers, lookups (and hits) resume."""
+    import numpy as np
+
+    import kvpool
+    from kvpool.cluster.wire.master_client import MasterClient
+    from kvpool.integrations.vllm import KvpoolScheduler, Settings
+    from kvpool.integrations.vllm_scheduler import LOOKUP_TIMEOUT_S
+
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"  # nothing there yet
+    scheduler = KvpoolScheduler(Settings.from_extra({"master": master, "load_async": False}),
+                                MasterClient(master, request_timeout_s=LOOKUP_TIMEOUT_S), block_size=BLOCK,
+                                namespace="test-namespace")
+    tokens = list(range(1, 4 * BLOCK + 1))
+    keys = prefix_hashes(tokens, BLOCK, namespace="test-namespace")
+    try:
+        started = time.monotonic()
+        assert scheduler.get_num_new_matched_tokens(vllm_request("r1", tokens), 0) == (0, False)
+        assert time.monotonic() - started < LOOKUP_TIMEOUT_S + 1.0
+        assert scheduler.master_watch.away
+        started = time.monotonic()
+        for i in range(20):  # asked at once, computed without a lookup
+            assert scheduler.get_num_new_matched_tokens(vllm_request(f"q{i}", tokens), 0) == (0, False)
+        assert time.monotonic() - started < 0.5 and scheduler.stats["lookups_skipped"] == 20
+
+        spawn_python(["-m", "kvpool.cli.server", "--role", "master", "--master.listen", master],
+                     ready=lambda: MasterClient(master, request_timeout_s=0.5).ping() is not None, timeout_s=30)
+        holder = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "holder")},
+                                                "tiers": {"dram": {"capacity": "8MiB", "mlock": False},
+                                                          "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},
+                                                "master": {"listen": master}})
+        try:
+            holder.put_many([(key, np.zeros((2, 2, BLOCK, 1, 8), np.float16)) for key in keys])
+            wait_for(lambda: not scheduler.master_watch.away, 10, "the probe to find the master back")
+            assert scheduler.get_num_new_matched_tokens(vllm_request("r2", tokens), 0) == (3 * BLOCK, False)
+        finally:
+            holder.close()
+    finally:
+        scheduler.shutdown()
 
 
 def test_by_default_only_a_request_whose_blocks_come_over_the_network_waits_for_them_outside_the_steps(

@@ -213,3 +213,57 @@ def test_served_engines_find_every_block_an_answer_came_from_and_the_pd_proxy_lo
         assert (stats["keys"], held) == (stored, [stored])
         for name in ("engine-a", "engine-b"):  # kvpool said nothing went wrong
             assert not re.search(r"(ERROR|WARNING).*kvpool", (tmp_path / f"{name}.log").read_text())
+
+
+def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_hits_come_back(
+        tmp_path: Path, spawn_python) -> None:
+    """kill -9 of the kvpool-server (the master, and the storage node of the engines' durable
+    copies) while two served engines take requests, then its restart on the same port and
+    data directory: every request answers, each answer on B equals A's for the same prompt
+    (loaded or recomputed), none waits much past load_timeout_s, and once the server is
+    back B loads A's blocks again."""
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    metrics = free_tcp_port()
+
+    def kvpool_server() -> Any:
+        return spawn_python(["-m", "kvpool.cli.server", "--pool.name", "serving-faults", "--pool.data_dir",
+                             str(tmp_path / "data"), "--master.listen", master, "--metrics.port", str(metrics),
+                             "--tiers.nvme.capacity", "256MiB"],
+                            ready=lambda: http_get(metrics, "/health")[0] == 200, timeout_s=60)
+
+    server = kvpool_server()
+    settings = {"master": master, "plan": False, "durable": True, "load_timeout_s": 5}
+    rng = random.Random(6)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)]
+
+    with api_servers(tmp_path, model, ("engine-a", 0, settings, "kv_both"),
+                     ("engine-b", 1, settings, "kv_both")) as (a, b):
+        def round_trip(text: list[int]) -> tuple[int, float]:
+            """``text`` on A, then on B: B's answer must be A's; (tokens B loaded, B's seconds)."""
+            before = external_tokens(b)
+            answer_a, _ = stream(a, model, text)
+            started = time.monotonic()
+            answer_b, _ = stream(b, model, text)
+            took = time.monotonic() - started
+            assert answer_b == answer_a
+            return external_tokens(b) - before, took
+
+        assert round_trip(prompt())[0] == 3 * BLOCK  # healthy: B loads every full block A computed
+
+        server.kill()  # kill -9: the master and the storage node at once
+        during = [round_trip(prompt()) for _ in range(3)]
+        assert all(took < 5 + 20 for _, took in during), during  # load_timeout_s, plus compute here
+
+        server = kvpool_server()  # same port, same data directory
+        deadline = time.monotonic() + 60
+        while True:  # the engines' nodes register again with their heartbeats; then hits return
+            loaded, _ = round_trip(prompt())
+            if loaded == 3 * BLOCK:
+                break
+            assert time.monotonic() < deadline, "B never loaded A's blocks again after the restart"
+            time.sleep(1)

@@ -30,7 +30,7 @@ see :meth:`~kvpool.integrations.vllm_scheduler.KvpoolScheduler._lookup`), ``cpus
 list of CPU ids), ``model_id`` (names the model's weights in the namespace instead of
 their content fingerprint, :func:`~kvpool.integrations.vllm_settings.model_fingerprint`),
 ``save_async`` (false: a step's saves are published before its output leaves the engine;
-true: after, on the saver thread, below).
+true: after, on a saver thread, below).
 
 ``kv_role``: ``kv_both`` engines load and save; a ``kv_producer`` engine (prefill in a
 prefill/decode split) saves its blocks and never looks them up or loads them (every request
@@ -83,11 +83,11 @@ later ones are still in flight. Every pull costs a fixed amount of CPU on both s
 ``"auto"`` (the default) makes each move at least 4 MiB of a block: blocks up to that
 size go whole, one pull each. :meth:`~kvpool.integrations.vllm_worker.KvpoolWorker.save_kv_layer` gathers
 each layer's newly full blocks as the forward pass produces them;
-:meth:`~kvpool.integrations.vllm_worker.KvpoolWorker.wait_for_save` hands the step's objects to the saver
-thread (one ``put_many``: one master round trip, and when durable one placement and one
-replicate exchange per storage node) and, by default (``save_async`` false), waits for it:
-the step's output (a first token, an answer) leaves the engine only once its prompt's
-full blocks are published, so a request sent the moment an answer arrived, to any engine,
+:meth:`~kvpool.integrations.vllm_worker.KvpoolWorker.wait_for_save` puts the step's objects
+(one ``put_many``: one master round trip, and when durable one placement and one replicate
+exchange per storage node) on the model's thread by default (``save_async`` false): the
+step's output (a first token, an answer) leaves the engine only once its prompt's full
+blocks are published, so a request sent the moment an answer arrived, to any engine,
 finds them. A producer's answer also names them in its ``kv_transfer_params``
 (``{"kvpool": {"blocks": n, "last": key}}``, which vLLM echoes); a consumer given them
 waits, at most ``load_timeout_s``, until that many are found, instead of recomputing them

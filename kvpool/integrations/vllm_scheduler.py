@@ -8,7 +8,9 @@ fills, to save. ``docs/vllm.md`` describes the whole connector."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
 
     from kvpool.cluster.wire.master_client import MasterClient
 
-__all__ = ["PARAMS_KEY", "KvpoolScheduler"]
+__all__ = ["LOOKUP_TIMEOUT_S", "PARAMS_KEY", "KvpoolScheduler", "MasterWatch"]
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
@@ -36,6 +38,47 @@ PARAMS_KEY = "kvpool"
 # A request waiting for a producer's blocks is looked up again at most this often (vLLM asks at
 # every scheduler step).
 _WAIT_LOOKUP_EVERY_S = 0.005
+# The scheduler's lookups wait at most this long for the master: every request of the engine
+# waits while one is asked (the scheduler is one thread), and a healthy answer takes a millisecond.
+LOOKUP_TIMEOUT_S = 1.0
+# Once a lookup found the master away, a thread asks it this often until it answers; meanwhile
+# requests are computed without asking.
+_PROBE_EVERY_S = 0.5
+
+
+class MasterWatch:
+    """Whether the master answers, for a thread that must not wait for one that does not:
+    after a failure (:meth:`failed`) :attr:`away` is true and a thread of its own pings the
+    master (``ping``, each with a client of its own) every ``every_s`` until it answers.
+    ``ping(timeout_s)``: one round trip, raising KVPoolError when it goes unanswered."""
+
+    def __init__(self, ping: Callable[[float], object], every_s: float = _PROBE_EVERY_S) -> None:
+        self._ping = ping
+        self.every_s = every_s
+        self.away = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def failed(self) -> None:
+        with self._lock:
+            if self.away or self._stop.is_set():
+                return
+            self.away = True
+        threading.Thread(target=self._probe, name="kvpool-master-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self._ping(self.every_s)
+            except errors.KVPoolError:
+                continue
+            log.info("kvpool: the master answers again: requests are looked up again")
+            break
+        with self._lock:
+            self.away = False
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 @dataclass
@@ -81,8 +124,8 @@ class KvpoolScheduler:
         self.several_groups = several_groups
         self.host_id = host_id
         self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "plan_loaded_blocks": 0,
-                                        "plan_recomputed_blocks": 0, "requests_skipped": 0, "producer_waits": 0,
-                                        "producer_wait_s": 0.0}
+                                        "plan_recomputed_blocks": 0, "requests_skipped": 0, "lookups_skipped": 0,
+                                        "producer_waits": 0, "producer_wait_s": 0.0}
         self.tracked: dict[str, _Tracked] = {}
         self.async_pending: list[Transfer] = []  # loads of requests that wait outside the steps
         self.planner = Planner()
@@ -90,6 +133,7 @@ class KvpoolScheduler:
         self.layers_count = 0
         self.rounds = 0  # requests per load (layer groups), as the workers report it
         self.worker_nodes: set[str] = set()  # this engine's workers' kvpool node ids, as they report them
+        self.master_watch = MasterWatch(self._ping)
         if several_groups and settings.load_async is False:
             log.warning('kvpool connector: "load_async": false is not kept for a model of several KV cache groups '
                         "(vLLM's hybrid allocator): its requests wait for their blocks outside the model's steps, "
@@ -103,7 +147,8 @@ class KvpoolScheduler:
         from kvpool.config import Config
         from kvpool.transport.engine import local_host_id
 
-        master = MasterClient(settings.master, config=Config.load(settings.pool_config()))
+        master = MasterClient(settings.master, config=Config.load(settings.pool_config()),
+                              request_timeout_s=LOOKUP_TIMEOUT_S)
         return cls(settings, master, block_size=vllm_config.cache_config.block_size,
                    namespace=namespace_of(vllm_config), loads=loads, saves=saves,
                    rank_tags=rank_tags(vllm_config.parallel_config), several_groups=several_groups,
@@ -140,10 +185,16 @@ class KvpoolScheduler:
         if tracked.expected and now - tracked.looked_at < _WAIT_LOOKUP_EVERY_S:
             return None, False  # (vLLM asks every step: one lookup per few ms is plenty)
         tracked.looked_at = now
+        if self.master_watch.away:  # computed as without a connector until the master answers again
+            self.stats["lookups_skipped"] += 1
+            return 0, False
         try:
             hits, near = self._lookup(keys[:loadable])
         except errors.KVPoolError as exc:  # no master: compute everything, as without a connector
-            log.warning("kvpool lookup failed (%s): computing request %s", exc, request.request_id)
+            log.warning("kvpool lookup failed (%s): computing request %s, and the requests after it without "
+                        "asking until the master answers again", exc, request.request_id)
+            if isinstance(exc, errors.MasterUnreachableError):
+                self.master_watch.failed()
             return 0, False
         self.stats["lookups"] += 1
         if tracked.expected:
@@ -209,7 +260,7 @@ class KvpoolScheduler:
             hits, near = self.master.lookup(keys), None
         else:
             hits, near = self.master.lookup_near(keys, self.worker_nodes,
-                                                  self.host_id if self.settings.transport == "auto" else "")
+                                                 self.host_id if self.settings.transport == "auto" else "")
         return (hits // len(tags) if tags else hits), near
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -323,5 +374,15 @@ class KvpoolScheduler:
         return blocks
 
 
+    def _ping(self, timeout_s: float) -> None:
+        """One round trip to the master on a client of its own (the probe's thread)."""
+        from kvpool.cluster.wire.master_client import MasterClient
+        from kvpool.config import Config
+
+        with MasterClient(self.settings.master, config=Config.load(self.settings.pool_config()),
+                          request_timeout_s=timeout_s) as client:
+            client.ping(timeout_s=timeout_s)
+
     def shutdown(self) -> None:
+        self.master_watch.close()
         self.master.close()

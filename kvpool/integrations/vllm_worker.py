@@ -262,6 +262,7 @@ class KvpoolWorker:
         # asynchronous loader never share one).
         self._stagings: dict[int, np.ndarray] = {}
         self._stage: _Stage | None = None  # this step's blocks to save, as the layers come
+        self._master_away = False  # a save found the master away and none has got through since
         self._saver = executor(1, "kvpool-save")
         self._saves: list[concurrent.futures.Future[None]] = []
         self._count_lock = threading.Lock()
@@ -771,24 +772,21 @@ class KvpoolWorker:
         stage, self._stage = self._stage, None
         if stage is None:
             return
-        if self.settings.save_async:  # stored off the model's path: the next step does not wait for it
+        self._saves = [f for f in self._saves if not f.done()]
+        if self.settings.save_async or self._master_away:  # off the model's path: the step does not wait
+            if self._master_away and self._saves:  # one save at a time tries while the master is away
+                self._count("blocks_save_skipped", len(stage.keys))
+                return
             self._saves.append(self._saver.submit(self._save, stage))
-            self._saves = [f for f in self._saves if not f.done()]
             return
         # Published before the step's output leaves the engine: once a request's answer (or first
-        # token) is out, any engine's lookup finds its prompt's full blocks. The put runs on the
-        # saver thread (on the connector's CPUs) while the model's thread waits, at most
-        # load_timeout_s: then the step goes on and the save finishes on its own.
+        # token) is out, any engine's lookup finds its prompt's full blocks. The model's thread
+        # puts them itself: it would only wait for the saver meanwhile, and its core is the one
+        # sure to be free (the saver's may be another engine's). The put is bounded by the
+        # master's deadline; once the master is found away, steps stop waiting (above).
         started = time.perf_counter()
-        future = self._saver.submit(self._save, stage, False)
-        self._saves.append(future)
-        done, _ = concurrent.futures.wait([future], self.settings.load_timeout_s)
-        waited = time.perf_counter() - started
-        self._count("save_wait_s", waited)
-        if not done:
-            log.warning("kvpool: saving %d blocks took over %.1f s: the step went on without them (a request "
-                        "sent now may recompute them)", len(stage.keys), self.settings.load_timeout_s)
-        self._saves = [f for f in self._saves if not f.done()]
+        self._save(stage, yield_to_loads=False)
+        self._count("save_wait_s", time.perf_counter() - started)
 
     def _save(self, stage: _Stage, yield_to_loads: bool = True) -> None:
         """Put one step's blocks (the saver thread) in ``put_many`` batches of about
@@ -809,8 +807,17 @@ class KvpoolWorker:
                 self.pool.put_many(zip(keys, stage.objects[at:at + per_batch]), dtype=self._dtype_name,
                                     durable=self.settings.durable, replicas=self.settings.replicas)
                 self._count("blocks_saved", len(keys))
+                if self._master_away:
+                    self._master_away = False
+                    log.info("kvpool: the master answers again: steps wait for their saves again")
             except errors.KVPoolError as exc:  # a save that fails is a future miss, never an engine error
                 log.warning("kvpool: saving %d blocks failed: %s", len(keys), exc)
+                if isinstance(exc, errors.MasterUnreachableError) and not self._master_away:
+                    # Until a save gets through, steps do not wait for theirs (each would wait for
+                    # the master's deadline) and one save at a time tries; the rest are not stored.
+                    self._master_away = True
+                    log.warning("kvpool: the master is away: saves go on without the steps waiting for them, "
+                                "one at a time, until one gets through")
         self._count("save_s", time.perf_counter() - started)
 
     def wait_saved(self, timeout_s: float | None = None) -> None:
@@ -826,6 +833,6 @@ class KvpoolWorker:
         self._async_loader.shutdown(wait=False)
         self._streams.shutdown(wait=False)
         self._saver.shutdown(wait=True)  # saves in flight finish first
-        log.info("kvpool saves: %d blocks saved in %.3f s on the saver thread (the steps waited %.3f s for them)",
+        log.info("kvpool saves: %d blocks saved in %.3f s (the steps waited %.3f s for them)",
                  self.stats["blocks_saved"], self.stats["save_s"], self.stats.get("save_wait_s", 0.0))
         self.pool.close()
