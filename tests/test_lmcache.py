@@ -277,7 +277,7 @@ def run_engine(tmp_path: Path, name: str, model: Path, prompts: Path, port: int)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)  # ~2.5 min on 2 idle vCPUs: two vLLM engines and two LMCache servers start
+@pytest.mark.timeout(360)  # 1.5 min on 2 quiet vCPUs, 4 busy: two vLLM engines and two LMCache servers start
 def test_an_engine_loads_through_a_restarted_lmcache_server_from_kvpool(
         lmcache: None, cluster: Any, tmp_path: Path, spawn_python: Callable[..., ChildProcess]) -> None:
     """Engine 1 computes a 512-token prompt through LMCache's server, which keeps its two chunks in

@@ -143,7 +143,11 @@ class KvpoolL2AdapterConfig(L2AdapterConfigBase):
 
         if self.master is None:
             return Pool(config=self.config)
-        return connect(self.master, config=self.config, transport=self.transport)
+        pool = connect(self.master, config=self.config, transport=self.transport)
+        # Now, not at the first pull or put that wants it: starting UCX holds the GIL for ~0.4 s,
+        # which stalled the whole server (its answers to the engines too) mid-request.
+        pool.start_ucx()
+        return pool
 
 
 def object_key(key: Any) -> bytes:
