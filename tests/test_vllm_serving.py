@@ -267,3 +267,48 @@ def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_
                 break
             assert time.monotonic() < deadline, "B never loaded A's blocks again after the restart"
             time.sleep(1)
+
+
+def test_served_engines_answer_through_an_etcd_master_failover_and_hits_come_back(
+        tmp_path: Path, spawn_python, etcd) -> None:
+    """Two masters on etcd; the leader is killed -9 while two served engines take requests:
+    every request answers, B's answer equals A's for each prompt (loaded or recomputed), none
+    waits much past load_timeout_s, and under the new leader B loads A's blocks again."""
+    from tests.test_ha import HA
+
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    ha = HA(tmp_path, spawn_python, etcd)
+    ha.start_master()
+    ha.start_master()
+    leader = ha.leader()
+    # The engines follow the leader in etcd (the TOML's [master] etcd; no "master" address, which
+    # would not follow it). Their blocks stay in their own pools (kvpool's default tiers).
+    settings = {"config": str(ha.write_config()), "plan": False, "load_timeout_s": 5}
+    rng = random.Random(9)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)]
+
+    with api_servers(tmp_path, model, ("engine-a", 0, settings, "kv_both"),
+                     ("engine-b", 1, settings, "kv_both")) as (a, b):
+        def round_trip(text: list[int]) -> tuple[int, float]:
+            """``text`` on A, then on B: B's answer must be A's; (tokens B loaded, B's seconds)."""
+            before = external_tokens(b)
+            answer_a, _ = stream(a, model, text)
+            started = time.monotonic()
+            answer_b, _ = stream(b, model, text)
+            took = time.monotonic() - started
+            assert answer_b == answer_a
+            return external_tokens(b) - before, took
+
+        assert round_trip(prompt())[0] == 3 * BLOCK
+        ha.masters[leader].kill()  # kill -9 of the leading master
+        during = [round_trip(prompt()) for _ in range(3)]
+        assert all(took < 5 + 20 for _, took in during), during
+        ha.leader(other_than=leader)
+        deadline = time.monotonic() + 60
+        while round_trip(prompt())[0] != 3 * BLOCK:  # the new leader knows A's blocks again
+            assert time.monotonic() < deadline, "B never loaded A's blocks again under the new leader"
+            time.sleep(1)

@@ -221,7 +221,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                                              kv_cache_config=kv_cache_config)
         log.info("kvpool connector (%s, %s: %s) on master %s", role.name.lower(), config.kv_role,
                  "loads and saves" if loads and saves else "saves, never loads" if saves else "loads, never saves",
-                 settings.master)
+                 settings.master or "the leader in etcd")
 
     @property
     def scheduler(self) -> KvpoolScheduler:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class Settings:
     """``kv_connector_extra_config``, checked once at start-up (ConfigError names the setting)."""
 
-    master: str
+    master: str | None  # None: the leader in etcd of the config's [master] etcd
     config: str | None = None
     durable: bool | None = None  # None: the pool config's node.durable (kvpool.client.durable_copies)
     replicas: int | None = None  # None: the pool config's node.replicas
@@ -59,14 +59,17 @@ class Settings:
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
         master = extra.get("master")
-        if not isinstance(master, str) or not master:
-            raise errors.ConfigError(
-                'kv_connector_extra_config needs "master": "tcp://HOST:PORT" (the kvpool master, e.g. the one '
-                "kvpool-server starts)")
-        check_master_address(master)
         config = extra.get("config")
         if config is not None and not isinstance(config, str):
             raise errors.ConfigError('kv_connector_extra_config "config" must be the path of a kvpool TOML file')
+        if master is None and config is not None and _names_etcd(config):
+            pass  # the masters' leader in etcd, wherever it is now (a fixed address would not follow it)
+        elif not isinstance(master, str) or not master:
+            raise errors.ConfigError(
+                'kv_connector_extra_config needs "master": "tcp://HOST:PORT" (the kvpool master, e.g. the one '
+                'kvpool-server starts), or a "config" whose [master] names "etcd" (masters with a standby)')
+        else:
+            check_master_address(master)
         durable, replicas, timeout = extra.get("durable"), extra.get("replicas"), extra.get("load_timeout_s", 30.0)
         if durable is not None and not isinstance(durable, bool):
             raise errors.ConfigError(f'kv_connector_extra_config "durable" must be true or false, got {durable!r}')
@@ -124,6 +127,15 @@ class Settings:
                 return tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise errors.ConfigError(f'kv_connector_extra_config "config": cannot read {self.config}: {exc}') from None
+
+
+def _names_etcd(path: str) -> bool:
+    """Whether the kvpool TOML at ``path`` names ``master.etcd``."""
+    try:
+        with open(path, "rb") as fh:
+            return bool(tomllib.load(fh).get("master", {}).get("etcd"))
+    except (OSError, tomllib.TOMLDecodeError, AttributeError) as exc:
+        raise errors.ConfigError(f'kv_connector_extra_config "config": cannot read {path}: {exc}') from None
 
 
 # The engine's own pool without a "config" (default_pool_config): every save in a cxl arena.
