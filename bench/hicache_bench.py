@@ -1,0 +1,637 @@
+"""SGLang HiCache storage backends side by side: kvpool, SGLang's HiCacheFile, Mooncake.
+
+Pages move the way SGLang's cache controller moves them: through SGLang's own host pool
+(``MHATokenToKVPoolHost``, page-first layout, on the CPU with ``pin_memory=False``) and the
+backend SGLang's ``StorageBackendFactory`` makes, 128 pages per call (SGLang's storage batch).
+For every page size, each backend stores ``--warmup + --calls`` batches of fresh pages and
+reads each back; set and get are timed per 128-page call (GB/s over the timed calls, p50 ms per
+call), and every page read is compared byte for byte with what was stored (untimed).
+
+Rows (one run, taking turns, same layout and page contents):
+
+* ``kvpool same host``: interface v1 (``batch_set_v1`` / ``batch_get_v1``, zero-copy into the
+  host pool). A writer engine (a forked process with its own SGLang host pool and backend)
+  stores into its pool's shared-memory arena (cxl tier only, as the vLLM connector's default
+  pool); this process, the reader engine, reads the pages in place from that arena. A master
+  (``kvpool-server --role master``) runs in its own process.
+* ``kvpool TCP``: the same, the reader's ``"transport": "tcp"`` and a writer whose pool keeps
+  pages in dram (a same-host arena would be read in place whatever the transport), so every
+  page is pulled over TCP, as from another host.
+* ``HiCacheFile tmpfs`` / ``HiCacheFile disk``: SGLang's file backend (``file_storage_path``)
+  in a directory on /dev/shm and one on the disk holding ``--disk-dir`` (the file system type
+  is printed). HiCacheFile has no interface v1: it is driven as SGLang's controller drives it
+  (``_generic_page_set``: ``get_data_page`` per page then ``batch_set``; ``_generic_page_get``:
+  ``batch_get`` into dummy pages then ``set_from_flat_data_page``). Reads from the disk
+  directory come from the page cache where it holds them.
+* ``Mooncake``: SGLang's ``MooncakeStore`` (interface v1) with a ``mooncake_master`` on
+  127.0.0.1, TCP protocol, this process contributing the segment, only where ``mooncake.store``
+  imports in this interpreter; otherwise the row says why it is not there
+  (``bench/install_peers.sh`` installs mooncake into the project venv ``.venv``, not into
+  ``.venv-sglang`` where SGLang lives).
+
+kvpool's set is the writer's (``exists_many`` + ``put_many``: into its arena + one master
+publish); its get is the reader's (one ``get_many``: locate + in-place copy or pull). Ratios
+kvpool / HiCacheFile and kvpool / Mooncake are printed per page size with issue 43's targets
+(>= 1.5x HiCacheFile, >= 1.0x Mooncake): reported, never asserted. Speed on a shared machine
+is noisy; run it on an idle one.
+
+    .venv-sglang/bin/python bench/hicache_bench.py                 # layers 8, 8 heads x 128, pages 16 and 64
+    .venv-sglang/bin/python bench/hicache_bench.py --quick         # smoke run, under a minute
+    .venv-sglang/bin/python bench/hicache_bench.py --page-sizes 16,32,64 --calls 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make ``bench``, ``tests`` and ``kvpool`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+BATCH = 128  # pages per call: SGLang's STORAGE_BATCH_SIZE
+KVPOOL_EXTRA = {"backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
+                "class_name": "KvpoolHiCacheStorage", "interface_v1": 1}
+ROWS = ("kvpool-shm", "kvpool-tcp", "file-tmpfs", "file-disk", "mooncake")
+LABELS = {"kvpool-shm": "kvpool same host (arena, in place)", "kvpool-tcp": "kvpool TCP (pulled)",
+          "file-tmpfs": "HiCacheFile tmpfs", "file-disk": "HiCacheFile disk", "mooncake": "Mooncake (TCP)"}
+TARGETS = {"file": 1.5, "mooncake": 1.0}
+
+
+@dataclass
+class Layout:
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+
+    def token_bytes(self) -> int:
+        return 2 * self.layers * self.heads * self.head_dim * 2  # K and V, 2-byte dtypes
+
+    def describe(self) -> str:
+        return (f"MHA page_first, {self.layers} layers x {self.heads} KV heads x head_dim {self.head_dim}, "
+                f"{self.dtype} ({self.token_bytes() // 1024} KiB a token, K and V)")
+
+
+@dataclass
+class Row:
+    row: str
+    page_size: int
+    page_bytes: int
+    call_bytes: int
+    status: str = "ok"  # ok | not installed: ... | failed: ...
+    set_s: list[float] = field(default_factory=list)
+    get_s: list[float] = field(default_factory=list)
+    verified_pages: int = 0
+    reads: dict[str, int] = field(default_factory=dict)  # kvpool reader's counters: how its pages came
+
+    def gbps(self, op: str) -> float | None:
+        times = self.set_s if op == "set" else self.get_s
+        return self.call_bytes * len(times) / sum(times) / 1e9 if times else None
+
+    def p50_ms(self, op: str) -> float | None:
+        times = self.set_s if op == "set" else self.get_s
+        return statistics.median(times) * 1e3 if times else None
+
+
+# -- SGLang's pieces -------------------------------------------------------------------------------
+
+
+def host_pool(layout: Layout, page_size: int) -> Any:
+    """SGLang's MHATokenToKVPoolHost (page_first) on the CPU with room for 2 x 128 pages:
+    slots 0..127 are what a set stores, 128..255 where a get lands."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    tokens = BATCH * page_size
+    device = MHATokenToKVPool(tokens, page_size, getattr(torch, layout.dtype), layout.heads, layout.head_dim,
+                              layout.layers, "cpu", False, start_layer=0, end_layer=layout.layers)
+    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, "page_first",
+                                pin_memory=False, device_capacity_tokens=device.size,
+                                start_layer=device.start_layer, end_layer=device.end_layer)
+    del device
+    assert host.size >= 2 * BATCH * page_size, (host.size, page_size)
+    return host
+
+
+def storage_config(model: str, extra: dict[str, Any]) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name=model, extra_config=extra)
+
+
+def make_backend(name: str, model: str, extra: dict[str, Any], host: Any) -> Any:
+    """The backend as SGLang's cache controller attaches it."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    backend = StorageBackendFactory.create_backend(name, storage_config(model, extra), host)
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+def indices(page_size: int, first_slot: int) -> Any:
+    import torch
+
+    return torch.arange(first_slot * page_size, (first_slot + BATCH) * page_size, dtype=torch.int64)
+
+
+def pieces(host: Any, first_slot: int) -> list[np.ndarray]:
+    """The 128 pages' pieces (SGLang's get_page_buffer_meta: K then V a page) as byte views."""
+    import torch
+
+    ptrs, sizes = host.get_page_buffer_meta(indices(host.page_size, first_slot))
+    arena = host.kv_buffer.view(torch.uint8).reshape(-1).numpy()
+    base = host.kv_buffer.data_ptr()
+    return [arena[int(p) - base:int(p) - base + int(n)] for p, n in zip(ptrs, sizes)]
+
+
+def content(row: str, page_size: int, call: int, nbytes: int) -> np.ndarray:
+    """The bytes of one call's 128 pages (deterministic: the reader makes them again)."""
+    seed = int.from_bytes(hashlib.sha256(f"{row}/{page_size}/{call}".encode()).digest()[:8], "little")
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), np.uint8)
+
+
+def fill(host: Any, data: np.ndarray) -> None:
+    at = 0
+    for piece in pieces(host, 0):
+        piece[:] = data[at:at + len(piece)]
+        at += len(piece)
+
+
+def clear_landing(host: Any) -> None:
+    for piece in pieces(host, BATCH):
+        piece[:] = 0
+
+
+def verify(host: Any, data: np.ndarray) -> int:
+    """Pages in slots 128..255 equal to ``data``, byte for byte; raises on the first that is not."""
+    at = 0
+    per_page = len(data) // BATCH
+    for i, piece in enumerate(pieces(host, BATCH)):
+        if not np.array_equal(piece, data[at:at + len(piece)]):
+            raise AssertionError(f"page {at // per_page} (piece {i}) differs from what was set")
+        at += len(piece)
+    return BATCH
+
+
+def keys_of(row: str, page_size: int, call: int) -> list[str]:
+    """SGLang-like page keys (hex sha256), fresh for every call (a set skips stored pages)."""
+    return [hashlib.sha256(f"{row}/{page_size}/{call}/{i}".encode()).hexdigest() for i in range(BATCH)]
+
+
+# -- set / get, as SGLang's controller calls them ---------------------------------------------------
+
+
+def set_v1(backend: Any, keys: list[str], host: Any) -> None:
+    ok = backend.batch_set_v1(keys, indices(host.page_size, 0), None)
+    if not all(ok):
+        raise RuntimeError(f"batch_set_v1 stored {sum(ok)} of {len(keys)} pages")
+
+
+def get_v1(backend: Any, keys: list[str], host: Any) -> None:
+    ok = backend.batch_get_v1(keys, indices(host.page_size, BATCH), None)
+    if not all(ok):
+        raise RuntimeError(f"batch_get_v1 found {sum(ok)} of {len(keys)} pages")
+
+
+def set_generic(backend: Any, keys: list[str], host: Any) -> None:
+    """SGLang's ``_generic_page_set`` (what the controller calls for ``file``)."""
+    where = indices(host.page_size, 0)
+    data = [host.get_data_page(where[i * host.page_size]) for i in range(len(keys))]
+    if not backend.batch_set(keys, data):
+        raise RuntimeError("batch_set failed")
+
+
+def get_generic(backend: Any, keys: list[str], host: Any) -> None:
+    """SGLang's ``_generic_page_get``: into dummy flat pages, then into the host pool."""
+    where = indices(host.page_size, BATCH)
+    dummies = [host.get_dummy_flat_data_page() for _ in keys]
+    pages = backend.batch_get(keys, dummies)
+    if pages is None or any(p is None for p in pages):
+        raise RuntimeError(f"batch_get found {0 if pages is None else sum(p is not None for p in pages)} of "
+                           f"{len(keys)} pages")
+    for i, page in enumerate(pages):
+        host.set_from_flat_data_page(where[i * host.page_size], page)
+
+
+# -- kvpool's writer engine (a forked process) --------------------------------------------------------
+
+
+def writer_main(conn: Any, master: str, config: dict[str, Any], layout: Layout) -> None:
+    """A writer engine: per page size its own host pool and kvpool backend; stores the calls it
+    is asked for and answers each call's set time."""
+    backend = None
+    try:
+        while True:
+            msg = conn.recv()
+            if msg["op"] == "quit":
+                break
+            try:
+                if msg["op"] == "attach":
+                    if backend is not None:
+                        backend.close()
+                    host = host_pool(layout, msg["page_size"])
+                    backend = make_backend("dynamic", msg["model"], {**KVPOOL_EXTRA, "master": master,
+                                                                     "config": config}, host)
+                    conn.send({"ok": True})
+                elif msg["op"] == "set":
+                    row, page_size, call = msg["row"], msg["page_size"], msg["call"]
+                    data = content(row, page_size, call, msg["call_bytes"])
+                    fill(host, data)
+                    keys = keys_of(row, page_size, call)
+                    start = time.perf_counter()
+                    set_v1(backend, keys, host)
+                    conn.send({"ok": True, "s": time.perf_counter() - start})
+            except Exception as exc:  # reported to the bench, which fails the row
+                conn.send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+    finally:
+        if backend is not None:
+            backend.close()
+        conn.close()
+
+
+class Writer:
+    def __init__(self, master: str, config: dict[str, Any], layout: Layout) -> None:
+        ctx = multiprocessing.get_context("fork")  # SGLang is imported already: no second 10 s import
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=writer_main, args=(child, master, config, layout), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ask(self, msg: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+        self.conn.send(msg)
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"kvpool writer did not answer {msg['op']} in {timeout_s:.0f} s")
+        answer: dict[str, Any] = self.conn.recv()
+        if not answer["ok"]:
+            raise RuntimeError(f"kvpool writer: {answer['error']}\n{answer.get('trace', '')}")
+        return answer
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send({"op": "quit"})
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+# -- processes this bench starts ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def start_kvpool_master(work: Path) -> tuple[str, subprocess.Popen[bytes]]:
+    from kvpool.cluster.wire.master_client import MasterClient
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    log = open(work / "kvpool-master.log", "wb")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli.server", "--role", "master", "--master.listen",
+                             address, "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    client = MasterClient(address, request_timeout_s=1.0)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvpool master exited {proc.returncode}: "
+                                   f"{(work / 'kvpool-master.log').read_text()[-2000:]}")
+            try:
+                client.ping(timeout_s=0.5)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    stop_process(proc)
+                    raise RuntimeError("kvpool master did not answer in 60 s") from None
+                time.sleep(0.2)
+    finally:
+        client.close()
+    return address, proc
+
+
+def mooncake_missing() -> str | None:
+    if importlib.util.find_spec("mooncake") is None:
+        venv = Path(sys.prefix).name
+        return (f"not installed: mooncake.store does not import in {venv} (bench/install_peers.sh installs "
+                "mooncake-transfer-engine-non-cuda into the project venv .venv, not into .venv-sglang where "
+                "SGLang's MooncakeStore backend must run)")
+    if mooncake_master_binary() is None:
+        return "not installed: the mooncake package imports but no mooncake_master binary was found"
+    return None
+
+
+def mooncake_master_binary() -> str | None:
+    beside = Path(sys.executable).parent / "mooncake_master"
+    return str(beside) if beside.exists() else shutil.which("mooncake_master")
+
+
+def fs_type(path: Path) -> str:
+    """The file system type of the mount holding ``path`` (from /proc/mounts)."""
+    best, kind = "", "?"
+    real = str(path.resolve())
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
+                    and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    return kind
+
+
+# -- the run -------------------------------------------------------------------------------------------
+
+
+def progress(text: str) -> None:
+    print(f"[hicache-bench] {text}", file=sys.stderr, flush=True)
+
+
+def measure_kvpool(row: Row, writer: Writer, reader: Any, host: Any, model: str, warmup: int, calls: int) -> None:
+    writer.ask({"op": "attach", "page_size": row.page_size, "model": model})
+    total = warmup + calls
+    for call in range(total):
+        answer = writer.ask({"op": "set", "row": row.row, "page_size": row.page_size, "call": call,
+                             "call_bytes": row.call_bytes})
+        if call >= warmup:
+            row.set_s.append(answer["s"])
+    for call in range(total):
+        clear_landing(host)
+        keys = keys_of(row.row, row.page_size, call)
+        start = time.perf_counter()
+        get_v1(reader, keys, host)
+        elapsed = time.perf_counter() - start
+        row.verified_pages += verify(host, content(row.row, row.page_size, call, row.call_bytes))
+        if call >= warmup:
+            row.get_s.append(elapsed)
+    with contextlib.suppress(AttributeError):  # how the reader's pages came: in place, or pulled
+        counters = reader.pool.cluster.reader.counters
+        row.reads = {k: int(v) for k, v in counters.items()
+                     if k in ("hits_same_host", "reads_in_place", "pulls", "hits_remote", "tcp_fallbacks")}
+
+
+def measure_local(row: Row, backend: Any, host: Any, warmup: int, calls: int, v1: bool) -> None:
+    do_set, do_get = (set_v1, get_v1) if v1 else (set_generic, get_generic)
+    total = warmup + calls
+    for call in range(total):
+        fill(host, content(row.row, row.page_size, call, row.call_bytes))
+        start = time.perf_counter()
+        do_set(backend, keys_of(row.row, row.page_size, call), host)
+        if call >= warmup:
+            row.set_s.append(time.perf_counter() - start)
+    for call in range(total):
+        clear_landing(host)
+        start = time.perf_counter()
+        do_get(backend, keys_of(row.row, row.page_size, call), host)
+        elapsed = time.perf_counter() - start
+        row.verified_pages += verify(host, content(row.row, row.page_size, call, row.call_bytes))
+        if call >= warmup:
+            row.get_s.append(elapsed)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.sglang_engine import load_sglang
+
+    load_sglang()  # SGLang's imports (and its torchvision work-around), before the writers fork
+    import torch
+
+    # SGLang's page copies (get_data_page, set_from_flat_data_page, a dummy page) are torch ops
+    # that go multi-threaded above 32k elements; on a small busy host those threads wait on each
+    # other (1.7 s instead of 0.04 s for 128 pages of 256 KiB, measured on 2 vCPUs), which would
+    # make HiCacheFile look far worse than it is.
+    torch.set_num_threads(args.torch_threads)
+    layout = Layout(args.layers, args.heads, args.head_dim, args.dtype)
+    rows_wanted = [r for r in args.rows.split(",") if r]
+    unknown = set(rows_wanted) - set(ROWS)
+    if unknown:
+        raise SystemExit(f"unknown rows {sorted(unknown)}; known: {','.join(ROWS)}")
+    biggest_call = BATCH * max(args.page_sizes) * layout.token_bytes()
+    arena = int((args.warmup + args.calls) * biggest_call * 1.5) + (64 << 20)
+    work = Path(tempfile.mkdtemp(prefix="kvpool-hicache-bench-"))
+    tmpfs_dir = Path(tempfile.mkdtemp(prefix="kvpool-hicache-bench-", dir="/dev/shm"))
+    disk_dir = Path(tempfile.mkdtemp(prefix="kvpool-hicache-bench-", dir=args.disk_dir))
+    dirs = {"file-tmpfs": tmpfs_dir, "file-disk": disk_dir}
+    where = {name: f"{path} ({fs_type(path)})" for name, path in dirs.items() if name in rows_wanted}
+    processes: list[subprocess.Popen[bytes]] = []
+    writers: dict[str, Writer] = {}
+    backends: list[Any] = []
+    rows: list[Row] = []
+    try:
+        master = None
+        if any(r.startswith("kvpool") for r in rows_wanted):
+            master, proc = start_kvpool_master(work)
+            processes.append(proc)
+            # The writers: "shm" saves in a cxl arena only (as the vLLM connector's default pool),
+            # "tcp" in dram only (so its pages are pulled, never read in place).
+            for writer_row, tiers in (("kvpool-shm", {"dram": {"capacity": 0}, "cxl": {"capacity": arena}}),
+                               ("kvpool-tcp", {"dram": {"capacity": arena, "mlock": False},
+                                               "cxl": {"capacity": 0}})):
+                if writer_row in rows_wanted:
+                    config = {"pool": {"data_dir": str(work / writer_row)},
+                              "tiers": {**tiers, "nvme": {"capacity": 0}}}
+                    writers[writer_row] = Writer(master, config, layout)
+        mooncake_master = None
+        mooncake_why = mooncake_missing() if "mooncake" in rows_wanted else None
+        if "mooncake" in rows_wanted and mooncake_why is None:
+            port = free_port()
+            binary = mooncake_master_binary()
+            assert binary is not None
+            mooncake_master = f"127.0.0.1:{port}"
+            log = open(work / "mooncake-master.log", "wb")  # noqa: SIM115
+            processes.append(subprocess.Popen([binary, f"--port={port}"], stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+            time.sleep(1.0)
+
+        for page_size in args.page_sizes:
+            host = host_pool(layout, page_size)
+            page_bytes = page_size * layout.token_bytes()
+            for name in rows_wanted:
+                row = Row(name, page_size, page_bytes, BATCH * page_bytes)
+                rows.append(row)
+                model = f"hicache-bench/{name}/{os.getpid()}"
+                progress(f"page {page_size}: {LABELS[name]}")
+                try:
+                    if name.startswith("kvpool"):
+                        transport = "tcp" if name == "kvpool-tcp" else "auto"
+                        reader_config = {"pool": {"data_dir": str(work / f"reader-{name}-{page_size}")},
+                                         "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
+                                                   "cxl": {"capacity": 0}, "nvme": {"capacity": 0}}}
+                        reader = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
+                                                                 "config": reader_config, "transport": transport},
+                                              host)
+                        backends.append(reader)
+                        try:
+                            measure_kvpool(row, writers[name], reader, host, model, args.warmup, args.calls)
+                        finally:
+                            reader.close()
+                            backends.remove(reader)
+                    elif name.startswith("file"):
+                        backend = make_backend("file", model, {"file_storage_path": str(dirs[name])}, host)
+                        measure_local(row, backend, host, args.warmup, args.calls, v1=False)
+                        for path in dirs[name].iterdir():  # room for the next page size
+                            path.unlink()
+                    elif mooncake_why is not None:
+                        row.status = mooncake_why
+                    else:
+                        extra = {"master_server_address": mooncake_master, "metadata_server": "P2PHANDSHAKE",
+                                 "protocol": "tcp", "device_name": "", "global_segment_size": arena,
+                                 "check_server": False}
+                        backend = make_backend("mooncake", model, extra, host)
+                        backends.append(backend)
+                        measure_local(row, backend, host, args.warmup, args.calls, v1=True)
+                except Exception as exc:  # one backend failing is its row's status, not the run's end
+                    row.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    progress(f"{name} page {page_size} failed:\n{traceback.format_exc()}")
+            del host
+    finally:
+        for backend in backends:
+            with contextlib.suppress(Exception):
+                backend.close()
+        for writer in writers.values():
+            writer.stop()
+        for proc in processes:
+            stop_process(proc)
+        for path in (work, tmpfs_dir, disk_dir):
+            shutil.rmtree(path, ignore_errors=True)
+    return {"layout": asdict(layout), "layout_text": layout.describe(), "pages_per_call": BATCH,
+            "warmup": args.warmup, "calls": args.calls, "torch_threads": args.torch_threads, "where": where,
+            "rows": [{**asdict(r), "label": LABELS[r.row], "set_gbps": r.gbps("set"), "get_gbps": r.gbps("get"),
+                      "set_p50_ms": r.p50_ms("set"), "get_p50_ms": r.p50_ms("get")} for r in rows],
+            "ratios": ratios(rows)}
+
+
+def ratios(rows: list[Row]) -> list[dict[str, Any]]:
+    """kvpool / peer GB/s for set and get, per page size (None where either did not run)."""
+    out = []
+    by = {(r.row, r.page_size): r for r in rows}
+    for (name, page_size), ours in by.items():
+        if not name.startswith("kvpool"):
+            continue
+        for peer in ("file-tmpfs", "file-disk", "mooncake"):
+            theirs = by.get((peer, page_size))
+            if theirs is None:
+                continue
+            entry: dict[str, Any] = {"kvpool": name, "peer": peer, "page_size": page_size,
+                                     "target": TARGETS["mooncake" if peer == "mooncake" else "file"]}
+            for op in ("set", "get"):
+                a, b = ours.gbps(op), theirs.gbps(op)
+                entry[op] = a / b if a and b and ours.status == "ok" and theirs.status == "ok" else None
+            why = theirs.status if theirs.status != "ok" else (ours.status if ours.status != "ok" else "")
+            entry["why"] = f"{peer} {why.split(':')[0]}" if why else ""
+            out.append(entry)
+    return out
+
+
+def how(reads: dict[str, int]) -> str:
+    """How a kvpool reader's objects came: in place from a same-host arena, or pulled."""
+    if not reads:
+        return ""
+    in_place = reads.get("hits_same_host", 0) + reads.get("reads_in_place", 0)
+    return f" ({in_place} objects in place, {reads.get('pulls', 0)} pulled)"
+
+
+def report(result: dict[str, Any]) -> None:
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    print(f"layout: {result['layout_text']}; {result['pages_per_call']} pages a call, "
+          f"{result['calls']} timed calls (+{result['warmup']} warm-up) per backend and page size; "
+          f"torch threads {result['torch_threads']}")
+    for name, text in result["where"].items():
+        print(f"{LABELS[name]}: {text}")
+    for page_size in sorted({r["page_size"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["page_size"] == page_size]
+        print(f"\n== page {page_size} tokens ({rows[0]['page_bytes'] // 1024} KiB a page, "
+              f"{rows[0]['call_bytes'] / (1 << 20):.0f} MiB a call)")
+        print(f"{'backend':38s} {'set GB/s':>9s} {'set p50 ms':>11s} {'get GB/s':>9s} {'get p50 ms':>11s}  verified")
+        for r in rows:
+            if r["status"] != "ok":
+                print(f"{r['label']:38s} {r['status']}")
+                continue
+            print(f"{r['label']:38s} {num(r['set_gbps'], '9.2f')} {num(r['set_p50_ms'], '11.1f')} "
+                  f"{num(r['get_gbps'], '9.2f')} {num(r['get_p50_ms'], '11.1f')}  "
+                  f"{r['verified_pages']} pages exact{how(r['reads'])}")
+        print("kvpool / peer (GB/s; issue 43 targets: >= 1.5x HiCacheFile, >= 1.0x Mooncake):")
+        for q in (q for q in result["ratios"] if q["page_size"] == page_size):
+            if q["set"] is None or q["get"] is None:
+                print(f"  {q['kvpool']:10s} / {q['peer']:10s}  n/a ({q['why'] or 'not measured'})")
+                continue
+            marks = ["" if v >= q["target"] else " (below)" for v in (q["set"], q["get"])]
+            print(f"  {q['kvpool']:10s} / {q['peer']:10s}  set {q['set']:.2f}x{marks[0]}  "
+                  f"get {q['get']:.2f}x{marks[1]}  (target >= {q['target']}x)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 layers x 4 heads, pages 16 and 64, 2 timed calls (under a minute)")
+    parser.add_argument("--page-sizes", default=None, help="tokens a page, comma-separated (default 16,64)")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default 8; --quick 2)")
+    parser.add_argument("--heads", type=int, default=None, help="KV heads (default 8; --quick 4)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--calls", type=int, default=None, help="timed 128-page calls per backend and page size "
+                                                                "(default 8; --quick 2)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"which backends (default {','.join(ROWS)})")
+    parser.add_argument("--disk-dir", default=tempfile.gettempdir(),
+                        help="a directory on disk for HiCacheFile's disk row (default: the temp dir; its file "
+                             "system type is printed)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads for SGLang's page copies (default 1)")
+    parser.add_argument("--json", metavar="FILE", help="write the rows and ratios here")
+    args = parser.parse_args(argv)
+    args.page_sizes = [int(p) for p in (args.page_sizes or "16,64").split(",")]
+    args.layers = args.layers or (2 if args.quick else 8)
+    args.heads = args.heads or (4 if args.quick else 8)
+    args.calls = args.calls or (2 if args.quick else 8)
+    if importlib.util.find_spec("sglang") is None:
+        print("SGLang is not importable here: run with .venv-sglang/bin/python (.ci/run builds it)", file=sys.stderr)
+        return 2
+    result = run(args)
+    report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    failed = [r for r in result["rows"] if r["status"].startswith("failed")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
