@@ -47,7 +47,7 @@ from kvpool.transport.frames import (
     plausible_worker_address,
     status_error,
 )
-from kvpool.transport.pulls import Peer, PullRequest, PullState, checked_pull
+from kvpool.transport.pulls import Peer, PullRequest, PullState, checked_out, checked_pull
 
 log = logging.getLogger("kvpool.transport")
 
@@ -143,6 +143,29 @@ class PullClient:
         pull = self._new_pull(address, key, layer_range, out, timeout_s, token, header_out)
         self._run_many([(pull, alive)], timeout_s, alive_check_s)
         return pull.future.result(0)
+
+    def pull(self, request: PullRequest, *, timeout_s: float = 10.0) -> int:
+        """One pull (:meth:`Puller.pull`): :meth:`pull_into` of ``request`` (UCX never calls its
+        ``progress``)."""
+        (outcome,) = self.pull_many([request], timeout_s=timeout_s)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    @property
+    def proves_holder(self) -> bool:
+        """False: a UCX endpoint proves nothing (whatever took over a dead holder's address
+        would be believed)."""
+        return False
+
+    def start(self, address: PeerAddress | tuple[str, int], key: bytes,
+              layer_range: LayerRange | tuple[int, int] | range, nbytes: int, *, token: bytes = b"",
+              timeout_s: float = 10.0) -> DeferredPull:
+        """A pull to send once its buffer is known (:class:`StartedPull`): over UCX the request
+        carries where the reply lands, so nothing goes out before :meth:`DeferredPull.finish`."""
+        if not 0 < nbytes < 2**63:
+            raise errors.OutBufferError(f"a pull needs room for at least one byte, got {nbytes}")
+        return DeferredPull(self, address, key, layer_range, nbytes, token, timeout_s)
 
     def pull_many(self, requests: Sequence[PullRequest], *, timeout_s: float = 10.0,
                   alive_check_s: float = 0.05) -> list[int | BaseException]:
@@ -586,6 +609,30 @@ class PullClient:
             for pull in list(peer.pulls):
                 self._fail(pull, errors.PoolClosedError(f"{self._name} closed"))
             self._drop_peer(peer, "client closing")
+
+
+class DeferredPull:
+    """A pull :meth:`PullClient.start` prepared: sent and received by :meth:`finish`."""
+
+    __slots__ = ("address", "client", "key", "layer_range", "nbytes", "timeout_s", "token")
+
+    def __init__(self, client: PullClient, address: PeerAddress | tuple[str, int], key: bytes,
+                 layer_range: LayerRange | tuple[int, int] | range, nbytes: int, token: bytes,
+                 timeout_s: float) -> None:
+        self.client, self.address, self.key, self.layer_range = client, address, key, layer_range
+        self.nbytes, self.token, self.timeout_s = nbytes, token, timeout_s
+
+    def finish(self, out: Any, header_out: bytearray | None = None, *,
+               progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None) -> int:
+        """Pull into ``out`` (its first ``nbytes``), as :meth:`PullClient.pull_into`."""
+        view = checked_out(out)
+        if view.nbytes < self.nbytes:
+            raise errors.OutBufferError(f"out holds {view.nbytes} bytes, the pull asked for {self.nbytes}")
+        return self.client.pull(PullRequest(self.address, self.key, self.layer_range, view[:self.nbytes],
+                                            self.token, header_out, alive, progress), timeout_s=self.timeout_s)
+
+    def cancel(self) -> None:
+        """Nothing was sent: nothing to drop."""
 
 
 def _fail_future(future: concurrent.futures.Future[int], exc: BaseException) -> None:

@@ -24,27 +24,57 @@ from kvpool.transport.frames import PeerAddress
 from kvpool.transport.pulls import PullRequest
 from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient
 
-if TYPE_CHECKING:
-    from kvpool.transport.tcp.client import TcpPull
-
 #: the most bytes pulled over plain TCP from a holder that UCX reaches by shared memory
 #: (``transport="auto"``): above it UCX's shared memory was faster (bench/transfer_bench.py)
 SAME_HOST_TCP_PULL_MAX = 1 << 20
 
 
-class Puller(Protocol):
-    """Pulls layer ranges of keys from holders into the caller's buffers."""
+class StartedPull(Protocol):
+    """A pull whose request is on its way (:meth:`Puller.start`) and whose reply lands in a buffer
+    the caller names now: exactly one of :meth:`finish` or :meth:`cancel` is called."""
 
-    def pull_into(self, address: PeerAddress, key: bytes, layer_range: Any, out: Any, *,
-                  timeout_s: float = 10.0, alive: Callable[[], bool] | None = None,
-                  alive_check_s: float = 0.05, token: bytes = b"", header_out: bytearray | None = None) -> int:
-        """The bytes received into ``out``; raises the typed error of a miss, a bad range or buffer,
-        a refused token, a transport failure or the deadline (see ``PullClient.pull_into``)."""
+    def finish(self, out: Any, header_out: bytearray | None = None, *,
+               progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None) -> int:
+        """Receive the reply into ``out`` (and the header into ``header_out``); the bytes received,
+        or the errors of :meth:`Puller.pull`."""
+        ...
+
+    def cancel(self) -> None:
+        """Drop the pull; its reply is never read."""
+        ...
+
+
+class Puller(Protocol):
+    """Pulls layer ranges of keys from holders into the caller's buffers: what every transport's
+    client implements and all :class:`Pulls` (and the reader above it) knows of one."""
+
+    @property
+    def proves_holder(self) -> bool:
+        """Whether every holder this client pulls from first proves it holds the cluster key (then
+        its answer may be used before the master confirms the holder)."""
+        ...
+
+    def pull(self, request: PullRequest, *, timeout_s: float = 10.0) -> int:
+        """One pull: ``request.layer_range`` of ``request.key`` from ``request.address`` into
+        ``request.out`` (its header into ``request.header_out``, ``request.progress`` told the
+        payload bytes as they land where the transport can, abandoned once ``request.alive()``
+        says the holder is gone). The bytes received; raises the typed error of a miss, a bad
+        range or buffer, a refused token, a transport failure or the deadline (see
+        ``PullClient.pull_into``)."""
         ...
 
     def pull_many(self, requests: Sequence[PullRequest], *, timeout_s: float = 10.0,
                   alive_check_s: float = 0.05) -> list[int | BaseException]:
-        """One result per request, in order: the bytes received or the error ``pull_into`` raises."""
+        """Pulls in flight together: one result per request, in order, the bytes received or the
+        error :meth:`pull` raises."""
+        ...
+
+    def start(self, address: PeerAddress | tuple[str, int], key: bytes,
+              layer_range: LayerRange | tuple[int, int] | range, nbytes: int, *, token: bytes = b"",
+              timeout_s: float = 10.0) -> StartedPull:
+        """:meth:`pull` in two steps: the request for ``nbytes`` of payload (sent now where the
+        transport can), then :meth:`StartedPull.finish` with the buffer the caller prepared
+        meanwhile. Raises the argument errors of :meth:`pull`; every other failure is finish's."""
         ...
 
     def stats(self) -> dict[str, int]:
@@ -129,36 +159,40 @@ class Pulls:
              progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None) -> None:
         """One pull into ``out`` (the holder's header into ``header_out``; ``progress`` told the
         bytes so far as they arrive over TCP), abandoned once ``alive()`` says the holder is
-        gone; raises what :meth:`Puller.pull_into` raises."""
-        tcp = self.client_for(peer, out.nbytes)
-        if isinstance(tcp, TcpPullClient) and isinstance(peer, PeerAddress):
-            try:  # one pull: no batch machinery
-                sent = tcp.start(peer, key, layer_range, out.nbytes, token=token, timeout_s=timeout_s)
-                tcp.finish(sent, out, header_out, progress=progress, alive=alive)
-                return
-            except TcpPathUnusable:  # its TCP port is unusable: over UCX, as pull_many would
-                self.counters["tcp_fallbacks"] += 1
-        (outcome,) = self.ucx.pull_many([PullRequest(peer, key, layer_range, out, token, header_out, alive)],
-                                        timeout_s=timeout_s)
-        if isinstance(outcome, BaseException):
-            raise outcome
+        gone; raises what :meth:`Puller.pull` raises."""
+        request = PullRequest(peer, key, layer_range, out, token, header_out, alive, progress)
+        client = self.client_for(peer, out.nbytes)
+        try:
+            client.pull(request, timeout_s=timeout_s)
+            return
+        except TcpPathUnusable:  # that path is unusable: over UCX, as pull_many would
+            if client is self._ucx:
+                raise
+            self.counters["tcp_fallbacks"] += 1
+        self.ucx.pull(request, timeout_s=timeout_s)
 
     def pull_many(self, requests: Sequence[PullRequest], *, timeout_s: float) -> list[int | BaseException]:
         """Pulls in flight together: one result per request, the bytes received or the error.
-        The small ones go over TCP first; those whose holder's TCP port proved unusable then go
-        over UCX with the rest."""
+        Each client's share goes together, UCX's last: those whose path proved unusable go over
+        UCX with the rest."""
         results: list[int | BaseException | None] = [None] * len(requests)
-        over_ucx = list(range(len(requests)))
-        over_tcp = [i for i in over_ucx
-                    if isinstance(self.client_for(requests[i].address, requests[i].out.nbytes), TcpPullClient)]
-        tcp = self.tcp
-        if tcp is not None:
-            if over_tcp:
-                for i, outcome in zip(over_tcp, tcp.pull_many([requests[i] for i in over_tcp], timeout_s=timeout_s)):
+        shares: dict[int, tuple[Puller, list[int]]] = {}  # id(client) -> (client, request indices)
+        for i, request in enumerate(requests):
+            client = self.client_for(request.address, request.out.nbytes)
+            shares.setdefault(id(client), (client, []))[1].append(i)
+        over_ucx: list[int] = []
+        for client, share in shares.values():
+            if client is self._ucx:
+                over_ucx += share
+                continue
+            for i, outcome in zip(share, client.pull_many([requests[i] for i in share], timeout_s=timeout_s)):
+                if isinstance(outcome, TcpPathUnusable):
+                    self.counters["tcp_fallbacks"] += 1
+                    over_ucx.append(i)
+                else:
                     results[i] = outcome
-                    self.counters["tcp_fallbacks"] += isinstance(outcome, TcpPathUnusable)
-                over_ucx = [i for i in over_ucx if results[i] is None or isinstance(results[i], TcpPathUnusable)]
         if over_ucx:
+            over_ucx.sort()
             for i, outcome in zip(over_ucx, self.ucx.pull_many([requests[i] for i in over_ucx], timeout_s=timeout_s)):
                 results[i] = outcome
         done: list[int | BaseException] = []
@@ -169,29 +203,13 @@ class Pulls:
 
     # -- a pull from a holder that proves itself, in two steps ------------------------------------
 
-    def provable(self, peer: PeerAddress | tuple[str, int], nbytes: int) -> bool:
-        """Whether a pull of ``nbytes`` from ``peer`` goes to a holder that must first prove it
-        holds the cluster key (a pull over TCP with ``check_proof``). A UCX endpoint proves
-        nothing: whatever took over a dead holder's address would be believed."""
-        tcp = self.client_for(peer, nbytes)
-        return isinstance(tcp, TcpPullClient) and tcp.check_proof is not None
-
-    def start_proven(self, peer: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, *,
-                     timeout_s: float) -> TcpPull:
-        """Send a :meth:`provable` pull's request now (no token: this end proves the key)."""
-        assert self.tcp is not None
-        return self.tcp.start(peer, key, layer_range, nbytes, timeout_s=timeout_s)
-
-    def finish_proven(self, sent: TcpPull, out: Any, header_out: bytearray, *,
-                      progress: Callable[[int], None] | None, alive: Callable[[], bool] | None) -> None:
-        """Receive what :meth:`start_proven` asked for into ``out`` (and its header)."""
-        assert self.tcp is not None
-        self.tcp.finish(sent, out, header_out, progress=progress, alive=alive)
-
-    def cancel_proven(self, sent: TcpPull) -> None:
-        """Drop a started pull whose reply will never be read."""
-        assert self.tcp is not None
-        self.tcp.cancel(sent)
+    def proving_client(self, peer: PeerAddress | tuple[str, int], nbytes: int) -> Puller | None:
+        """The client a pull of ``nbytes`` from ``peer`` goes over if it pulls only from holders
+        that first prove they hold the cluster key (:attr:`Puller.proves_holder`), else None.
+        Its pull may be used as the holder answers, and needs no token (this end proves the key
+        in turn); start it with :meth:`Puller.start`."""
+        client = self.client_for(peer, nbytes)
+        return client if client.proves_holder else None
 
     @staticmethod
     def path_unusable(exc: BaseException) -> bool:
@@ -232,5 +250,9 @@ class Pulls:
 
 
 if TYPE_CHECKING:  # both clients implement the interface (checked by mypy, no cost at run time)
-    def _conforms(ucx: PullClient, tcp: TcpPullClient) -> tuple[Puller, Puller]:
-        return ucx, tcp
+    from kvpool.transport.client import DeferredPull
+    from kvpool.transport.tcp.client import TcpPull
+
+    def _conforms(ucx: PullClient, tcp: TcpPullClient, deferred: DeferredPull,
+                  sent: TcpPull) -> tuple[Puller, Puller, StartedPull, StartedPull]:
+        return ucx, tcp, deferred, sent

@@ -457,7 +457,7 @@ class ReplicaReader:
         the cluster key: only such a pull may be used as the holder answers (:meth:`accept`).
         (A UCX endpoint proves nothing: whatever took over a dead holder's address would be
         believed.) This reader proves the key to that holder in turn, so the pull needs no token."""
-        return self.pulls.provable(guess.replica.node.peer, guess.nbytes)
+        return self.pulls.proving_client(guess.replica.node.peer, guess.nbytes) is not None
 
     def run(self, guess: Speculation, token: bytes) -> None:
         """Pull the guessed bytes into the buffer :meth:`Speculation.bind` took (unverified until
@@ -474,17 +474,19 @@ class ReplicaReader:
         request goes out first: ``out`` is bound (:meth:`Speculation.bind`) while the holder
         answers. Not pulled at all if its TCP port is unusable or ``out`` does not fit."""
         replica = guess.replica
+        client = self.pulls.proving_client(replica.node.peer, guess.nbytes)
+        if client is None:  # no longer provable (its TCP port just proved unusable): locate decides
+            return
         try:
-            sent = self.pulls.start_proven(replica.node.peer, guess.key,
-                                           guess.layer_range, guess.nbytes, timeout_s=self.pull_timeout_s)
+            sent = client.start(replica.node.peer, guess.key, guess.layer_range, guess.nbytes,
+                                timeout_s=self.pull_timeout_s)
             try:
                 if not guess.bind(out, out_view):
                     raise errors.OutBufferError("out does not fit the guessed spec")
             except BaseException:
-                self.pulls.cancel_proven(sent)  # its reply is never read
+                sent.cancel()  # its reply is never read
                 raise
-            self.pulls.finish_proven(sent, guess.buf, guess.raw_header, progress=guess.check,
-                                     alive=lambda: self.holder_alive(replica))
+            sent.finish(guess.buf, guess.raw_header, progress=guess.check, alive=lambda: self.holder_alive(replica))
             guess.pulled = guess.proven = True
         except errors.KVPoolError as exc:
             self._guess_failed(guess, exc)

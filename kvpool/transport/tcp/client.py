@@ -84,6 +84,19 @@ class TcpPullClient:
             raise outcome
         return outcome
 
+    def pull(self, request: PullRequest, *, timeout_s: float = 10.0) -> int:
+        """One pull (:meth:`Puller.pull`): the request goes out on an idle connection and its reply
+        is read straight into ``request.out``, without :meth:`pull_many`'s batch machinery."""
+        out = checked_out(request.out)
+        sent = self.start(request.address, request.key, request.layer_range, out.nbytes, token=request.token,
+                          timeout_s=timeout_s)
+        return self.finish(sent, out, request.header_out, progress=request.progress, alive=request.alive)
+
+    @property
+    def proves_holder(self) -> bool:
+        """Whether every holder this client pulls from first proves it holds the cluster key."""
+        return self.check_proof is not None
+
     def pull_many(self, requests: Sequence[PullRequest], *, timeout_s: float = 10.0,
                   alive_check_s: float = 0.05) -> list[int | BaseException]:
         """As :meth:`PullClient.pull_many`: one result per request, in order. The requests to one
@@ -119,7 +132,8 @@ class TcpPullClient:
 
     # -- one pull in two steps -----------------------------------------------------------------
 
-    def start(self, address: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, *, token: bytes = b"",
+    def start(self, address: PeerAddress | tuple[str, int], key: bytes,
+              layer_range: LayerRange | tuple[int, int] | range, nbytes: int, *, token: bytes = b"",
               want_header: bool = True, timeout_s: float = 10.0, alive_check_s: float = 0.05) -> TcpPull:
         """Send one pull's request now, over an idle connection (a new one sends it in
         :meth:`finish`, after the holder's answer to its hello), and return the pull: the caller
@@ -135,6 +149,7 @@ class TcpPullClient:
             raise errors.OutBufferError(f"a pull needs room for at least one byte, got {nbytes}")
         peer, key, layer_range, token = checked_request(address, key, layer_range, token)
         pull = TcpPull(peer, key, layer_range, nbytes, token, want_header, timeout_s)
+        pull.client = self
         conn = pull.conn = self._checkout(pull.where, pull, alive_check_s)
         if isinstance(conn, _Conn) and conn.nonce is None:
             try:
@@ -433,7 +448,7 @@ class TcpPull:
     """One pull: its checked request, frame and deadline, where the request went (:meth:`start`),
     and the buffers its reply lands in (:meth:`bind`)."""
 
-    __slots__ = ("address", "alive", "conn", "deadline", "frame", "header_out", "header_room", "key",
+    __slots__ = ("address", "alive", "client", "conn", "deadline", "frame", "header_out", "header_room", "key",
                  "layer_range", "nbytes", "out", "poll_mark", "progress", "sent_on", "timeout_s", "token", "where")
 
     def __init__(self, address: PeerAddress, key: bytes, layer_range: LayerRange, nbytes: int, token: bytes,
@@ -455,6 +470,7 @@ class TcpPull:
         self.header_room = 0
         self.alive: Callable[[], bool] | None = None
         self.progress: Callable[[int], None] | None = None
+        self.client: TcpPullClient | None = None  # (start) the client that reads its reply
 
     #: every request on a connection has this id: replies come back in order, one per request,
     #: and the id only confirms the stream is in step
@@ -464,6 +480,17 @@ class TcpPull:
              progress: Callable[[int], None] | None, alive: Callable[[], bool] | None) -> None:
         """Where the reply lands (checked by the caller)."""
         self.out, self.header_out, self.header_room, self.progress, self.alive = out, header_out, room, progress, alive
+
+    def finish(self, out: Any, header_out: bytearray | None = None, *,
+               progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None) -> int:
+        """:meth:`TcpPullClient.finish` of this started pull (:class:`StartedPull`)."""
+        assert self.client is not None, "only a pull TcpPullClient.start sent is finished"
+        return self.client.finish(self, out, header_out, progress=progress, alive=alive)
+
+    def cancel(self) -> None:
+        """:meth:`TcpPullClient.cancel` of this started pull."""
+        assert self.client is not None, "only a pull TcpPullClient.start sent is cancelled"
+        self.client.cancel(self)
 
     @property
     def label(self) -> str:
