@@ -47,10 +47,14 @@ def node_id_from_log(child) -> str:
 
 
 def storage_holders(cluster: Cluster, key: bytes) -> dict[str, str]:
-    """node id -> tier of each holder of ``key`` that is a storage node."""
+    """node id -> tier of each holder of ``key`` that is a storage node: "nvme" for a durable
+    copy, whether the master lists it there or in the node's shared arena (cxl), where a
+    storage node also keeps a durable copy it took while there is room (TierManager.share_copy;
+    the nvme copy stays its backing)."""
     nodes = cluster.client.stats()["nodes"]
     located = cluster.client.locate(key, lease=False).replicas[0] or []
-    return {r["node_id"]: r["tier"] for r in located if nodes[r["node_id"]]["role"] == "storage"}
+    return {r["node_id"]: "nvme" if r["tier"] == "cxl" else r["tier"] for r in located
+            if nodes[r["node_id"]]["role"] == "storage"}
 
 
 @pytest.mark.slow

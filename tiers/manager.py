@@ -393,28 +393,45 @@ class TierManager:
         if self.listener is not None:
             self.listener.moved(entry.key, dest, extent, header)
 
-    def _maybe_promote(self, entry: Entry) -> None:
-        """Copy a hot object from a lower tier up to the highest put-enabled tier (lock held).
+    def share_copy(self, key: bytes) -> bool:
+        """Keep a copy of ``key``'s object, now in a persistent tier, also in the shared-memory
+        tier above it (a cxl arena, which other processes on this host read in place), the
+        persistent copy staying its backing: a durable copy a storage node took is then read
+        in place by the engines beside it instead of from disk. False, nothing changed: no such
+        tier, the object is elsewhere or busy, or no room without asking the master (a
+        best effort: the persistent copy is what counts)."""
+        self._check_open()
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or not self.tiers[entry.tier].persistent:
+                return False
+            target = next((i for i in range(entry.tier)
+                           if self.put_enabled[i] and self.tiers[i].arena_info() is not None), None)
+            return target is not None and self._maybe_promote(entry, target)
 
-        Out of a persistent tier the copy there stays as the object's backing.
+    def _maybe_promote(self, entry: Entry, target: int | None = None) -> bool:
+        """Copy a hot object from a lower tier up to ``target`` (default: the highest put-enabled
+        tier), lock held; whether it did. Out of a persistent tier the copy there stays as the
+        object's backing.
         """
         if entry.pins or entry.doomed or self._index.get(entry.key) is not entry:
-            return
-        target = next((i for i in range(entry.tier) if self.put_enabled[i]), None)
+            return False
         if target is None:
-            return
+            target = next((i for i in range(entry.tier) if self.put_enabled[i]), None)
+        if target is None:
+            return False
         nbytes = entry.header.spec.total_nbytes
         if not self.tiers[target].fits_ever(nbytes):
-            return
+            return False
         entry.pins += 1  # making room above may demote into this object's tier: keep it put
         try:
             extent = self._allocate_making_room(target, nbytes)
         except (NeedsApproval, errors.DiskFullError):
-            return  # no room without asking the master: not worth it for a promotion
+            return False  # no room without asking the master: not worth it for a promotion
         finally:
             entry.pins -= 1
         if extent is None:
-            return
+            return False
         keep_copy = self.tiers[entry.tier].persistent and entry.backing is None
         if not keep_copy:
             self.policies[entry.tier].remove(entry.key)
@@ -427,8 +444,9 @@ class TierManager:
             log.warning("promotion of %s failed: %s", entry.key.hex(), exc)
             if not keep_copy:
                 self._unindex(entry, policy_removed=True, reason="error")
-            return
+            return False
         self.counters["promotions"] += 1
+        return True
 
     def _copy_up(self, entry: Entry, dest_index: int, extent: Extent) -> None:
         """Copy an object into a higher tier and keep its current (persistent) copy as backing."""

@@ -895,4 +895,10 @@ class Node:
             self._durable_appends += 1
             if self._durable_appends > max(DURABLE_LOG_SLACK, 2 * self._durable_held):
                 self._compact_durable_log(path)  # (on the control thread, the only one that appends)
+            # Also in this node's shared-memory arena, when it has one with room (the disk copy
+            # stays its backing): an engine beside this node that starts after the one that
+            # computed the object reads it in place, not from disk through a pull.
+            if self.manager.share_copy(key):
+                self.counters["durable_shared"] += 1
+                found = self.manager.describe(key) or found
         return record_for(key, *found, durable=replicas if persistent else None), found[0].name
