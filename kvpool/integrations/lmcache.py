@@ -136,14 +136,18 @@ class KvpoolL2AdapterConfig(L2AdapterConfigBase):
                 "- num_workers (int, 1-64): threads doing kvpool calls (default 2)")
 
     def open_pool(self) -> PoolAPI:
-        """The server's pool: connected to ``master``, or embedded. Raises what
+        """The server's pool: connected to ``master`` (without ``config``, every chunk in a
+        shared-memory arena that other processes on the host read in place, as the vLLM
+        connector's default: no dram tier), or embedded. Raises what
         :func:`kvpool.connect` / :class:`kvpool.Pool` raise (MasterUnreachableError, ConfigError)."""
         from kvpool.client import connect
+        from kvpool.integrations.vllm_settings import default_pool_config
         from kvpool.pool import Pool
 
         if self.master is None:
             return Pool(config=self.config)
-        pool = connect(self.master, config=self.config, transport=self.transport)
+        pool = connect(self.master, config=self.config if self.config is not None else default_pool_config(),
+                       transport=self.transport)
         # Now, not at the first pull or put that wants it: starting UCX holds the GIL for ~0.4 s,
         # which stalled the whole server (its answers to the engines too) mid-request.
         pool.start_ucx()

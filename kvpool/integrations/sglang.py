@@ -127,14 +127,18 @@ class HiCacheSettings:
         return cls(master, config, durable, replicas, transport)
 
     def open_pool(self) -> PoolAPI:
-        """This process's pool: connected to ``master``, or embedded. Raises what
+        """This process's pool: connected to ``master`` (without ``config``, every page in a
+        shared-memory arena that other processes on the host read in place, as the vLLM
+        connector's default: no dram tier), or embedded. Raises what
         :func:`kvpool.connect` / :class:`kvpool.Pool` raise (MasterUnreachableError, ConfigError)."""
         from kvpool.client import connect
+        from kvpool.integrations.vllm_settings import default_pool_config
         from kvpool.pool import Pool
 
         if self.master is None:
             return Pool(config=self.config)
-        return connect(self.master, config=self.config, transport=self.transport)
+        return connect(self.master, config=self.config if self.config is not None else default_pool_config(),
+                       transport=self.transport)
 
 
 @dataclass(frozen=True)
