@@ -145,15 +145,12 @@ def worker_cpus(setting: str | frozenset[int]) -> frozenset[int] | None:
 
 
 def pull_cpus(setting: str | frozenset[int], cpus: frozenset[int] | None) -> frozenset[int] | None:
-    """The CPUs a load's pulls run on, given the connector's ``cpus`` (:func:`worker_cpus`).
-    ``"auto"``: every CPU this process may use, the model's included: a pull's thread spends
-    its time in the kernel receiving, while the model waits for its layers (an idle core),
-    and the holder it pulls from may share the host. Measured here (2 vCPUs, the model bound
-    to one, TCP loads of 16 and 64 MiB from a node on the same VM), three runs of TTFT
-    against the pulls on the spare CPU only: 0.97x / 1.34x, 1.83x / 2.02x, 1.19x / 1.75x of
-    ExampleConnector's. Same-host copies (memory-bound, and the model's core is the
-    model's) stay on ``cpus``: there the spare CPU alone was better in two runs of three.
-    Any other setting: ``cpus``."""
+    """The CPUs a load runs on (its same-host copies and its pulls), given the connector's
+    ``cpus`` (:func:`worker_cpus`). ``"auto"``: every CPU this process may use, the model's
+    included: while a load is in flight the model's thread sleeps waiting for its layers, so
+    its core is idle, while the "spare" CPUs may be busy (the holder it pulls from may share
+    the host, and with several engines on a host one engine's spare CPU is another's compute
+    core). Any other setting: ``cpus``. (Measurements: docs/benchmarks.md.)"""
     if setting != "auto" or cpus is None or not hasattr(os, "sched_setaffinity"):
         return cpus
     return _allowed_cpus(cpus)
@@ -417,9 +414,9 @@ class KvpoolWorker:
         failed: set[int] = set()
         cpu = time.thread_time()
         try:
-            rest = self._copy_in_place(load, keys, failed)
-            if rest and not load.timed_out:
-                with threads_on(self._pull_cpus):  # (this thread, while it pulls)
+            with threads_on(self._pull_cpus):  # (this thread, while it loads: see pull_cpus)
+                rest = self._copy_in_place(load, keys, failed)
+                if rest and not load.timed_out:
                     self._pull_remote(load, [keys[i] for i in rest], rest, failed)
         finally:
             load.failed_rows = failed
