@@ -43,11 +43,10 @@ __all__ = ["KvpoolWorker", "open_pool", "pull_cpus", "threads_on", "worker_cpus"
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
 # "auto" layers per pull: each pull moves at least this much of a block (a whole block when
-# it is smaller). Every pull costs each side ~50-65 us of CPU whatever its size (request,
-# pin, send, reply, checks; measured on loopback here), which a load of many small pulls pays
-# thousands of times, while overlap with the model gains at most the step's compute: in one
-# pipelined request per load, vLLM-CPU TCP TTFT was 1.87x / 1.42x / 0.99x ExampleConnector's
-# at 2, 4, 8 (all) layers of 128 KiB per pull (2k tokens; 8k: 1.30x / 0.95x / 0.99x).
+# it is smaller). Every pull costs each side a fixed amount of CPU whatever its size (request,
+# pin, send, reply, checks), which a load of many small pulls pays thousands of times, while
+# overlap with the model gains at most the step's compute (docs/benchmarks.md, "Whole blocks
+# per pull").
 _PULL_TARGET_BYTES = 4 << 20
 _STAGING_PREPARED_BYTES = 256 << 20  # at most this much staging buffer made at start, per loader thread
 # Saves give way to loads: a step's blocks go in put_many batches of about this many bytes,
@@ -55,10 +54,8 @@ _STAGING_PREPARED_BYTES = 256 << 20  # at most this much staging buffer made at 
 _SAVE_BATCH_BYTES = 8 << 20
 _SAVE_YIELD_S = 0.05
 # A load's blocks go in up to this many concurrent get_many calls (streams), each on its own
-# connection (holders serve one connection's pulls one after another), one per CPU the
-# connector's threads run on: more threads than CPUs only take turns with the GIL. 16 blocks of
-# 1 MiB from another node's dram over TCP, every group in flight at once, with both of this
-# VM's CPUs free: 1 stream 0.61x get_many's speed, 2 streams 0.56x, 4 streams 0.40x.
+# connection (holders serve one connection's pulls one after another), at most one per CPU the
+# connector's threads run on: more threads than CPUs only take turns with the GIL.
 _PULL_STREAMS = 4
 _MIN_BLOCKS_PER_STREAM = 4
 _DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16),
@@ -124,8 +121,7 @@ def worker_cpus(setting: str | frozenset[int]) -> frozenset[int] | None:
     created). vLLM-CPU binds its compute threads, the main thread among them, to the cores
     of ``VLLM_CPU_OMP_THREADS_BIND``, and every thread started later inherits that binding:
     left alone, kvpool's loader, pulls and saves would take turns with the model on its
-    own cores (measured: a same-host load's copies 66-71 ms instead of 18 ms, the model
-    slowed by as much) while the cores vLLM leaves for the framework sit idle. ``"auto"``:
+    own cores (slowing both) while the cores vLLM leaves for the framework sit idle. ``"auto"``:
     the CPUs this process may use that the calling thread is not bound to (the model's are
     the rest), or all of them when none are left (a process nothing bound: no change).
     ``"inherit"``: as created. A set: those; ConfigError names any this process may not use
