@@ -1,4 +1,4 @@
-"""An SGLang "engine" for tests/test_sglang.py: SGLang's own host pools, storage config and
+"""An SGLang "engine" for tests/integrations/test_sglang.py: SGLang's own host pools, storage config and
 backend factory around kvpool's HiCache backend, without a model (SGLang's engine does not
 run on this CPU: its CPU path needs sgl_kernel ops built for AVX-512).
 

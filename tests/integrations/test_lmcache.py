@@ -343,7 +343,8 @@ def test_in_the_lmcache_venv() -> None:
     if not python.exists():
         pytest.skip("no .venv-lmcache (.ci/run makes it where LMCache installs)")
     run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-                          "tests/test_lmcache.py"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=850)
+                          "tests/integrations/test_lmcache.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=850)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail
     summary = run.stdout.strip().splitlines()[-1]

@@ -276,8 +276,9 @@ def test_in_the_sglang_venv() -> None:
     python = REPO_ROOT / ".venv-sglang" / "bin" / "python"
     if not python.exists():
         pytest.skip("no .venv-sglang (.ci/run makes it where SGLang installs)")
-    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_sglang.py"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=850)
+    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/integrations/test_sglang.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=850)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail
     summary = run.stdout.strip().splitlines()[-1]
