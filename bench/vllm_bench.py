@@ -22,7 +22,13 @@ prefix cache:
    by one holding the blocks in private memory, ``dram``, so they are pulled over its TCP
    port, as from another host; ``"auto"`` then loads them outside the steps), and the same
    loaded in the step (``load_async`` false). Every row's tokens are checked against the
-   first's;
+   first's. LMCache's row (``lmcache``): its server mode, an ``lmcache server --chunk-size 256
+   --eviction-policy LRU --supported-transfer-mode auto`` of its own (in its own process group,
+   stopped when the row is done) and engines with vLLM's ``LMCacheMPConnector`` (a warm-up
+   engine stores the documents through it, then the measured one), from ``--lmcache-venv``
+   (``.venv-lmcache``; "not installed" where it has no LMCache), at the same vLLM block size
+   (128) as every row; with it the table has each row's TTFT over LMCache's, and kvpool's
+   rows' ratios are printed against issue 43's target (<= 0.8x);
 3. from the kvpool engines' logs: the time the model waited for layers against the time loads
    were in flight (``kvpool load: ... in X ms, the model waited Y ms``), the blocks copied in
    place, and the planner's decisions (``kvpool plan: ... loads|recomputes N held blocks``);
@@ -50,7 +56,8 @@ Engines run one compute thread on core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``, as in
 kvpool's daemon and the engine's other processes share the machine's cores.
 
     python bench/vllm_bench.py [--docs 4] [--prefix 2048,8192] [--layers 8] [--hidden 512] [--plot vllm.png]
-                               [--only loads|engines|ttft] [--direct-io auto|on|off]
+                               [--only loads|engines|ttft] [--direct-io auto|on|off] [--configs ...]
+                               [--lmcache-venv .venv-lmcache] [--lmcache-l1-gb 2]
 """
 
 from __future__ import annotations
@@ -89,12 +96,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine(work: Path, name: str, model: Path, prompts: Path, *args: str) -> tuple[dict[str, Any], str]:
+def engine(work: Path, name: str, model: Path, prompts: Path, *args: str, python: str = sys.executable,
+           env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     out, log = work / f"{name}.json", work / f"{name}.log"
     with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine", "run", str(model), str(prompts), str(out),
+        proc = subprocess.Popen([python, "-m", "tests.vllm_engine", "run", str(model), str(prompts), str(out),
                                  "--max-tokens", "1", *args], cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **env} if env else None)
         try:
             proc.wait(1800)
         finally:
@@ -106,6 +114,71 @@ def engine(work: Path, name: str, model: Path, prompts: Path, *args: str) -> tup
     if proc.returncode != 0:
         raise RuntimeError(f"engine {name} failed:\n{text[-3000:]}")
     return json.loads(out.read_text()), text
+
+
+# No usage reports from vLLM or LMCache (as bench/serving_bench.py).
+_NO_USAGE = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+
+
+def lmcache_installed(venv: Path) -> bool:
+    """Whether ``venv`` has LMCache and vLLM (its ``lmcache`` command and both modules)."""
+    python = venv / "bin" / "python"
+    if not python.exists() or not (venv / "bin" / "lmcache").exists():
+        return False
+    probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('lmcache') and u.find_spec('vllm') else 1)"
+    return subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0
+
+
+def lmcache_server(work: Path, name: str, venv: Path, l1_gb: float) -> tuple[subprocess.Popen, int]:
+    """An ``lmcache server`` (server mode, as bench/serving_bench.py starts it) in a session of
+    its own (stop it with :func:`stop_group`); (it, its port) once the port accepts."""
+    port = _free_port()
+    log = work / f"{name}.log"
+    argv = [str(venv / "bin" / "lmcache"), "server", "--host", "localhost", "--port", str(port), "--chunk-size", "256",
+            "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",  # (0.5.6 requires one)
+            "--supported-transfer-mode", "auto",  # (the default fails: no handler for engine-driven contexts)
+            "--http-port", str(_free_port()), "--prometheus-port", str(_free_port())]
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", **_NO_USAGE})
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited ({proc.returncode}):\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2):
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"lmcache server not listening on {port} in 180 s:\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        stop_group(proc)
+        raise
+    return proc, port
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s session (its process group), SIGKILL after 15 s."""
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+            os.killpg(proc.pid, signal.SIGKILL)  # (what it started and left behind)
+        except ProcessLookupError:
+            break
+        except subprocess.TimeoutExpired:
+            continue
+        break
+    if proc.returncode is None:
+        proc.wait(10)
 
 
 def _median(samples: list[float]) -> float:
@@ -408,6 +481,7 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
         ("recompute", "no connector (recompute)", length),
         ("example", "vLLM ExampleConnector (files, page cache)", ["--connector", "example", "--store", str(store),
                                                                    *length]),
+        ("lmcache", LMCACHE_LABEL, ["--connector", "lmcache", *length]),  # (+ its server's port, below)
         ("same-host", "kvpool, same host (shared-memory arena)", kv),
         ("async", "kvpool, same host, load_async", [*kv, "--load", "async"]),
         ("same-host-inherit", "kvpool, same host, threads on the model's core", [*kv, "--cpus", "inherit"]),
@@ -429,25 +503,73 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
                 holder = _holder(master, work, f"engine-tcp-holder-{prefix}", capacity, tier="dram")
                 holder.put_many(blocks, dtype="bfloat16")
                 holder_is_dram = True
-            rows.append(ttft_row(work, prefix, model, asked, name, label, extra, results))
+            if name == "lmcache":
+                row = lmcache_row(work, args, prefix, model, warm, asked, label, extra, results)
+                if row is None:
+                    rows.append([label, "not installed", *["-"] * 7])
+                    continue
+                rows.append(row)
+            else:
+                rows.append(ttft_row(work, prefix, model, asked, name, label, extra, results))
             reference = reference or rows[-1][-1]
             rows[-1][-1] = "yes" if rows[-1][-1] == reference else "NO"
     finally:
         holder.close()
-    base_label = next((label for _, label, _ in runs if label.startswith("vLLM ExampleConnector")), runs[0][1])
-    base = percentile(results[f"{base_label}, {prefix}"], 50)
+    ran = [label for _, label, _ in runs if f"{label}, {prefix}" in results]
+    base_label = next((label for label in ran if label.startswith("vLLM ExampleConnector")), (ran or [""])[0])
+    base = percentile(results[f"{base_label}, {prefix}"], 50) if ran else None
+    lmcache = percentile(results[f"{LMCACHE_LABEL}, {prefix}"], 50) if LMCACHE_LABEL in ran else None
+    with_lmcache = "lmcache" in args.configs
     for row, (_, label, _) in zip(rows, runs):
-        row.insert(2, f"{percentile(results[f'{label}, {prefix}'], 50) / base:.2f}x")
+        ttft = percentile(results[f"{label}, {prefix}"], 50) if label in ran else None
+        row.insert(2, f"{ttft / base:.2f}x" if ttft is not None and base else "-")
+        if with_lmcache:
+            row.insert(3, f"{ttft / lmcache:.2f}x" if ttft is not None and lmcache else "-")
     print(f"TTFT, {prefix}-token prefixes another engine computed (load average {os.getloadavg()[0]:.2f})")
-    print(format_table(["configuration", "TTFT p50", f"vs {base_label.split(' (')[0]}", "TTFT p99",
+    print(format_table(["configuration", "TTFT p50", f"vs {base_label.split(' (')[0]}",
+                        *(["vs LMCache"] if with_lmcache else []), "TTFT p99",
                         f"{args.docs} requests", "tokens loaded", "model waited / loads in flight", "blocks in place",
                         "planner (blocks)", "same tokens"], rows), flush=True)
+    if lmcache:
+        ratios = [f"{label.removeprefix('kvpool, ')} {percentile(results[f'{label}, {prefix}'], 50) / lmcache:.2f}x"
+                  for label in ran if label.startswith("kvpool")]
+        if ratios:
+            print(f"kvpool's TTFT p50 / LMCache's (issue 43's target: <= 0.8x): {', '.join(ratios)}", flush=True)
+
+
+LMCACHE_LABEL = "LMCache server mode (its server's memory)"
+
+
+def lmcache_row(work: Path, args: argparse.Namespace, prefix: int, model: Path, warm: Path, asked: Path,
+                label: str, extra: list[str], results: dict[str, list[float]]) -> list[Any] | None:
+    """LMCache's row: an ``lmcache server`` of its own (started here, stopped when the row is
+    done, also on failure), a warm-up engine storing the documents through it
+    (``LMCacheMPConnector``), then the measured engine; both from ``args.lmcache_venv``, at
+    the same vLLM block size (128) as every row (the server's chunks are 256 tokens, as
+    bench/serving_bench.py runs it). None where that venv has no LMCache."""
+    venv = Path(args.lmcache_venv)
+    if not lmcache_installed(venv):
+        return None
+    server, port = lmcache_server(work, f"lmcache-server-{prefix}", venv, args.lmcache_l1_gb)
+    try:
+        run = ["--lmcache-port", str(port)]
+        python = str(venv / "bin" / "python")
+        engine(work, f"warm-lmcache-{prefix}", model, warm, "--connector", "lmcache", *run,
+               "--max-model-len", str(prefix + 256), python=python, env=_NO_USAGE)
+        if server.poll() is not None:
+            raise RuntimeError(f"lmcache server exited during the warm-up:\n"
+                               f"{(work / f'lmcache-server-{prefix}.log').read_text(errors='replace')[-3000:]}")
+        return ttft_row(work, prefix, model, asked, "lmcache", label, [*extra, *run], results, python=python,
+                        env=_NO_USAGE)
+    finally:
+        stop_group(server)
 
 
 def ttft_row(work: Path, prefix: int, model: Path, asked: Path, name: str, label: str, extra: list[str],
-             results: dict[str, list[float]]) -> list[Any]:
+             results: dict[str, list[float]], python: str = sys.executable,
+             env: dict[str, str] | None = None) -> list[Any]:
     """One configuration's engine and its row; the last cell is its tokens (the caller compares)."""
-    result, log = engine(work, f"{name}-{prefix}", model, asked, *extra)
+    result, log = engine(work, f"{name}-{prefix}", model, asked, *extra, python=python, env=env)
     tokens = [o["tokens"] for o in result["outputs"]]
     ttft = [o["ttft_s"] for o in result["outputs"][1:]]
     loads = [tuple(float(x) for x in m.groups()) for m in _LOAD_RE.finditer(log)]
@@ -511,9 +633,13 @@ def main() -> None:
                              "ttft: only the TTFT engines (no saves rows)")
     parser.add_argument("--iters", type=int, default=15, help="loads measured per path")
     parser.add_argument("--lookups", type=int, default=600, help="lookup requests measured (a third of each kind)")
-    parser.add_argument("--configs", default="recompute,example,same-host,async,tcp,tcp-sync",
+    parser.add_argument("--configs", default="recompute,example,lmcache,same-host,async,tcp,tcp-sync",
                         help="the TTFT rows to run, comma-separated (tokens are checked against the first row's, "
-                             "TTFT against ExampleConnector's, or the first row's without it)")
+                             "TTFT against ExampleConnector's, or the first row's without it, and LMCache's)")
+    parser.add_argument("--lmcache-venv", default=str(REPO_ROOT / ".venv-lmcache"),
+                        help="the venv with LMCache and vllm-cpu the lmcache row's engines and server run from "
+                             "(the row says \"not installed\" where it has none)")
+    parser.add_argument("--lmcache-l1-gb", type=float, default=2.0, help="the LMCache server's memory (GiB)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (engine and daemon logs)")
     args = parser.parse_args()
     prefixes = [int(p) for p in str(args.prefix).split(",") if p]

@@ -283,3 +283,35 @@ def test_hicache_bench_quick_through_sglang_venv(tmp_path: Path) -> None:
         assert rows[("kvpool-shm", page)]["reads"].get("pulls", 0) == 0, rows[("kvpool-shm", page)]
         assert rows[("kvpool-tcp", page)]["reads"].get("pulls", 0) == 3 * 128 * 2, rows[("kvpool-tcp", page)]
     assert not any(tmp_path.glob("kvpool-hicache-bench-*")), "the bench left its directories behind"
+
+
+@pytest.mark.timeout(900)  # seven vLLM engines one at a time (warm-ups included), half a minute or more each here
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (pip install 'kvpool[vllm]')")
+def test_vllm_bench_ttft_rows_with_lmcache(tmp_path: Path) -> None:
+    """bench/vllm_bench.py's TTFT rows at their smallest (one 256-token document, a 2-layer
+    model): no connector, ExampleConnector, LMCache server mode (from .venv-lmcache, "not
+    installed" without it) and kvpool same host, every row's tokens equal to the first's, and
+    the ratios to LMCache's TTFT; not how fast."""
+    venv = REPO_ROOT / ".venv-lmcache"
+    probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('lmcache') and u.find_spec('vllm') else 1)"
+    has_lmcache = (venv / "bin" / "lmcache").exists() and subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe], capture_output=True).returncode == 0
+    proc = run_or_dump(
+        [str(REPO_ROOT / "bench" / "vllm_bench.py"), "--only", "ttft", "--docs", "1", "--prefix", "256",
+         "--layers", "2", "--hidden", "128", "--kv-heads", "2", "--lmcache-l1-gb", "0.25",
+         "--configs", "recompute,example,lmcache,same-host"],
+        timeout_s=840, env={"TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    lines = proc.stdout.splitlines()
+    assert any("vs LMCache" in line for line in lines), proc.stdout
+    for label in ("no connector (recompute)", "vLLM ExampleConnector", "kvpool, same host"):
+        (row,) = [line for line in lines if line.startswith(label)]
+        assert row.split()[-1] == "yes", (label, proc.stdout)
+    (row,) = [line for line in lines if line.startswith("LMCache server mode")]
+    if has_lmcache:
+        assert row.split()[-1] == "yes" and re.search(r"\s1\.00x\s", row), proc.stdout  # (its own ratio)
+        assert re.search(r"kvpool's TTFT p50 / LMCache's .*same host .*[0-9.]+x", proc.stdout), proc.stdout
+    else:
+        assert "not installed" in row, proc.stdout
+    assert not any(tmp_path.glob("kvpool-vllm-bench-*")), "the bench left its work directory behind"

@@ -1,8 +1,9 @@
 """A real vLLM (CPU) engine on a tiny local Llama: used by tests/test_vllm.py and bench/vllm_bench.py.
 
     python -m tests.vllm_engine make-model DIR
-    python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example|offloading]
+    python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example|offloading|lmcache]
                                 [--master ADDR] [--config TOML] [--durable] [--store DIR] [--max-tokens N]
+                                [--lmcache-port P]
     python -m tests.vllm_engine save-blocks MASTER OUT.npy KEY_HEX...
 
 ``run`` generates greedily for every prompt (a JSON list of token-id lists), one
@@ -13,7 +14,8 @@ weights (std 0.15, so greedy output depends on the prompt) and saves it. ``save-
 is the worker half of an engine with the connector's default settings (only ``master``), in
 a process of its own: it saves one block of random KV per key, writes their bytes to OUT.npy
 ([blocks, layers, kv_heads, block, 2 * head_dim] bfloat16 as uint16) once they are stored,
-and keeps its pool open until SIGTERM.
+and keeps its pool open until SIGTERM. ``--connector lmcache`` (vLLM's ``LMCacheMPConnector`` to
+an ``lmcache server`` at ``--lmcache-port``) runs in a venv with LMCache (.venv-lmcache).
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ def run(args: argparse.Namespace) -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": args.store})
+    elif args.connector == "lmcache":  # an LMCache server's (lmcache server ... --supported-transfer-mode auto)
+        kwargs["kv_transfer_config"] = KVTransferConfig(  # (as tests/lmcache_engine.py; needs LMCache installed)
+            kv_connector="LMCacheMPConnector", kv_role="kv_both",
+            kv_connector_extra_config={"lmcache.mp.host": args.lmcache_host, "lmcache.mp.port": args.lmcache_port})
     elif args.connector == "offloading":  # vLLM's native CPU offloading (its own process's CPU memory)
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
@@ -180,7 +186,7 @@ def main() -> None:
     go.add_argument("model")
     go.add_argument("prompts", help="JSON list of token-id lists")
     go.add_argument("out", help="where the JSON result goes")
-    go.add_argument("--connector", choices=["none", "kvpool", "example", "offloading"], default="none")
+    go.add_argument("--connector", choices=["none", "kvpool", "example", "offloading", "lmcache"], default="none")
     go.add_argument("--master", default="tcp://127.0.0.1:7700", help="kvpool master")
     go.add_argument("--config", default="", help="kvpool TOML for the engine's own pool")
     go.add_argument("--durable", action="store_true", help="kvpool: keep copies on storage nodes")
@@ -194,6 +200,8 @@ def main() -> None:
     go.add_argument("--layers-per-pull", type=int, default=0, help="kvpool: layers per pull (0: auto)")
     go.add_argument("--cpus", default="", help="kvpool: where the worker's kvpool threads run (auto, inherit, 0,1,...)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")
+    go.add_argument("--lmcache-port", type=int, default=0, help="lmcache: the LMCache server's port")
+    go.add_argument("--lmcache-host", default="tcp://localhost", help="lmcache: the LMCache server's host")
     go.add_argument("--max-tokens", type=int, default=8)
     go.add_argument("--max-model-len", type=int, default=4096)
     go.add_argument("--batch", action="store_true", help="all prompts in one generate call")
