@@ -75,6 +75,7 @@ def writer_main(spec: dict[str, Any]) -> None:
 
 def measure(mode: str, security: dict[str, Any], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from kvpool.api import out_view
+    from kvpool.cluster.node.located import located_replicas
     from kvpool.cluster.node.reader import ReplicaReader
     from kvpool.cluster.wire.master_client import MasterClient
     from kvpool.config import Config
@@ -109,7 +110,7 @@ def measure(mode: str, security: dict[str, Any], args: argparse.Namespace, tmp: 
         def pull_once() -> None:
             located = client.locate(KEY, lease=True)
             try:
-                arr = reader.read(KEY, located.replicas[0], None, None, out_view)
+                arr = reader.read(KEY, located_replicas(located, 0, reader.counters), None, None, out_view)
             finally:
                 client.release([located.lease_id])
             assert arr is not None, dict(reader.counters)

@@ -18,6 +18,7 @@ import pytest
 import kvpool
 from kvpool import errors
 from kvpool.cluster.node.checks import Speculation
+from kvpool.cluster.node.located import checked_replicas
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.server import NodeAddress
 from kvpool.cluster.wire.control import control_call
@@ -377,7 +378,7 @@ def test_a_confirmed_speculative_pull_is_used_only_when_the_master_names_that_ho
         reader.cluster.reader.run(guess, reader.cluster.node.cluster_key.mint_token(key, a.node_id))
         assert guess.pulled
         np.testing.assert_array_equal(guess.arr, content(20))  # the holder's bytes, unverified
-        assert reader.cluster.reader.confirm(guess, [located]) is None
+        assert reader.cluster.reader.confirm(guess, checked_replicas([located], reader.cluster.reader.counters)) is None
         assert counter("speculative_wasted") == 3
         np.testing.assert_array_equal(reader.get(key), content(20))
 
@@ -700,13 +701,14 @@ def test_a_replica_put_again_after_it_was_located_is_never_read_as_the_version_l
         writer.put(key, old)
         [[located]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         assert "header" not in located and isinstance(located["header_sum"], int)  # no header in the index
-        np.testing.assert_array_equal(reader.cluster.reader.read(key, [located], None, None, out_view), old)
+        checked = checked_replicas([located], reader.cluster.reader.counters)
+        np.testing.assert_array_equal(reader.cluster.reader.read(key, checked, None, None, out_view), old)
         writer.delete(key)
         writer.put(key, new)
         [[current]] = reader.cluster.master.locate(key, lease=False).replicas  # type: ignore[attr-defined]
         assert current["header_sum"] != located["header_sum"]  # a new generation, a new header
         for layers in (None, range(2, 5)):
-            assert reader.cluster.reader.read(key, [located], layers, None, out_view) is None
+            assert reader.cluster.reader.read(key, checked, layers, None, out_view) is None
         assert reader.cluster.reader.counters["miss_stale"] == 2
         np.testing.assert_array_equal(reader.get(key), new)
         np.testing.assert_array_equal(reader.get(key, layers=range(2, 5)), new[2:5])

@@ -17,7 +17,7 @@ import pytest
 
 from kvpool import errors
 from kvpool.api import out_view
-from kvpool.cluster.node.located import alive_nodes_of
+from kvpool.cluster.node.located import alive_nodes_of, checked_replicas
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.server import NodeAddress
 from kvpool.config import Config
@@ -64,7 +64,7 @@ def test_default_daemon_and_its_clients_listen_only_on_loopback(
             reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0,
                                    tcp_pull_max=tcp_pull_max)
             try:
-                got = reader.read(b"loopback-key", theirs, None, None, out_view)
+                got = reader.read(b"loopback-key", checked_replicas(theirs, reader.counters), None, None, out_view)
                 assert got is not None and np.array_equal(got, kv), reader.counters
                 assert (reader.pulls.tcp is not None and reader.pulls.tcp.pulls == 1) == bool(tcp_pull_max)
             finally:
@@ -101,11 +101,11 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
             reader = ReplicaReader(local_host_id(), transport=transport, pull_timeout_s=5.0,
                                    tcp_pull_max=tcp_pull_max)
             try:
-                got = reader.read(b"token-key", [stored], None, None, out_view)
+                got = reader.read(b"token-key", checked_replicas([stored], reader.counters), None, None, out_view)
                 assert got is not None and np.array_equal(got, kv)
                 for what, token in cases.items():
-                    assert reader.read(b"token-key", [{**stored, "token": token}], None, None,
-                                       out_view) is None, what
+                    assert reader.read(b"token-key", checked_replicas([{**stored, "token": token}], reader.counters),
+                                       None, None, out_view) is None, what
                 assert reader.counters["miss_unauthorized"] == len(cases), reader.counters
                 peer = NodeAddress.decode(stored["address"]).peer
                 assert peer.tcp_port
@@ -121,7 +121,8 @@ def test_pulls_need_the_token_the_master_issued(cluster: Any) -> None:
         remembered = ReplicaReader(local_host_id(), pull_timeout_s=5.0, location_cache_size=8)
         try:
             stale = {**stored, "token": key.mint_token(b"token-key", stored["node_id"], now=time.time() - 29.5)}
-            assert remembered.read(b"token-key", [stale], None, None, out_view) is not None
+            checked = checked_replicas([stale], remembered.counters)
+            assert remembered.read(b"token-key", checked, None, None, out_view) is not None
             assert remembered.read_cached(b"token-key", None, None, out_view) is None
             assert remembered.counters["location_cache_expired"] == 1
         finally:
@@ -195,9 +196,9 @@ def test_garbage_from_the_master_is_a_miss_never_an_exception(reader: Any, tmp_p
 
     def run() -> None:
         for one in replicas:
-            results.append(reader.read(key, [one], None, None, out_view))
+            results.append(reader.read(key, checked_replicas([one], reader.counters), None, None, out_view))
         for many in ({"a": 1}, "str", 7, [None, 1.5], replicas):
-            results.append(reader.read(key, many, None, None, out_view))
+            results.append(reader.read(key, checked_replicas(many, reader.counters), None, None, out_view))
         for stats in (None, [], {"nodes": []}, {"nodes": {"a": 5}}, {"nodes": {5: {}}},
                       *[{"nodes": {"n1": {"alive": True, "host_id": reader.host_id, "address": r.get("address")}}}
                         for r in replicas if isinstance(r, dict)],

@@ -182,7 +182,7 @@ def _why_missed(replicas: int, counters: dict[str, int]) -> str:
 
 
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
-    from kvpool.cluster.node.located import replicas_at
+    from kvpool.cluster.node.located import checked_replicas, replicas_at
     from kvpool.cluster.node.reader import ReplicaReader
     from kvpool.cluster.node.same_host import shared_dirs_of
     from kvpool.objformat import out_view
@@ -200,7 +200,7 @@ def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
                            tcp_pull_max=config.node.tcp_pull_max, cluster_key=master.cluster_key)
     replicas = replicas_at(located, 0)
     try:
-        arr = reader.read(key, replicas, layers, None, out_view)
+        arr = reader.read(key, checked_replicas(replicas, reader.counters), layers, None, out_view)
     finally:
         master.release(located.lease_ids)
         reader.close()

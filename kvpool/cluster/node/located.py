@@ -1,14 +1,18 @@
 """What the master says about where a key is, checked before a reader uses any of it.
 
-A wrong or hostile master must not crash or redirect a reader: every located replica and
-every node address is checked here (types, bounds, a decodable address, a possible spec) and a
-bad one is dropped, never raised. A checked replica is a :class:`LocatedReplica` (one struct from
-here to the pull), which carries the decoded address and spec, so later steps of the same get
-neither check nor parse them again.
+The one place a node checks what came off the wire about replicas: :func:`located_replicas`
+turns a master's ``locate`` answer for one key into :class:`LocatedReplica` records (one struct
+from here to the pull, carrying the decoded address and spec), and everything after it (the
+reader, the location cache, speculative pulls) takes only those. A wrong or hostile master must
+not crash or redirect a reader: every located replica and every node address is checked here
+(types, bounds, a decodable address, a possible spec) and a bad one is dropped, counted and
+logged, never raised.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -17,7 +21,10 @@ from kvpool import errors
 from kvpool.cluster.node.server import NodeAddress
 from kvpool.objformat import ObjectSpec
 
+log = logging.getLogger("kvpool.remote")
+
 _MAX_ID = 256
+_MAX_REPLICAS = 1024  # of one key read from an answer; the rest are ignored
 _MAX_ADDRESS = 64 << 10
 _MAX_TOKEN = 64
 
@@ -122,21 +129,36 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
                           token=token, location=location or {}, node=node, spec=spec)
 
 
-def is_clean(replica: Any) -> bool:
-    return isinstance(replica, LocatedReplica)
-
-
-def checked_quietly(located: Any) -> list[LocatedReplica]:
-    """The well-formed replicas of a master's answer, bad ones dropped without counting them
-    (for a look ahead: the one-key read that may follow counts them)."""
-    if not isinstance(located, list):
+def checked_replicas(replicas: Any, counters: Counter[str]) -> list[LocatedReplica] | None:
+    """One key's replicas as a master listed them, checked (:func:`clean_replica`): None when it
+    listed none (a miss), else the well-formed ones, possibly none (each bad record is counted,
+    ``counters["bad_records"]``, and logged once)."""
+    if not replicas:
+        return None
+    if not isinstance(replicas, list):
+        counters["bad_records"] += 1
+        log.warning("master sent replicas that are not a list: %.200r", replicas)
         return []
-    checked = [r if is_clean(r) else clean_replica(r) for r in located[:1024]]
-    return [r for r in checked if r is not None]
+    good = []
+    for raw in replicas[:_MAX_REPLICAS]:
+        replica = clean_replica(raw)
+        if replica is None:
+            counters["bad_records"] += 1
+            log.warning("ignoring a malformed replica record from the master: %.200r", raw)
+            continue
+        good.append(replica)
+    return good
+
+
+def located_replicas(located: Any, index: int, counters: Counter[str]) -> list[LocatedReplica] | None:
+    """:func:`checked_replicas` of key ``index`` of a master's ``locate`` answer (None also when
+    the answer has no such entry)."""
+    return checked_replicas(replicas_at(located, index), counters)
 
 
 def replicas_at(located: Any, index: int) -> Any:
-    """``located.replicas[index]`` of a master reply, or None when the reply has no such entry."""
+    """``located.replicas[index]`` of a master reply as it came, or None when the reply has no
+    such entry."""
     replicas = getattr(located, "replicas", None)
     if not isinstance(replicas, list) or not 0 <= index < len(replicas):
         return None

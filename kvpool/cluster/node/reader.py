@@ -12,8 +12,9 @@ against it. Used by the cluster client and by the operators' CLI; it does not
 talk to the master (callers locate and lease replicas first).
 
 What the master says is not trusted blindly: every located replica is checked
-before use (:mod:`kvpool.cluster.node.located`), and a bad one is a miss
-(``miss_malformed``) plus one log line, never an exception. Each replica
+where its answer is read (:func:`kvpool.cluster.node.located.located_replicas`),
+and this reader takes only the checked records; a key whose every record was bad
+is a miss (``miss_malformed``), never an exception. Each replica
 carries the pull token the master minted for it; the location cache stops
 using a replica once its token expired.
 """
@@ -31,7 +32,7 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.cluster.node.checks import ArrivalCheck, Speculation, check_same, located_check
-from kvpool.cluster.node.located import LocatedReplica, checked_quietly, clean_replica, is_clean
+from kvpool.cluster.node.located import LocatedReplica
 from kvpool.cluster.node.same_host import OutView, SameHostArenas
 from kvpool.cluster.wire.security import ClusterKey
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec
@@ -88,32 +89,13 @@ class ReplicaReader:
         #: is a miss at once even with unconfirmed speculative pulls
         self._deleted: OrderedDict[bytes, None] = OrderedDict()
 
-    def clean(self, replicas: Any) -> list[LocatedReplica]:
-        """The well-formed replicas of a master's answer (see :func:`clean_replica`); each bad
-        one is counted (``bad_records``) and logged once."""
-        if replicas is None:
-            return []
-        if not isinstance(replicas, list):
-            self.counters["bad_records"] += 1
-            log.warning("master sent replicas that are not a list: %.200r", replicas)
-            return []
-        good = []
-        for raw in replicas[:1024]:
-            replica = raw if is_clean(raw) else clean_replica(raw)
-            if replica is None:
-                self.counters["bad_records"] += 1
-                log.warning("ignoring a malformed replica record from the master: %.200r", raw)
-                continue
-            good.append(replica)
-        return good
-
-    def ordered(self, replicas: Any) -> list[LocatedReplica]:
+    def ordered(self, replicas: list[LocatedReplica] | None) -> list[LocatedReplica]:
         """Same-host replicas first (no network), then by tier: ``cxl`` (read in place), memory
         (``dram``, ``hbm``), ``nvme`` last (a disk read before the send); never this node's own."""
-        return self._order(self.clean(replicas))
+        return self._order(replicas or [])
 
     def _order(self, replicas: list[LocatedReplica]) -> list[LocatedReplica]:
-        """:meth:`ordered` of replicas already checked."""
+        """:meth:`ordered` of a list."""
         others = [r for r in replicas if self.node_id is None or r.node_id != self.node_id]
         if len(others) < 2:
             return others
@@ -127,12 +109,13 @@ class ReplicaReader:
         Raises LayerRangeError / OutBufferError for the caller's mistakes (the
         same on every replica); every other failure moves on to the next replica.
         Replicas that served are remembered for :meth:`read_cached`. ``skip``: node ids
-        already known to fail now, with the miss reason each counts as.
+        already known to fail now, with the miss reason each counts as. ``replicas``: as
+        :func:`~kvpool.cluster.node.located.located_replicas` gives them (None: the master
+        listed none; empty: every record it sent was malformed).
         """
-        if not replicas:
+        if replicas is None:
             self.counters["miss_absent"] += count_misses
             return None
-        replicas = self.clean(replicas)
         if not replicas:
             self.counters["miss_malformed"] += count_misses
             return None
@@ -329,9 +312,8 @@ class ReplicaReader:
 
     def _first_to_pull(self, located: list[LocatedReplica] | None) -> LocatedReplica | None:
         """The replica a one-key read would try first, if it is to be pulled (not read in place
-        from a same-host arena) and its holder is alive; else None. Checked quietly: the
-        one-key read of what is left counts bad records."""
-        ordered = self.ordered(checked_quietly(located))
+        from a same-host arena) and its holder is alive; else None."""
+        ordered = self.ordered(located)
         if not ordered:
             return None
         first = ordered[0]
@@ -360,7 +342,7 @@ class ReplicaReader:
                     type(exc).__name__, exc)
         return "malformed"
 
-    def read_into(self, key: bytes, located: LocatedReplica | Any, layer_range: LayerRange, buf: memoryview,
+    def read_into(self, key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview,
                   *, same_as: ObjectHeader | None = None) -> ObjectHeader:
         """Fill ``buf`` with verified layers from one replica and return the header they were
         verified against, or raise.
@@ -375,9 +357,6 @@ class ReplicaReader:
         against; these layers must have the same checksums (a layer-wise read
         that moves to another replica never mixes two versions' layers).
         """
-        replica = located if isinstance(located, LocatedReplica) else clean_replica(located)
-        if replica is None:
-            raise errors.TransferError("malformed replica record")
         spec: ObjectSpec = replica.spec
         header_sum = replica.header_sum
         location = replica.location
@@ -538,12 +517,11 @@ class ReplicaReader:
         self._speculation_score -= 2
         self.counters["speculative_wasted"] += 1
 
-    def confirm(self, guess: Speculation, located: Any) -> np.ndarray | None:
+    def confirm(self, guess: Speculation, located: list[LocatedReplica] | None) -> np.ndarray | None:
         """The speculatively pulled layers, if the master located ``guess.key`` on the guessed
         node with the same spec and header checksum and every layer matches that header;
         else None (the guess is wasted: read the located replicas as usual)."""
-        # Checked quietly: the located read that follows a wasted guess counts bad records.
-        replicas = checked_quietly(located)
+        replicas = located or []
         for replica in replicas:
             if not guess.pulled or replica.node_id != guess.replica.node_id:
                 continue

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.cluster.node.checks import Speculation
-from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of, replicas_at
+from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of, located_replicas
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.same_host import shared_dirs_of
 from kvpool.cluster.node.server import Node, NodeAddress, alive_peers_of
@@ -281,7 +281,7 @@ class ClusterView:
         located = self.master.locate(key, lease=True, meanwhile=None if guess is None else lambda: self.reader.run(
             guess, token))
         try:
-            replicas = replicas_at(located, 0)
+            replicas = located_replicas(located, 0, self.reader.counters)
             if guess is not None:
                 confirmed = self.reader.confirm(guess, replicas)
                 if confirmed is not None:
@@ -324,7 +324,8 @@ class ClusterView:
             tell = None if landed is None else lambda j, arr: landed(missing[j], arr)
             try:
                 pulled = self.reader.read_many([keys[i] for i in missing],
-                                               [replicas_at(located, j) for j in range(len(missing))],
+                                               [located_replicas(located, j, self.reader.counters)
+                                                for j in range(len(missing))],
                                                [layers[i] for i in missing], out_view, [outs[i] for i in missing],
                                                landed=tell)
                 for i, arr in zip(missing, pulled):
@@ -336,7 +337,7 @@ class ClusterView:
     def layer_source(self, key: bytes) -> ReplicaLayers | None:
         """Replicas of ``key`` leased for a layer-wise read, or None on a miss."""
         located: Located = self.master.locate(key, lease=True)
-        replicas = self.reader.ordered(replicas_at(located, 0))
+        replicas = self.reader.ordered(located_replicas(located, 0, self.reader.counters))
         if not replicas:
             self.releaser.release(located.lease_ids)
             return None

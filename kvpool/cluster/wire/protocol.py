@@ -203,7 +203,8 @@ EvictDecision = S.EvictReply
 @dataclass(frozen=True, slots=True)
 class Located:
     # per key (None on a miss): each replica a map as the master sent it, with ReplicaRecord's fields
-    # and node_id, address, host_id, token; checked by the reader (kvpool.cluster.node.located)
+    # and node_id, address, host_id, token; checked where the node reads them
+    # (kvpool.cluster.node.located.located_replicas)
     replicas: list[list[dict[str, Any]] | None]
     lease_id: int | None                         # pins every replica returned until released/expired
     more_leases: tuple[int, ...] = ()            # further leases when the keys took several requests

@@ -9,9 +9,9 @@ with the path of the offending field before a handler runs. Limits that are sett
 handlers' to check; the fixed ones are checked here. Unknown fields are ignored, so a newer
 peer may add optional fields without a version bump.
 
-A located replica in a ``locate`` reply stays a plain map: the reader checks each one on its
-own (:func:`kvpool.cluster.node.located.clean_replica`), so one bad record from a wrong or hostile
-master costs that replica, not the whole answer.
+A located replica in a ``locate`` reply stays a plain map: the node that asked checks each one
+on its own where it reads the answer (:func:`kvpool.cluster.node.located.located_replicas`), so
+one bad record from a wrong or hostile master costs that replica, not the whole answer.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ class ExistsReply(Body):
 
 
 class LocateReply(Body):
-    replicas: list[list[dict[str, Any]] | None]  # per key; None on a miss; each replica checked by the reader
+    replicas: list[list[dict[str, Any]] | None]  # per key; None on a miss; each replica checked by located_replicas
     lease: int | None = None                     # pins every replica returned until released/expired
 
 
