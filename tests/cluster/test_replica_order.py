@@ -8,7 +8,7 @@ from kvpool.cluster.node.reader import ReplicaReader
 
 def replica(node_id: str, host_id: str, tier: str) -> LocatedReplica:
     # Only the fields the order reads matter here; the rest are placeholders.
-    return LocatedReplica(node_id, "", host_id, tier, 0, b"", {}, None, None)  # type: ignore[arg-type]
+    return LocatedReplica(node_id, host_id, tier, 0, b"", {}, None, None)  # type: ignore[arg-type]
 
 
 def test_replicas_are_tried_same_host_first_then_fastest_tier_first_never_this_nodes_own() -> None:

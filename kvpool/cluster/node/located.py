@@ -20,6 +20,7 @@ import msgspec
 from kvpool import errors
 from kvpool.cluster.node.server import NodeAddress
 from kvpool.objformat import ObjectSpec
+from kvpool.transport import PeerAddress
 
 log = logging.getLogger("kvpool.remote")
 
@@ -31,18 +32,18 @@ _MAX_TOKEN = 64
 
 class LocatedReplica(msgspec.Struct, frozen=True, gc=False):
     """One replica of a located key, checked: what the master said of it (the holder's
-    ``node_id``, ``address``, ``host_id``, its ``tier``, ``header_sum``, pull ``token`` and cxl
-    ``location``, empty when it has none) with the address decoded (``node``) and the spec the
-    reader sizes its buffer by (``spec``; the holder's header must agree)."""
+    ``node_id`` and ``host_id``, its ``tier``, ``header_sum``, pull ``token`` and cxl
+    ``location``, empty when it has none), where its holder serves pulls (``peer``, decoded from
+    the node address the master relays: what the transport is handed) and the spec the reader
+    sizes its buffer by (``spec``; the holder's header must agree)."""
 
     node_id: str
-    address: str
     host_id: str
     tier: str
     header_sum: int
     token: bytes
     location: dict[str, Any]
-    node: NodeAddress
+    peer: PeerAddress
     spec: ObjectSpec
 
 
@@ -125,8 +126,8 @@ def clean_replica(raw: Any) -> LocatedReplica | None:
         location = clean_location(location)
         if location is None:
             return None
-    return LocatedReplica(node_id=node_id, address=str(address), host_id=host_id, tier=tier, header_sum=header_sum,
-                          token=token, location=location or {}, node=node, spec=spec)
+    return LocatedReplica(node_id=node_id, host_id=host_id, tier=tier, header_sum=header_sum, token=token,
+                          location=location or {}, peer=node.peer, spec=spec)
 
 
 def checked_replicas(replicas: Any, counters: Counter[str]) -> list[LocatedReplica] | None:

@@ -282,7 +282,7 @@ class ReplicaReader:
             batch.append((i, first, arr, check))
         if batch:
             pulled = self._pull_many([
-                PullRequest(replica.node.peer, keys[i], check.layer_range, check.buf,
+                PullRequest(replica.peer, keys[i], check.layer_range, check.buf,
                             token=replica.token, header_out=check.raw_header,
                             alive=lambda replica=replica: self.holder_alive(replica), progress=check)
                 for i, replica, _, check in batch])
@@ -381,7 +381,7 @@ class ReplicaReader:
         """Pull ``layer_range`` of ``key`` from ``replica``'s holder into ``buf`` with its header
         (unverified, or checked as it arrives by ``check``), abandoned as soon as the holder is
         known gone."""
-        self.pulls.pull(replica.node.peer, key, layer_range, buf, token=token,
+        self.pulls.pull(replica.peer, key, layer_range, buf, token=token,
                         header_out=raw_header, progress=check, alive=lambda: self.holder_alive(replica),
                         timeout_s=self.pull_timeout_s)
 
@@ -436,7 +436,7 @@ class ReplicaReader:
         the cluster key: only such a pull may be used as the holder answers (:meth:`accept`).
         (A UCX endpoint proves nothing: whatever took over a dead holder's address would be
         believed.) This reader proves the key to that holder in turn, so the pull needs no token."""
-        return self.pulls.proving_client(guess.replica.node.peer, guess.nbytes) is not None
+        return self.pulls.proving_client(guess.replica.peer, guess.nbytes) is not None
 
     def run(self, guess: Speculation, token: bytes) -> None:
         """Pull the guessed bytes into the buffer :meth:`Speculation.bind` took (unverified until
@@ -453,11 +453,11 @@ class ReplicaReader:
         request goes out first: ``out`` is bound (:meth:`Speculation.bind`) while the holder
         answers. Not pulled at all if its TCP port is unusable or ``out`` does not fit."""
         replica = guess.replica
-        client = self.pulls.proving_client(replica.node.peer, guess.nbytes)
+        client = self.pulls.proving_client(replica.peer, guess.nbytes)
         if client is None:  # no longer provable (its TCP port just proved unusable): locate decides
             return
         try:
-            sent = client.start(replica.node.peer, guess.key, guess.layer_range, guess.nbytes,
+            sent = client.start(replica.peer, guess.key, guess.layer_range, guess.nbytes,
                                 timeout_s=self.pull_timeout_s)
             try:
                 if not guess.bind(out, out_view):
