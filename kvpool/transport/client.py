@@ -144,10 +144,13 @@ class PullClient:
         self._run_many([(pull, alive)], timeout_s, alive_check_s)
         return pull.future.result(0)
 
-    def pull(self, request: PullRequest, *, timeout_s: float = 10.0) -> int:
-        """One pull (:meth:`Puller.pull`): :meth:`pull_into` of ``request`` (UCX never calls its
-        ``progress``)."""
-        (outcome,) = self.pull_many([request], timeout_s=timeout_s)
+    def pull(self, address: PeerAddress | tuple[str, int], key: bytes,
+             layer_range: LayerRange | tuple[int, int] | range, out: Any, *, timeout_s: float = 10.0,
+             token: bytes = b"", header_out: bytearray | None = None,
+             progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None) -> int:
+        """One pull (:meth:`Puller.pull`), as :meth:`pull_into` (UCX never calls ``progress``)."""
+        (outcome,) = self.pull_many([PullRequest(address, key, layer_range, out, token, header_out, alive)],
+                                    timeout_s=timeout_s)
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -628,8 +631,8 @@ class DeferredPull:
         view = checked_out(out)
         if view.nbytes < self.nbytes:
             raise errors.OutBufferError(f"out holds {view.nbytes} bytes, the pull asked for {self.nbytes}")
-        return self.client.pull(PullRequest(self.address, self.key, self.layer_range, view[:self.nbytes],
-                                            self.token, header_out, alive, progress), timeout_s=self.timeout_s)
+        return self.client.pull(self.address, self.key, self.layer_range, view[:self.nbytes],
+                                timeout_s=self.timeout_s, token=self.token, header_out=header_out, alive=alive)
 
     def cancel(self) -> None:
         """Nothing was sent: nothing to drop."""

@@ -54,11 +54,14 @@ class Puller(Protocol):
         its answer may be used before the master confirms the holder)."""
         ...
 
-    def pull(self, request: PullRequest, *, timeout_s: float = 10.0) -> int:
-        """One pull: ``request.layer_range`` of ``request.key`` from ``request.address`` into
-        ``request.out`` (its header into ``request.header_out``, ``request.progress`` told the
-        payload bytes as they land where the transport can, abandoned once ``request.alive()``
-        says the holder is gone). The bytes received; raises the typed error of a miss, a bad
+    def pull(self, address: PeerAddress | tuple[str, int], key: bytes,
+             layer_range: LayerRange | tuple[int, int] | range, out: Any, *, timeout_s: float = 10.0,
+             token: bytes = b"", header_out: bytearray | None = None,
+             progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None) -> int:
+        """One pull: ``layer_range`` of ``key`` from the holder at ``address`` into ``out`` (its
+        header into ``header_out``; ``progress`` told the payload bytes as they land, where the
+        transport can), abandoned once ``alive()`` says the holder is gone; the request carries
+        ``token``. The bytes received; raises the typed error of a miss, a bad
         range or buffer, a refused token, a transport failure or the deadline (see
         ``PullClient.pull_into``)."""
         ...
@@ -160,16 +163,17 @@ class Pulls:
         """One pull into ``out`` (the holder's header into ``header_out``; ``progress`` told the
         bytes so far as they arrive over TCP), abandoned once ``alive()`` says the holder is
         gone; raises what :meth:`Puller.pull` raises."""
-        request = PullRequest(peer, key, layer_range, out, token, header_out, alive, progress)
         client = self.client_for(peer, out.nbytes)
         try:
-            client.pull(request, timeout_s=timeout_s)
+            client.pull(peer, key, layer_range, out, timeout_s=timeout_s, token=token, header_out=header_out,
+                        progress=progress, alive=alive)
             return
         except TcpPathUnusable:  # that path is unusable: over UCX, as pull_many would
             if client is self._ucx:
                 raise
             self.counters["tcp_fallbacks"] += 1
-        self.ucx.pull(request, timeout_s=timeout_s)
+        self.ucx.pull(peer, key, layer_range, out, timeout_s=timeout_s, token=token, header_out=header_out,
+                      alive=alive)
 
     def pull_many(self, requests: Sequence[PullRequest], *, timeout_s: float) -> list[int | BaseException]:
         """Pulls in flight together: one result per request, the bytes received or the error.

@@ -84,13 +84,15 @@ class TcpPullClient:
             raise outcome
         return outcome
 
-    def pull(self, request: PullRequest, *, timeout_s: float = 10.0) -> int:
+    def pull(self, address: PeerAddress | tuple[str, int], key: bytes,
+             layer_range: LayerRange | tuple[int, int] | range, out: Any, *, timeout_s: float = 10.0,
+             token: bytes = b"", header_out: bytearray | None = None,
+             progress: Callable[[int], None] | None = None, alive: Callable[[], bool] | None = None) -> int:
         """One pull (:meth:`Puller.pull`): the request goes out on an idle connection and its reply
-        is read straight into ``request.out``, without :meth:`pull_many`'s batch machinery."""
-        out = checked_out(request.out)
-        sent = self.start(request.address, request.key, request.layer_range, out.nbytes, token=request.token,
-                          timeout_s=timeout_s)
-        return self.finish(sent, out, request.header_out, progress=request.progress, alive=request.alive)
+        is read straight into ``out``, without :meth:`pull_many`'s batch machinery."""
+        view = out if type(out) is memoryview else checked_out(out)
+        sent = self.start(address, key, layer_range, view.nbytes, token=token, timeout_s=timeout_s)
+        return self.finish(sent, view, header_out, progress=progress, alive=alive)
 
     @property
     def proves_holder(self) -> bool:
