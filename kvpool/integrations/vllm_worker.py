@@ -241,7 +241,11 @@ class KvpoolWorker:
 
             return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=bind)
 
-        self._loader = executor(1, "kvpool-load")
+        # The loaders live on every CPU a load may use (pull_cpus), not only the spare ones: a
+        # load handed to a thread bound to a spare CPU waits for that CPU to start at all, and
+        # with several engines on a host it is another engine's compute core, busy for a whole
+        # prefill, while the model's own core idles waiting for the load.
+        self._loader = executor(1, "kvpool-load", self._pull_cpus)
         usable = self._pull_cpus if self._pull_cpus is not None else \
             os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
         self._pull_streams = max(1, min(_PULL_STREAMS, len(usable)))  # see _PULL_STREAMS
@@ -249,7 +253,7 @@ class KvpoolWorker:
         self._load_future: concurrent.futures.Future[None] | None = None
         # Asynchronous loads (``load_async``), on a thread of their own, until get_finished
         # reports them: (load, its future).
-        self._async_loader = executor(1, "kvpool-load-async")
+        self._async_loader = executor(1, "kvpool-load-async", self._pull_cpus)
         self._async_loads: list[tuple[_LayerLoad, concurrent.futures.Future[None]]] = []
         # Reused by loads of several layers per pull, one per loader thread (the sync and the
         # asynchronous loader never share one).

