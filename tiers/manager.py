@@ -192,6 +192,11 @@ class TierManager:
             entry = self._index.get(key)
             return entry is not None and entry.durable
 
+    def durable_keys(self) -> set[bytes]:
+        """Every key held as a durable copy (:meth:`is_durable`), in one pass under the lock."""
+        with self._lock:
+            return {key for key, entry in self._index.items() if entry.durable}
+
     def _candidates(self, persistent: bool) -> list[int]:
         if persistent:
             found = [i for i, t in enumerate(self.tiers) if t.persistent]

@@ -482,7 +482,9 @@ class Node:
                 if found is None:
                     gone.append(key)
                 else:
-                    records.append(record_for(key, *found, durable.get(key) if found[0].persistent else None))
+                    # (a durable copy may be read from a higher tier now, its disk copy the backing)
+                    kept = found[0].persistent or self.manager.is_durable(key)
+                    records.append(record_for(key, *found, durable.get(key) if kept else None))
             if gone:
                 self.master.removed(self.node_id, gone)
             if records:
@@ -540,7 +542,11 @@ class Node:
         role = getattr(self, "role", "client")
         persistent = [t for t in self.manager.tiers if t.persistent and t.capacity_bytes > 0]
         durable = self._durable_counts()  # any bytes there: malformed lines are skipped and logged
-        records = [record_for(key, tier, extent, header, durable.get(key) if tier.persistent else None)
+        # A durable copy may sit in a higher tier now (promoted, or kept in the shared arena:
+        # share_copy), its disk copy the backing: it is still durable.
+        backed = self.manager.durable_keys() if durable else set()
+        records = [record_for(key, tier, extent, header,
+                              durable.get(key) if tier.persistent or key in backed else None)
                    for key, tier, extent, header in self.manager.snapshot()]
         self._want_ucx_for(records)
         assert self.address is not None  # started
