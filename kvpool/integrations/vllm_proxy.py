@@ -129,6 +129,7 @@ class PdProxy:
             decode_body["kv_transfer_params"] = params
         decode = self._pick(self.decode)
         decode.in_flight += 1
+        response: web.StreamResponse | None = None
         try:
             async with self.session.post(decode.url + request.path, json=decode_body, headers=headers) as answer:
                 response = web.StreamResponse(status=answer.status)
@@ -139,6 +140,10 @@ class PdProxy:
                 await response.write_eof()
                 return response
         except (TimeoutError, OSError) as exc:
+            if response is not None and response.prepared:  # the stream began: nothing else can be sent
+                # (most often the client hung up once it had its answer, before the last chunk)
+                log.info("stream from decode engine %s ended early: %s", decode.url, exc)
+                return response
             log.warning("decode engine %s failed: %s", decode.url, exc)
             return web.json_response({"error": {"message": f"decode engine {decode.url} failed: {exc}",
                                                 "type": "BadGateway"}}, status=502)
