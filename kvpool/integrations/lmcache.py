@@ -59,6 +59,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
 from kvpool import errors
+from kvpool.integrations.engine_pool import POOL_KEYS, EnginePool
 from kvpool.objformat import dtype_info, storage_dtype
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ log = logging.getLogger("kvpool.integrations.lmcache")
 
 __all__ = ["KvpoolL2Adapter", "KvpoolL2AdapterConfig", "object_key"]
 
-_KEYS = frozenset({"master", "config", "durable", "replicas", "transport", "num_workers"})
+_KEYS = POOL_KEYS | {"num_workers"}
 _KEY_SEED = 0x6B76706F6F6C4C4D  # xxh3's seed of chunk keys ("kvpoolLM")
 _KEY_VERSION = b"lmcache-l2-v1"
 _MAX_ROWS = 64  # rows an object is split into for its checksums (a power of two)
@@ -93,36 +94,17 @@ class KvpoolL2AdapterConfig(L2AdapterConfigBase):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvpoolL2AdapterConfig:
         """Raises ConfigError naming the first bad or unknown key."""
-        from kvpool.config import check_master_address
-
         params = dict(d or {})
         params.pop("type", None)  # LMCache's own key, when it passes the whole spec
         unknown = sorted(set(params) - _KEYS)
         if unknown:
             raise errors.ConfigError(f"kvpool L2 adapter_params: unknown setting(s) {unknown}; "
                                      f"kvpool's are {sorted(_KEYS)}")
-        master = params.get("master")
-        if master is not None:
-            if not isinstance(master, str) or not master:
-                raise errors.ConfigError(f'"master" must be a kvpool master address "tcp://HOST:PORT", got {master!r}')
-            check_master_address(master)
-        config = params.get("config")
-        if config is not None and not isinstance(config, (str, Mapping)):
-            raise errors.ConfigError(f'"config" must be a kvpool TOML path or a mapping, got {type(config).__name__}')
-        durable, replicas = params.get("durable"), params.get("replicas")
-        if durable is not None and not isinstance(durable, bool):
-            raise errors.ConfigError(f'"durable" must be true or false, got {durable!r}')
-        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
-            raise errors.ConfigError(f'"replicas" must be an int >= 1, got {replicas!r}')
-        if master is None and (durable is not None or replicas is not None):
-            raise errors.ConfigError('"durable" and "replicas" need a "master": durable copies live on storage nodes')
-        transport = params.get("transport", "auto")
-        if transport not in ("auto", "tcp"):
-            raise errors.ConfigError(f'"transport" must be "auto" or "tcp", got {transport!r}')
+        pool = EnginePool.from_settings(params)
         workers = params.get("num_workers", 2)
         if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64:
             raise errors.ConfigError(f'"num_workers" must be an int from 1 to 64, got {workers!r}')
-        return cls(master, config, durable, replicas, transport, workers)
+        return cls(pool.master, pool.config, pool.durable, pool.replicas, pool.transport, workers)
 
     @classmethod
     def help(cls) -> str:
@@ -140,18 +122,7 @@ class KvpoolL2AdapterConfig(L2AdapterConfigBase):
         shared-memory arena that other processes on the host read in place, as the vLLM
         connector's default: no dram tier), or embedded. Raises what
         :func:`kvpool.connect` / :class:`kvpool.Pool` raise (MasterUnreachableError, ConfigError)."""
-        from kvpool.client import connect
-        from kvpool.integrations.vllm_settings import default_pool_config
-        from kvpool.pool import Pool
-
-        if self.master is None:
-            return Pool(config=self.config)
-        pool = connect(self.master, config=self.config if self.config is not None else default_pool_config(),
-                       transport=self.transport)
-        # Now, not at the first pull or put that wants it: starting UCX holds the GIL for ~0.4 s,
-        # which stalled the whole server (its answers to the engines too) mid-request.
-        pool.start_ucx()
-        return pool
+        return EnginePool(self.master, self.config, self.durable, self.replicas, self.transport).open(start_ucx=True)
 
 
 def object_key(key: Any) -> bytes:

@@ -64,6 +64,7 @@ import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvpool import errors
+from kvpool.integrations.engine_pool import POOL_KEYS, EnginePool
 from kvpool.objformat import LayerRange, dtype_info, storage_dtype
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ __all__ = ["HiCacheSettings", "KvpoolHiCacheStorage", "PageLayout", "namespace_o
 
 # The extra-config keys SGLang's dynamic loader itself reads.
 _SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-_OUR_KEYS = frozenset({"master", "config", "durable", "replicas", "transport"})
+_OUR_KEYS = POOL_KEYS
 # Host layouts whose pages are contiguous pieces (one object each); layer_first pages are
 # gathered from one piece per layer (one object a page).
 _PAGE_FIRST = {"mha": ("page_first", "page_first_direct", "page_head"), "mla": ("page_first", "page_first_direct")}
@@ -96,8 +97,6 @@ class HiCacheSettings:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> HiCacheSettings:
         """Raises ConfigError naming the first bad or unknown key."""
-        from kvpool.config import check_master_address
-
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _SGLANG_KEYS - _OUR_KEYS)
         if unknown:
@@ -106,39 +105,15 @@ class HiCacheSettings:
         if not extra.get("interface_v1"):
             raise errors.ConfigError('hicache-storage-backend-extra-config needs "interface_v1": 1 (kvpool serves '
                                      "SGLang's zero-copy batch_get_v1 / batch_set_v1 only)")
-        master = extra.get("master")
-        if master is not None:
-            if not isinstance(master, str) or not master:
-                raise errors.ConfigError(f'"master" must be a kvpool master address "tcp://HOST:PORT", got {master!r}')
-            check_master_address(master)
-        config = extra.get("config")
-        if config is not None and not isinstance(config, (str, Mapping)):
-            raise errors.ConfigError(f'"config" must be a kvpool TOML path or a mapping, got {type(config).__name__}')
-        durable, replicas = extra.get("durable"), extra.get("replicas")
-        if durable is not None and not isinstance(durable, bool):
-            raise errors.ConfigError(f'"durable" must be true or false, got {durable!r}')
-        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
-            raise errors.ConfigError(f'"replicas" must be an int >= 1, got {replicas!r}')
-        if master is None and (durable is not None or replicas is not None):
-            raise errors.ConfigError('"durable" and "replicas" need a "master": durable copies live on storage nodes')
-        transport = extra.get("transport", "auto")
-        if transport not in ("auto", "tcp"):
-            raise errors.ConfigError(f'"transport" must be "auto" or "tcp", got {transport!r}')
-        return cls(master, config, durable, replicas, transport)
+        pool = EnginePool.from_settings(extra)
+        return cls(pool.master, pool.config, pool.durable, pool.replicas, pool.transport)
 
     def open_pool(self) -> PoolAPI:
         """This process's pool: connected to ``master`` (without ``config``, every page in a
         shared-memory arena that other processes on the host read in place, as the vLLM
         connector's default: no dram tier), or embedded. Raises what
         :func:`kvpool.connect` / :class:`kvpool.Pool` raise (MasterUnreachableError, ConfigError)."""
-        from kvpool.client import connect
-        from kvpool.integrations.vllm_settings import default_pool_config
-        from kvpool.pool import Pool
-
-        if self.master is None:
-            return Pool(config=self.config)
-        return connect(self.master, config=self.config if self.config is not None else default_pool_config(),
-                       transport=self.transport)
+        return EnginePool(self.master, self.config, self.durable, self.replicas, self.transport).open()
 
 
 @dataclass(frozen=True)

@@ -414,10 +414,9 @@ class KvpoolWorker:
         failed: set[int] = set()
         cpu = time.thread_time()
         try:
-            with threads_on(self._pull_cpus):  # (this thread, while it loads: see pull_cpus)
-                rest = self._copy_in_place(load, keys, failed)
-                if rest and not load.timed_out:
-                    self._pull_remote(load, [keys[i] for i in rest], rest, failed)
+            rest = self._copy_in_place(load, keys, failed)  # (the loaders run on pull_cpus)
+            if rest and not load.timed_out:
+                self._pull_remote(load, [keys[i] for i in rest], rest, failed)
         finally:
             load.failed_rows = failed
             load.finished_s = time.perf_counter() - load.started

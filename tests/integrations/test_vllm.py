@@ -248,17 +248,19 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
         "tiers": {"dram": {"capacity": "8MiB"}}}
 
 
-def start_master(spawn_python) -> str:
-    """A real master process on a free port; its address."""
+def master_answers(address: str) -> bool:
+    """Whether a master at ``address`` answers a ping (its client closed after)."""
     from kvpool.cluster.wire.master_client import MasterClient
 
-    def answers(address: str) -> bool:
-        with MasterClient(address, request_timeout_s=0.5) as probe:
-            return bool(probe.ping())
+    with MasterClient(address, request_timeout_s=0.5) as probe:
+        return bool(probe.ping())
 
-    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+
+def start_master(spawn_python, master: str | None = None) -> str:
+    """A real master process on ``master`` (default: a free port); its address."""
+    master = master or f"tcp://127.0.0.1:{free_tcp_port()}"
     spawn_python(["-m", "kvpool.cli.server", "--role", "master", "--master.listen", master],
-                 ready=lambda: answers(master), timeout_s=30)
+                 ready=lambda: master_answers(master), timeout_s=30)
     return master
 
 
@@ -510,8 +512,7 @@ def test_with_the_master_away_requests_are_computed_without_waiting_and_lookups_
             assert scheduler.get_num_new_matched_tokens(vllm_request(f"q{i}", tokens), 0) == (0, False)
         assert time.monotonic() - started < 0.5 and scheduler.stats["lookups_skipped"] == 20
 
-        spawn_python(["-m", "kvpool.cli.server", "--role", "master", "--master.listen", master],
-                     ready=lambda: MasterClient(master, request_timeout_s=0.5).ping() is not None, timeout_s=30)
+        start_master(spawn_python, master)
         holder = kvpool.connect(master, config={"pool": {"data_dir": str(tmp_path / "holder")},
                                                 "tiers": {"dram": {"capacity": "8MiB", "mlock": False},
                                                           "cxl": {"capacity": 0}, "nvme": {"capacity": 0}},

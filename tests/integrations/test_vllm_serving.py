@@ -146,6 +146,18 @@ def at_once(*calls: Any) -> list[Any]:
     return results
 
 
+def a_then_b(a: int, b: int, model: Path, text: list[int]) -> tuple[int, float]:
+    """``text`` on engine A, then on engine B: B's answer must be A's (loaded or recomputed);
+    (the prompt tokens B loaded, B's seconds)."""
+    before = external_tokens(b)
+    answer_a, _ = stream(a, model, text)
+    started = time.monotonic()
+    answer_b, _ = stream(b, model, text)
+    took = time.monotonic() - started
+    assert answer_b == answer_a
+    return external_tokens(b) - before, took
+
+
 def test_served_engines_find_every_block_an_answer_came_from_and_the_pd_proxy_loads_them_all(
         tmp_path: Path, spawn_python) -> None:
     model = tmp_path / "model"
@@ -244,14 +256,7 @@ def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_
     with api_servers(tmp_path, model, ("engine-a", 0, settings, "kv_both"),
                      ("engine-b", 1, settings, "kv_both")) as (a, b):
         def round_trip(text: list[int]) -> tuple[int, float]:
-            """``text`` on A, then on B: B's answer must be A's; (tokens B loaded, B's seconds)."""
-            before = external_tokens(b)
-            answer_a, _ = stream(a, model, text)
-            started = time.monotonic()
-            answer_b, _ = stream(b, model, text)
-            took = time.monotonic() - started
-            assert answer_b == answer_a
-            return external_tokens(b) - before, took
+            return a_then_b(a, b, model, text)
 
         assert round_trip(prompt())[0] == 3 * BLOCK  # healthy: B loads every full block A computed
 
@@ -294,14 +299,7 @@ def test_served_engines_answer_through_an_etcd_master_failover_and_hits_come_bac
     with api_servers(tmp_path, model, ("engine-a", 0, settings, "kv_both"),
                      ("engine-b", 1, settings, "kv_both")) as (a, b):
         def round_trip(text: list[int]) -> tuple[int, float]:
-            """``text`` on A, then on B: B's answer must be A's; (tokens B loaded, B's seconds)."""
-            before = external_tokens(b)
-            answer_a, _ = stream(a, model, text)
-            started = time.monotonic()
-            answer_b, _ = stream(b, model, text)
-            took = time.monotonic() - started
-            assert answer_b == answer_a
-            return external_tokens(b) - before, took
+            return a_then_b(a, b, model, text)
 
         assert round_trip(prompt())[0] == 3 * BLOCK
         ha.masters[leader].kill()  # kill -9 of the leading master
