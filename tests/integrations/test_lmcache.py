@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT, ChildProcess, free_tcp_port, wait_for
+from tests.conftest import REPO_ROOT, ChildProcess, free_tcp_port, run_file_in_venv, wait_for
 
 HEARTBEAT_MS = 200
 CHUNK_TOKENS = 256
@@ -337,15 +337,4 @@ def test_an_engine_loads_through_a_restarted_lmcache_server_from_kvpool(
 @pytest.mark.timeout(900)
 def test_in_the_lmcache_venv() -> None:
     """Runs this file under .venv-lmcache's Python (where .ci/run installed LMCache)."""
-    if importlib.util.find_spec("lmcache") is not None:
-        pytest.skip("LMCache is importable here: this file's tests ran in this interpreter")
-    python = REPO_ROOT / ".venv-lmcache" / "bin" / "python"
-    if not python.exists():
-        pytest.skip("no .venv-lmcache (.ci/run makes it where LMCache installs)")
-    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-                          "tests/integrations/test_lmcache.py"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=850)
-    tail = (run.stdout + run.stderr)[-6000:]
-    assert run.returncode == 0, tail
-    summary = run.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary, tail
+    run_file_in_venv(".venv-lmcache", "tests/integrations/test_lmcache.py", "lmcache", "-W", "ignore")

@@ -8,9 +8,7 @@ file there."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -20,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests import sglang_engine as engine
-from tests.conftest import REPO_ROOT, ChildProcess
+from tests.conftest import REPO_ROOT, ChildProcess, run_file_in_venv
 
 HEARTBEAT_MS = 200
 KEYS = [f"{i:064x}" for i in range(1, 4)]  # SGLang's page keys are chained hashes, as hex
@@ -271,15 +269,4 @@ def test_a_corrupt_page_is_a_miss(sglang: None, cluster: Any, tmp_path: Path,
 @pytest.mark.timeout(900)
 def test_in_the_sglang_venv() -> None:
     """Runs this file under .venv-sglang's Python (where .ci/run installed SGLang)."""
-    if importlib.util.find_spec("sglang") is not None:
-        pytest.skip("SGLang is importable here: this file's tests ran in this interpreter")
-    python = REPO_ROOT / ".venv-sglang" / "bin" / "python"
-    if not python.exists():
-        pytest.skip("no .venv-sglang (.ci/run makes it where SGLang installs)")
-    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/integrations/test_sglang.py"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=850)
-    tail = (run.stdout + run.stderr)[-6000:]
-    assert run.returncode == 0, tail
-    summary = run.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary, tail
+    run_file_in_venv(".venv-sglang", "tests/integrations/test_sglang.py", "sglang")
