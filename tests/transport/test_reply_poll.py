@@ -23,7 +23,7 @@ from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullRequest, ServeSource
 from kvpool.transport.tcp import TcpPullClient, TcpPullServer
 from kvpool.transport.tcp.stream import POLL_RETRY_EVERY, ReplyPoll
-from tests.test_transfer import LAYER_NBYTES, LAYERS, expected, layer_nbytes_of
+from tests.transport.test_transfer import LAYER_NBYTES, LAYERS, expected, layer_nbytes_of
 
 
 def _payload(key: bytes, nbytes: int) -> bytes:

@@ -22,7 +22,7 @@ from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullRequest, ServeSource, local_host_id
 from kvpool.transport.puller import SAME_HOST_TCP_PULL_MAX
 from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient, TcpPullServer
-from tests.test_transfer import LAYER_NBYTES, LAYERS, ServerProcess, expected, header_of
+from tests.transport.test_transfer import LAYER_NBYTES, LAYERS, ServerProcess, expected, header_of
 
 
 @pytest.fixture(scope="module")

@@ -146,7 +146,7 @@ def _serve(tmpdir: str) -> None:
         return ServeSource(nbytes=hi - lo, buffers=[view], release=release, header=header_of(key))
 
     server = PullServer(provider, max_message=SERVER_MAX_MESSAGE, send_timeout_s=3.0).start()
-    # The same provider over plain TCP (tests/test_tcp_pulls.py)
+    # The same provider over plain TCP (tests/transport/test_tcp_pulls.py)
     tcp = TcpPullServer(provider, send_timeout_s=3.0, authorize=authorize, staging_nbytes=SERVER_MAX_MESSAGE).start()
     peer = server.peer_address
     say("ready " + json.dumps({"peer": [peer.host, peer.port, peer.worker_address.hex(), peer.host_id, tcp.port]}))
@@ -668,7 +668,7 @@ def test_close_leaves_no_threads() -> None:
 def test_transfer_bench_quick_run_reports_every_size(tmp_path: Path) -> None:
     # Checks the benchmark works and reports what it promises, not how fast
     # anything is (speed on a shared 2-core machine is no test).
-    bench = Path(__file__).resolve().parent.parent / "bench" / "transfer_bench.py"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "transfer_bench.py"
     results = tmp_path / "transfer.json"
     proc = subprocess.run(
         [sys.executable, str(bench), "--quick", "--sizes", "64K,1M", "--no-perftest",
