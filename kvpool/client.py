@@ -109,8 +109,9 @@ class ClusterPool(PoolAPI):
         """Start this node's UCX now, serving pulls and registered with the master; False (logged)
         where UCX cannot start (pulls then go over TCP). A client otherwise starts it when it
         is first wanted (an object above ``node.tcp_pull_max`` or 1 MiB, or a UCX pull), and
-        starting it holds the GIL for ~0.4 s (measured): every thread of the process stops
-        meanwhile. A latency-sensitive process (an inference engine) starts it before it serves."""
+        starting it holds the GIL while UCX sets up its context and worker: every thread of the
+        process stops meanwhile. A latency-sensitive process (an inference engine) starts it
+        before it serves."""
         self._check_open()
         try:
             self.cluster.node.ucx_engine()

@@ -57,8 +57,9 @@ _ARRAY_CODES = {np.dtype("int32"): "i", np.dtype("int64"): "q"}
 
 def _list_bytes(token_ids: list[Any], np_dtype: np.dtype[Any]) -> memoryview | None:
     """A list of Python ints as little-endian bytes of ``np_dtype``, the fast way (a long
-    prompt is a list in an engine: ``array`` converts it in one C loop, ~1.5x numpy's time
-    saved); None where the list holds anything but ints (numpy's checks then apply)."""
+    prompt is a list in an engine: ``array`` converts it in one C loop, where numpy first
+    walks the list to find its shape and then converts); None where the list holds anything
+    but ints (numpy's checks then apply)."""
     code = _ARRAY_CODES.get(np_dtype)
     if code is None or array.array(code).itemsize != np_dtype.itemsize:
         return None

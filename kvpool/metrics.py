@@ -34,8 +34,8 @@ MISS_REASONS = ("absent", "evicted", "stale", "checksum", "holder_gone", "timeou
 class LatencyHistogram:
     """Latency buckets cheap enough to observe on every call (one bisect, two adds).
 
-    prometheus_client's Histogram takes a lock and walks its buckets in Python
-    (~3 µs, a third of a 64 KB dram get); this does the minimum and builds the
+    prometheus_client's Histogram takes a lock and walks its buckets in Python,
+    a cost of the order of a small dram get itself; this does the minimum and builds the
     cumulative family at scrape time. Updates are unlocked: under the GIL a
     thread switch inside ``+=`` can, rarely, lose one count — acceptable for a
     latency distribution, never for the pool's own accounting.

@@ -222,7 +222,8 @@ _WHOLE: dict[int, LayerRange] = {}  # num_layers -> LayerRange(0, num_layers), s
 
 class ByteRange(NamedTuple):
     """``nbytes`` bytes starting at ``offset`` (relative to the object's first byte). (A tuple:
-    every get and served pull makes one, and a frozen dataclass takes ~4x as long to build.)"""
+    every get and served pull makes one, and a frozen dataclass's ``__init__`` sets each field
+    through ``object.__setattr__``, several times a tuple's cost.)"""
 
     offset: int
     nbytes: int
@@ -413,7 +414,7 @@ class ObjectHeader:
         if header is None:
             header = cls.unpack(blob, expected)
             if len(_parsed) >= _PARSED_MAX:
-                try:  # the oldest, in O(1) (next(iter(dict)) walks every slot deleted before it: ~4 us)
+                try:  # the oldest, in O(1) (next(iter(dict)) walks every slot deleted before it)
                     _parsed.popitem(last=False)
                 except KeyError:  # another thread emptied it meanwhile
                     pass
@@ -480,7 +481,8 @@ _ZERO_SUM = bytes(8)
 
 @functools.lru_cache(maxsize=1024)
 def _spec_of_dims(dtype: str, layers: int, tokens: int, kv_heads: int, head_dim: int) -> ObjectSpec:
-    """One shared (immutable) spec per set of dims a header names (building one costs ~2 us)."""
+    """One shared (immutable) spec per set of dims a header names (building one validates its dims,
+    and every parsed header would otherwise build one)."""
     return ObjectSpec(dtype, layers, tokens, kv_heads, head_dim)
 
 
@@ -522,8 +524,8 @@ def copy_layer_checksums(dst: memoryview, src: memoryview, layer_nbytes: int) ->
     """Copy ``src`` into ``dst`` (byte views of one length, whole layers, not overlapping) and
     return :func:`layer_checksums` of the copy.
 
-    In C the layers are hashed in the same pass as they are copied (16 MiB: no more than a
-    memcpy's time, against ~1.4x for a copy and then a hash); without it, large copies hash
+    In C the layers are hashed in the same pass as they are copied, so the bytes are read from
+    memory once (a copy and then a hash reads them twice); without it, large copies hash
     each layer right after copying it, while it is still in cache.
     """
     dst, src = dst.cast("B"), src.cast("B")

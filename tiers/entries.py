@@ -60,8 +60,8 @@ class LockBusy(errors.KVPoolError):
 @dataclass(eq=False, slots=True)
 class PinnedObject:
     """A read-pinned object: its bytes stay put until ``TierManager.unpin``. (Not frozen: a
-    frozen dataclass's ``__init__`` costs ~1 us, and every get and served pull makes one.
-    Nothing assigns to it.)"""
+    frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``, and every
+    get and served pull makes one. Nothing assigns to it.)"""
 
     key: bytes
     header: ObjectHeader

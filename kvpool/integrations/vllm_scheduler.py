@@ -244,11 +244,12 @@ class KvpoolScheduler:
         """How many leading ``keys`` kvpool holds (one request to the master) and, for
         ``load_async = "auto"``, whether a worker reads the first and the last of them without
         the network: its own pool holds them (each worker reports its node id), or (``transport =
-        "auto"``) a same-host node's cxl arena it copies them from in place (a 64 MiB load in
-        ~14-25 ms, layer by layer under the forward pass). Other blocks are pulled (50-250 ms for
-        64 MiB over TCP inside an engine here), and a step that waits for a pull stalls every
-        request running in it: such a request waits outside the steps instead. Two blocks judge
-        the whole prefix; a wrong guess costs time, never bytes.
+        "auto"``) a same-host node's cxl arena it copies them from in place (a memory copy,
+        layer by layer under the forward pass). Other blocks are pulled over the network, which
+        takes several times as long and varies with the holder and the link, and a step that
+        waits for a pull stalls every request running in it: such a request waits outside the
+        steps instead. (Measurements: docs/benchmarks.md.) Two blocks judge the whole prefix; a
+        wrong guess costs time, never bytes.
 
         With several parallel ranks, a block is held when every rank's object of it is: each
         rank's key of each block is asked for, block by block, in the same one request (a rank

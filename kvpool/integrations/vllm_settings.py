@@ -227,11 +227,10 @@ def content_digest(path: str, *, whole_file_bytes: int = _WHOLE_FILE_BYTES) -> s
     its size, its safetensors header (every tensor's name, dtype, shape and offsets), the first
     and last 4 KiB of each of its tensors (of up to 256 tensors a file, evenly spread) and 32
     windows of 64 KiB spread evenly from its first byte to its last; a ``.bin``, ``.gguf`` or
-    other large file: its size and the 32 windows. Measured on this VM's disk (page cache
-    dropped) and from the page cache: a 1.3 GiB shard of 36 Llama tensors, 2.4 MiB read, in
-    8-13 ms / 0.5 ms; a 1 GiB shard of 4,096 expert tensors, 4.6 MiB in 542 reads, in 50 ms /
-    12-19 ms. Hashing the whole 1.3 GiB took 0.5-1.3 s / 90-130 ms, in every engine process
-    (scheduler and each worker) at every start: tens of seconds to minutes for a 70B model.
+    other large file: its size and the 32 windows. Why sample: every engine process (the
+    scheduler and each worker) computes this at every start, and hashing a model's weights
+    whole reads all of them, tens of seconds to minutes for a 70B model, where the sample reads
+    a few MiB per file. (Timings of both: docs/benchmarks.md, "Measurements behind defaults".)
 
     The trade-off: any change of a tensor's name, dtype, shape or place, of a file's size, of a
     sampled tensor's first or last 4 KiB, or of a sampled window is seen, and so is a fine-tune

@@ -191,8 +191,9 @@ def open_pool(settings: Settings, cpus: frozenset[int] | None = None) -> Any:
 
     with threads_on(cpus):
         pool = kvpool.connect(settings.master, config=settings.pool_config(), transport=settings.transport)
-        # Now, not at the first save of a block above 1 MiB: starting UCX holds the GIL for
-        # ~0.4 s, which stalled the model and a load in flight mid-request.
+        # Now, not at the first save of a block above 1 MiB: starting UCX holds the GIL while
+        # it sets up its context and worker, and mid-request that would stall the model and a
+        # load in flight.
         pool.start_ucx()
     return pool
 
@@ -341,8 +342,9 @@ class KvpoolWorker:
         log.info("kvpool connector: %d layers, blocks of %s %s stored as %s", len(self._layers),
                  tuple(block.shape), first.dtype, self._shape)
         # The loader threads' staging buffers for one request of the longest prompt, made and
-        # faulted in now, off the first load's path (a first touch costs more than the copy:
-        # 64 MiB of fresh huge pages took ~400 ms on a VM whose freed memory the host reclaims).
+        # faulted in now, off the first load's path: a first touch of fresh memory costs a page
+        # fault (and on a VM whose freed memory the host reclaims, the host's fault too), which
+        # for a buffer of many MiB costs more than the copy into it.
         longest = self._max_model_len
         blocks = min(-(-int(longest) // self.block_size),
                      _STAGING_PREPARED_BYTES // (len(self._layers) * self._block_nbytes))
@@ -486,8 +488,8 @@ class KvpoolWorker:
         buffer. Each pull is reported as it lands verified (``landed``); when every block has
         a group, its layers are copied into the paged cache (one gather-copy per layer, no
         per-block Python) and handed to the model (``load.done``) while the later groups are
-        still arriving. A round trip per group would cost a pipeline start and drain each (16
-        blocks over TCP: 4 rounds of 2 layers took twice one get_many of all 8). Blocks that
+        still arriving. A round trip per group would cost a pipeline start and drain each, the
+        holder idle while the reader asks again (hence one get_many for all groups). Blocks that
         fail go in ``failed`` (the load's indices, ``rows[i]``); once the model went on without
         a layer (``load.timed_out``) nothing more is written into the cache (pulls in flight
         land in the staging buffer only). ("Groups" here are layers pulled together, not
@@ -580,9 +582,10 @@ class KvpoolWorker:
 
     def _write_layer(self, layer: int, block_ids: list[int], data: np.ndarray) -> None:
         """Copy one layer of several blocks (host bytes, [blocks, ...]) into the paged cache,
-        wherever it lives, in one call: a numpy scatter on the host (~4x faster than torch's
-        ``index_copy_`` there), ``index_copy_`` on a device. A block that is vLLM's null block
-        (a window group's block left behind) is skipped: that layer of it is not kept."""
+        wherever it lives, in one call: a numpy scatter on the host (faster there than torch's
+        ``index_copy_``; measurement: docs/benchmarks.md), ``index_copy_`` on a device. A block
+        that is vLLM's null block (a window group's block left behind) is skipped: that layer of
+        it is not kept."""
         if NULL_BLOCK in block_ids:
             keep = [i for i, b in enumerate(block_ids) if b != NULL_BLOCK]
             if not keep:

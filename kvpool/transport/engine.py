@@ -23,10 +23,11 @@ from typing import Any
 from kvpool import errors
 from kvpool.transport.frames import INDEX_BITS
 
-# ucxx is imported on first use, not with this module: importing it takes ~0.5-1 s here, and
-# a process that pulls only over plain TCP (a CLI ``kvpool get``, a reader of small objects)
-# never needs it. It sets UCX_RNDV_THRESH=8192 when imported (for GPU buffers): a value found
-# before that import is the user's, one found after it is ucxx's and our default replaces it.
+# ucxx is imported on first use, not with this module: importing it loads UCX's shared
+# libraries and probes its transports, a cost every process would pay at import, and a process
+# that pulls only over plain TCP (a CLI ``kvpool get``, a reader of small objects) never needs
+# it. It sets UCX_RNDV_THRESH=8192 when imported (for GPU buffers): a value found before that
+# import is the user's, one found after it is ucxx's and our default replaces it.
 _ucx_modules: tuple[Any, Any] | None = None
 _ucx_import_lock = threading.Lock()
 _USER_RNDV_THRESH = False
@@ -68,13 +69,13 @@ MiB = 1 << 20
 
 #: UCX options passed to every context this module creates, unless the matching
 #: ``UCX_<NAME>`` environment variable is set. put_zcopy lets the sender write
-#: rendezvous data into the receiver's buffer; on TCP it was measured markedly
-#: faster than the default get-based scheme (see bench/transfer_bench.py).
-#: PROTO_ENABLE=n selects UCX's first protocol layer: with the newer one, a same-host peer
-#: reached by worker address with peer-failure detection (``transport="tcp"``, no listener)
-#: was offered no rendezvous at all and 16 MiB went as eager fragments (15.7 ms a pull,
-#: against 6.4 ms with this); through a listener 16 MiB took 3.9 ms instead of 7.4 ms, and
-#: over shared memory 2.1 ms instead of 2.9 ms (one pull, pinned; 64 KiB unchanged).
+#: rendezvous data straight into the receiver's buffer, where the default get-based scheme
+#: has the receiver fetch it; over TCP the sender writing is the faster of the two.
+#: PROTO_ENABLE=n selects UCX's first protocol layer: the newer one offers no rendezvous at all
+#: to a same-host peer reached by worker address with peer-failure detection
+#: (``transport="tcp"``, no listener), so a large pull goes as eager fragments instead of one
+#: zero-copy transfer, and through a listener or over shared memory it is slower too.
+#: (Measurements: docs/benchmarks.md, "Measurements behind defaults".)
 DEFAULT_UCX_OPTIONS: dict[str, str] = {"RNDV_SCHEME": "put_zcopy", "PROTO_ENABLE": "n"}
 
 
@@ -90,11 +91,10 @@ def _host_without_rdma_or_gpu() -> bool:
 
 
 #: Where UCX has only TCP and shared memory, messages below 8 MiB go eagerly instead of by
-#: rendezvous (ucxx's 8192, meant for GPU buffers, or UCX's own choice). Pulls measured side by
-#: side with the server interleaving both settings (bench/transfer_bench.py's server, 2 vCPUs):
-#: TCP 64 KiB 443 -> 402 us, 256 KiB 544 -> 481, 1 MiB 910 -> 798, 4 MiB 2157 -> 2043; shared
-#: memory 1 MiB 494 -> 440, 4 MiB 1208 -> 1154; 8 and 16 MiB unchanged. With an RDMA device or
-#: a GPU, rendezvous (zero-copy) is what those fabrics are for: left to UCX and ucxx.
+#: rendezvous (ucxx's 8192, meant for GPU buffers, or UCX's own choice): on those transports
+#: rendezvous saves at most a copy, which below a few MiB costs less than its handshake (a
+#: round trip before the data moves). With an RDMA device or a GPU, rendezvous (zero-copy)
+#: is what those fabrics are for: left to UCX and ucxx. (Measurements: docs/benchmarks.md.)
 if _host_without_rdma_or_gpu():
     DEFAULT_UCX_OPTIONS["RNDV_THRESH"] = "8m"
 

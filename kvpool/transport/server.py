@@ -58,7 +58,7 @@ class PullServer:
     Providers should not block indefinitely: a stalled provider ties up one of
     ``provider_threads`` and its client times out. ``inline_provider=True``
     calls it on the progress thread instead, saving a thread hop per pull
-    (~50 us of a ~260 us small pull, measured on 2 vCPUs); only for providers
+    (a wake-up of a worker thread and one back, much of a small pull's time); only for providers
     that never block (memory lookups), since a stall there stalls every pull.
     ``read_into`` always runs on the worker threads.
 

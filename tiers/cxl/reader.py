@@ -37,11 +37,11 @@ _NATIVE_MIN_STEP = _layersum.MIN_STEP if _layersum is not None else 1 << 62
 
 # madvise(MADV_POPULATE_READ) (Linux 5.14+): map a range's pages in one call instead of a
 # page fault each on first touch; a reader maps another process's arena, so every object it
-# has not read before is cold in its page tables (a 16 MiB copy took 4x longer cold here).
+# has not read before is cold in its page tables, and a copy from it would fault once per page.
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else 0)
 # ... once per chunk of this size: a populated page stays mapped (an arena never gives pages
-# back), and asking again walks the page tables anyway (~9 us per 128 KiB here: a third of
-# a same-host load's copy time when every layer of every block asked).
+# back), and asking again walks the page tables anyway: asked for every layer of every block,
+# those walks add up to a sizeable share of a same-host load's copy time.
 _POPULATE_CHUNK = 2 << 20
 
 # -- same-host readers --------------------------------------------------------------------

@@ -88,8 +88,8 @@ raises ChecksumError, which the tier manager turns into a miss.
 I/O uses O_DIRECT where the filesystem allows it (probed at open), so reads
 measure the disk and large objects do not evict the page cache. Writes are
 assembled into a page-aligned per-thread staging buffer; large objects are
-split into ``io_chunk`` pieces with ``io_threads`` in flight, since the SSD is
-faster at queue depth >1 (~1.6 GB/s at depth 1, ~2 GB/s at depth 16 here).
+split into ``io_chunk`` pieces with ``io_threads`` in flight, since an SSD serves
+several requests in parallel and one at a time leaves it idle between them.
 
 This module does not decide what is stored here or when it is evicted (the
 tier manager does), and it knows nothing of other tiers or the master.

@@ -355,7 +355,8 @@ class IndexedSegments(SegmentFiles):
         ``parsed`` is sorted by position. Prefixes close together are read in one
         ``pread`` of up to ``PREFIX_WINDOW_BYTES`` (the bytes between them come
         along when the gap is under ``PREFIX_GAP_BYTES``): small objects sit a few
-        KiB apart, and one 4 KiB read each made opening 27k objects take 6 s."""
+        KiB apart, and one 4 KiB read each would make opening a large tier one disk round
+        trip per object."""
         sizes: dict[int, int | Exception] = {}
         i = 0
         while i < len(parsed):

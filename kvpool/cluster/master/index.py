@@ -116,9 +116,9 @@ def tune_process_memory() -> None:
 
     * numpy stops asking the kernel for transparent huge pages for its arrays (it does for
       every array of 4 MiB or more). Where the kernel compacts memory to find them (THP defrag
-      "madvise", a common default) a first touch stalled ~70 us per fault on a shared machine,
-      and table rebuilds and batch temporaries touch fresh memory all the time: indexing 10M
-      keys took 7.3 s with the advice and 4.3 s without (docs/master_index.md).
+      "madvise", a common default) a first touch can stall while the kernel compacts, and
+      table rebuilds and batch temporaries touch fresh memory all the time, so the stalls add
+      up to more than huge pages save (measurements: docs/master_index.md).
     * glibc's malloc keeps up to 64 MiB of freed memory instead of giving it back at once,
       and maps blocks of 32 MiB or more on their own: a batch's temporaries (a few MiB each)
       then reuse memory instead of faulting fresh pages in for every batch (a third fewer page

@@ -1,9 +1,10 @@
 """The master's query port: ``exists``, ``lookup`` and ``ping`` over a plain TCP connection.
 
 Why
-    Every ZeroMQ message passes through an I/O thread on each side: a bare pyzmq round trip
-    between two pinned processes measured ~142 us here, which is what a one-key ``exists``
-    cost. A blocking socket answered by a thread of the master's own is one wake-up each way.
+    Every ZeroMQ message passes through an I/O thread on each side, so a round trip costs
+    two thread hand-offs per side on top of the network, and that was most of what a one-key
+    ``exists`` cost. A blocking socket answered by a thread of the master's own is one wake-up
+    each way. (Measurements: docs/limits.md, docs/benchmarks.md.)
 
 This module is what both ends speak (:data:`QUERY_OPS`, :data:`QUERY_HELLO`, the framing)
 and the client end (:class:`QueryClient`, :class:`QueryPorts`); the master's end is

@@ -3,11 +3,11 @@ path for payloads up to ``node.tcp_pull_max``.
 
 Why a second data path
     Where UCX itself runs over TCP or shared memory (no RDMA device), a small pull over it
-    from Python costs several wake-ups of each side's progress thread: a bare ucxx
-    request/reply measured 141 us at 4 KiB and 281 us at 64 KiB between two pinned processes
-    here, against 58 / 71 us for the same exchange over a blocking TCP socket (see
-    ``bench/transfer_bench.py``). From 16 MiB on, UCX over shared memory is faster than a
-    socket, and RDMA is what UCX is for: large payloads stay on UCX.
+    from Python costs several wake-ups of each side's progress thread, where a blocking TCP
+    socket costs one each way: for small payloads those wake-ups are most of a pull's time.
+    For large ones the copy dominates, UCX over shared memory copies once where a socket copies
+    twice, and RDMA is what UCX is for: large payloads stay on UCX. (Measurements:
+    ``bench/transfer_bench.py``, docs/benchmarks.md.)
 
 Wire (the UCX protocol's frames over one byte stream, :mod:`..frames`)
     A client keeps connections to a holder open. Each starts with a hello each way

@@ -83,10 +83,9 @@ class ReplyPoll:
     ``poll_s``, before the caller blocks for them.
 
     Why: a thread blocked in ``recv`` sleeps, its CPU goes idle, and on a virtual machine an
-    idle vCPU halts; waking it when the bytes land costs tens of microseconds, each time. On
-    this project's 2-vCPU machine a 64 KiB loopback request/reply took 74-110 us with the
-    client blocked in ``recv`` and 13-37 us with it polling; 1 MiB 311 against 231 us,
-    16 MiB 3.9 against 3.3 ms (``bench/poll_bench.py``).
+    idle vCPU halts; waking it when the bytes land costs tens of microseconds, each time, which
+    is much of a small reply's time and still some of a large one's. (Measurements:
+    ``bench/poll_bench.py``, docs/benchmarks.md.)
 
     Only where the CPU is this thread's alone: a poll during which the thread was preempted,
     counted from ``mark`` (for a reply's first bytes, taken before the request's send: the
