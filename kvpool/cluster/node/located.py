@@ -35,7 +35,12 @@ class LocatedReplica(msgspec.Struct, frozen=True, gc=False):
     ``node_id`` and ``host_id``, its ``tier``, ``header_sum``, pull ``token`` and cxl
     ``location``, empty when it has none), where its holder serves pulls (``peer``, decoded from
     the node address the master relays: what the transport is handed) and the spec the reader
-    sizes its buffer by (``spec``; the holder's header must agree)."""
+    sizes its buffer by (``spec``; the holder's header must agree).
+
+    ``header``: the holder's header itself, when the locator read it (a same-host node's shared
+    index, :meth:`~kvpool.cluster.node.same_host.SameHostArenas.locate_many`: checked against
+    the index entry, no master, no lease, no token). Such a replica is read in place only,
+    its layers verified against this header; it is never pulled."""
 
     node_id: str
     host_id: str
@@ -45,6 +50,12 @@ class LocatedReplica(msgspec.Struct, frozen=True, gc=False):
     location: dict[str, Any]
     peer: PeerAddress
     spec: ObjectSpec
+    header: Any = None
+
+    @property
+    def in_place_only(self) -> bool:
+        """Found through a same-host index (see ``header``): read in place, never pulled."""
+        return self.header is not None
 
 
 def clean_location(raw: Any) -> dict[str, Any] | None:

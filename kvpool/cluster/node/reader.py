@@ -102,35 +102,44 @@ class ReplicaReader:
         return sorted(others, key=lambda r: (r.host_id != self.host_id, _TIER_ORDER.get(r.tier, len(_TIER_ORDER))))
 
     def read(self, key: bytes, replicas: list[LocatedReplica] | None, layers: Any, out: Any,
-             out_view: OutView, count_misses: bool = True,
+             out_view: OutView, source: str = "master",
              skip: Mapping[str, str] | None = None) -> np.ndarray | None:
-        """The layers from the first replica that delivers them intact, or None (counted by reason).
+        """The layers from the first replica that delivers them intact, or None.
 
         Raises LayerRangeError / OutBufferError for the caller's mistakes (the
         same on every replica); every other failure moves on to the next replica.
-        Replicas that served are remembered for :meth:`read_cached`. ``skip``: node ids
-        already known to fail now, with the miss reason each counts as. ``replicas``: as
+        ``source``: the locator that found ``replicas``
+        (:mod:`kvpool.cluster.node.locators`): a miss the master's answer ends in is counted
+        by reason, a remembered location by whether it still held, a same-host index's by
+        its retries. Replicas that served are remembered (:meth:`remembered`) unless a
+        same-host index found them. ``skip``: node ids already known to fail now, with the
+        miss reason each counts as. ``replicas``: as
         :func:`~kvpool.cluster.node.located.located_replicas` gives them (None: the master
         listed none; empty: every record it sent was malformed).
         """
+        counted = source == "master"
         if replicas is None:
-            self.counters["miss_absent"] += count_misses
+            self.counters["miss_absent"] += counted
             return None
         if not replicas:
-            self.counters["miss_malformed"] += count_misses
+            self.counters["miss_malformed"] += counted
             return None
-        return self._read_ordered(key, self._order(replicas), layers, out, out_view, count_misses, skip)
+        return self._read_ordered(key, self._order(replicas), layers, out, out_view, source, skip)
 
     def _read_ordered(self, key: bytes, replicas: list[LocatedReplica], layers: Any, out: Any,
-                      out_view: OutView, count_misses: bool, skip: Mapping[str, str] | None) -> np.ndarray | None:
+                      out_view: OutView, source: str, skip: Mapping[str, str] | None) -> np.ndarray | None:
         """:meth:`read` of checked replicas in the order :meth:`ordered` gives."""
         failed: set[str] = set()
-        arr = self._first_intact(key, replicas, layers, out, out_view, count_misses=count_misses,
+        arr = self._first_intact(key, replicas, layers, out, out_view, count_misses=source == "master",
                                  failed=failed, skip=skip)
-        if not count_misses:  # a remembered location: counted as such, forgotten when it failed
+        if source == "cache":  # a remembered location: counted as such, forgotten when it failed
             self.counters["location_cache_hits" if arr is not None else "location_cache_stale"] += 1
             if arr is None:
                 self.forget(key)
+        elif source == "same_host":  # freed or reused since the index was read: ask on
+            if arr is None:
+                self.counters["same_host_retries"] += 1
+            return arr
         if arr is not None:
             self._remember(key, [r for r in replicas if r.node_id not in failed] if failed else replicas)
         return arr
@@ -168,7 +177,7 @@ class ReplicaReader:
         """Read from where ``key`` was found last time, without asking the master; None if
         it is not remembered or no longer there (the entry is then forgotten)."""
         current = self.remembered(key)
-        return None if current is None else self._read_ordered(key, current, layers, out, out_view, False, None)
+        return None if current is None else self._read_ordered(key, current, layers, out, out_view, "cache", None)
 
     def forget(self, key: bytes) -> None:
         with self._lock:
@@ -231,7 +240,7 @@ class ReplicaReader:
                 layer_range = LayerRange.resolve(layers, spec.layers)
                 arr, buf = out_view(spec, layer_range, out)
                 self.read_into(key, replica, layer_range, buf)
-                self._hit(len(buf))
+                self._hit(len(buf), replica)
                 return arr
             except (errors.LayerRangeError, errors.OutBufferError):
                 raise
@@ -244,9 +253,10 @@ class ReplicaReader:
         return None
 
     def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Sequence[Any],
-                  out_view: OutView, outs: Sequence[Any], count_misses: bool = True,
+                  out_view: OutView, outs: Sequence[Any], source: str = "master",
                   landed: Callable[[int, np.ndarray | None], None] | None = None) -> list[np.ndarray | None]:
-        """``read`` for many keys (``layers``: each key's; results in order): every key's first
+        """``read`` for many keys (``layers``: each key's; results in order; ``source`` as
+        :meth:`read` takes it): every key's first
         choice of replica that must be pulled is pulled in one :meth:`PullClient.pull_many` (all
         in flight at once, driven by this thread); same-host in-place reads, keys whose first
         choice failed and keys without a usable replica take the one-key path. ``landed(i,
@@ -296,15 +306,15 @@ class ReplicaReader:
                 except Exception as exc:  # this replica failed: the others, one by one
                     alone.append((i, {replica.node_id: self._reason_of(keys[i], replica, exc)}))
                     continue
-                self._hit(len(check.buf))
+                self._hit(len(check.buf), replica)
                 self._pulled_from(replica)
-                if not count_misses:
+                if source == "cache":
                     self.counters["location_cache_hits"] += 1
                 self._remember(keys[i], self.ordered(replicas[i]))
                 results[i] = arr
                 tell(i, arr)
         for i, skip in sorted(alone, key=lambda item: item[0]):
-            results[i] = self.read(keys[i], replicas[i], layers[i], outs[i], out_view, count_misses, skip=skip)
+            results[i] = self.read(keys[i], replicas[i], layers[i], outs[i], out_view, source, skip=skip)
             tell(i, results[i])
         if raised:
             raise raised[0]
@@ -363,12 +373,19 @@ class ReplicaReader:
         if replica.host_id == self.host_id and replica.tier == "cxl" and location:
             try:
                 reader = self.arenas.at(location)
-                header: ObjectHeader = reader.header_at(location["offset"], key, header_sum, spec)
+                header: ObjectHeader = replica.header if replica.in_place_only \
+                    else reader.header_at(location["offset"], key, header_sum, spec)
                 check_same(header, same_as, layer_range)
                 reader.read_layers_into(location["offset"], header, layer_range, buf, verify=True)
-                self.counters["reads_in_place"] += 1
+                if not replica.in_place_only:
+                    self.counters["reads_in_place"] += 1
                 return header
             except (errors.KVPoolError, OSError) as exc:  # moved or reused since located: pull instead
+                if replica.in_place_only:  # no token to pull with: the next locator decides
+                    log.debug("same-host read of %s failed: %s", key.hex(), exc)
+                    if isinstance(exc, OSError):
+                        raise errors.TierError(f"same-host arena of {replica.node_id}: {exc}") from exc
+                    raise
                 log.debug("in-place read of %s failed (%s); pulling", key.hex(), exc)
         check = located_check(key, replica, layer_range, buf, same_as)
         self._pull(key, replica, layer_range, buf, check.raw_header, replica.token, check)
@@ -395,8 +412,8 @@ class ReplicaReader:
         self.counters["pulls"] += 1
         self._last_holder = replica
 
-    def _hit(self, nbytes: int) -> None:
-        self.counters["hits_remote"] += 1
+    def _hit(self, nbytes: int, replica: LocatedReplica) -> None:
+        self.counters["hits_same_host" if replica.in_place_only else "hits_remote"] += 1
         self.counters["bytes_pulled"] += nbytes
 
     # -- speculative pulls -------------------------------------------------------------------

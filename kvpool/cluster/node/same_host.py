@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
-from kvpool.cluster.node.located import clean_node_address
+from kvpool.cluster.node.located import LocatedReplica, clean_node_address
 from kvpool.objformat import LayerRange, ObjectSpec
+from kvpool.transport import PeerAddress
 
 log = logging.getLogger("kvpool.remote")
 
@@ -100,7 +101,10 @@ class SameHostArenas:
         self.counters = counters
         self._lock = threading.Lock()
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
-        self._located: dict[tuple[str, str], Any] = {}  # (path, instance) -> CxlArenaReader
+        self._peers: dict[str, tuple[PeerAddress, str]] = {}  # node_id -> (its peer, its arena's instance)
+        #: (resolved path, instance) -> CxlArenaReader: arenas located replicas named, and the
+        #: neighbours' (so a replica :meth:`locate_many` found maps nothing twice)
+        self._located: dict[tuple[str, str], Any] = {}
 
     def allowed_path(self, path: str) -> str | None:
         """``path`` resolved, if it lies inside one of :attr:`allowed_dirs`; else None (logged)."""
@@ -121,6 +125,7 @@ class SameHostArenas:
         from tiers.cxl import CxlArenaReader
 
         wanted: dict[str, dict[str, str]] = {}
+        peers: dict[str, PeerAddress] = {}
         nodes = master_stats.get("nodes") if isinstance(master_stats, dict) else None
         if not isinstance(nodes, dict):
             log.warning("master stats without a readable node list: %.200r", master_stats)
@@ -141,65 +146,63 @@ class SameHostArenas:
                 path = self.allowed_path(arena["path"])
                 if path is not None:
                     wanted[node_id] = {**arena, "path": path}
+                    peers[node_id] = address.peer
         with self._lock:
             for node_id in list(self._neighbours):
                 reader = self._neighbours[node_id]
                 if node_id not in wanted or not reader.current():  # gone, dead, or replaced
                     del self._neighbours[node_id]
+                    del self._peers[node_id]
+                    ident = (str(reader.path), reader.header.instance.hex())
+                    if self._located.get(ident) is reader:
+                        del self._located[ident]
                     reader.close()
             for node_id, arena in wanted.items():
                 if node_id not in self._neighbours:
                     try:
-                        self._neighbours[node_id] = CxlArenaReader.open(arena["path"], instance=arena["instance"])
+                        reader = CxlArenaReader.open(arena["path"], instance=arena["instance"])
                     except (errors.KVPoolError, OSError) as exc:
                         log.debug("cannot map the arena of %s: %s", node_id, exc)
+                        continue
+                    instance = reader.header.instance.hex()
+                    self._neighbours[node_id] = reader
+                    self._peers[node_id] = (peers[node_id], instance)
+                    self._located.setdefault((str(reader.path), instance), reader)
 
-    def read_key(self, key: bytes, layers: Any, out: Any, out_view: OutView) -> np.ndarray | None:
-        """The layers read in place from a neighbour's arena found through its shared index (no
-        master round trip), verified layer by layer; None if no neighbour has it."""
-        if not self._neighbours:
-            return None
-        with self._lock:
-            neighbours = list(self._neighbours.values())
-        for reader in neighbours:
-            try:
-                found = reader.read_key_into(key, layers, lambda spec, rng: out_view(spec, rng, out))
-                if found is None:
-                    continue
-                arr: np.ndarray = found[0]
-                buf = found[1]
-            except (errors.LayerRangeError, errors.OutBufferError):
-                raise
-            except (errors.KVPoolError, OSError) as exc:  # freed or reused meanwhile: try elsewhere
-                log.debug("same-host read of %s failed: %s", key.hex(), exc)
-                self.counters["same_host_retries"] += 1
-                continue
-            self.counters["hits_same_host"] += 1
-            self.counters["bytes_pulled"] += len(buf)
-            return arr
-        return None
-
-    def find_many(self, keys: Sequence[bytes]) -> list[ArenaBlock | None]:
-        """Where each key lies in a neighbour's arena, through its shared index (no master), or
-        None. Copy its layers with :func:`copy_layer` (each copy verified against the header
-        found: a reused extent fails)."""
+    def locate_many(self, keys: Sequence[bytes]) -> list[list[LocatedReplica] | None]:
+        """Each key's replica in a neighbour's arena, found through its shared index (no master,
+        no lease), or None: a record whose ``header`` is the one found (whole, naming the key, the
+        version the index recorded), read in place only. The first neighbour that has a key
+        answers for it; should its read fail (the extent reused since), the read asks on."""
         if not self._neighbours:
             return [None] * len(keys)
         with self._lock:
-            neighbours = list(self._neighbours.values())
-        found: list[ArenaBlock | None] = []
+            neighbours = [(node_id, reader, self._peers[node_id]) for node_id, reader in self._neighbours.items()]
+        found: list[list[LocatedReplica] | None] = []
         for key in keys:
             hit = None
-            for reader in neighbours:
+            for node_id, reader, (peer, instance) in neighbours:
                 try:
                     at = reader.find(key)
                 except (errors.KVPoolError, OSError):
                     continue
                 if at is not None:
-                    hit = ArenaBlock(reader, *at)
+                    offset, header = at
+                    hit = [LocatedReplica(node_id=node_id, host_id=self.host_id, tier="cxl",
+                                          header_sum=header.checksum(), token=b"",
+                                          location={"path": str(reader.path), "offset": offset, "instance": instance},
+                                          peer=peer, spec=header.spec, header=header)]
                     break
             found.append(hit)
         return found
+
+    def find_many(self, keys: Sequence[bytes]) -> list[ArenaBlock | None]:
+        """Where each key lies in a neighbour's arena (:meth:`locate_many`), or None. Copy its
+        layers with :func:`copy_layer` (each copy verified against the header found: a reused
+        extent fails)."""
+        return [None if found is None else ArenaBlock(self.at(found[0].location), found[0].location["offset"],
+                                                      found[0].header)
+                for found in self.locate_many(keys)]
 
     def owner_alive(self, node_id: Any) -> bool | None:
         """Whether a neighbour's arena still has its owner (its lock is held); None when
@@ -216,6 +219,9 @@ class SameHostArenas:
         """The reader of the arena a located replica names (mapped once, then kept)."""
         from tiers.cxl import CxlArenaReader
 
+        mapped = self._located.get((str(location["path"]), str(location.get("instance", ""))))
+        if mapped is not None:  # a path resolved and allowed when it was mapped
+            return mapped
         path = self.allowed_path(str(location["path"]))
         if path is None:
             raise errors.TierError(f"cxl: {str(location['path'])[:300]!r} is outside the allowed directories")
@@ -237,3 +243,4 @@ class SameHostArenas:
                 reader.close()
             self._located.clear()
             self._neighbours.clear()
+            self._peers.clear()

@@ -7,14 +7,18 @@ client (:class:`kvpool.client.ClusterPool`) composes it with a local
 :class:`kvpool.pool.Pool`; it knows nothing of the local pool beyond the tier
 manager its node serves from.
 
-Reads go: same-host nodes' shared ``cxl`` indexes (no master), then the
-replicas this key was read from last time (no master), then (a single-key
-read, ``node.speculative_pulls``) the node it last pulled from (no master),
-then the master's ``locate`` under a lease, then a pull or an in-place
-same-host read, verified layer by layer; a replica that fails is skipped for
-the next one. With ``node.confirm_speculative`` the guessed pull travels while
-``locate`` does, and its bytes are used only when the master names that node
-with the same header checksum.
+Reads walk the locator chain (:mod:`kvpool.cluster.node.locators`): same-host
+nodes' shared ``cxl`` indexes (no master), the replicas this key was read from
+last time (no master), then the master's ``locate`` under a lease. Each yields
+:class:`~kvpool.cluster.node.located.LocatedReplica` records, which the one
+reader reads alike (in place on this host, else a pull), verified layer by
+layer; a replica that fails is skipped for the next one, a key no replica of a
+locator delivered goes to the next locator. A single-key read
+(``node.speculative_pulls``) also guesses the node it last pulled from before
+asking the master: over TCP from a holder that proves the cluster key its
+answer is used at once; else (or with ``node.confirm_speculative``) the guessed
+pull travels while ``locate`` does, and its bytes are used only when the master
+names that node with the same header checksum.
 """
 
 from __future__ import annotations
@@ -32,14 +36,15 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.cluster.node.checks import Speculation
-from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of, located_replicas
+from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of
+from kvpool.cluster.node.locators import LocationCache, Locator, MasterLocator, SameHostIndex
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.same_host import shared_dirs_of
 from kvpool.cluster.node.server import Node, NodeAddress, alive_peers_of
 from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.master_client import MasterClient
-from kvpool.cluster.wire.protocol import Located, Placement, ReplicaRecord
+from kvpool.cluster.wire.protocol import Placement, ReplicaRecord
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, out_view
 from tiers.manager import TierManager
@@ -155,6 +160,10 @@ class ClusterView:
                                         cluster_key=self.node.cluster_key,
                                         poll_s=config.node.reply_poll_us * 1e-6)
             self._parts.append(self.reader)
+            self.locate = MasterLocator(self.master, self.reader.counters)
+            #: where a read looks, nearest first; the master's answer is final
+            self.locators: tuple[Locator, ...] = (SameHostIndex(self.reader.arenas),
+                                                  LocationCache(self.reader.remembered), self.locate)
             self._refresh_from_master()
             self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,
                                                        name="kvpool-neighbours")
@@ -252,14 +261,14 @@ class ClusterView:
     # -- reads ------------------------------------------------------------------------------
 
     def read(self, key: bytes, layers: Any, out: Any) -> np.ndarray | None:
-        """The layers from another node (same-host index, remembered replicas, then the
-        master), verified; None on a miss anywhere."""
-        nearby = self.reader.arenas.read_key(key, layers, out, out_view)
-        if nearby is not None:
-            return nearby
-        remembered = self.reader.read_cached(key, layers, out, out_view)
-        if remembered is not None:
-            return remembered
+        """The layers from another node (the locator chain, see the module docstring),
+        verified; None on a miss anywhere."""
+        for locator in self.locators[:-1]:  # nearby: no master
+            replicas = locator.find_many([key]).replicas[0]
+            if replicas:
+                arr = self.reader.read(key, replicas, layers, out, out_view, source=locator.source)
+                if arr is not None:
+                    return arr
         # A guess: the holder last pulled from. Its verified answer is used at once when that
         # holder proves itself (TCP pulls); else (or with node.confirm_speculative) it is pulled
         # while the master locates the key and used only if the master names that holder and
@@ -277,11 +286,13 @@ class ClusterView:
             guess = None
         elif guess is not None and not guess.bind(out, out_view):
             guess = None
-        token = b"" if guess is None else self.node.cluster_key.mint_token(key, guess.replica.node_id)
-        located = self.master.locate(key, lease=True, meanwhile=None if guess is None else lambda: self.reader.run(
-            guess, token))
+        if guess is None:
+            found = self.locate.find(key)
+        else:
+            token = self.node.cluster_key.mint_token(key, guess.replica.node_id)
+            found = self.locate.find(key, meanwhile=lambda: self.reader.run(guess, token))
         try:
-            replicas = located_replicas(located, 0, self.reader.counters)
+            replicas = found.replicas[0]
             if guess is not None:
                 confirmed = self.reader.confirm(guess, replicas)
                 if confirmed is not None:
@@ -289,59 +300,48 @@ class ClusterView:
                 skip = _failed(guess)
             return self.reader.read(key, replicas, layers, out, out_view, skip=skip)
         finally:
-            self.releaser.release(located.lease_ids)
+            self.releaser.release(found.lease_ids)
 
     def read_many(self, keys: Sequence[bytes], layers: Sequence[Any], outs: Sequence[Any],
                   landed: Callable[[int, np.ndarray | None], None] | None = None) -> list[np.ndarray | None]:
-        """``read`` of many keys (``layers``: each key's): same-host arenas, then remembered
-        replicas pulled concurrently, the rest located in one master round trip and pulled
-        concurrently. ``landed(i, result)``: told each key's final result as soon as it is
-        known (see :meth:`ReplicaReader.read_many`)."""
-        results = [self.reader.arenas.read_key(key, layer, out, out_view)
-                   for key, layer, out in zip(keys, layers, outs)]
-        if landed is not None:
-            for i, arr in enumerate(results):
-                if arr is not None:
-                    landed(i, arr)
-        # Where keys were found last time, without the master; a replica no longer there (or a
-        # token about to expire) is located again below (so only what was found is final here).
-        remembered = [(i, self.reader.remembered(keys[i])) for i, r in enumerate(results) if r is None]
-        remembered = [(i, replicas) for i, replicas in remembered if replicas]
-        if remembered:
-            def found(j: int, arr: np.ndarray | None) -> None:
-                if arr is not None and landed is not None:
-                    landed(remembered[j][0], arr)
-
-            pulled = self.reader.read_many([keys[i] for i, _ in remembered], [r for _, r in remembered],
-                                           [layers[i] for i, _ in remembered], out_view,
-                                           [outs[i] for i, _ in remembered], count_misses=False,
-                                           landed=None if landed is None else found)
-            for (i, _), arr in zip(remembered, pulled):
-                results[i] = arr
-        missing = [i for i, r in enumerate(results) if r is None]
-        if missing:
-            located = self.master.locate_many([keys[i] for i in missing], lease=True)
-            tell = None if landed is None else lambda j, arr: landed(missing[j], arr)
+        """``read`` of many keys (``layers``: each key's): each locator of the chain asked
+        once for the keys still missing (one master round trip for the last), the replicas it
+        found read together (:meth:`ReplicaReader.read_many`: pulls in flight at once).
+        ``landed(i, result)``: told each key's final result as soon as it is known."""
+        results: list[np.ndarray | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for locator in self.locators:
+            if not pending:
+                break
+            final = locator is self.locate
+            found = locator.find_many([keys[i] for i in pending])
             try:
-                pulled = self.reader.read_many([keys[i] for i in missing],
-                                               [located_replicas(located, j, self.reader.counters)
-                                                for j in range(len(missing))],
-                                               [layers[i] for i in missing], out_view, [outs[i] for i in missing],
-                                               landed=tell)
-                for i, arr in zip(missing, pulled):
+                ask = [(i, replicas) for i, replicas in zip(pending, found.replicas) if final or replicas]
+                if not ask:
+                    continue
+
+                def tell(j: int, arr: np.ndarray | None, ask: list[Any] = ask, final: bool = final) -> None:
+                    if landed is not None and (final or arr is not None):  # a miss here is not final
+                        landed(ask[j][0], arr)
+
+                pulled = self.reader.read_many([keys[i] for i, _ in ask], [r for _, r in ask],
+                                               [layers[i] for i, _ in ask], out_view, [outs[i] for i, _ in ask],
+                                               source=locator.source, landed=None if landed is None else tell)
+                for (i, _), arr in zip(ask, pulled):
                     results[i] = arr
             finally:
-                self.releaser.release(located.lease_ids)
+                self.releaser.release(found.lease_ids)
+            pending = [i for i in pending if results[i] is None]
         return results
 
     def layer_source(self, key: bytes) -> ReplicaLayers | None:
         """Replicas of ``key`` leased for a layer-wise read, or None on a miss."""
-        located: Located = self.master.locate(key, lease=True)
-        replicas = self.reader.ordered(located_replicas(located, 0, self.reader.counters))
+        found = self.locate.find(key)
+        replicas = self.reader.ordered(found.replicas[0])
         if not replicas:
-            self.releaser.release(located.lease_ids)
+            self.releaser.release(found.lease_ids)
             return None
-        return ReplicaLayers(self.reader, key, replicas, lambda: self.releaser.release(located.lease_ids))
+        return ReplicaLayers(self.reader, key, replicas, lambda: self.releaser.release(found.lease_ids))
 
     # -- metadata ---------------------------------------------------------------------------
 
