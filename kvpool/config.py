@@ -194,6 +194,10 @@ class CxlSection:
                           "(in a directory only this user can create names in); never another user's file")
     prefault: bool = _opt(False, "allocate and map the whole arena at start; false: the file is allocated in "
                                  "64 MiB steps as objects first use it (a full /dev/shm lowers the capacity)")
+    ready_ahead: int = _size("256MiB", "with prefault false: bytes a background thread keeps allocated and "
+                                       "mapped beyond the arena's highest object, so puts copy at memory speed "
+                                       "instead of paying for new shared-memory pages; "
+                                       "0: each put readies what it needs")
     group: str = _opt("", "a group (name or gid) whose members may read this arena and its index "
                           "(files 0640); empty: this user only (0600)")
     shared_dirs: str = _opt("", "more directories (':'-separated) whose same-host cxl arenas may be mapped; "

@@ -318,6 +318,8 @@ class ArenaTier(Tier):
         super().__init__(capacity_bytes, alignment)
         self._arena: Any = None  # set by the subclass: np.ndarray[uint8] of capacity_bytes
         self.ready_bytes = self.capacity_bytes  # [0, ready_bytes) is backed; subclasses that grow set 0
+        #: the highest end of any extent allocated so far (where growth stands, for readying ahead)
+        self.used_end = 0
 
     def allocate(self, nbytes: int) -> Extent | None:
         """Best fit in the arena, readied first where it ends beyond ``ready_bytes``.
@@ -332,6 +334,9 @@ class ArenaTier(Tier):
             if offset is None:
                 return None
             end = offset + self.allocated_size(nbytes)
+            if end > self.used_end:
+                self.used_end = end
+                self._used_to(end)
             if end > self.ready_bytes:
                 grown = min(self.capacity_bytes, round_up(end, self.grow_step_bytes))
                 try:
@@ -351,6 +356,10 @@ class ArenaTier(Tier):
         """Hook: make arena bytes ``[start, end)`` ready before their first use (lock held).
 
         Raises DiskFullError where no more backing can be had."""
+
+    def _used_to(self, end: int) -> None:
+        """Hook: allocations now reach ``end`` (lock held; a tier that readies ahead of use wakes
+        its readier here)."""
 
     def _slice(self, extent: Extent, offset: int, nbytes: int) -> Any:
         if offset < 0 or offset + nbytes > extent.nbytes:

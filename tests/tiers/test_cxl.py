@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -342,6 +343,50 @@ def test_a_growing_arena_meets_a_full_filesystem_as_a_lower_capacity(tiny_shm: P
         np.testing.assert_array_equal(out, arr)
     finally:
         tier.close()
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_arena_readies_ahead_of_its_puts_in_the_background_and_stops_at_a_full_filesystem(
+        tiny_shm: Path, caplog) -> None:
+    """With ``ready_ahead`` a thread keeps that much of the arena allocated beyond the highest
+    object (puts then write to pages that exist), never beyond the capacity; a filesystem
+    filled meanwhile stops it quietly and the puts meet the full disk themselves, as without it."""
+    tier = CxlTier(tiny_shm / "kvpool-tiny-cxl", 3 << 20, ready_ahead=1 << 20)
+    tier.grow_step_bytes = 1 << 19
+    try:
+        assert tier.ready_bytes == 0 and os.stat(tier.path).st_blocks * 512 < 1 << 19  # nothing before a put
+        arr, header, payload = make_object(layers=4, tokens=64, seed=9)
+        first = store(tier, header, payload)
+        # the readier allocates up to ready_ahead past the object, in whole steps
+        want = -(-(tier.used_end + (1 << 20)) // (1 << 19)) * (1 << 19)
+        assert _wait_for(lambda: tier.ready_bytes == want), (tier.ready_bytes, want)
+        assert os.stat(tier.path).st_blocks * 512 >= want
+        assert [t for t in threading.enumerate() if t.name == "kvpool-cxl-ready"]
+        filler = os.open(tiny_shm / "filler", os.O_WRONLY | os.O_CREAT, 0o600)  # another user takes the rest
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(filler, b"\xff" * 4096)
+        finally:
+            os.close(filler)
+        with pytest.raises(errors.DiskFullError):  # beyond what was readied: the put meets the full disk
+            while True:
+                store(tier, header, payload)
+        assert tier.capacity_bytes >= want  # what was readied stays usable
+        out = np.empty_like(arr)
+        tier.read_layers(first, header, LayerRange(0, 4), byte_view(out))
+        np.testing.assert_array_equal(out, arr)
+    finally:
+        tier.close()
+    assert not [t for t in threading.enumerate() if t.name == "kvpool-cxl-ready"]  # joined by close
 
 
 def test_from_config_names_the_arena_after_the_pool() -> None:

@@ -50,6 +50,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiers.cxl")
 
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14+): map a freshly allocated range writable in one call.
+# Without it the first write to each 4 KiB page of the range traps into the kernel once per page,
+# which costs several times the copy a put makes there.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if os.uname().sysname == "Linux" else 0)
+
+
+def populate_writable(mm: mmap.mmap | None, start: int, nbytes: int) -> None:
+    """Map ``[start, start + nbytes)`` of ``mm`` writable now (best effort: a kernel without
+    MADV_POPULATE_WRITE faults the pages in on first touch instead)."""
+    global _MADV_POPULATE_WRITE
+    if not _MADV_POPULATE_WRITE or mm is None or nbytes <= 0:
+        return
+    at = start - start % mmap.PAGESIZE
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE, at, start + nbytes - at)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENOSYS):
+            _MADV_POPULATE_WRITE = 0  # not in this kernel: never asked again
+        log.debug("madvise(MADV_POPULATE_WRITE) of %d bytes: %s", nbytes, exc)
+
 def _refuse_foreign_index(path: Path) -> None:
     """ForeignOwnerError when the arena's index name is another user's file (it would be renamed
     over, which a sticky directory refuses)."""
@@ -77,9 +97,15 @@ class CxlTier(ArenaTier):
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  latency_ns: float = 0.0, bandwidth_gbps: float = 0.0, prefault: bool = False,
-                 group: int | None = None) -> None:
+                 group: int | None = None, ready_ahead: int = 0) -> None:
         """``group``: a gid whose members may read the arena and its index (files 0640 in that
         group); None keeps both 0600, readable by this user's processes only.
+
+        ``ready_ahead``: once objects reach the arena, a background thread keeps this many bytes
+        beyond the highest one allocated and mapped (``kvpool-cxl-ready``), so puts write at
+        memory speed instead of paying for new shared-memory pages themselves (allocating and
+        zeroing a tmpfs page costs several times the copy into it); 0: each put that crosses
+        the ready mark readies the next step itself.
 
         ``prefault``: allocate and map every page of the arena at start; else (the default)
         the file is sparse and is allocated (``posix_fallocate``) in steps as objects first
@@ -96,6 +122,10 @@ class CxlTier(ArenaTier):
         self.instance = uuid.uuid4().bytes
         self.group = group
         self._full_warned = False
+        self.ready_ahead_bytes = 0 if prefault else max(0, int(ready_ahead))
+        self._readier: threading.Thread | None = None
+        self._readier_wake = threading.Event()
+        self._readier_stop = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -147,7 +177,8 @@ class CxlTier(ArenaTier):
         path = section.path or default_arena_path(config.pool.name, config.pool.resolved_data_dir())
         return cls(os.path.expanduser(path), section.capacity,
                    latency_ns=section.latency_ns, bandwidth_gbps=section.bandwidth_gbps,
-                   prefault=section.prefault, group=resolve_group(section.group))
+                   prefault=section.prefault, group=resolve_group(section.group),
+                   ready_ahead=section.ready_ahead)
 
     # -- file setup ---------------------------------------------------------------------
 
@@ -230,6 +261,52 @@ class CxlTier(ArenaTier):
                                                       f"bytes: {exc.strerror}") from exc
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise errors.TierError(f"cxl: cannot allocate arena {self.path}: {exc}") from exc
+        populate_writable(self._mmap, DATA_OFFSET + start, end - start)
+
+    # -- readying ahead of use ----------------------------------------------------------
+
+    def _used_to(self, end: int) -> None:
+        if not self.ready_ahead_bytes or self.ready_bytes >= self.capacity_bytes \
+                or self.ready_bytes - end >= self.ready_ahead_bytes:
+            return
+        if self._readier is None and not self._readier_stop:
+            self._readier = threading.Thread(target=self._ready_ahead, name="kvpool-cxl-ready", daemon=True)
+            self._readier.start()
+        self._readier_wake.set()
+
+    def _ready_ahead(self) -> None:
+        """Ready the arena in ``grow_step_bytes`` steps up to ``ready_ahead_bytes`` past the
+        highest allocation, outside the allocation lock (a put that outruns it readies what it
+        needs itself; readying a range twice is harmless). Stops for good where the arena's
+        filesystem is full: puts then meet that themselves (DiskFullError lowers the capacity)."""
+        step = self.grow_step_bytes
+        while True:
+            self._readier_wake.wait()
+            self._readier_wake.clear()
+            while not self._readier_stop:
+                with self._alloc_lock:
+                    start = self.ready_bytes
+                    want = min(self.capacity_bytes, -(-(self.used_end + self.ready_ahead_bytes) // step) * step)
+                    if start >= want:
+                        break
+                    end = min(start + step, want)
+                try:
+                    self._grow(start, end)
+                except errors.KVPoolError as exc:
+                    log.info("cxl: readying %s ahead of use stopped: %s", self.path, exc)
+                    return
+                with self._alloc_lock:
+                    if self.ready_bytes == start:  # else a put readied past it meanwhile
+                        self.ready_bytes = end
+            if self._readier_stop:
+                return
+
+    def _stop_readier(self) -> None:
+        self._readier_stop = True
+        self._readier_wake.set()
+        if self._readier is not None:
+            self._readier.join()
+            self._readier = None
 
     # -- bytes ---------------------------------------------------------------------------
 
@@ -308,6 +385,7 @@ class CxlTier(ArenaTier):
         """Unlink the arena and release it; readers that mapped it keep their mappings."""
         if self.closed:
             return
+        self._stop_readier()  # before the file and mapping it readies go
         super().close()
         self._release(unlink=True)
 
