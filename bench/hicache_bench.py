@@ -26,8 +26,7 @@ Rows (one run, taking turns, same layout and page contents):
 * ``Mooncake``: SGLang's ``MooncakeStore`` (interface v1) with a ``mooncake_master`` on
   127.0.0.1, TCP protocol, this process contributing the segment, only where ``mooncake.store``
   imports in this interpreter; otherwise the row says why it is not there
-  (``bench/install_peers.sh`` installs mooncake into the project venv ``.venv``, not into
-  ``.venv-sglang`` where SGLang lives).
+  (``bench/install_peers.sh mooncake`` installs it into ``.venv-sglang`` too, where SGLang lives).
 
 kvpool's set is the writer's (``exists_many`` + ``put_many``: into its arena + one master
 publish); its get is the reader's (one ``get_many``: locate + in-place copy or pull). Ratios
@@ -350,9 +349,8 @@ def start_kvpool_master(work: Path) -> tuple[str, subprocess.Popen[bytes]]:
 def mooncake_missing() -> str | None:
     if importlib.util.find_spec("mooncake") is None:
         venv = Path(sys.prefix).name
-        return (f"not installed: mooncake.store does not import in {venv} (bench/install_peers.sh installs "
-                "mooncake-transfer-engine-non-cuda into the project venv .venv, not into .venv-sglang where "
-                "SGLang's MooncakeStore backend must run)")
+        return (f"not installed: mooncake.store does not import in {venv} (bench/install_peers.sh mooncake "
+                "installs mooncake-transfer-engine-non-cuda here, into .venv-sglang)")
     if mooncake_master_binary() is None:
         return "not installed: the mooncake package imports but no mooncake_master binary was found"
     return None

@@ -49,7 +49,12 @@ fi
 for peer in "${PEERS[@]}"; do
     case "$peer" in
         redis) "$PY" -m pip install -q "redis[hiredis]" ;;
-        mooncake) "$PY" -m pip install -q mooncake-transfer-engine-non-cuda ;;
+        mooncake)
+            "$PY" -m pip install -q mooncake-transfer-engine-non-cuda
+            # bench/hicache_bench.py runs SGLang's MooncakeStore in SGLang's venv (.ci/run makes it)
+            if [ -x .venv-sglang/bin/python ]; then
+                .venv-sglang/bin/python -m pip install -q mooncake-transfer-engine-non-cuda
+            fi ;;
         lmcache)
             # Its own venv, never the project's: lmcache pulls cupy-cuda13x,
             # cuda-bindings 13 (ucxx-cu12's rmm needs < 13) and numba, which
