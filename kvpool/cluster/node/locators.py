@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvpool.cluster.node.located import LocatedReplica, located_replicas
 from kvpool.cluster.node.same_host import SameHostArenas
@@ -29,8 +28,7 @@ from kvpool.cluster.wire.master_client import MasterClient
 Replicas = list[LocatedReplica] | None
 
 
-@dataclass(frozen=True)
-class Found:
+class Found(NamedTuple):
     """What one locator knows of a batch of keys: each key's replicas (None: not known here)
     and the read leases that keep them (release them once read)."""
 

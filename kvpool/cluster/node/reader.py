@@ -117,6 +117,8 @@ class ReplicaReader:
         :func:`~kvpool.cluster.node.located.located_replicas` gives them (None: the master
         listed none; empty: every record it sent was malformed).
         """
+        if source == "same_host" and replicas and len(replicas) == 1:
+            return self._read_found_in_place(key, replicas[0], layers, out, out_view)
         counted = source == "master"
         if replicas is None:
             self.counters["miss_absent"] += counted
@@ -125,6 +127,26 @@ class ReplicaReader:
             self.counters["miss_malformed"] += counted
             return None
         return self._read_ordered(key, self._order(replicas), layers, out, out_view, source, skip)
+
+    def _read_found_in_place(self, key: bytes, replica: LocatedReplica, layers: Any, out: Any,
+                             out_view: OutView) -> np.ndarray | None:
+        """:meth:`read` of the one replica a same-host index found (the common single-key case,
+        kept short): read in place against the header found, verified; None (a same-host retry)
+        when it changed since."""
+        spec: ObjectSpec = replica.spec
+        layer_range = LayerRange.resolve(layers, spec.layers)
+        arr, buf = out_view(spec, layer_range, out)
+        try:
+            self.arenas.at(replica.location).read_layers_into(replica.location["offset"], replica.header,
+                                                              layer_range, buf, verify=True)
+        except (errors.KVPoolError, OSError) as exc:  # freed or reused since the index was read: ask on
+            log.debug("same-host read of %s failed: %s", key.hex(), exc)
+            self.counters["same_host_retries"] += 1
+            return None
+        counters = self.counters
+        counters["hits_same_host"] += 1
+        counters["bytes_pulled"] += len(buf)
+        return arr
 
     def _read_ordered(self, key: bytes, replicas: list[LocatedReplica], layers: Any, out: Any,
                       out_view: OutView, source: str, skip: Mapping[str, str] | None) -> np.ndarray | None:
@@ -228,7 +250,8 @@ class ReplicaReader:
         for replica in replicas:
             reason = None
             known = skip.get(replica.node_id) if skip else None
-            if known is not None or not self.holder_alive(replica):
+            # (a replica found in a same-host index was found in its live owner's arena just now)
+            if known is not None or (not replica.in_place_only and not self.holder_alive(replica)):
                 reason = known or "holder_gone"
                 if failed is not None:
                     failed.add(str(replica.node_id))

@@ -102,6 +102,9 @@ class SameHostArenas:
         self._lock = threading.Lock()
         self._neighbours: dict[str, Any] = {}  # node_id -> CxlArenaReader of a same-host node
         self._peers: dict[str, tuple[PeerAddress, str]] = {}  # node_id -> (its peer, its arena's instance)
+        #: (node_id, reader, peer, path, instance) of each neighbour: what locate_many reads, remade
+        #: (never changed in place) when the neighbours change
+        self._indexed: tuple[tuple[str, Any, PeerAddress, str, str], ...] = ()
         #: (resolved path, instance) -> CxlArenaReader: arenas located replicas named, and the
         #: neighbours' (so a replica :meth:`locate_many` found maps nothing twice)
         self._located: dict[tuple[str, str], Any] = {}
@@ -168,30 +171,30 @@ class SameHostArenas:
                     self._neighbours[node_id] = reader
                     self._peers[node_id] = (peers[node_id], instance)
                     self._located.setdefault((str(reader.path), instance), reader)
+            self._indexed = tuple((node_id, reader, self._peers[node_id][0], str(reader.path), self._peers[node_id][1])
+                                  for node_id, reader in self._neighbours.items())
 
     def locate_many(self, keys: Sequence[bytes]) -> list[list[LocatedReplica] | None]:
         """Each key's replica in a neighbour's arena, found through its shared index (no master,
         no lease), or None: a record whose ``header`` is the one found (whole, naming the key, the
         version the index recorded), read in place only. The first neighbour that has a key
         answers for it; should its read fail (the extent reused since), the read asks on."""
-        if not self._neighbours:
+        neighbours = self._indexed
+        if not neighbours:
             return [None] * len(keys)
-        with self._lock:
-            neighbours = [(node_id, reader, self._peers[node_id]) for node_id, reader in self._neighbours.items()]
         found: list[list[LocatedReplica] | None] = []
         for key in keys:
             hit = None
-            for node_id, reader, (peer, instance) in neighbours:
+            for node_id, reader, peer, path, instance in neighbours:
                 try:
                     at = reader.find(key)
                 except (errors.KVPoolError, OSError):
                     continue
                 if at is not None:
                     offset, header = at
-                    hit = [LocatedReplica(node_id=node_id, host_id=self.host_id, tier="cxl",
-                                          header_sum=header.checksum(), token=b"",
-                                          location={"path": str(reader.path), "offset": offset, "instance": instance},
-                                          peer=peer, spec=header.spec, header=header)]
+                    hit = [LocatedReplica(node_id, self.host_id, "cxl", header.checksum(), b"",
+                                          {"path": path, "offset": offset, "instance": instance},
+                                          peer, header.spec, header)]
                     break
             found.append(hit)
         return found
@@ -244,3 +247,4 @@ class SameHostArenas:
             self._located.clear()
             self._neighbours.clear()
             self._peers.clear()
+            self._indexed = ()

@@ -164,6 +164,7 @@ class ClusterView:
             #: where a read looks, nearest first; the master's answer is final
             self.locators: tuple[Locator, ...] = (SameHostIndex(self.reader.arenas),
                                                   LocationCache(self.reader.remembered), self.locate)
+            self._nearby = self.locators[:-1]
             self._refresh_from_master()
             self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,
                                                        name="kvpool-neighbours")
@@ -263,8 +264,8 @@ class ClusterView:
     def read(self, key: bytes, layers: Any, out: Any) -> np.ndarray | None:
         """The layers from another node (the locator chain, see the module docstring),
         verified; None on a miss anywhere."""
-        for locator in self.locators[:-1]:  # nearby: no master
-            replicas = locator.find_many([key]).replicas[0]
+        for locator in self._nearby:  # no master
+            replicas = locator.find_many((key,)).replicas[0]
             if replicas:
                 arr = self.reader.read(key, replicas, layers, out, out_view, source=locator.source)
                 if arr is not None:
