@@ -193,7 +193,7 @@ class CxlSection:
     path: str = _opt("", "arena file; default /dev/shm/kvpool-<uid>/kvpool-<pool name>-<hash of data_dir>-cxl "
                           "(in a directory only this user can create names in); never another user's file")
     prefault: bool = _opt(False, "allocate and map the whole arena at start; false: the file is allocated in "
-                                 "64 MiB steps as objects first use it (a full /dev/shm lowers the capacity)")
+                                 "16 MiB steps as objects first use it (a full /dev/shm lowers the capacity)")
     ready_ahead: int = _size("256MiB", "with prefault false: bytes a background thread keeps allocated and "
                                        "mapped beyond the arena's highest object, so puts copy at memory speed "
                                        "instead of paying for new shared-memory pages; "

@@ -349,7 +349,7 @@ class ArenaTier(Tier):
                 except BaseException:
                     segment.free(offset, nbytes)
                     raise
-                self.ready_bytes = grown
+                self.ready_bytes = max(self.ready_bytes, grown)  # (a background readier may be past it)
             return Extent(0, offset, nbytes)
 
     def _grow(self, start: int, end: int) -> None:

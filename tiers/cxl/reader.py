@@ -323,7 +323,7 @@ class CxlArenaReader:
         if lo < 0:
             return
         hi = self._populated.rfind(0, lo, hi) + 1
-        # (chunks end within what the owner has allocated: it grows the arena in 64 MiB steps)
+        # (chunks end within what the owner has allocated: it grows the arena in 16 MiB steps)
         at = self.header.data_offset + lo * _POPULATE_CHUNK
         at -= at % mmap.PAGESIZE
         end = self.header.data_offset + min(hi * _POPULATE_CHUNK, self.header.capacity_bytes)

@@ -94,6 +94,9 @@ class CxlTier(ArenaTier):
 
     name = "cxl"
     supports_views = True
+    #: a put that reaches past what is ready (or the readier's step) waits for at most one
+    #: step's allocation: small enough to keep that wait short, large enough to keep the calls few
+    grow_step_bytes = 16 << 20
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  latency_ns: float = 0.0, bandwidth_gbps: float = 0.0, prefault: bool = False,
@@ -126,6 +129,10 @@ class CxlTier(ArenaTier):
         self._readier: threading.Thread | None = None
         self._readier_wake = threading.Event()
         self._readier_stop = False
+        #: the step the readier is allocating now (under _alloc_lock), and its end being told:
+        #: a put that needs that step waits for it rather than allocating the same range beside it
+        self._readying: tuple[int, int] | None = None
+        self._readied = threading.Condition(self._alloc_lock)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -248,7 +255,17 @@ class CxlTier(ArenaTier):
 
     def _grow(self, start: int, end: int) -> None:
         """Allocate arena bytes ``[start, end)`` in the file before objects are written there: a
-        write to a sparse page that tmpfs cannot back would be a SIGBUS, this is DiskFullError."""
+        write to a sparse page that tmpfs cannot back would be a SIGBUS, this is DiskFullError.
+        (Allocation lock held.) Waits first while the readier allocates a step this range
+        needs, then allocates what is still missing."""
+        while self._readying is not None and self._readying[0] < end:
+            self._readied.wait()
+        start = max(start, self.ready_bytes)
+        if start < end:
+            self._fill(start, end)
+
+    def _fill(self, start: int, end: int) -> None:
+        """Allocate (``fallocate``) and map (``MADV_POPULATE_WRITE``) arena bytes ``[start, end)``."""
         try:
             os.posix_fallocate(self._fd, DATA_OFFSET + start, end - start)
         except OSError as exc:
@@ -290,14 +307,20 @@ class CxlTier(ArenaTier):
                     if start >= want:
                         break
                     end = min(start + step, want)
+                    self._readying = (start, end)
+                failed: Exception | None = None
                 try:
-                    self._grow(start, end)
-                except errors.KVPoolError as exc:
-                    log.info("cxl: readying %s ahead of use stopped: %s", self.path, exc)
-                    return
+                    self._fill(start, end)
+                except Exception as exc:  # full, or the arena is going: puts meet it themselves
+                    failed = exc
                 with self._alloc_lock:
-                    if self.ready_bytes == start:  # else a put readied past it meanwhile
+                    self._readying = None
+                    if failed is None and self.ready_bytes == start:  # else a put readied past it meanwhile
                         self.ready_bytes = end
+                    self._readied.notify_all()
+                if failed is not None:
+                    log.info("cxl: readying %s ahead of use stopped: %s", self.path, failed)
+                    return
             if self._readier_stop:
                 return
 
