@@ -24,6 +24,7 @@ from kvpool.objformat import (
     copy_layer_checksums,
     decode,
     header_nbytes_at,
+    stored_header_checksum,
 )
 from tiers.base import close_mapping
 from tiers.cxl.arena import ARENA, DATA_OFFSET, MAX_HEADER_NBYTES, AccessModel, ArenaHeader, lock_is_free
@@ -184,10 +185,10 @@ class CxlArenaReader:
             if not FIXED_HEADER_NBYTES <= claimed <= min(MAX_HEADER_NBYTES, capacity - entry.offset):
                 return None
             snapshot = self.arena[entry.offset:entry.offset + claimed].tobytes()  # the one copy used
-            header = ObjectHeader.unpack(snapshot)
+            header = ObjectHeader.unpack_exact(snapshot)  # (parsed once per distinct header)
         except errors.FormatError:
             return None
-        if (not header.is_for(key) or header.checksum() != entry.header_sum
+        if (not header.is_for(key) or stored_header_checksum(snapshot) != entry.header_sum
                 or header.spec.total_nbytes != entry.nbytes or entry.offset + entry.nbytes > capacity):
             return None
         return entry.offset, header
