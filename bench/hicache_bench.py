@@ -23,8 +23,11 @@ Rows (one run, taking turns, same layout and page contents):
   (``_generic_page_set``: ``get_data_page`` per page then ``batch_set``; ``_generic_page_get``:
   ``batch_get`` into dummy pages then ``set_from_flat_data_page``). Reads from the disk
   directory come from the page cache where it holds them.
-* ``Mooncake``: SGLang's ``MooncakeStore`` (interface v1) with a ``mooncake_master`` on
-  127.0.0.1, TCP protocol, this process contributing the segment, only where ``mooncake.store``
+* ``Mooncake`` (``mooncake``, "own segment"): SGLang's ``MooncakeStore`` (interface v1) with a
+  ``mooncake_master`` on 127.0.0.1, TCP protocol, this process contributing the only segment,
+  so its gets read its own memory; ``mooncake-remote`` ("writer's segment"): a forked writer
+  engine contributes the segment and sets, this process (no segment) gets, as kvpool's rows
+  do. Both only where ``mooncake.store``
   imports in this interpreter; otherwise the row says why it is not there
   (``bench/install_peers.sh mooncake`` installs it into ``.venv-sglang`` too, where SGLang lives).
 
@@ -68,9 +71,10 @@ if __package__ in (None, ""):  # run as a script: make ``bench``, ``tests`` and 
 BATCH = 128  # pages per call: SGLang's STORAGE_BATCH_SIZE
 KVPOOL_EXTRA = {"backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
                 "class_name": "KvpoolHiCacheStorage", "interface_v1": 1}
-ROWS = ("kvpool-shm", "kvpool-tcp", "file-tmpfs", "file-disk", "mooncake")
+ROWS = ("kvpool-shm", "kvpool-tcp", "file-tmpfs", "file-disk", "mooncake-remote", "mooncake")
 LABELS = {"kvpool-shm": "kvpool same host (arena, in place)", "kvpool-tcp": "kvpool TCP (pulled)",
-          "file-tmpfs": "HiCacheFile tmpfs", "file-disk": "HiCacheFile disk", "mooncake": "Mooncake (TCP)"}
+          "file-tmpfs": "HiCacheFile tmpfs", "file-disk": "HiCacheFile disk", "mooncake": "Mooncake (TCP, own segment)",
+          "mooncake-remote": "Mooncake (TCP, writer's segment)"}
 TARGETS = {"file": 1.5, "mooncake": 1.0}
 
 
@@ -236,9 +240,10 @@ def get_generic(backend: Any, keys: list[str], host: Any) -> None:
 # -- kvpool's writer engine (a forked process) --------------------------------------------------------
 
 
-def writer_main(conn: Any, master: str, config: dict[str, Any], layout: Layout) -> None:
-    """A writer engine: per page size its own host pool and kvpool backend; stores the calls it
-    is asked for and answers each call's set time."""
+def writer_main(conn: Any, backend_name: str, extra: dict[str, Any], layout: Layout) -> None:
+    """A writer engine: per page size its own host pool and backend (``backend_name`` with
+    ``extra``: kvpool's, or Mooncake's contributing the segment another process reads); stores
+    the calls it is asked for and answers each call's set time."""
     backend = None
     try:
         while True:
@@ -250,8 +255,8 @@ def writer_main(conn: Any, master: str, config: dict[str, Any], layout: Layout) 
                     if backend is not None:
                         backend.close()
                     host = host_pool(layout, msg["page_size"])
-                    backend = make_backend("dynamic", msg["model"], {**KVPOOL_EXTRA, "master": master,
-                                                                     "config": config}, host)
+                    backend = None  # (a Mooncake store's segment is freed before the next is made)
+                    backend = make_backend(backend_name, msg["model"], msg.get("extra", extra), host)
                     conn.send({"ok": True})
                 elif msg["op"] == "set":
                     row, page_size, call = msg["row"], msg["page_size"], msg["call"]
@@ -270,20 +275,20 @@ def writer_main(conn: Any, master: str, config: dict[str, Any], layout: Layout) 
 
 
 class Writer:
-    def __init__(self, master: str, config: dict[str, Any], layout: Layout) -> None:
+    def __init__(self, backend_name: str, extra: dict[str, Any], layout: Layout) -> None:
         ctx = multiprocessing.get_context("fork")  # SGLang is imported already: no second 10 s import
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=writer_main, args=(child, master, config, layout), daemon=True)
+        self.proc = ctx.Process(target=writer_main, args=(child, backend_name, extra, layout), daemon=True)
         self.proc.start()
         child.close()
 
     def ask(self, msg: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
         self.conn.send(msg)
         if not self.conn.poll(timeout_s):
-            raise RuntimeError(f"kvpool writer did not answer {msg['op']} in {timeout_s:.0f} s")
+            raise RuntimeError(f"writer did not answer {msg['op']} in {timeout_s:.0f} s")
         answer: dict[str, Any] = self.conn.recv()
         if not answer["ok"]:
-            raise RuntimeError(f"kvpool writer: {answer['error']}\n{answer.get('trace', '')}")
+            raise RuntimeError(f"writer: {answer['error']}\n{answer.get('trace', '')}")
         return answer
 
     def stop(self) -> None:
@@ -356,6 +361,12 @@ def mooncake_missing() -> str | None:
     return None
 
 
+def mooncake_extra(master: str, segment_bytes: int) -> dict[str, Any]:
+    """SGLang's MooncakeStore settings: TCP, this process contributing ``segment_bytes``."""
+    return {"master_server_address": master, "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+            "device_name": "", "global_segment_size": segment_bytes, "check_server": False}
+
+
 def mooncake_master_binary() -> str | None:
     beside = Path(sys.executable).parent / "mooncake_master"
     return str(beside) if beside.exists() else shutil.which("mooncake_master")
@@ -381,8 +392,12 @@ def progress(text: str) -> None:
     print(f"[hicache-bench] {text}", file=sys.stderr, flush=True)
 
 
-def measure_kvpool(row: Row, writer: Writer, reader: Any, host: Any, model: str, warmup: int, calls: int) -> None:
-    writer.ask({"op": "attach", "page_size": row.page_size, "model": model})
+def measure_kvpool(row: Row, writer: Writer, reader: Any, host: Any, model: str, warmup: int, calls: int,
+                   writer_extra: dict[str, Any] | None = None) -> None:
+    """A writer process sets, this process's ``reader`` gets (kvpool's rows, Mooncake's remote row;
+    ``writer_extra``: the writer's backend settings for this row, else those it was made with)."""
+    writer.ask({"op": "attach", "page_size": row.page_size, "model": model,
+                **({} if writer_extra is None else {"extra": writer_extra})})
     total = warmup + calls
     for call in range(total):
         answer = writer.ask({"op": "set", "row": row.row, "page_size": row.page_size, "call": call,
@@ -463,10 +478,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if writer_row in rows_wanted:
                     config = {"pool": {"data_dir": str(work / writer_row)},
                               "tiers": {**tiers, "nvme": {"capacity": 0}}}
-                    writers[writer_row] = Writer(master, config, layout)
+                    writers[writer_row] = Writer("dynamic", {**KVPOOL_EXTRA, "master": master, "config": config},
+                                                 layout)
         mooncake_master = None
-        mooncake_why = mooncake_missing() if "mooncake" in rows_wanted else None
-        if "mooncake" in rows_wanted and mooncake_why is None:
+        wants_mooncake = any(r.startswith("mooncake") for r in rows_wanted)
+        mooncake_why = mooncake_missing() if wants_mooncake else None
+        if wants_mooncake and mooncake_why is None:
             port = free_port()
             binary = mooncake_master_binary()
             assert binary is not None
@@ -475,10 +492,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             processes.append(subprocess.Popen([binary, f"--port={port}"], stdout=log, stderr=subprocess.STDOUT))
             log.close()
             time.sleep(1.0)
+            if "mooncake-remote" in rows_wanted:  # forked before this process runs any Mooncake store
+                writers["mooncake-remote"] = Writer("mooncake", mooncake_extra(mooncake_master, 0), layout)
 
         for page_size in args.page_sizes:
             host = host_pool(layout, page_size)
             page_bytes = page_size * layout.token_bytes()
+            # a Mooncake segment holds one page size's calls (each Mooncake row's store lives on)
+            segment = int((args.warmup + args.calls) * BATCH * page_bytes * 1.5) + (64 << 20)
             for name in rows_wanted:
                 row = Row(name, page_size, page_bytes, BATCH * page_bytes)
                 rows.append(row)
@@ -506,11 +527,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             path.unlink()
                     elif mooncake_why is not None:
                         row.status = mooncake_why
+                    elif name == "mooncake-remote":  # a writer's segment; this process contributes none
+                        assert mooncake_master is not None
+                        reader = make_backend("mooncake", model, mooncake_extra(mooncake_master, 0), host)
+                        backends.append(reader)
+                        try:
+                            measure_kvpool(row, writers[name], reader, host, model, args.warmup, args.calls,
+                                           writer_extra=mooncake_extra(mooncake_master, segment))
+                        finally:
+                            reader.close()
+                            backends.remove(reader)
                     else:
-                        extra = {"master_server_address": mooncake_master, "metadata_server": "P2PHANDSHAKE",
-                                 "protocol": "tcp", "device_name": "", "global_segment_size": arena,
-                                 "check_server": False}
-                        backend = make_backend("mooncake", model, extra, host)
+                        assert mooncake_master is not None
+                        backend = make_backend("mooncake", model, mooncake_extra(mooncake_master, segment), host)
                         backends.append(backend)
                         measure_local(row, backend, host, args.warmup, args.calls, v1=True)
                 except Exception as exc:  # one backend failing is its row's status, not the run's end
@@ -541,12 +570,12 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
     for (name, page_size), ours in by.items():
         if not name.startswith("kvpool"):
             continue
-        for peer in ("file-tmpfs", "file-disk", "mooncake"):
+        for peer in ("file-tmpfs", "file-disk", "mooncake", "mooncake-remote"):
             theirs = by.get((peer, page_size))
             if theirs is None:
                 continue
             entry: dict[str, Any] = {"kvpool": name, "peer": peer, "page_size": page_size,
-                                     "target": TARGETS["mooncake" if peer == "mooncake" else "file"]}
+                                     "target": TARGETS["mooncake" if peer.startswith("mooncake") else "file"]}
             for op in ("set", "get"):
                 a, b = ours.gbps(op), theirs.gbps(op)
                 entry[op] = a / b if a and b and ours.status == "ok" and theirs.status == "ok" else None
