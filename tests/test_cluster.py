@@ -653,6 +653,17 @@ def test_master_restart_then_nodes_reregister_and_lookup_finds_objects(cluster: 
         reader.close()
 
 
+def damage_in_arena(reader: kvpool.Pool, key: bytes) -> None:
+    """Flip one payload byte of ``key`` (an actor's object) where it lies in its holder's cxl arena."""
+    location = reader.cluster.master.locate(key, lease=False).replicas[0][0]["location"]
+    header_nbytes = ObjectSpec("float16", 8, 32, 4, 64).header_nbytes
+    with open(location["path"], "r+b") as arena:
+        arena.seek(4096 + location["offset"] + header_nbytes + 5)
+        byte = arena.read(1)
+        arena.seek(-1, 1)
+        arena.write(bytes([byte[0] ^ 0xFF]))
+
+
 @pytest.mark.slow
 def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them(cluster: Cluster) -> None:
     cluster.start_master()
@@ -674,13 +685,7 @@ def test_same_host_reader_finds_cxl_objects_without_the_master_and_verifies_them
 
         # Corrupt key 2 in the holder's arena: the in-place read and the pull both fail
         # their checksums, so the get is a miss, never the wrong bytes.
-        location = reader.cluster.master.locate(key_of(2), lease=False).replicas[0][0]["location"]
-        header_nbytes = ObjectSpec("float16", 8, 32, 4, 64).header_nbytes
-        with open(location["path"], "r+b") as arena:
-            arena.seek(4096 + location["offset"] + header_nbytes + 5)
-            byte = arena.read(1)
-            arena.seek(-1, 1)
-            arena.write(bytes([byte[0] ^ 0xFF]))
+        damage_in_arena(reader, key_of(2))
         assert reader.get(key_of(2)) is None
         stats = reader.stats()
         assert stats["remote"]["same_host_retries"] >= 1 and stats["misses"]["checksum"] == 1

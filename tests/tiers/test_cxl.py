@@ -295,6 +295,17 @@ def tiny_shm(tmpfs) -> Path:
     return tmpfs("4m")
 
 
+def fill_up(directory: Path) -> None:
+    """Write a file in ``directory`` until its filesystem is full."""
+    filler = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError):
+            while True:
+                os.write(filler, b"\xff" * 4096)
+    finally:
+        os.close(filler)
+
+
 def test_arena_larger_than_its_filesystem_is_lowered_to_what_fits(tiny_shm: Path, caplog) -> None:
     tier = CxlTier(tiny_shm / "kvpool-tiny-cxl", 64 << 20)
     try:
@@ -327,13 +338,7 @@ def test_a_growing_arena_meets_a_full_filesystem_as_a_lower_capacity(tiny_shm: P
         arr, header, payload = make_object(layers=4, tokens=64, seed=7)
         first = store(tier, header, payload)
         assert tier.ready_bytes == 1 << 20 and os.stat(tier.path).st_blocks * 512 >= 1 << 20
-        filler = os.open(tiny_shm / "filler", os.O_WRONLY | os.O_CREAT, 0o600)  # another user takes the rest
-        try:
-            with pytest.raises(OSError):
-                while True:
-                    os.write(filler, b"\xff" * 4096)
-        finally:
-            os.close(filler)
+        fill_up(tiny_shm)  # another user takes the rest
         big = tier.allocated_size(1 << 20)
         with pytest.raises(errors.DiskFullError):
             tier.allocate(big)
@@ -370,13 +375,7 @@ def test_an_arena_readies_ahead_of_its_puts_in_the_background_and_stops_at_a_ful
         assert _wait_for(lambda: tier.ready_bytes == want), (tier.ready_bytes, want)
         assert os.stat(tier.path).st_blocks * 512 >= want
         assert [t for t in threading.enumerate() if t.name == "kvpool-cxl-ready"]
-        filler = os.open(tiny_shm / "filler", os.O_WRONLY | os.O_CREAT, 0o600)  # another user takes the rest
-        try:
-            with pytest.raises(OSError):
-                while True:
-                    os.write(filler, b"\xff" * 4096)
-        finally:
-            os.close(filler)
+        fill_up(tiny_shm)  # another user takes the rest
         with pytest.raises(errors.DiskFullError):  # beyond what was readied: the put meets the full disk
             while True:
                 store(tier, header, payload)

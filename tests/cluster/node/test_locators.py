@@ -8,9 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.objformat import ObjectSpec
 from tests.cluster_actor import content, key_of
-from tests.test_cluster import Cluster
+from tests.test_cluster import Cluster, damage_in_arena
 
 
 def _master_key_requests(cluster: Cluster) -> int:
@@ -51,13 +50,7 @@ def test_a_batch_is_answered_by_the_nearest_locator_of_each_key(cluster: Cluster
         # Damage key 1 in the arena: its index entry still names it, the in-place read fails
         # its checksum (a retry, not a miss yet), the master's replica is the same damaged
         # copy, so the key ends as a checksum miss; the others in the batch are unharmed.
-        location = reader.cluster.master.locate(key_of(1), lease=False).replicas[0][0]["location"]
-        header_nbytes = ObjectSpec("float16", 8, 32, 4, 64).header_nbytes
-        with open(location["path"], "r+b") as arena:
-            arena.seek(4096 + location["offset"] + header_nbytes + 5)
-            byte = arena.read(1)
-            arena.seek(-1, 1)
-            arena.write(bytes([byte[0] ^ 0xFF]))
+        damage_in_arena(reader, key_of(1))
         got = reader.get_many(keys[:3])
         assert got[1] is None
         np.testing.assert_array_equal(got[0], content(0))
