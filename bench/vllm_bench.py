@@ -21,7 +21,9 @@ prefix cache:
    outside the model's steps), kvpool over TCP (``transport=tcp``; the arena node is replaced
    by one holding the blocks in private memory, ``dram``, so they are pulled over its TCP
    port, as from another host; ``"auto"`` then loads them outside the steps), and the same
-   loaded in the step (``load_async`` false). Every row's tokens are checked against the
+   loaded in the step (``load_async`` false), and the restart case (``restart``, last: no node
+   holds the blocks any more but the storage node, whose durable copies the warm-up engine
+   left, as after that engine exited; read from its nvme, same host). Every row's tokens are checked against the
    first's. LMCache's row (``lmcache``): its server mode, an ``lmcache server --chunk-size 256
    --eviction-policy LRU --supported-transfer-mode auto`` of its own (in its own process group,
    stopped when the row is done) and engines with vLLM's ``LMCacheMPConnector`` (a warm-up
@@ -492,13 +494,17 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
         ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", every]),
         *((f"tcp-l{n}", f"kvpool, TCP, {n} layers per pull", [*kv, "--transport", "tcp", "--layers-per-pull", str(n)])
           for n in (1, 2, 4, 8)),
+        ("restart", RESTART_LABEL, kv),  # (last: no node but the storage node holds them from here on)
     ) if name in args.configs]
     rows: list[list[str]] = []
     reference = None
     holder_is_dram = False
     try:
         for name, label, extra in runs:
-            if name.startswith("tcp") and not holder_is_dram:  # from here only a dram node's TCP port has them
+            if name == "restart":  # the engine that computed them is gone: only its durable copies are left
+                holder.close()
+                holder = None
+            elif name.startswith("tcp") and not holder_is_dram:  # from here only a dram node's TCP port has them
                 holder.close()
                 holder = _holder(master, work, f"engine-tcp-holder-{prefix}", capacity, tier="dram")
                 holder.put_many(blocks, dtype="bfloat16")
@@ -514,7 +520,8 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
             reference = reference or rows[-1][-1]
             rows[-1][-1] = "yes" if rows[-1][-1] == reference else "NO"
     finally:
-        holder.close()
+        if holder is not None:
+            holder.close()
     ran = [label for _, label, _ in runs if f"{label}, {prefix}" in results]
     base_label = next((label for label in ran if label.startswith("vLLM ExampleConnector")), (ran or [""])[0])
     base = percentile(results[f"{base_label}, {prefix}"], 50) if ran else None
@@ -538,6 +545,7 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
 
 
 LMCACHE_LABEL = "LMCache server mode (its server's memory)"
+RESTART_LABEL = "kvpool, its engine gone (the storage node's durable copies)"
 
 
 def lmcache_row(work: Path, args: argparse.Namespace, prefix: int, model: Path, warm: Path, asked: Path,
@@ -625,6 +633,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--daemon-cxl", default="0",
+                        help="the storage node's cxl tier (0: none, its durable copies are read from its nvme; "
+                             "kvpool-server's default is 1GiB: it keeps a copy of each in a shared-memory arena "
+                             "same-host engines read in place)")
     parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
                         help="the storage node's nvme reads: O_DIRECT (auto/on) or through the page cache (off)")
     parser.add_argument("--plot", default="", help="write a bar chart of TTFT p50 here")
@@ -653,7 +665,7 @@ def main() -> None:
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli.server", "--pool.name", "vllm-bench",
          "--pool.data_dir", str(work / "storage"),
-         "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "2GiB",
+         "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", args.daemon_cxl, "--tiers.nvme.capacity", "2GiB",
          "--tiers.nvme.segment_size", "256MiB", "--tiers.nvme.direct_io", args.direct_io, "--master.listen", master,
          "--metrics.port", str(metrics)],
         cwd=REPO_ROOT, stdout=(work / "daemon.log").open("wb"), stderr=subprocess.STDOUT)
@@ -684,7 +696,7 @@ def main() -> None:
                         str(args.layers), "--hidden", str(args.hidden), "--kv-heads", str(args.kv_heads)],
                        cwd=REPO_ROOT, check=True, capture_output=True)
         print(f"model: {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads of 64, bfloat16; block "
-              f"128; storage node nvme direct_io {args.direct_io}", flush=True)
+              f"128; storage node nvme direct_io {args.direct_io}, cxl {args.daemon_cxl}", flush=True)
         rng = random.Random(1)
         results: dict[str, list[float]] = {}
         for prefix in prefixes:

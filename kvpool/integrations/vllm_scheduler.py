@@ -172,9 +172,13 @@ class KvpoolScheduler:
             tracked = self.tracked[request.request_id] = _Tracked(keys)
             tracked.expected = self._expected(request, keys)
         keys = tracked.keys
-        # vLLM computes at least the last token; a block whose load failed, and those after it,
-        # are computed (a request looked up again after a failed load loads only those before)
-        loadable = min((len(tokens) - 1) // self.block_size, len(keys))
+        # Every full block of the prompt may load: one that ends at the prompt's end loads all but
+        # its last token, which vLLM computes (it samples the next token from it; a P/D consumer
+        # of a prompt of whole blocks computes one token, not a block). With several KV cache
+        # groups loads end on a block boundary, as vLLM's sliding-window groups expect. A block
+        # whose load failed, and those after it, are computed (a request looked up again after a
+        # failed load loads only those before).
+        loadable = min((len(tokens) - self.several_groups) // self.block_size, len(keys))
         if tracked.failed_from is not None:
             loadable = min(loadable, tracked.failed_from)
         first = num_computed_tokens // self.block_size
@@ -238,7 +242,7 @@ class KvpoolScheduler:
         tracked.load_async = self.several_groups or (bool(setting) if setting != "auto" else near != (True, True))
         log.debug("request %s: kvpool holds blocks %d..%d of %d (%s)", request.request_id, first, hits, len(keys),
                   "loaded outside the steps" if tracked.load_async else "loaded in its first step")
-        return held * self.block_size, tracked.load_async
+        return min(hits * self.block_size, len(tokens) - 1) - first * self.block_size, tracked.load_async
 
     def _lookup(self, keys: list[bytes]) -> tuple[int, tuple[bool, bool] | None]:
         """How many leading ``keys`` kvpool holds (one request to the master) and, for
@@ -291,7 +295,7 @@ class KvpoolScheduler:
         tracked = self.tracked.get(request.request_id)
         if tracked is None or num_external_tokens <= 0:
             return
-        first, count = tracked.first, num_external_tokens // self.block_size
+        first, count = tracked.first, -(-num_external_tokens // self.block_size)  # (the last may end a token short)
         # (a window group's blocks left behind, or not given at all: NULL_BLOCK, never written)
         groups = [list(ids[first:first + count]) for ids in blocks.get_block_ids()]
         groups = [ids + [NULL_BLOCK] * (count - len(ids)) for ids in groups]

@@ -343,9 +343,23 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         # vLLM's own prefix cache had the first block: only blocks 1..2 come from kvpool.
         request2 = vllm_request("r2", tokens[:3 * BLOCK + 5])
         assert connector.get_num_new_matched_tokens(request2, BLOCK) == (2 * BLOCK, False)
-        # All but the last token at most: a prompt of exactly 3 held blocks loads 2 of them.
+        # All but the last token at most: a prompt of exactly 3 held blocks loads all three, the
+        # last of them but its last token (vLLM computes that one to sample from it).
         request3 = vllm_request("r3", tokens[:3 * BLOCK])
-        assert connector.get_num_new_matched_tokens(request3, 0) == (2 * BLOCK, False)
+        assert connector.get_num_new_matched_tokens(request3, 0) == (3 * BLOCK - 1, False)
+        connector.update_state_after_alloc(request3, SimpleNamespace(get_block_ids=lambda: ([20, 21, 22],)),
+                                           3 * BLOCK - 1)
+        step.scheduled_cached_reqs = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                     resumed_req_ids=set())
+        step.scheduled_new_reqs = [SimpleNamespace(req_id="r3", num_computed_tokens=3 * BLOCK - 1,
+                                                   block_ids=([20, 21, 22],))]
+        step.num_scheduled_tokens, step.total_num_scheduled_tokens = {"r3": 1}, 1
+        meta = connector.build_connector_meta(step)
+        [load] = meta.loads  # the whole third block is written; vLLM then overwrites its last slot
+        assert (load.keys, load.block_ids) == (keys[:3], [20, 21, 22]) and meta.saves == []
+        # With vLLM's own cache holding the first two, the third loads alone, a token short.
+        request4 = vllm_request("r4", tokens[:3 * BLOCK])
+        assert connector.get_num_new_matched_tokens(request4, 2 * BLOCK) == (BLOCK - 1, False)
         # A tracked request scheduled before vLLM gave it any block: nothing to save yet.
         unblocked = SimpleNamespace(
             scheduled_new_reqs=[], num_scheduled_tokens={"r3": 2 * BLOCK}, total_num_scheduled_tokens=2 * BLOCK,
@@ -442,8 +456,8 @@ def test_a_consumer_given_a_producers_kv_transfer_params_waits_for_the_blocks_it
         assert params == {PARAMS_KEY: {"blocks": 4, "last": keys[3].hex()}}
         assert consumer.request_finished(request("c", None), []) == (False, None)  # (a consumer names nothing)
 
-        # The consumer (the last prompt token is always computed: 3 blocks load) while only
-        # block 0 is published: "not yet", then, the rest published, all three.
+        # The consumer (the last prompt token is always computed: all four blocks load, the last
+        # a token short) while only block 0 is published: "not yet", then, the rest published, all.
         holder.put(keys[0], np.zeros((2, 2, BLOCK, 1, 8), np.float16))
         waiting = request("c1", params)
         assert consumer.get_num_new_matched_tokens(waiting, 0) == (None, False)
@@ -451,13 +465,13 @@ def test_a_consumer_given_a_producers_kv_transfer_params_waits_for_the_blocks_it
         assert consumer.get_num_new_matched_tokens(waiting, 0) == (None, False)
         holder.put_many([(key, np.zeros((2, 2, BLOCK, 1, 8), np.float16)) for key in keys[1:]])
         time.sleep(0.01)
-        assert consumer.get_num_new_matched_tokens(waiting, 0) == (3 * BLOCK, False)
+        assert consumer.get_num_new_matched_tokens(waiting, 0) == (4 * BLOCK - 1, False)
         assert consumer.stats["producer_waits"] == 1
 
         # Params naming blocks of another namespace: nothing waited for (found blocks load).
         other = prefix_hashes(tokens, BLOCK, namespace="another-model")
         stranger = request("c2", {PARAMS_KEY: {"blocks": 4, "last": other[3].hex()}})
-        assert consumer.get_num_new_matched_tokens(stranger, 0) == (3 * BLOCK, False)
+        assert consumer.get_num_new_matched_tokens(stranger, 0) == (4 * BLOCK - 1, False)
 
         # A producer's blocks that never come: "not yet" until load_timeout_s, then what is there.
         late = _scheduler(master, "kv_consumer")
@@ -520,7 +534,7 @@ def test_with_the_master_away_requests_are_computed_without_waiting_and_lookups_
         try:
             holder.put_many([(key, np.zeros((2, 2, BLOCK, 1, 8), np.float16)) for key in keys])
             wait_for(lambda: not scheduler.master_watch.away, 10, "the probe to find the master back")
-            assert scheduler.get_num_new_matched_tokens(vllm_request("r2", tokens), 0) == (3 * BLOCK, False)
+            assert scheduler.get_num_new_matched_tokens(vllm_request("r2", tokens), 0) == (4 * BLOCK - 1, False)
         finally:
             holder.close()
     finally:
