@@ -25,13 +25,16 @@ class Transfer:
     """Blocks of one request to load or save this step: ``keys[i]`` is block ``block_ids[i]``
     of the first KV cache group, ``groups[g - 1][i]`` of group ``g`` (vLLM's hybrid
     allocator: one list per further group, same length; empty with one group). A load's
-    ``keys[0]`` is the request's block ``first`` (its prompt's blocks counted from 0)."""
+    ``keys[0]`` is the request's block ``first`` (its prompt's blocks counted from 0).
+    ``tail_tokens``: a save whose one key is a *tail* (a block saved for its first
+    ``tail_tokens`` tokens: a prompt's partial last block): the worker zeroes the rest."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
     groups: tuple[list[int], ...] = ()
     first: int = 0
+    tail_tokens: int = 0
 
     def ids(self, group: int) -> list[int]:
         return self.block_ids if group == 0 else self.groups[group - 1]

@@ -19,7 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvpool import errors
 from kvpool.integrations.planner import Planner
 from kvpool.integrations.vllm_messages import NULL_BLOCK, KvpoolConnectorMetadata, Transfer
-from kvpool.integrations.vllm_settings import Settings, namespace_of, object_key, rank_tags, request_keys
+from kvpool.integrations.vllm_settings import (
+    Settings,
+    namespace_of,
+    object_key,
+    plain_request,
+    rank_tags,
+    request_keys,
+    tail_keys,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,6 +103,9 @@ class _Tracked:
     expected: int = 0            # blocks a producer said it published (kv_transfer_params): waited for
     waiting_since: float = 0.0   # when it began waiting for them (monotonic)
     looked_at: float = 0.0       # its last lookup while waiting (monotonic)
+    tokens: list[int] | None = None  # its prompt, when it is plain (its partial blocks are saved and found)
+    tail: tuple[int, bytes] | None = None  # a tail it loads: (its tokens, its key), the load's last block
+    tail_saved: bool = False     # its own prompt's tail is saved (or was loaded whole)
 
 
 class KvpoolScheduler:
@@ -125,7 +136,7 @@ class KvpoolScheduler:
         self.host_id = host_id
         self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "plan_loaded_blocks": 0,
                                         "plan_recomputed_blocks": 0, "requests_skipped": 0, "lookups_skipped": 0,
-                                        "producer_waits": 0, "producer_wait_s": 0.0}
+                                        "producer_waits": 0, "producer_wait_s": 0.0, "tails_hit": 0}
         self.tracked: dict[str, _Tracked] = {}
         self.async_pending: list[Transfer] = []  # loads of requests that wait outside the steps
         self.planner = Planner()
@@ -133,6 +144,7 @@ class KvpoolScheduler:
         self.layers_count = 0
         self.rounds = 0  # requests per load (layer groups), as the workers report it
         self.worker_nodes: set[str] = set()  # this engine's workers' kvpool node ids, as they report them
+        self.tails_saved = False  # the workers can save tails (they say so with their stats)
         self.master_watch = MasterWatch(self._ping)
         if several_groups and settings.load_async is False:
             log.warning('kvpool connector: "load_async": false is not kept for a model of several KV cache groups '
@@ -171,6 +183,8 @@ class KvpoolScheduler:
                 keys = []
             tracked = self.tracked[request.request_id] = _Tracked(keys)
             tracked.expected = self._expected(request, keys)
+            if keys and not self.several_groups and plain_request(request):
+                tracked.tokens = list(tokens)
         keys = tracked.keys
         # Every full block of the prompt may load: one that ends at the prompt's end loads all but
         # its last token, which vLLM computes (it samples the next token from it; a P/D consumer
@@ -183,7 +197,10 @@ class KvpoolScheduler:
             loadable = min(loadable, tracked.failed_from)
         first = num_computed_tokens // self.block_size
         tracked.saved_upto = tracked.first = first
-        if loadable <= first or not self.loads_blocks:  # (a kv_producer: tracked for its saves only)
+        tracked.tail = None
+        # (a kv_producer: tracked for its saves only; with every whole block vLLM's own, a plain
+        # prompt may still find the tail of the next one)
+        if loadable < first or not self.loads_blocks or (loadable == first and tracked.tokens is None):
             return 0, False
         now = time.monotonic()
         if tracked.expected and now - tracked.looked_at < _WAIT_LOOKUP_EVERY_S:
@@ -192,8 +209,10 @@ class KvpoolScheduler:
         if self.master_watch.away:  # computed as without a connector until the master answers again
             self.stats["lookups_skipped"] += 1
             return 0, False
+        hits, near = first, None  # (no whole block to look up beyond vLLM's own: only a tail)
         try:
-            hits, near = self._lookup(keys[:loadable])
+            if loadable > first:
+                hits, near = self._lookup(keys[:loadable])
         except errors.KVPoolError as exc:  # no master: compute everything, as without a connector
             log.warning("kvpool lookup failed (%s): computing request %s, and the requests after it without "
                         "asking until the master answers again", exc, request.request_id)
@@ -215,9 +234,16 @@ class KvpoolScheduler:
                 log.info("kvpool: request %s waited %.1f ms for the blocks its producer published",
                          request.request_id, (now - tracked.waiting_since) * 1e3)
             tracked.expected = 0
-        if hits <= first:
+        # Where the held blocks (kvpool's or vLLM's own) end inside the prompt, the longest saved
+        # tail of the next block: one more master round trip, only for a prompt that continues a
+        # known prefix of at least a block.
+        end = max(hits, first)
+        if tracked.tokens is not None and 1 <= end < len(tokens) / self.block_size \
+                and (tracked.failed_from is None or tracked.failed_from > end):
+            tracked.tail = self._find_tail(tracked, end)
+        if hits <= first and tracked.tail is None:
             return 0, False
-        held = hits - first
+        held = end - first + (tracked.tail is not None)
         self.stats["blocks_hit"] += held
         if self.settings.plan and self.block_bytes:
             block_bytes = self.block_bytes * self.layers_count
@@ -226,7 +252,8 @@ class KvpoolScheduler:
             recompute = self.planner.recompute_s(held, self.block_size)
             if not self.planner.blocks_to_load(held, block_bytes, self.block_size, rounds):
                 self.stats["plan_recomputed_blocks"] += held
-                tracked.saved_upto = hits  # kvpool holds them already: recomputed, not saved again
+                tracked.saved_upto = end  # kvpool holds them already: recomputed, not saved again
+                tracked.tail = None
                 log.info("kvpool plan: request %s recomputes %d held blocks: %.2f ms beats loading them in "
                          "%.2f ms (alpha %.3f ms, beta %.2f GB/s, prefill %.0f tokens/s)", request.request_id,
                          held, (recompute or 0) * 1e3, transfer * 1e3, self.planner.alpha_s * 1e3,
@@ -242,7 +269,34 @@ class KvpoolScheduler:
         tracked.load_async = self.several_groups or (bool(setting) if setting != "auto" else near != (True, True))
         log.debug("request %s: kvpool holds blocks %d..%d of %d (%s)", request.request_id, first, hits, len(keys),
                   "loaded outside the steps" if tracked.load_async else "loaded in its first step")
-        return min(hits * self.block_size, len(tokens) - 1) - first * self.block_size, tracked.load_async
+        loaded = end * self.block_size + (tracked.tail[0] if tracked.tail is not None else 0)
+        return min(loaded, len(tokens) - 1) - first * self.block_size, tracked.load_async
+
+    def _find_tail(self, tracked: _Tracked, block: int) -> tuple[int, bytes] | None:
+        """The longest tail of the request's block ``block`` that kvpool holds (every rank's
+        object of it), as (its tokens, its key), if it gives the request a token more: a tail
+        is a block saved for its first tokens (a prompt that ended inside it, see
+        :meth:`build_connector_meta`), so a prompt that extends that prompt (the next turn of a
+        conversation), or repeats it (a P/D consumer), loads up to where it ended. One
+        ``exists_many`` of every length the request's tokens allow; a failure is no tail."""
+        tokens = tracked.tokens
+        assert tokens is not None
+        lengths = range(1, min(self.block_size, len(tokens) - block * self.block_size + 1))
+        if len(tokens) - 1 <= block * self.block_size or not lengths:
+            return None
+        keys = tail_keys(tokens, tracked.keys, self.block_size, self.namespace, block, lengths)
+        tags = self.rank_tags
+        try:
+            found = self.master.exists_many([object_key(k, t) for k in keys for t in tags] if tags else keys)
+        except errors.KVPoolError as exc:
+            log.debug("kvpool: looking for a tail failed (%s): none loaded", exc)
+            return None
+        per = len(tags) or 1
+        for at in range(len(keys) - 1, -1, -1):
+            if all(found[at * per:(at + 1) * per]):
+                self.stats["tails_hit"] += 1
+                return lengths[at], keys[at]
+        return None
 
     def _lookup(self, keys: list[bytes]) -> tuple[int, tuple[bool, bool] | None]:
         """How many leading ``keys`` kvpool holds (one request to the master) and, for
@@ -285,6 +339,7 @@ class KvpoolScheduler:
         for tokens, seconds in data.get("prefill", []):
             self.planner.observe_prefill(tokens, seconds)
         self.block_bytes = int(data.get("block_bytes") or self.block_bytes)
+        self.tails_saved = bool(data.get("tails", self.tails_saved))
         self.layers_count = int(data.get("layers") or self.layers_count)
         self.rounds = int(data.get("rounds") or self.rounds or self.layers_count)
         for node_id in data.get("node_ids", []):  # (one per worker)
@@ -295,16 +350,18 @@ class KvpoolScheduler:
         tracked = self.tracked.get(request.request_id)
         if tracked is None or num_external_tokens <= 0:
             return
-        first, count = tracked.first, -(-num_external_tokens // self.block_size)  # (the last may end a token short)
+        first, count = tracked.first, -(-num_external_tokens // self.block_size)  # (the last may end short)
         # (a window group's blocks left behind, or not given at all: NULL_BLOCK, never written)
         groups = [list(ids[first:first + count]) for ids in blocks.get_block_ids()]
         groups = [ids + [NULL_BLOCK] * (count - len(ids)) for ids in groups]
-        load = Transfer(request.request_id, tracked.keys[first:first + count], groups[0], tuple(groups[1:]), first)
+        full = count - (tracked.tail is not None)  # (a tail is the load's last block: its own key)
+        keys = tracked.keys[first:first + full] + ([tracked.tail[1]] if tracked.tail is not None else [])
+        load = Transfer(request.request_id, keys, groups[0], tuple(groups[1:]), first)
         if tracked.load_async:  # the request waits outside the steps: loaded from this step on
             self.async_pending.append(load)
         else:  # loaded at the request's first step, which waits for it
             tracked.load = load
-        tracked.saved_upto = first + count
+        tracked.saved_upto = first + full  # (a tail's block, once the prompt fills it, is saved whole)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvpoolConnectorMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
@@ -344,6 +401,19 @@ class KvpoolScheduler:
                     meta.saves.append(Transfer(req_id, [tracked.keys[i] for i in whole], groups[0],
                                                tuple(groups[1:])))
                 tracked.saved_upto = full
+            # A prompt that ends inside a block: that block is saved too, as a tail (the step
+            # that computes the prompt's last token), where the workers can zero its other slots.
+            tokens = tracked.tokens
+            if tokens is not None and not tracked.tail_saved and self.tails_saved \
+                    and computed + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= len(tokens):
+                tracked.tail_saved = True
+                at, count = divmod(len(tokens), self.block_size)
+                loaded_whole = tracked.tail is not None and tracked.tail[0] == count  # (held already)
+                if count and not loaded_whole and at == len(tracked.keys) and tracked.block_ids \
+                        and len(tracked.block_ids[0]) > at:
+                    [key] = tail_keys(tokens, tracked.keys, self.block_size, self.namespace, at,
+                                      range(count, count + 1))
+                    meta.saves.append(Transfer(req_id, [key], [tracked.block_ids[0][at]], tail_tokens=count))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

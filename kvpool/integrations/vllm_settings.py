@@ -11,14 +11,16 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import struct
 import tomllib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import xxhash
 
 from kvpool import errors
-from kvpool.hashing import prefix_hashes
+from kvpool.hashing import namespace_seed, prefix_hashes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -421,6 +423,35 @@ def object_key(key: bytes, tag: bytes | None) -> bytes:
     if tag is None:
         return key
     return bytes(xxhash.xxh3_128_digest(_RANK_TAG + tag + b"\0" + key, seed=_RANK_SEED))
+
+
+def plain_request(request: Any) -> bool:
+    """Whether a request's keys are its plain prefix hashes (:func:`request_keys` with no
+    LoRA adapter, ``cache_salt``, multimodal input or prompt embeddings): only such a request's
+    partial last block is saved and looked for (:func:`tail_keys`)."""
+    return (getattr(request, "lora_request", 1) is None and not getattr(request, "cache_salt", 1)
+            and not getattr(request, "mm_features", 1) and getattr(request, "prompt_embeds", 1) is None)
+
+
+def tail_keys(tokens: list[int], keys: list[bytes], block_size: int, namespace: str, block: int,
+              lengths: range) -> list[bytes]:
+    """The keys of the first ``k`` tokens of a plain request's block ``block`` (a *tail*: a
+    block's leading tokens, never a whole block), for each ``k`` in ``lengths``: as
+    :func:`kvpool.hashing.prefix_hashes` with ``partial="hash"`` names a prompt's last partial
+    chunk, chained from ``keys[block - 1]`` (the namespace's seed for block 0). The tail of a
+    prompt ending inside a block is ``tail_keys(..., len(tokens) // block_size, range(len(tokens)
+    % block_size, ...))``; a later prompt that extends it (the next turn of a conversation) finds
+    it by asking for each length its own tokens allow."""
+    prev = keys[block - 1] if block else namespace_seed(namespace, chunk_tokens=block_size)
+    start = block * block_size
+    data = np.asarray(tokens[start:start + max(lengths, default=0)], dtype=np.int32).tobytes()
+    out = []
+    for k in lengths:
+        hasher = xxhash.xxh3_128(prev)
+        hasher.update(b"partial" + struct.pack("<I", k))
+        hasher.update(data[:4 * k])
+        out.append(hasher.digest())
+    return out
 
 
 _EXTRAS_TAG = b"kvpool-vllm-extras-v1\0"

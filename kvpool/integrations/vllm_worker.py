@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,6 +70,7 @@ class _Stage:
     keys: list[bytes]
     block_ids: list[torch.Tensor]  # per KV cache group
     objects: np.ndarray
+    tails: list[tuple[int, int]] = field(default_factory=list)  # (object, its valid tokens): the rest zeroed
 
 
 class _LayerLoad:
@@ -271,6 +272,8 @@ class KvpoolWorker:
         self._step_started = 0.0
         self._last_waited = 0.0  # of this step's load, once finished
         self._block_nbytes = 0
+        self._block_shape: tuple[int, ...] = ()
+        self._token_axis: int | None = None
         self._failed_blocks: set[int] = set()  # for get_block_ids_with_load_errors (one KV cache group)
         self._failed_requests: set[str] = set()  # for get_transfer_results (several groups)
         self._load_failures: dict[str, int] = {}  # for build_connector_worker_meta
@@ -339,6 +342,14 @@ class KvpoolWorker:
         if elements % (2 * self.block_size * kv_heads):
             kv_heads = 1
         self._shape = (1, 2, self.block_size, kv_heads, elements // (2 * self.block_size * kv_heads))
+        # The axis of a block that counts its tokens (vLLM 0.32's per-layer cache is logically
+        # [blocks, heads, tokens, content]; an MLA one [blocks, tokens, content]): a tail (a
+        # block saved for its first tokens) has the rest zeroed along it, so no stale slot of an
+        # earlier request leaves the engine. None where the shape does not say: no tails are saved.
+        shape = tuple(block.shape)
+        self._block_shape = shape
+        self._token_axis = 1 if len(shape) == 3 and shape[:2] == (self._kv_heads, self.block_size) else \
+            0 if len(shape) == 2 and shape[0] == self.block_size else None
         log.info("kvpool connector: %d layers, blocks of %s %s stored as %s", len(self._layers),
                  tuple(block.shape), first.dtype, self._shape)
         # The loader threads' staging buffers for one request of the longest prompt, made and
@@ -722,7 +733,8 @@ class KvpoolWorker:
             return None
         # One round: every layer group of a load is asked for at once (see _pull_remote).
         return KvpoolStats(data={**report, "block_bytes": self._block_nbytes, "layers": len(self._layers),
-                                 "rounds": 1, "node_ids": [getattr(self.pool, "node_id", "")]})
+                                 "rounds": 1, "node_ids": [getattr(self.pool, "node_id", "")],
+                                 "tails": self._token_axis is not None})
 
     def _count(self, name: str, n: float) -> None:
         """A worker counter: in this process's stats and in the next report to the scheduler
@@ -744,20 +756,32 @@ class KvpoolWorker:
         if stage is None:
             # The step's blocks to save, each key once (two requests may fill the same block),
             # staged as one array: object i is stage.objects[i], [layers, ...], contiguous.
+            # A tail (a block's first transfer.tail_tokens tokens) only where its other slots can be zeroed.
             chosen: dict[bytes, tuple[int, ...]] = {}
+            valid: dict[bytes, int] = {}
             for transfer in meta.saves:
+                if transfer.tail_tokens and self._token_axis is None:
+                    continue
                 for i, key in enumerate(transfer.keys):
                     chosen.setdefault(key, tuple(transfer.ids(g)[i] for g in range(self._groups)))
+                if transfer.tail_tokens:
+                    valid[transfer.keys[-1]] = transfer.tail_tokens
+            if not chosen:
+                return
             stage = self._stage = _Stage(
                 self._object_keys(chosen), [torch.tensor([ids[g] for ids in chosen.values()], dtype=torch.long)
                                for g in range(self._groups)],
-                np.empty((len(chosen), len(self._layers), *self._shape[1:]), self._np_dtype))
+                np.empty((len(chosen), len(self._layers), *self._shape[1:]), self._np_dtype),
+                [(row, valid[key]) for row, key in enumerate(chosen) if key in valid])
         # One gather of the layer's blocks (no per-block Python), then one strided copy.
         ids = stage.block_ids[self._layer_group[layer]]
         blocks = self._layers[layer].index_select(0, ids.to(self._layers[layer].device)).cpu()
         if blocks.dtype == torch.bfloat16:
             blocks = blocks.view(torch.int16)
         stage.objects[:, layer] = blocks.numpy().view(self._np_dtype).reshape(len(stage.keys), *self._shape[1:])
+        for row, tokens in stage.tails:
+            block = stage.objects[row, layer].reshape(self._block_shape)
+            block[(slice(None),) * (self._token_axis or 0) + (slice(tokens, None),)] = 0
 
     def wait_for_save(self) -> None:
         waited = self._load.waited_s if self._load is not None else self._last_waited
