@@ -3,9 +3,10 @@ README's one-line connector config on one ``kvpool-server``, streamed ``/v1/comp
 requests at once, and kvpool's P/D proxy in front (``kvpool.integrations.vllm_proxy``).
 
 What it holds kvpool to (issue 41): a response means its prompt's blocks are findable — a
-request sent the moment another engine's answer ended loads every full block of the earlier
-prompt (vLLM's own count, ``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``),
-and through the proxy the decode engine loads every block the prefill engine computed; what
+request sent the moment another engine's answer ended loads the whole earlier prompt, its
+full blocks and the tail of the block it ended inside (vLLM's own count,
+``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``), and through the proxy the
+decode engine loads every token the prefill engine computed but the last; what
 an engine answers from loaded blocks is what the engine that computed them answered.
 """
 
@@ -121,8 +122,9 @@ def external_tokens(port: int) -> int:
     return int(sum(float(v) for v in found))
 
 
-def full_block_tokens(prompt: list[int]) -> int:
-    return len(prompt) // BLOCK * BLOCK
+#: what B loads of a 3-block + 20-token prompt A answered: every token but the last (vLLM
+#: computes that one), A's full blocks and its tail (the block the prompt ends inside)
+ALL_BUT_THE_LAST = 3 * BLOCK + 19
 
 
 def at_once(*calls: Any) -> list[Any]:
@@ -147,15 +149,20 @@ def at_once(*calls: Any) -> list[Any]:
 
 
 def a_then_b(a: int, b: int, model: Path, text: list[int]) -> tuple[int, float]:
-    """``text`` on engine A, then on engine B: B's answer must be A's (loaded or recomputed);
-    (the prompt tokens B loaded, B's seconds)."""
+    """``text`` on engine A, then on engine B: B's answer must be A's (the prompt tokens B
+    loaded, B's seconds). Recomputed, all of it; loaded, its first token: B, having loaded all
+    of the prompt but its last token (A's tail included), computes that token in a step of its
+    own, whose floating-point rounding differs from A's prefill of the whole prompt (as with any
+    reuse of part of a block), and this random-weight model's nearly flat greedy choices drift
+    after a few tokens (the bytes loaded are checked in tests/integrations/test_vllm.py)."""
     before = external_tokens(b)
     answer_a, _ = stream(a, model, text)
     started = time.monotonic()
     answer_b, _ = stream(b, model, text)
     took = time.monotonic() - started
-    assert answer_b == answer_a
-    return external_tokens(b) - before, took
+    loaded = external_tokens(b) - before
+    assert answer_b[:1] == answer_a[:1] and (loaded or answer_b == answer_a), (loaded, answer_a, answer_b)
+    return loaded, took
 
 
 def test_served_engines_find_every_block_an_answer_came_from_and_the_pd_proxy_loads_them_all(
@@ -181,29 +188,30 @@ def test_served_engines_find_every_block_an_answer_came_from_and_the_pd_proxy_lo
     with api_servers(tmp_path, model, ("engine-a", 0, readme_config, "kv_both"),
                      ("engine-b", 1, readme_config, "kv_consumer")) as (a, b):
         # 1. One request on A, then the same prompt on B the moment A's answer ended: B loads
-        #    every full block A computed, and answers what A answered.
+        #    every token A computed but the last (the full blocks and A's tail of the prompt), and
+        #    answers what A answered.
         first = prompt(3)
         answer_a, _ = stream(a, model, first)
         answer_b, _ = stream(b, model, first)
-        assert external_tokens(b) == full_block_tokens(first)
-        assert answer_b == answer_a
+        assert external_tokens(b) == len(first) - 1
+        assert answer_b[0] == answer_a[0]  # (see a_then_b)
 
         # 2. Several conversations at once, each next turn sent to the other engine as soon as
-        #    the previous answer ended: every full block of the previous prompt is loaded.
+        #    the previous answer ended: the whole previous prompt is loaded (blocks and tail).
         before = external_tokens(b)
         turns = [prompt(2 + u) for u in range(3)]
 
         def conversation(turn0: list[int]) -> int:
             answer, _ = stream(a, model, turn0)
             stream(b, model, turn0 + answer + [rng.randrange(1, 1000) for _ in range(60)])
-            return full_block_tokens(turn0)
+            return len(turn0)
 
         expected = sum(at_once(*[lambda t=t: conversation(t) for t in turns]))
         loaded = external_tokens(b) - before
         assert loaded >= 0.99 * expected, (loaded, expected)
 
         # 3. Through the P/D proxy: prefill on A, decode on B, two requests at a time. B loads
-        #    every full block of each prompt that A computed (all but the last token's block).
+        #    every token of each prompt that A computed but the last.
         proxy = free_tcp_port()
         spawn_python(["-m", "kvpool.integrations.vllm_proxy", "--port", str(proxy), "--prefill",
                       f"http://127.0.0.1:{a}", "--decode", f"http://127.0.0.1:{b}"],
@@ -214,13 +222,14 @@ def test_served_engines_find_every_block_an_answer_came_from_and_the_pd_proxy_lo
         for pair in (prompts[:2], prompts[2:]):
             answers += at_once(*[lambda p=p: stream(proxy, model, p) for p in pair])
         loaded = external_tokens(b) - before
-        assert loaded >= 0.99 * sum(full_block_tokens(p) for p in prompts), loaded
+        assert loaded >= 0.99 * sum(len(p) - 1 for p in prompts), loaded
         assert all(len(tokens) == 8 for tokens, _ in answers)
         assert external_tokens(a) == 0  # (every prompt was new to A)
-        # A stored each full block once; B, the consumer, stored nothing: one node holds them all.
+        # A stored each full block once and each prompt's tail; B, the consumer, stored nothing:
+        # one node holds them all.
         with MasterClient(master, request_timeout_s=10) as client:
             stats = client.stats()
-        stored = 3 + sum(2 + u for u in range(3)) + 4 * 4
+        stored = 3 + 1 + sum(2 + u + 1 for u in range(3)) + 4 * (4 + 1)
         held = sorted(node["objects"] for node in stats["nodes"].values() if node["objects"])
         assert (stats["keys"], held) == (stored, [stored])
         for name in ("engine-a", "engine-b"):  # kvpool said nothing went wrong
@@ -231,8 +240,8 @@ def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_
         tmp_path: Path, spawn_python) -> None:
     """kill -9 of the kvpool-server (the master, and the storage node of the engines' durable
     copies) while two served engines take requests, then its restart on the same port and
-    data directory: every request answers, each answer on B equals A's for the same prompt
-    (loaded or recomputed), none waits much past load_timeout_s, and once the server is
+    data directory: every request answers, each answer on B is A's for the same prompt
+    (recomputed: whole; loaded: as :func:`a_then_b` says), none waits much past load_timeout_s, and once the server is
     back B loads A's blocks again."""
     model = tmp_path / "model"
     subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)],
@@ -258,7 +267,7 @@ def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_
         def round_trip(text: list[int]) -> tuple[int, float]:
             return a_then_b(a, b, model, text)
 
-        assert round_trip(prompt())[0] == 3 * BLOCK  # healthy: B loads every full block A computed
+        assert round_trip(prompt())[0] == ALL_BUT_THE_LAST  # healthy: B loads all A computed
 
         server.kill()  # kill -9: the master and the storage node at once
         during = [round_trip(prompt()) for _ in range(3)]
@@ -268,7 +277,7 @@ def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_
         deadline = time.monotonic() + 60
         while True:  # the engines' nodes register again with their heartbeats; then hits return
             loaded, _ = round_trip(prompt())
-            if loaded == 3 * BLOCK:
+            if loaded == ALL_BUT_THE_LAST:
                 break
             assert time.monotonic() < deadline, "B never loaded A's blocks again after the restart"
             time.sleep(1)
@@ -277,7 +286,7 @@ def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_
 def test_served_engines_answer_through_an_etcd_master_failover_and_hits_come_back(
         tmp_path: Path, spawn_python, etcd) -> None:
     """Two masters on etcd; the leader is killed -9 while two served engines take requests:
-    every request answers, B's answer equals A's for each prompt (loaded or recomputed), none
+    every request answers, B's answer is A's for each prompt (as :func:`a_then_b` says), none
     waits much past load_timeout_s, and under the new leader B loads A's blocks again."""
     from tests.test_ha import HA
 
@@ -301,12 +310,12 @@ def test_served_engines_answer_through_an_etcd_master_failover_and_hits_come_bac
         def round_trip(text: list[int]) -> tuple[int, float]:
             return a_then_b(a, b, model, text)
 
-        assert round_trip(prompt())[0] == 3 * BLOCK
+        assert round_trip(prompt())[0] == ALL_BUT_THE_LAST
         ha.masters[leader].kill()  # kill -9 of the leading master
         during = [round_trip(prompt()) for _ in range(3)]
         assert all(took < 5 + 20 for _, took in during), during
         ha.leader(other_than=leader)
         deadline = time.monotonic() + 60
-        while round_trip(prompt())[0] != 3 * BLOCK:  # the new leader knows A's blocks again
+        while round_trip(prompt())[0] != ALL_BUT_THE_LAST:  # the new leader knows A's blocks again
             assert time.monotonic() < deadline, "B never loaded A's blocks again under the new leader"
             time.sleep(1)
