@@ -241,8 +241,8 @@ def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_
     """kill -9 of the kvpool-server (the master, and the storage node of the engines' durable
     copies) while two served engines take requests, then its restart on the same port and
     data directory: every request answers, each answer on B is A's for the same prompt
-    (recomputed: whole; loaded: as :func:`a_then_b` says), none waits much past load_timeout_s, and once the server is
-    back B loads A's blocks again."""
+    (recomputed: whole; loaded: as :func:`a_then_b` says), none waits much past
+    load_timeout_s, and once the server is back B loads A's blocks again."""
     model = tmp_path / "model"
     subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)],
                    cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
