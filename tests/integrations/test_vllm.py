@@ -246,7 +246,7 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
 
     good = Settings.from_extra({"master": "tcp://127.0.0.1:7700"})
     # durable, replicas: None = the pool config's node.durable / node.replicas (kvpool.client.durable_copies)
-    assert (good.durable, good.replicas, good.on_load_failure) == (None, None, "recompute")
+    assert (good.durable, good.replicas, good.on_load_failure, good.partial_blocks) == (None, None, "recompute", True)
     assert good.pool_config() == default_pool_config()  # no "config": saves in a shared-memory arena
     for extra, says in [({}, '"master"'), ({"master": ""}, '"master"'), ({"master": "localhost:7700"}, "tcp://"),
                         ({"master": "tcp://h:1", "replicas": 0}, "replicas"),
@@ -254,6 +254,7 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
                         ({"master": "tcp://h:1", "load_timeout_s": -1}, "load_timeout_s"),
                         ({"master": "tcp://h:1", "on_load_failure": "ignore"}, "on_load_failure"),
                         ({"master": "tcp://h:1", "load_async": "yes"}, '"load_async" must be "auto", true or false'),
+                        ({"master": "tcp://h:1", "partial_blocks": 1}, '"partial_blocks" must be true or false'),
                         ({"master": "tcp://h:1", "mastr": "x"}, "unknown setting")]:
         with pytest.raises(errors.ConfigError, match=says):
             Settings.from_extra(extra)
@@ -318,7 +319,7 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
     import numpy as np
 
     import kvpool
-    from kvpool.integrations.vllm import KvpoolConnectorMetadata
+    from kvpool.integrations.vllm import KvpoolConnectorMetadata, Settings
 
     master = start_master(spawn_python)
     tokens = list(range(1, 4 * BLOCK + 1))  # exactly 4 full blocks
@@ -377,6 +378,10 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         # With vLLM's own cache holding the first two, the third loads alone, a token short.
         request4 = vllm_request("r4", tokens[:3 * BLOCK])
         assert connector.get_num_new_matched_tokens(request4, 2 * BLOCK) == (BLOCK - 1, False)
+        # "partial_blocks": false: loads end on block boundaries, the last block is computed.
+        connector.settings = Settings.from_extra({"master": master, "load_async": False, "partial_blocks": False})
+        request5 = vllm_request("r5", tokens[:3 * BLOCK])
+        assert connector.get_num_new_matched_tokens(request5, 0) == (2 * BLOCK, False)
         # A tracked request scheduled before vLLM gave it any block: nothing to save yet.
         unblocked = SimpleNamespace(
             scheduled_new_reqs=[], num_scheduled_tokens={"r3": 2 * BLOCK}, total_num_scheduled_tokens=2 * BLOCK,
