@@ -291,6 +291,31 @@ def vllm_request(request_id: str, tokens: list[int], **extras: Any) -> Any:
     return Request(request_id, tokens, SamplingParams(max_tokens=1), None, **extras)
 
 
+def new_request_step(scheduler: Any, req_id: str, computed: int, ids: list[int], scheduled: int) -> Any:
+    """The scheduler half's plan of a step that schedules one new request (``scheduled`` tokens
+    after ``computed``, blocks ``ids`` of one group), as vLLM's scheduler hands it over."""
+    from types import SimpleNamespace
+
+    none_cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return scheduler.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=computed, block_ids=(ids,))],
+        scheduled_cached_reqs=none_cached, num_scheduled_tokens={req_id: scheduled},
+        total_num_scheduled_tokens=scheduled))
+
+
+def run_step(connector: Any, meta: Any, layers: int) -> set[int]:
+    """A worker half runs one step of ``meta`` as vLLM's model runner calls it (each layer
+    waited for, then saved; the step's saves waited for): the vLLM block ids that failed to load."""
+    connector.bind_connector_metadata(meta)
+    connector.start_load_kv()
+    for i in range(layers):
+        connector.wait_for_layer_load(f"layer.{i}")
+        connector.save_kv_layer(f"layer.{i}")
+    connector.wait_for_save()
+    connector.wait_saved(10)
+    return connector.get_block_ids_with_load_errors()
+
+
 def _scheduler(master_address: str, kv_role: str = "kv_both", parallel_config: Any = None,
                kv_cache_config: Any = None):
     """The scheduler half of the connector (KvpoolScheduler) without an engine, through its
@@ -781,23 +806,12 @@ def test_each_tensor_parallel_rank_saves_and_loads_its_own_share_of_a_block_and_
     readers = [worker(f"reader{rank}", rank) for rank in (0, 1)]
     scheduler = _scheduler(master, parallel_config=parallel)
     scheduler.settings = settings
-    none_cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
 
     def step(req_id: str, computed: int, ids: list[int], scheduled: int) -> Any:
-        return scheduler.build_connector_meta(SimpleNamespace(
-            scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=computed, block_ids=(ids,))],
-            scheduled_cached_reqs=none_cached, num_scheduled_tokens={req_id: scheduled},
-            total_num_scheduled_tokens=scheduled))
+        return new_request_step(scheduler, req_id, computed, ids, scheduled)
 
     def run(connector: Any, meta: Any) -> set[int]:
-        connector.bind_connector_metadata(meta)
-        connector.start_load_kv()
-        for i in range(layers):
-            connector.wait_for_layer_load(f"layer.{i}")
-            connector.save_kv_layer(f"layer.{i}")
-        connector.wait_for_save()
-        connector.wait_saved(10)
-        return connector.get_block_ids_with_load_errors()
+        return run_step(connector, meta, layers)
 
     try:
         tags = [rank_tag(parallel, 0), rank_tag(parallel, 1)]
@@ -888,23 +902,12 @@ def test_a_prompt_ending_inside_a_block_saves_its_tail_and_a_prompt_extending_it
     writer, reader = worker("writer"), worker("reader")
     scheduler = _scheduler(master)
     scheduler.settings = settings
-    none_cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
 
     def step(req_id: str, computed: int, ids: list[int], scheduled: int) -> Any:
-        return scheduler.build_connector_meta(SimpleNamespace(
-            scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=computed, block_ids=(ids,))],
-            scheduled_cached_reqs=none_cached, num_scheduled_tokens={req_id: scheduled},
-            total_num_scheduled_tokens=scheduled))
+        return new_request_step(scheduler, req_id, computed, ids, scheduled)
 
     def run(connector: Any, meta: Any) -> set[int]:
-        connector.bind_connector_metadata(meta)
-        connector.start_load_kv()
-        for i in range(layers):
-            connector.wait_for_layer_load(f"layer.{i}")
-            connector.save_kv_layer(f"layer.{i}")
-        connector.wait_for_save()
-        connector.wait_saved(10)
-        return connector.get_block_ids_with_load_errors()
+        return run_step(connector, meta, layers)
 
     def load(req_id: str, tokens: list[int], expected: int, ids: list[int]) -> Any:
         request = vllm_request(req_id, tokens)
