@@ -90,6 +90,9 @@ class ClusterPool(PoolAPI):
         # No pool named, in whatever form the settings come: this process's own pool, never the
         # one of a kvpool-server or of another client on this host (same name = same arena and
         # nvme dir = PoolLockedError), and no nvme tier unless asked for (settings_for).
+        #: what the hand-off at :meth:`close` did (``node.hand_off_s``; see
+        #: :meth:`kvpool.cluster.node.view.ClusterView.hand_off`), once it ran
+        self.handed_off: dict[str, Any] | None = None
         self.local = Pool(settings_for(config, process="client"))
         super().__init__(self.local.config)
         self._adopt(self.local)
@@ -301,5 +304,10 @@ class ClusterPool(PoolAPI):
         return stats
 
     def _close(self) -> None:
+        if self.config.node.hand_off_s > 0:
+            try:
+                self.handed_off = self.cluster.hand_off(self.config.node.hand_off_s)
+            except Exception as exc:  # closing anyway: what was not handed off leaves with this node
+                log.warning("hand-off failed: %s: %.200s", type(exc).__name__, exc)
         self.cluster.close()
         self.local.close()

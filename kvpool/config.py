@@ -304,6 +304,10 @@ class NodeSection:
                                    "and not while polls keep running out or being preempted); 0: block at once")
     hello_timeout_s: float = _opt(3.0, "a connection to this node's TCP pull port must complete its opening "
                                        "(hello, answer, proof) this soon, or it is closed")
+    hand_off_s: float = _opt(0.0, "a client that closes spends at most this long having a storage node on its "
+                                  "host keep the objects it holds (newest first; a shared-memory tier there "
+                                  "first), so a process started after it still finds them; 0: they leave with "
+                                  "it (the vLLM connector's default pool: 3)")
     unproven_per_address: int = _opt(16, "connections from one peer address that have not (yet) proved the "
                                          "cluster key; a newer one cuts the oldest (the port's descriptors stay "
                                          "for peers with the key)")

@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> None:
             extra["durable"] = True
         if args.config:
             extra["config"] = args.config
+        if args.whole_blocks:  # loads end on block boundaries and no tails are saved (answers bit for bit)
+            extra["partial_blocks"] = False
         if args.layers_per_pull:
             extra["layers_per_pull"] = args.layers_per_pull
         if args.cpus:
@@ -200,6 +202,7 @@ def main() -> None:
     go.add_argument("--kv-role", choices=["kv_both", "kv_producer", "kv_consumer"], default="kv_both",
                     help="kvpool: vLLM's kv_role (a producer saves, a consumer loads)")
     go.add_argument("--no-plan", action="store_true", help="kvpool: load every held block (no load-or-recompute plan)")
+    go.add_argument("--whole-blocks", action="store_true", help="kvpool: partial_blocks false")
     go.add_argument("--layers-per-pull", type=int, default=0, help="kvpool: layers per pull (0: auto)")
     go.add_argument("--cpus", default="", help="kvpool: where the worker's kvpool threads run (auto, inherit, 0,1,...)")
     go.add_argument("--store", default="/tmp/kvpool-example-connector", help="ExampleConnector's directory")

@@ -113,20 +113,25 @@ class TierManager:
 
     # -- put ------------------------------------------------------------------
 
-    def put(self, key: bytes, spec: ObjectSpec, payload: memoryview, *, persistent: bool = False) -> str:
+    def put(self, key: bytes, spec: ObjectSpec, payload: memoryview, *, persistent: bool = False,
+            shared: bool = False) -> str:
         """Store an object (payload = layer-major bytes); returns the tier it landed in.
 
         ``persistent=True`` places it only in a tier that survives a restart
-        (nvme), for durable copies. Raises ObjectTooLargeError if no candidate
-        tier could ever hold it (CapacityError if ``persistent`` and there is no
-        persistent tier), PoolFullError if every candidate tier is full of
-        pinned or leased objects.
+        (nvme), for durable copies. ``shared=True`` tries a shared-memory tier (a cxl arena,
+        which other processes on this host read in place) before the tiers above it, for
+        objects kept for the engines beside this node (a departing engine's hand-off).
+        Raises ObjectTooLargeError if no candidate tier could ever hold it (CapacityError if
+        ``persistent`` and there is no persistent tier), PoolFullError if every candidate tier
+        is full of pinned or leased objects.
         """
         self._check_open()
         nbytes = spec.total_nbytes
         if len(payload) != spec.payload_nbytes:
             raise errors.InvalidKVError(f"payload is {len(payload)} bytes, spec needs {spec.payload_nbytes}")
         candidates = self._candidates(persistent)
+        if shared:
+            candidates.sort(key=lambda i: self.tiers[i].arena_info() is None)  # stable: tier order otherwise
         if not any(self.tiers[i].fits_ever(nbytes) for i in candidates):
             limits = ", ".join(f"{self.tiers[i].name} up to {largest_fit(self.tiers[i])} bytes" for i in candidates)
             raise errors.ObjectTooLargeError(

@@ -158,6 +158,10 @@ _ARENA_BYTES = 2 << 30  # the host memory an engine's pool took before (dram 1 G
 _ARENA_SHM_SHARE = 16
 
 
+#: how long an exiting engine's default pool hands its blocks to a storage node on its host
+HAND_OFF_S = 3.0
+
+
 def default_pool_config(shm_dir: str = "/dev/shm") -> dict[str, Any]:
     """An engine's own kvpool pool when ``kv_connector_extra_config`` names no ``config``: no
     dram tier, so every block the engine saves lands in its ``cxl`` tier, a shared-memory arena
@@ -167,8 +171,12 @@ def default_pool_config(shm_dir: str = "/dev/shm") -> dict[str, Any]:
     arena takes :func:`default_arena_bytes` at most, allocated as blocks first reach it; when it
     is full the least recently used blocks are dropped (an engine's pool has no nvme tier unless
     a ``config`` gives one, where they would move down instead), while durable copies stay on
-    the storage nodes."""
-    return {"tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": default_arena_bytes(shm_dir)}}}
+    the storage nodes. When the engine exits, its pool spends up to :data:`HAND_OFF_S` handing
+    its blocks, newest first, to a storage node on its host (``node.hand_off_s``: a
+    ``kvpool-server`` beside the engines), which keeps them in its own arena: an engine started
+    later reads them in place (vLLM gives an exiting engine 5 s before it kills it)."""
+    return {"tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": default_arena_bytes(shm_dir)}},
+            "node": {"hand_off_s": HAND_OFF_S}}
 
 
 def default_arena_bytes(shm_dir: str = "/dev/shm") -> int:

@@ -858,4 +858,13 @@ class KvpoolWorker:
         self._saver.shutdown(wait=True)  # saves in flight finish first
         log.info("kvpool saves: %d blocks saved in %.3f s (the steps waited %.3f s for them)",
                  self.stats["blocks_saved"], self.stats["save_s"], self.stats.get("save_wait_s", 0.0))
-        self.pool.close()
+        started = time.perf_counter()
+        self.pool.close()  # hands the blocks to a storage node on this host first (node.hand_off_s)
+        done = getattr(self.pool, "handed_off", None)
+        if done is not None and done["target"] is None and done["left"]:
+            log.info("kvpool hand-off at exit: no storage node on this host (or no master): %d blocks gone with "
+                     "this engine", done["left"])
+        elif done is not None and done["target"] is not None:
+            log.info("kvpool hand-off at exit to storage node %s: %d blocks kept there, %d held there already, "
+                     "%d failed, %d gone with this engine; closed in %.2f s", done["target"][:8], done["adopted"],
+                     done["held"], done["failed"], done["left"], time.perf_counter() - started)

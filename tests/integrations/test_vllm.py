@@ -202,6 +202,36 @@ def test_a_second_engine_loads_prefixes_from_kvpool_and_generates_the_same_token
     assert "the model waited 0.00 ms" in log
 
 
+def test_an_engine_started_after_the_one_that_computed_the_blocks_exited_reads_them_in_place_where_it_left_them(
+        tmp_path: Path, spawn_python) -> None:
+    """The README's set-up (settings: the master, nothing else) and a rolling restart: the first
+    engine's blocks live in its own shared-memory arena, which goes with it; as it exits, its
+    pool hands them to the storage node on its host (``node.hand_off_s`` of the default pool),
+    which keeps them in its arena. An engine started afterwards loads every full block of each
+    prompt in place from there, and answers exactly as the first (``partial_blocks`` false:
+    loads end on block boundaries, so the computation after them rounds as the first's did)."""
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    metrics_port = free_tcp_port()
+    daemon_log = tmp_path / "daemon.log"
+    spawn_python(["-m", "kvpool.cli.server", "--pool.name", "vllm-storage", "--pool.data_dir",
+                  str(tmp_path / "storage"), "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "64MiB",
+                  "--tiers.nvme.capacity", "0", "--master.listen", master, "--master.heartbeat_ms", "200",
+                  "--metrics.port", str(metrics_port)],
+                 log_path=daemon_log, ready=lambda: http_get(metrics_port, "/health")[0] == 200, timeout_s=40)
+    common, _ = model_and_prompts(tmp_path)
+    kv = ["--connector", "kvpool", "--master", master, "--no-plan", "--whole-blocks"]
+    first = engine(tmp_path, "first", *common, *kv)
+    first_log = (tmp_path / "first.log").read_text()
+    assert "kvpool hand-off at exit to storage node " in first_log, first_log[-3000:]
+    assert ": 6 blocks kept there, 0 held there already, 0 failed, 0 gone with this engine" in first_log, \
+        first_log[-3000:]  # two prefixes of 3 full blocks
+    later = engine(tmp_path, "later", *common, *kv)
+    assert [o["tokens"] for o in later["outputs"]] == [o["tokens"] for o in first["outputs"]]
+    assert [o["cached"] for o in later["outputs"]] == [3 * BLOCK] * 4  # every full block, none recomputed
+    log = (tmp_path / "later.log").read_text()
+    assert "in place from a same-host arena" in log and " 0 in place from a same-host arena" not in log, log[-3000:]
+
+
 def test_a_sliding_window_model_loads_its_prefix_from_kvpool_and_generates_the_same_tokens(
         tmp_path: Path, spawn_python) -> None:
     """A tiny Gemma-3-style model (sliding-window layers of 128 tokens between full-attention

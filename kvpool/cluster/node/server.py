@@ -222,7 +222,8 @@ class Node:
         self._replicator_lock = threading.Lock()
         self._peer_sweeper: threading.Thread | None = None  # started with the replicator
         #: control requests served: ``replicate_requests`` (one per replicate or replicate_many
-        #: exchange), ``replicated_objects`` (copies committed)
+        #: exchange), ``replicated_objects`` (copies committed); a departing node's hand-offs:
+        #: ``adopt_requests``, ``adopted_objects`` (kept and published), ``adopt_failures``
         self.counters = Counter[str]()
         self.heartbeater: Heartbeater | None = None
         self.address: NodeAddress | None = None
@@ -719,6 +720,8 @@ class Node:
                 result: Any = self._replicate(body)
             elif op == P.CONTROL_REPLICATE_MANY:
                 result = self._replicate_many(body)
+            elif op == P.CONTROL_ADOPT_MANY:
+                result = self._adopt_many(body)
             elif op == P.CONTROL_PING:
                 result = {"node_id": self.node_id}
             else:
@@ -843,6 +846,51 @@ class Node:
             raise errors.TransferError(
                 f"replicate_many: {committed} of {len(items)} copies committed; failed: {'; '.join(failures)[:1500]}")
         return {"node_id": self.node_id, "tiers": tiers, "committed": committed}
+
+    def _adopt_many(self, body: S.AdoptMany) -> dict[str, Any]:
+        """A departing node's hand-off (:meth:`kvpool.client.ClusterPool.close`, ``node.hand_off_s``):
+        the objects it alone would take away, kept here for the engines that come after it.
+
+        Objects this node already holds are skipped. The rest are pulled
+        together, each verified against the header the source named (a corrupt or changed
+        object is not kept: a miss later, never its bytes), stored as ordinary evictable
+        objects, a shared-memory tier first (the engines beside this node read them in place),
+        and published in one master round trip. Returns how many were ``adopted``, ``held``
+        already and ``failed``."""
+        self.counters["adopt_requests"] += 1
+        items = body.items
+        if len(items) > self.config.master.max_batch:
+            raise errors.RequestTooLargeError(f"adopt_many: {len(items)} items; the most is master.max_batch")
+        source = self._replication_source(body.source)
+        # A key held here already is skipped, whatever version: a copy (a durable one, an earlier
+        # hand-off's) has a header of its own, and keys name their content (prefix hashes).
+        todo = [S.ReplicateItem(item.key, item.spec, item.header_sum, 0, item.token)
+                for item in items if item.key not in self.manager]
+        buffers = self._replication_buffers(todo, persistent=False)
+        pulled = self._pull_replicas(source, [
+            PullRequest(source, item.key, LayerRange(0, spec.layers), payload, token=item.token,
+                        header_out=raw_header) for item, (spec, payload, raw_header) in zip(todo, buffers)])
+        records: list[ReplicaRecord] = []
+        failed = 0
+        for item, (spec, payload, raw_header), result in zip(todo, buffers, pulled):
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                header = ObjectHeader.unpack_expected(raw_header, item.key, item.header_sum, spec)
+                header.verify(LayerRange(0, spec.layers), payload)
+                self.manager.put(item.key, spec, payload.data, shared=True)
+            except errors.KVPoolError as exc:
+                failed += 1
+                log.debug("adopt %s: %s: %s", item.key.hex(), type(exc).__name__, exc)
+                continue
+            record = self.record(item.key)
+            if record is not None:
+                records.append(record)
+        if records:
+            self.publish(records)
+        self.counters["adopted_objects"] += len(records)
+        self.counters["adopt_failures"] += failed
+        return {"node_id": self.node_id, "adopted": len(records), "held": len(items) - len(todo), "failed": failed}
 
     def _pull_replicas(self, source: PeerAddress, requests: list[PullRequest]) -> list[int | BaseException]:
         """A batch's pulls, all in flight together (see :meth:`_replica_pulls`); those whose TCP

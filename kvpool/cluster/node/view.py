@@ -44,12 +44,17 @@ from kvpool.cluster.node.server import Node, NodeAddress, alive_peers_of
 from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.master_client import MasterClient
-from kvpool.cluster.wire.protocol import Placement, ReplicaRecord
+from kvpool.cluster.wire.protocol import CONTROL_ADOPT_MANY, Placement, ReplicaRecord
+from kvpool.cluster.wire.schema import ROLE_STORAGE
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, out_view
 from tiers.manager import TierManager
 
 log = logging.getLogger("kvpool.client")
+
+#: the most bytes one hand-off exchange moves (:meth:`ClusterView.hand_off`): the storage node
+#: holds a batch's receive buffers at once, and a batch cut short by the deadline is wasted
+HAND_OFF_BATCH_BYTES = 64 << 20
 
 
 def _failed(guess: Speculation) -> dict[str, str] | None:
@@ -248,6 +253,88 @@ class ClusterView:
             futures = [pool.submit(send, target) for target in targets]
         for future in futures:
             future.result()
+
+    def hand_off(self, within_s: float) -> dict[str, Any]:
+        """Before this node leaves: have a storage node on this host keep the objects this node
+        holds (``node.hand_off_s``), so the engine that comes after this one still finds them.
+
+        The objects go newest first, in batches (``master.max_batch`` objects, at most
+        :data:`HAND_OFF_BATCH_BYTES`), each an ``adopt_many`` exchange the storage node answers
+        once it has pulled, verified, stored and published them; it skips keys it holds
+        already. Stops at ``within_s``, or at the first failed exchange: what was not handed
+        off leaves with this node, as without a hand-off. The storage node chosen is the alive
+        one on this host with the most shared-memory (cxl) capacity, then the most capacity;
+        none on this host: nothing is handed off. Never raises; returns what it did."""
+        started = time.monotonic()
+        deadline = started + within_s
+        done: dict[str, Any] = {"adopted": 0, "held": 0, "failed": 0, "left": 0, "target": None}
+        objects = [(key, header) for key, _, _, header in reversed(self.node.manager.snapshot())]
+        if not objects or within_s <= 0 or self.node.address is None:
+            return done
+        try:
+            target = self._hand_off_target(self.master.stats(timeout_s=within_s / 2))  # a master away: half the time
+        except errors.KVPoolError as exc:
+            log.info("hand-off: the master did not answer (%s): %d objects leave with this node", exc, len(objects))
+            done["left"] = len(objects)
+            return done
+        if target is None:
+            log.info("hand-off: no storage node on this host: %d objects leave with this node", len(objects))
+            done["left"] = len(objects)
+            return done
+        node_id, control = target
+        done["target"] = node_id
+        source = self.node.address.encode()
+        key_of = self.node.cluster_key
+        at = 0
+        while at < len(objects):
+            batch: list[S.AdoptItem] = []
+            nbytes = 0
+            while at < len(objects) and len(batch) < self.config.master.max_batch \
+                    and (not batch or nbytes + objects[at][1].spec.total_nbytes <= HAND_OFF_BATCH_BYTES):
+                key, header = objects[at]
+                batch.append(S.AdoptItem(key=key, spec=header.spec.to_wire(), header_sum=header.checksum(),
+                                         token=key_of.mint_token(key, self.node.node_id)))
+                nbytes += header.spec.total_nbytes
+                at += 1
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                at -= len(batch)
+                break
+            try:
+                reply = control_call(control, CONTROL_ADOPT_MANY, S.AdoptMany(items=batch, source=source),
+                                     timeout_s=left_s, cluster_key=key_of)
+            except errors.KVPoolError as exc:
+                log.info("hand-off to node %s stopped: %s: %s", node_id[:8], type(exc).__name__, exc)
+                at -= len(batch)
+                break
+            for name in ("adopted", "held", "failed"):
+                value = reply.get(name) if isinstance(reply, dict) else None
+                done[name] += value if type(value) is int and value >= 0 else 0
+        done["left"] = len(objects) - at
+        self.counters["handed_off"] += done["adopted"]
+        log.info("hand-off to node %s: %d objects kept there, %d held there already, %d failed, %d left with "
+                 "this node, in %.2f s", node_id[:8], done["adopted"], done["held"], done["failed"], done["left"],
+                 time.monotonic() - started)
+        return done
+
+    def _hand_off_target(self, stats: Any) -> tuple[str, str] | None:
+        """(node id, control address) of the storage node on this host a hand-off goes to."""
+        nodes = stats.get("nodes") if isinstance(stats, dict) else None
+        best: tuple[tuple[int, int], str, str] | None = None
+        for node_id, node in (nodes.items() if isinstance(nodes, dict) else ()):
+            if (node_id == self.node.node_id or not isinstance(node, dict) or node.get("alive") is not True
+                    or node.get("role") != ROLE_STORAGE or node.get("host_id") != self.node.host_id):
+                continue
+            raw_address, tiers = node.get("address"), node.get("tiers")
+            address = NodeAddress.parse(raw_address) if isinstance(raw_address, str) else None
+            capacity = {name: t.get("capacity", 0) if isinstance(t, dict) else 0
+                        for name, t in (tiers.items() if isinstance(tiers, dict) else ())}
+            rank = (int(capacity.get("cxl", 0) or 0), sum(int(c or 0) for c in capacity.values()))
+            if address is None or not address.control or rank[1] <= 0:
+                continue
+            if best is None or rank > best[0]:
+                best = (rank, node_id, address.control)
+        return None if best is None else (best[1], best[2])
 
     def revoke(self, targets: Sequence[Placement]) -> None:
         """Give back reservations of copies that will not be made (else they expire after

@@ -614,8 +614,8 @@ class MasterClient:
             Placement(t.node_id, t.address, t.host_id, t.reservation, tuple(t.reservations)) for t in reply.targets
         ]
 
-    def stats(self) -> dict[str, Any]:
-        return cast(dict[str, Any], self.call(P.STATS, {}))
+    def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return cast(dict[str, Any], self.call(P.STATS, {}, timeout_s=timeout_s))
 
     def list_keys(self, prefix: KeyLike = b"", limit: int = 1000) -> tuple[list[dict[str, Any]], bool]:
         """(keys with their replicas, truncated) for keys starting with ``prefix``."""

@@ -387,14 +387,15 @@ def error_from_reply(body: Any) -> errors.KVPoolError:
 CONTROL_PROTOCOL_VERSION = 3  # v3: replicate names spec + header_sum
 CONTROL_REPLICATE = "replicate"
 CONTROL_REPLICATE_MANY = "replicate_many"
+CONTROL_ADOPT_MANY = "adopt_many"  # a departing node's hand-off (node.hand_off_s); a node without it: ProtocolError
 CONTROL_PING = "ping"
 CONTROL_STATS = "stats"
-CONTROL_OPS = frozenset({CONTROL_REPLICATE, CONTROL_REPLICATE_MANY, CONTROL_PING, CONTROL_STATS})
+CONTROL_OPS = frozenset({CONTROL_REPLICATE, CONTROL_REPLICATE_MANY, CONTROL_ADOPT_MANY, CONTROL_PING, CONTROL_STATS})
 
 
 CONTROL_SCHEMA: dict[str, type[S.Body]] = {
-    CONTROL_REPLICATE: S.Replicate, CONTROL_REPLICATE_MANY: S.ReplicateMany, CONTROL_PING: S.Ping,
-    CONTROL_STATS: S.Stats,
+    CONTROL_REPLICATE: S.Replicate, CONTROL_REPLICATE_MANY: S.ReplicateMany, CONTROL_ADOPT_MANY: S.AdoptMany,
+    CONTROL_PING: S.Ping, CONTROL_STATS: S.Stats,
 }
 
 

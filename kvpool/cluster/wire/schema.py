@@ -386,6 +386,28 @@ class ReplicateItem(Body):
             raise ValueError(f"header_sum must be a u64, got {self.header_sum}")
 
 
+class AdoptItem(Body):
+    """One object of :class:`AdoptMany`."""
+
+    key: bytes
+    spec: list[int | str]
+    header_sum: int
+    token: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.header_sum < 1 << 64:
+            raise ValueError(f"header_sum must be a u64, got {self.header_sum}")
+
+
+class AdoptMany(Body):
+    """A departing node's hand-off to a storage node on its host: pull every object from
+    ``source`` that this node does not hold yet, verify it, keep it (evictable, a shared-memory
+    tier first) and publish it as this node's own, in one master round trip."""
+
+    items: list[AdoptItem]
+    source: str
+
+
 class ReplicateMany(Body):
     """:class:`Replicate` of a batch from one ``source``: every object pulled together, each
     verified and stored, their reservations committed in one master round trip."""
