@@ -22,9 +22,12 @@ prefix cache:
    by one holding the blocks in private memory, ``dram``, so they are pulled over its TCP
    port, as from another host; ``"auto"`` then loads them outside the steps), and the same
    loaded in the step (``load_async`` false), and the restart case (``restart``, last: no node
-   holds the blocks any more but the storage node, whose durable copies the warm-up engine
-   left, as after that engine exited; read from its nvme, same host). Every row's tokens are checked against the
-   first's. LMCache's row (``lmcache``): its server mode, an ``lmcache server --chunk-size 256
+   holds the blocks any more but the storage node, as after the warm-up engine exited: with
+   ``--warm durable`` its durable copies, read from its nvme or, with ``--daemon-cxl``, its
+   arena; with ``--warm hand-off`` the warm-up engine runs with the README's settings and its
+   blocks are the ones it handed to the storage node at exit, in the storage node's arena).
+   Every row's tokens are checked against the first's. LMCache's row (``lmcache``): its server
+   mode, an ``lmcache server --chunk-size 256
    --eviction-policy LRU --supported-transfer-mode auto`` of its own (in its own process group,
    stopped when the row is done) and engines with vLLM's ``LMCacheMPConnector`` (a warm-up
    engine stores the documents through it, then the measured one), from ``--lmcache-venv``
@@ -462,7 +465,13 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
     length = ["--max-model-len", str(prefix + 256)]
     kv = ["--connector", "kvpool", "--master", master, "--config", str(config), *length]
     engine(work, f"warm-example-{prefix}", model, warm, "--connector", "example", "--store", str(store), *length)
-    warmed, _ = engine(work, f"warm-kvpool-{prefix}", model, warm, *kv, "--durable")
+    if args.warm == "hand-off":  # the README's settings: the blocks outlive the engine by its hand-off at exit
+        warmed, warm_log = engine(work, f"warm-kvpool-{prefix}", model, warm, "--connector", "kvpool", "--master",
+                                  master, *length)
+        handed = re.search(r"kvpool hand-off at exit .*", warm_log)
+        print(f"warm-up engine: {handed.group(0) if handed else 'no hand-off logged'}", flush=True)
+    else:
+        warmed, _ = engine(work, f"warm-kvpool-{prefix}", model, warm, *kv, "--durable")
     # The blocks the kvpool engine stored durably (on the storage node's nvme) are also kept by
     # a same-host node in its shared-memory arena (holder), as a kvpool-server with a cxl tier
     # or another engine on this host would hold them; the ExampleConnector's files are in this
@@ -494,7 +503,7 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
         ("tcp-all", "kvpool, TCP, threads on every core", [*kv, "--transport", "tcp", "--cpus", every]),
         *((f"tcp-l{n}", f"kvpool, TCP, {n} layers per pull", [*kv, "--transport", "tcp", "--layers-per-pull", str(n)])
           for n in (1, 2, 4, 8)),
-        ("restart", RESTART_LABEL, kv),  # (last: no node but the storage node holds them from here on)
+        ("restart", RESTART_LABELS[args.warm], kv),  # (last: no node but the storage node holds them from here on)
     ) if name in args.configs]
     rows: list[list[str]] = []
     reference = None
@@ -545,7 +554,8 @@ def engine_rows(master: str, work: Path, args: argparse.Namespace, prefix: int, 
 
 
 LMCACHE_LABEL = "LMCache server mode (its server's memory)"
-RESTART_LABEL = "kvpool, its engine gone (the storage node's durable copies)"
+RESTART_LABELS = {"durable": "kvpool, its engine gone (the storage node's durable copies)",
+                  "hand-off": "kvpool, its engine gone (handed off to the storage node at exit)"}
 
 
 def lmcache_row(work: Path, args: argparse.Namespace, prefix: int, model: Path, warm: Path, asked: Path,
@@ -637,6 +647,10 @@ def main() -> None:
                         help="the storage node's cxl tier (0: none, its durable copies are read from its nvme; "
                              "kvpool-server's default is 1GiB: it keeps a copy of each in a shared-memory arena "
                              "same-host engines read in place)")
+    parser.add_argument("--warm", choices=["durable", "hand-off"], default="durable",
+                        help="how the warm-up kvpool engine's blocks outlive it: durable copies on the storage node "
+                             "(its --config, --durable), or the default settings' hand-off at exit (no --config: "
+                             "its arena's blocks go to the storage node's cxl tier, so give it --daemon-cxl)")
     parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
                         help="the storage node's nvme reads: O_DIRECT (auto/on) or through the page cache (off)")
     parser.add_argument("--plot", default="", help="write a bar chart of TTFT p50 here")

@@ -11,7 +11,7 @@ import pytest
 import kvpool
 from tests.cluster_actor import content, key_of, small_config
 from tests.conftest import wait_for
-from tests.test_cluster import HEARTBEAT_MS, Cluster
+from tests.test_cluster import HEARTBEAT_MS, Cluster, node_config
 from tests.test_durable import node_id_from_log
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,9 +26,25 @@ def engine(cluster: Cluster, name: str, hand_off_s: float) -> kvpool.Pool:
     return kvpool.connect(cluster.master_address, config=config)
 
 
-def test_a_closing_client_hands_its_objects_to_the_storage_node_beside_it_verified(cluster: Cluster) -> None:
+def start_store(cluster: Cluster, in_place: bool):
+    """The storage node; ``in_place``: it may map the clients' arenas (tiers.cxl.shared_dirs), so
+    a hand-off is read out of the client's arena; else it pulls it over TCP."""
+    if not in_place:
+        return cluster.start_node("store")
+    data_dir = cluster.tmp_path / "store"
+    config = cluster.tmp_path / "store.toml"
+    config.write_text(node_config("store", data_dir, cluster.master_address).replace(
+        '[tiers.cxl]\n', f'[tiers.cxl]\nshared_dirs = "{cluster.tmp_path}"\n'))
+    log = cluster.tmp_path / "store.log"
+    return cluster.spawn(["-m", "kvpool.cli.server", "--role", "node", "--config", str(config)],
+                         log_path=log, ready=lambda: "ready" in log.read_text(), timeout_s=30)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["read-in-place", "pulled"])
+def test_a_closing_client_hands_its_objects_to_the_storage_node_beside_it_verified(
+        cluster: Cluster, in_place: bool) -> None:
     cluster.start_master()
-    store = cluster.start_node("store")
+    store = start_store(cluster, in_place)
     wait_for(lambda: len(cluster.alive_nodes()) == 1, 10, "the storage node to register")
     store_id = next(n for n in cluster.alive_nodes() if n.startswith(node_id_from_log(store)))
 
@@ -50,6 +66,7 @@ def test_a_closing_client_hands_its_objects_to_the_storage_node_beside_it_verifi
     assert counters["adopt_requests"] == 1
     assert counters["adopted_objects"] == KEYS - 2  # not key 0 (held already), not key 3 (corrupt)
     assert counters["adopt_failures"] == 1
+    assert counters.get("adopted_in_place", 0) == (KEYS - 2 if in_place else 0)
     # The engine is gone; the storage node is now the one holder of every object it kept.
     wait_for(lambda: len(cluster.alive_nodes()) == 1, 10, "the engine to leave")
     holders = {i: {r["node_id"] for r in cluster.client.locate(key_of(i), lease=False).replicas[0] or []}

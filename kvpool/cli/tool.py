@@ -184,9 +184,9 @@ def _why_missed(replicas: int, counters: dict[str, int]) -> str:
 def cmd_get(master: MasterClient, args: argparse.Namespace) -> int:
     from kvpool.cluster.node.located import checked_replicas, replicas_at
     from kvpool.cluster.node.reader import ReplicaReader
-    from kvpool.cluster.node.same_host import shared_dirs_of
     from kvpool.objformat import out_view
     from kvpool.transport import local_host_id
+    from tiers.cxl.arena import shared_dirs_of
 
     key = _key(args.key, args.text)
     layers = args.layers

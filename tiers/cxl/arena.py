@@ -14,6 +14,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,28 @@ def resolve_group(group: str | int | None) -> int | None:
 def user_shm_dir(uid: int | None = None) -> Path:
     """``/dev/shm/kvpool-<uid>``: this user's arenas live there (see :func:`private_arena_dir`)."""
     return SHM_DIR / f"kvpool-{os.geteuid() if uid is None else uid}"
+
+
+#: where same-host arenas may be mapped from when nothing else is allowed (tiers.cxl.shared_dirs adds more)
+DEFAULT_SHARED_DIRS = ("/dev/shm",)
+
+
+def shared_dirs_of(config: Any) -> tuple[str, ...]:
+    """The directories whose cxl arenas this process may map: /dev/shm, the directory of its own
+    configured arena, and ``tiers.cxl.shared_dirs`` (``:``-separated)."""
+    dirs = list(DEFAULT_SHARED_DIRS)
+    cxl = getattr(getattr(config, "tiers", None), "cxl", None)
+    own = getattr(cxl, "path", "") or ""
+    if own:
+        dirs.append(os.path.dirname(os.path.abspath(os.path.expanduser(own))))
+    extra = getattr(cxl, "shared_dirs", "") or ""
+    dirs += [os.path.expanduser(d) for d in str(extra).split(":") if d]
+    return tuple(dirs)
+
+
+def inside_dirs(real_path: str, dirs: Sequence[str]) -> bool:
+    """Whether the resolved ``real_path`` lies inside (at any depth) one of the resolved ``dirs``."""
+    return any(real_path.startswith(folder.rstrip("/") + "/") for folder in dirs)
 
 
 def default_arena_path(pool_name: str, data_dir: str | os.PathLike[str]) -> Path:

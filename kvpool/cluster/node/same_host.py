@@ -24,13 +24,11 @@ from kvpool import errors
 from kvpool.cluster.node.located import LocatedReplica, clean_node_address
 from kvpool.objformat import LayerRange, ObjectSpec
 from kvpool.transport import PeerAddress
+from tiers.cxl.arena import DEFAULT_SHARED_DIRS, inside_dirs
 
 log = logging.getLogger("kvpool.remote")
 
 OutView = Callable[[ObjectSpec, LayerRange, Any], "tuple[np.ndarray, memoryview]"]
-
-DEFAULT_SHARED_DIRS = ("/dev/shm",)
-
 
 @dataclass(frozen=True)
 class ArenaBlock:
@@ -74,19 +72,6 @@ def copy_layer(layer: int, blocks: Sequence[ArenaBlock], outs: Sequence[Any]) ->
     return ok
 
 
-def shared_dirs_of(config: Any) -> tuple[str, ...]:
-    """The directories whose cxl arenas this process may map: /dev/shm, the directory of its own
-    configured arena, and ``tiers.cxl.shared_dirs`` (``:``-separated)."""
-    dirs = list(DEFAULT_SHARED_DIRS)
-    cxl = getattr(getattr(config, "tiers", None), "cxl", None)
-    own = getattr(cxl, "path", "") or ""
-    if own:
-        dirs.append(os.path.dirname(os.path.abspath(os.path.expanduser(own))))
-    extra = getattr(cxl, "shared_dirs", "") or ""
-    dirs += [os.path.expanduser(d) for d in str(extra).split(":") if d]
-    return tuple(dirs)
-
-
 class SameHostArenas:
     """The arenas this reader mapped: its neighbours' (by node id) and located ones (by path and
     instance). ``counters``: the reader's (``hits_same_host``, ``same_host_retries``,
@@ -115,9 +100,8 @@ class SameHostArenas:
             real = os.path.realpath(path)
         except (OSError, ValueError):
             real = ""
-        for folder in self.allowed_dirs:
-            if real.startswith(folder.rstrip("/") + "/"):
-                return real
+        if real and inside_dirs(real, self.allowed_dirs):
+            return real
         log.warning("refusing to map %.300r: not inside the allowed shared-memory directories %s",
                     path, self.allowed_dirs)
         self.counters["refused_paths"] += 1

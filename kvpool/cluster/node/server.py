@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -861,17 +862,20 @@ class Node:
         items = body.items
         if len(items) > self.config.master.max_batch:
             raise errors.RequestTooLargeError(f"adopt_many: {len(items)} items; the most is master.max_batch")
-        source = self._replication_source(body.source)
+        if len(body.source) > self.config.master.max_address_bytes:
+            raise errors.ProtocolError("adopt_many: source must be a node address (str, bounded)")
+        address = NodeAddress.decode(body.source)
+        source = address.peer
         # A key held here already is skipped, whatever version: a copy (a durable one, an earlier
         # hand-off's) has a header of its own, and keys name their content (prefix hashes).
         todo = [S.ReplicateItem(item.key, item.spec, item.header_sum, 0, item.token)
                 for item in items if item.key not in self.manager]
+        held = len(items) - len(todo)
+        records, todo, failed = self._adopt_in_place(address, todo)
         buffers = self._replication_buffers(todo, persistent=False)
         pulled = self._pull_replicas(source, [
             PullRequest(source, item.key, LayerRange(0, spec.layers), payload, token=item.token,
                         header_out=raw_header) for item, (spec, payload, raw_header) in zip(todo, buffers)])
-        records: list[ReplicaRecord] = []
-        failed = 0
         for item, (spec, payload, raw_header), result in zip(todo, buffers, pulled):
             try:
                 if isinstance(result, BaseException):
@@ -890,7 +894,59 @@ class Node:
             self.publish(records)
         self.counters["adopted_objects"] += len(records)
         self.counters["adopt_failures"] += failed
-        return {"node_id": self.node_id, "adopted": len(records), "held": len(items) - len(todo), "failed": failed}
+        return {"node_id": self.node_id, "adopted": len(records), "held": held, "failed": failed}
+
+    def _adopt_in_place(self, address: NodeAddress, items: list[S.ReplicateItem],
+                        ) -> tuple[list[ReplicaRecord], list[S.ReplicateItem], int]:
+        """The part of a hand-off read straight out of the source's shared-memory arena (a node on
+        this host whose arena lies where this node may map arenas: ``tiers.cxl.shared_dirs``):
+        each object found through the arena's index, its header the version the source named,
+        copied out and verified against that header, then stored. Returns the records stored,
+        the items to pull instead (not in the arena, or no arena to read) and how many failed
+        their checks (not kept, not pulled again)."""
+        arena = address.arena
+        if not items or arena is None or address.peer.host_id != self.host_id:
+            return [], items, 0
+        from tiers.cxl import CxlArenaReader
+        from tiers.cxl.arena import inside_dirs, shared_dirs_of
+
+        real = os.path.realpath(arena["path"])
+        if not inside_dirs(real, [os.path.realpath(d) for d in shared_dirs_of(self.config)]):
+            return [], items, 0
+        try:
+            reader = CxlArenaReader.open(real, instance=arena["instance"])
+        except (errors.KVPoolError, OSError) as exc:
+            log.debug("adopt: cannot map the source's arena %s: %s", real, exc)
+            return [], items, 0
+        records: list[ReplicaRecord] = []
+        left: list[S.ReplicateItem] = []
+        failed = 0
+        buffer = np.empty(0, dtype=np.uint8)  # one receive buffer, reused: put copies out of it
+        try:
+            for item in items:
+                found = reader.find(item.key)
+                if found is None or found[1].checksum() != item.header_sum:
+                    left.append(item)  # not there as named: the pull decides
+                    continue
+                offset, header = found
+                spec = header.spec
+                if buffer.nbytes < spec.payload_nbytes:
+                    buffer = np.empty(spec.payload_nbytes, dtype=np.uint8)
+                payload = buffer[:spec.payload_nbytes]
+                try:
+                    reader.read_layers_into(offset, header, LayerRange(0, spec.layers), payload, verify=True)
+                    self.manager.put(item.key, spec, payload.data, shared=True)
+                except errors.KVPoolError as exc:
+                    failed += 1
+                    log.debug("adopt %s in place: %s: %s", item.key.hex(), type(exc).__name__, exc)
+                    continue
+                record = self.record(item.key)
+                if record is not None:
+                    records.append(record)
+        finally:
+            reader.close()
+        self.counters["adopted_in_place"] += len(records)
+        return records, left, failed
 
     def _pull_replicas(self, source: PeerAddress, requests: list[PullRequest]) -> list[int | BaseException]:
         """A batch's pulls, all in flight together (see :meth:`_replica_pulls`); those whose TCP

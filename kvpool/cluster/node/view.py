@@ -39,7 +39,6 @@ from kvpool.cluster.node.checks import Speculation
 from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of
 from kvpool.cluster.node.locators import LocationCache, Locator, MasterLocator, SameHostIndex
 from kvpool.cluster.node.reader import ReplicaReader
-from kvpool.cluster.node.same_host import shared_dirs_of
 from kvpool.cluster.node.server import Node, NodeAddress, alive_peers_of
 from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.control import control_call
@@ -48,6 +47,7 @@ from kvpool.cluster.wire.protocol import CONTROL_ADOPT_MANY, Placement, ReplicaR
 from kvpool.cluster.wire.schema import ROLE_STORAGE
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, ObjectSpec, out_view
+from tiers.cxl.arena import shared_dirs_of
 from tiers.manager import TierManager
 
 log = logging.getLogger("kvpool.client")

@@ -84,6 +84,11 @@ persistent tier and commits the reservation before it replies. A durable batch
 "header_sum", "reservation", "token"}], "source", "replicas", "persistent"}``: the
 target pulls every object at once, checks each as above, and commits them all in one
 ``commit`` before it replies ``{"node_id", "tiers": [tier], "committed": int}``.
+A client that closes with ``node.hand_off_s`` sends the storage node on its host
+``adopt_many`` ``{"items": [{"key", "spec", "header_sum", "token"}], "source"}``: the
+node skips keys it holds, pulls and checks the rest as above, stores them as ordinary
+(evictable) objects, a shared-memory tier first, publishes them as its own and replies
+``{"node_id", "adopted", "held", "failed"}``.
 
 ``leave`` is a clean departure: the node's replicas leave the index at once and
 it is listed as ``left`` (not dead) until ``master.forget_nodes_after_s``.
