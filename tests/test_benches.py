@@ -65,6 +65,17 @@ def test_client_start_bench_runs_and_a_default_client_maps_what_it_uses(tmp_path
         assert rows[what]["stderr_lines"] == 0, rows[what]
 
 
+def test_hand_off_bench_keeps_and_verifies_every_object_both_ways() -> None:
+    proc = run_or_dump([str(REPO_ROOT / "bench" / "hand_off_bench.py"), "--objects", "16", "--size", "256K"],
+                       timeout_s=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split("  ")[0]: line for line in proc.stdout.splitlines()
+            if line.startswith(("read in place", "pulled over TCP"))}
+    assert set(rows) == {"read in place", "pulled over TCP"}, proc.stdout
+    for line in rows.values():  # every object kept, none failed or left, every one's bytes checked
+        assert re.search(r"16 of 16\s+0\s+0\s+[\d.]+ s\s+[\d.]+\s+[\d.]+ s\s+16 of 16$", line), line
+
+
 def test_tier_bench_quick_runs(tmp_path: Path) -> None:
     plot = tmp_path / "tiers.png"
     rows_json = tmp_path / "rows.json"
