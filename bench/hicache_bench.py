@@ -14,7 +14,10 @@ Rows (one run, taking turns, same layout and page contents):
   stores into its pool's shared-memory arena (cxl tier only, as the vLLM connector's default
   pool); this process, the reader engine, reads the pages in place from that arena. A master
   (``kvpool-server --role master``) runs in its own process.
-* ``kvpool TCP``: the same, the reader's ``"transport": "tcp"`` and a writer whose pool keeps
+* ``kvpool, own pool``: one process sets and gets through one backend, its pool's arena
+  (cxl tier only): the counterpart of Mooncake's own-segment row, a read of the process's own
+  memory.
+* ``kvpool TCP``: the same as ``kvpool same host``, the reader's ``"transport": "tcp"`` and a writer whose pool keeps
   pages in dram (a same-host arena would be read in place whatever the transport), so every
   page is pulled over TCP, as from another host.
 * ``HiCacheFile tmpfs`` / ``HiCacheFile disk``: SGLang's file backend (``file_storage_path``)
@@ -71,8 +74,9 @@ if __package__ in (None, ""):  # run as a script: make ``bench``, ``tests`` and 
 BATCH = 128  # pages per call: SGLang's STORAGE_BATCH_SIZE
 KVPOOL_EXTRA = {"backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
                 "class_name": "KvpoolHiCacheStorage", "interface_v1": 1}
-ROWS = ("kvpool-shm", "kvpool-tcp", "file-tmpfs", "file-disk", "mooncake-remote", "mooncake")
+ROWS = ("kvpool-shm", "kvpool-tcp", "kvpool-own", "file-tmpfs", "file-disk", "mooncake-remote", "mooncake")
 LABELS = {"kvpool-shm": "kvpool same host (arena, in place)", "kvpool-tcp": "kvpool TCP (pulled)",
+          "kvpool-own": "kvpool, own pool (one process)",
           "file-tmpfs": "HiCacheFile tmpfs", "file-disk": "HiCacheFile disk", "mooncake": "Mooncake (TCP, own segment)",
           "mooncake-remote": "Mooncake (TCP, writer's segment)"}
 TARGETS = {"file": 1.5, "mooncake": 1.0}
@@ -506,7 +510,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 model = f"hicache-bench/{name}/{os.getpid()}"
                 progress(f"page {page_size}: {LABELS[name]}")
                 try:
-                    if name.startswith("kvpool"):
+                    if name == "kvpool-own":  # sets and gets in this process, as Mooncake's own segment
+                        config = {"pool": {"data_dir": str(work / f"own-{page_size}")},
+                                  "tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": arena},
+                                            "nvme": {"capacity": 0}}}
+                        backend = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
+                                                                  "config": config}, host)
+                        backends.append(backend)
+                        try:
+                            measure_local(row, backend, host, args.warmup, args.calls, v1=True)
+                        finally:
+                            backend.close()
+                            backends.remove(backend)
+                    elif name.startswith("kvpool"):
                         transport = "tcp" if name == "kvpool-tcp" else "auto"
                         reader_config = {"pool": {"data_dir": str(work / f"reader-{name}-{page_size}")},
                                          "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
