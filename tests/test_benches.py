@@ -282,8 +282,8 @@ def test_hicache_bench_quick_through_sglang_venv(tmp_path: Path) -> None:
     assert proc.returncode == 0, out + err[-5000:]
     assert "kvpool / peer" in out and "target >= 1.5x" in out
     rows = {(r["row"], r["page_size"]): r for r in json.loads(rows_json.read_text())["rows"]}
-    assert set(rows) == {(name, page) for name in ("kvpool-shm", "kvpool-tcp", "file-tmpfs", "file-disk",
-                                                   "mooncake-remote", "mooncake")
+    assert set(rows) == {(name, page) for name in ("kvpool-shm", "kvpool-tcp", "kvpool-own", "file-tmpfs",
+                                                   "file-disk", "mooncake-remote", "mooncake")
                          for page in (16, 64)}
     for (name, _page), r in rows.items():
         if name.startswith("mooncake") and r["status"] != "ok":
