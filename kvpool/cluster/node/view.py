@@ -258,10 +258,11 @@ class ClusterView:
         """Before this node leaves: have a storage node on this host keep the objects this node
         holds (``node.hand_off_s``), so the engine that comes after this one still finds them.
 
-        The objects go newest first, in batches (``master.max_batch`` objects, at most
-        :data:`HAND_OFF_BATCH_BYTES`), each an ``adopt_many`` exchange the storage node answers
-        once it has pulled, verified, stored and published them; it skips keys it holds
-        already. Stops at ``within_s``, or at the first failed exchange: what was not handed
+        The objects go newest first (by when each key was first stored here), in batches
+        (``master.max_batch`` objects, at most :data:`HAND_OFF_BATCH_BYTES`), each an
+        ``adopt_many`` exchange the storage node answers once it has read them (in place from
+        this node's arena where it may map it, else pulled), verified, stored and published
+        them; it skips keys it holds already. Stops at ``within_s``, or at the first failed exchange: what was not handed
         off leaves with this node, as without a hand-off. The storage node chosen is the alive
         one on this host with the most shared-memory (cxl) capacity, then the most capacity;
         none on this host: nothing is handed off. Never raises; returns what it did."""
