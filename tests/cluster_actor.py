@@ -73,9 +73,11 @@ def main() -> int:
     parser.add_argument("--host", default="", help="node.host (default: auto, from the route to the master)")
     parser.add_argument("--dram", default="4MiB",
                         help="0: puts land in the cxl arena (same-host readers read in place)")
+    parser.add_argument("--hand-off-s", type=float, default=0.0, help="node.hand_off_s")
     args = parser.parse_args()
     config = small_config(args.master, args.name, args.data_dir, args.heartbeat_ms, args.dram, args.host,
                           args.etcd, args.etcd_prefix, 0 if args.role == "stream" else 65536)
+    config.set("node.hand_off_s", args.hand_off_s, origin="cluster_actor")
     pool = kvpool.connect(None if args.etcd else args.master, config=config, transport=args.transport)
     try:
         keys = range(args.first, args.first + args.keys)

@@ -126,3 +126,38 @@ def test_a_hand_off_within_no_time_sends_nothing_and_one_repeated_finds_everythi
         assert (again["adopted"], again["held"]) == (0, KEYS)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("hand_off", [True, False], ids=["asked-for", "not-asked-for"])
+def test_a_killed_clients_arena_is_rescued_by_the_storage_node_on_its_host_when_it_asked_for_a_hand_off(
+        cluster: Cluster, hand_off: bool) -> None:
+    """``kill -9`` of a client whose objects live in its arena: no hand-off ran. Once the master
+    declares it dead, it has the storage node on its host read the objects out of the dead
+    client's arena (checked against the header checksums the master indexed, every layer
+    against its header) and keep them: a reader then gets every one, exact. Only for a client
+    that asked for a hand-off (``node.hand_off_s``); any other's objects go with it."""
+    cluster.start_master()
+    store = start_store(cluster, in_place=True)
+    wait_for(lambda: len(cluster.alive_nodes()) == 1, 10, "the storage node to register")
+    store_id = next(n for n in cluster.alive_nodes() if n.startswith(node_id_from_log(store)))
+    writer = cluster.start_actor("writer", "writer", "--keys", str(KEYS), "--dram", "0",
+                                 "--hand-off-s", "3" if hand_off else "0")
+    assert cluster.client.lookup([key_of(i) for i in range(KEYS)]) == KEYS
+    writer.kill()  # SIGKILL: its close (and hand-off) never runs; its arena file stays behind
+    if hand_off:
+        wait_for(lambda: cluster.client.stats()["counters"]["rescues_done"] == 1, 20, "the rescue")
+        counters = cluster.node_stats(store_id)["counters"]
+        assert counters["rescued_objects"] == KEYS, counters
+        assert cluster.client.stats()["counters"]["rescued_objects"] == KEYS
+        reader = engine(cluster, "reader", hand_off_s=0.0)
+        try:
+            for i in range(KEYS):
+                got = reader.get(key_of(i))
+                assert got is not None and np.array_equal(got, content(i)), f"key {i}"
+        finally:
+            reader.close()
+    else:
+        wait_for(lambda: cluster.client.stats()["counters"]["nodes_dead"] == 1, 20, "the writer declared dead")
+        assert cluster.client.lookup([key_of(0)]) == 0
+        assert cluster.client.stats()["counters"]["rescues_planned"] == 0
+        assert cluster.node_stats(store_id)["counters"].get("adopt_requests", 0) == 0

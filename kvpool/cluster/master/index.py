@@ -877,6 +877,21 @@ class KeyIndex:
             self.journal(["pop", key])
         return holders  # type: ignore[return-value]
 
+    def records_of(self, node_id: str, tier: str | None = None) -> list[tuple[bytes, Replica]]:
+        """Every (key, replica) ``node_id`` holds (in ``tier`` only, if given): its table slots
+        found in one pass over the node column, then the keys with more than one holder."""
+        idx = self._node_index.get(node_id)
+        if idx is None or not self._node_counts[idx]:
+            return []
+        out: list[tuple[bytes, Replica]] = []
+        for s in np.flatnonzero(self.nd == idx).tolist():
+            key = self._k0[s].to_bytes(8, "little") + self._k1[s].to_bytes(8, "little")
+            out.append((key, self._decode(key, self._slot_enc(s))))
+        for table in (self._extra, self._odd):
+            for key, encs in table.items():
+                out += [(key, self._decode(key, enc)) for enc in encs if enc[0] == idx]
+        return out if tier is None else [(key, record) for key, record in out if record.tier == tier]
+
     def drop_node(self, node_id: str) -> int:
         """Drop every replica of ``node_id``; how many there were."""
         idx = self._node_index.get(node_id)

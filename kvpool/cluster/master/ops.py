@@ -92,6 +92,7 @@ class MasterState(IndexState):
             node.address, node.host_id, node.tiers = address, host_id, tiers
             node.last_seen, node.alive, node.committed_since_beat = now, True, 0
         node.role, node.persistent_tiers, node.control = role, tuple(persistent), control
+        node.hand_off = body.hand_off and role == P.ROLE_CLIENT
         node.endpoint, node.state, node.term_seen = endpoint, "alive", self.term
         if self.resend_from is not None:
             self._takeover_filled_in()

@@ -36,6 +36,7 @@ COUNTERS = (
     "deletes", "evictions_allowed", "evictions_refused", "removed",
     "registers", "heartbeats", "nodes_dead", "nodes_left", "placements",
     "rereplications_started", "rereplications_done", "rereplications_failed",
+    "rescues_planned", "rescues_done", "rescues_failed", "rescued_objects",
 )
 
 _ENDPOINT_RE = re.compile(r"^[a-z]+://(.+:[0-9]+)")
@@ -86,6 +87,7 @@ class NodeInfo:
     endpoint: str = "?"     # host:port, for log lines
     state: str = "alive"    # alive | dead | left
     term_seen: int = 0      # the last master term whose takeover gap this node filled in (or registered in)
+    hand_off: bool = False  # a client whose shared-memory objects a storage node on its host keeps once it died
 
     @property
     def label(self) -> str:
@@ -131,12 +133,14 @@ def node_wire(node: NodeInfo) -> dict[str, Any]:
     """What a standby needs of a node (kvpool.cluster.master.follow): msgpack-able."""
     return {"node_id": node.node_id, "address": node.address, "host_id": node.host_id, "tiers": node.tiers,
             "alive": node.alive, "state": node.state, "role": node.role,
-            "persistent_tiers": list(node.persistent_tiers), "control": node.control, "endpoint": node.endpoint}
+            "persistent_tiers": list(node.persistent_tiers), "control": node.control, "endpoint": node.endpoint,
+            "hand_off": node.hand_off}
 
 
 def node_from_wire(wire: dict[str, Any], now: float) -> NodeInfo:
     node = NodeInfo(wire["node_id"], wire["address"], wire["host_id"], wire["tiers"], now)
     node.alive, node.state, node.role = wire["alive"], wire["state"], wire["role"]
+    node.hand_off = bool(wire.get("hand_off", False))
     node.persistent_tiers, node.control, node.endpoint = tuple(wire["persistent_tiers"]), wire["control"], \
         wire["endpoint"]
     if not node.alive:
@@ -168,6 +172,19 @@ class RereplicationTask:
     target_label: str
     target_control: str
     reservation: int
+
+
+@dataclass(slots=True)
+class RescueTask:
+    """The shared-memory objects of a client that died (one that asked for a hand-off), for a
+    storage node on its host to read out of the dead client's arena and keep."""
+
+    source_id: str
+    source_address: str
+    target_id: str
+    target_label: str
+    target_control: str
+    items: list[tuple[bytes, Any, int]]  # (key, ObjectSpec.to_wire(), header checksum)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,13 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster.master.ops import MasterState
-from kvpool.cluster.master.records import REREPLICATE_MAX_IN_FLIGHT, REREPLICATE_WORKERS, RereplicationTask, loggable
+from kvpool.cluster.master.records import (
+    REREPLICATE_MAX_IN_FLIGHT,
+    REREPLICATE_WORKERS,
+    RereplicationTask,
+    RescueTask,
+    loggable,
+)
 from kvpool.cluster.wire import schema as S
 from kvpool.cluster.wire.control import control_call
 from kvpool.cluster.wire.security import ClusterKey
@@ -38,6 +44,11 @@ class Rereplicator:
         self.cluster_key = cluster_key
         self.rate = config.rereplicate_per_s
         self.timeout_s = config.rereplicate_timeout_s
+        self.max_batch = config.max_batch
+        #: finished rescues (a thread each: they are rare, one per client that died), told back
+        #: to the serving thread: (task, objects kept, error or None)
+        self._rescued: queue.SimpleQueue[tuple[RescueTask, int, str | None]] = queue.SimpleQueue()
+        self._rescuers: list[threading.Thread] = []
         self._context = context
         self._tokens = max(1.0, self.rate)
         self._burst = max(1.0, self.rate)
@@ -52,6 +63,7 @@ class Rereplicator:
 
     def round(self, now: float) -> None:
         state = self.state
+        self._rescue_round()
         done = failed = 0
         last_error = ""
         while True:
@@ -94,6 +106,45 @@ class Rereplicator:
                 len(state.to_check) + len(state.rereplicating), self.in_flight,
             )
 
+    def _rescue_round(self) -> None:
+        """Start the rescues the state planned (a thread each) and count the ones that ended."""
+        state = self.state
+        while state.rescues:
+            task = state.rescues.pop(0)
+            thread = threading.Thread(target=self._rescue, args=(task,), daemon=True,
+                                      name=f"kvpool-rescue-{task.source_id[:8]}")
+            thread.start()
+            self._rescuers = [t for t in self._rescuers if t.is_alive()] + [thread]
+        while True:
+            try:
+                task, kept, error = self._rescued.get_nowait()
+            except queue.Empty:
+                break
+            state.counters["rescues_failed" if error else "rescues_done"] += 1
+            state.counters["rescued_objects"] += kept
+            log.info("rescue of dead client %s's arena by %s: %d of %d objects kept%s", task.source_id[:8],
+                     task.target_label, kept, len(task.items), f"; stopped: {error}" if error else "")
+
+    def _rescue(self, task: RescueTask) -> None:
+        """Ask the storage node to read the dead client's objects out of its arena (adopt_many with
+        ``rescue``), a batch at a time; off the serving thread."""
+        kept, error = 0, None
+        try:
+            for at in range(0, len(task.items), self.max_batch):
+                if self._stop.is_set():
+                    raise errors.KVTimeoutError("rescue: the master is stopping")
+                items = [S.AdoptItem(key=key, spec=spec, header_sum=header_sum)
+                         for key, spec, header_sum in task.items[at:at + self.max_batch]]
+                reply = control_call(task.target_control, "adopt_many",
+                                     S.AdoptMany(items=items, source=task.source_address, rescue=True),
+                                     self.timeout_s, context=self._context, cluster_key=self.cluster_key,
+                                     check=self._check_stopping)
+                adopted = reply.get("adopted") if isinstance(reply, dict) else None
+                kept += adopted if type(adopted) is int and adopted >= 0 else 0
+        except Exception as exc:  # reported on the serving thread
+            error = f"{type(exc).__name__}: {exc}"
+        self._rescued.put((task, kept, error))
+
     def _start_workers(self) -> None:
         while len(self._threads) < REREPLICATE_WORKERS:
             thread = threading.Thread(target=self._work, name=f"kvpool-rereplicate-{len(self._threads)}",
@@ -121,6 +172,10 @@ class Rereplicator:
                 error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, errors.KVPoolError) else str(exc)
             self._done.put((task, error))
 
+    def _check_stopping(self) -> None:
+        if self._stop.is_set():
+            raise errors.KVTimeoutError("the master is stopping")
+
     def _check_task(self, task: Any) -> None:
         """While a copy waits: give up when the master stops or the target is gone."""
         if self._stop.is_set():
@@ -132,5 +187,5 @@ class Rereplicator:
         self._stop.set()
         for _ in self._threads:
             self._todo.put(None)
-        for thread in self._threads:
+        for thread in self._threads + self._rescuers:
             thread.join(2.0)

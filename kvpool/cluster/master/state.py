@@ -95,6 +95,7 @@ from kvpool.cluster.master.records import (
     NodeInfo,
     Replica,
     RereplicationTask,
+    RescueTask,
     Reservation,
 )
 from kvpool.cluster.wire import protocol as P
@@ -165,6 +166,8 @@ class IndexState:
         self.durable: Durable = Durable()
         self.to_check: OrderedDict[bytes, float] = OrderedDict()
         self.rereplicating: dict[bytes, set[str]] = {}
+        #: the arenas of dead clients a storage node on their host is to rescue (Rereplicator.round)
+        self.rescues: list[RescueTask] = []
         self._attempts: dict[bytes, int] = {}
         self._last_turn: float | None = None  # see note_turn
         #: mints the pull token every located replica carries (MasterServer sets it; None: no tokens)
@@ -443,12 +446,36 @@ class IndexState:
                 node.last_seen = min(ended, node.last_seen + stall)
 
     def _declare_dead(self, node: NodeInfo, now: float) -> None:
+        self._plan_rescue(node)  # (before its replicas leave the index)
         dropped, stale = self._retire(node, now, "dead")
         self.counters["nodes_dead"] += 1
         log.warning(
             "node %s missed %d heartbeats: declared dead; %d replicas and %d reservations dropped",
             node.label, self.config.dead_after_missed, dropped, stale,
         )
+
+    def _plan_rescue(self, node: NodeInfo) -> None:
+        """A client that asked for a hand-off (``node.hand_off_s``) and died without one: its
+        objects in its shared-memory arena outlive it until another process on the host clears
+        the dead arena away, so a storage node on that host is asked to read them out of it and
+        keep them (``adopt_many``; checked against these header checksums, every layer against
+        its header). The storage node with the most cxl capacity is chosen; none: nothing."""
+        if not node.hand_off or node.role != P.ROLE_CLIENT:
+            return
+        targets = [n for n in self.nodes.values()
+                   if n.alive and n.role == P.ROLE_STORAGE and n.host_id == node.host_id and n.control]
+        if not targets:
+            return
+        def rank(n: NodeInfo) -> tuple[int, int]:
+            return (int(n.tiers.get("cxl", {}).get("capacity", 0)), sum(int(t.get("capacity", 0))
+                                                                           for t in n.tiers.values()))
+        target = max(targets, key=rank)
+        items = [(key, list(record.spec), record.header_sum)
+                 for key, record in self.index.records_of(node.node_id, "cxl") if record.header_sum is not None]
+        if items:
+            self.rescues.append(RescueTask(node.node_id, node.address, target.node_id, target.label, target.control,
+                                           items))
+            self.counters["rescues_planned"] += 1
 
     # -- durability ---------------------------------------------------------------------
 

@@ -555,7 +555,7 @@ class Node:
         reply = self.master.register(self.node_id, self.address.encode(), self.host_id,
                                      self.tier_state(), records, role=role,
                                      persistent_tiers=[t.name for t in persistent],
-                                     control=self.control_address)
+                                     control=self.control_address, hand_off=self.config.node.hand_off_s > 0)
         self._registered = True
         self.recent.registered()
         self._registered_term = int(reply.get("term", 0))
@@ -871,7 +871,9 @@ class Node:
         todo = [S.ReplicateItem(item.key, item.spec, item.header_sum, 0, item.token)
                 for item in items if item.key not in self.manager]
         held = len(items) - len(todo)
-        records, todo, failed = self._adopt_in_place(address, todo)
+        records, todo, failed = self._adopt_in_place(address, todo, owned=not body.rescue)
+        if body.rescue:  # the source is dead: what its arena did not give, nobody serves
+            failed, todo = failed + len(todo), []
         buffers = self._replication_buffers(todo, persistent=False)
         pulled = self._pull_replicas(source, [
             PullRequest(source, item.key, LayerRange(0, spec.layers), payload, token=item.token,
@@ -896,14 +898,15 @@ class Node:
         self.counters["adopt_failures"] += failed
         return {"node_id": self.node_id, "adopted": len(records), "held": held, "failed": failed}
 
-    def _adopt_in_place(self, address: NodeAddress, items: list[S.ReplicateItem],
+    def _adopt_in_place(self, address: NodeAddress, items: list[S.ReplicateItem], owned: bool = True,
                         ) -> tuple[list[ReplicaRecord], list[S.ReplicateItem], int]:
         """The part of a hand-off read straight out of the source's shared-memory arena (a node on
         this host whose arena lies where this node may map arenas: ``tiers.cxl.shared_dirs``):
         each object found through the arena's index, its header the version the source named,
         copied out and verified against that header, then stored. Returns the records stored,
         the items to pull instead (not in the arena, or no arena to read) and how many failed
-        their checks (not kept, not pulled again)."""
+        their checks (not kept, not pulled again). ``owned`` false (a rescue): the arena's owner
+        is gone, its file is read as it was left (every object still checked)."""
         arena = address.arena
         if not items or arena is None or address.peer.host_id != self.host_id:
             return [], items, 0
@@ -914,7 +917,7 @@ class Node:
         if not inside_dirs(real, [os.path.realpath(d) for d in shared_dirs_of(self.config)]):
             return [], items, 0
         try:
-            reader = CxlArenaReader.open(real, instance=arena["instance"])
+            reader = CxlArenaReader.open(real, instance=arena["instance"], require_owner=owned)
         except (errors.KVPoolError, OSError) as exc:
             log.debug("adopt: cannot map the source's arena %s: %s", real, exc)
             return [], items, 0
@@ -946,6 +949,8 @@ class Node:
         finally:
             reader.close()
         self.counters["adopted_in_place"] += len(records)
+        if not owned:
+            self.counters["rescued_objects"] += len(records)
         return records, left, failed
 
     def _pull_replicas(self, source: PeerAddress, requests: list[PullRequest]) -> list[int | BaseException]:

@@ -262,10 +262,12 @@ class ClusterView:
         (``master.max_batch`` objects, at most :data:`HAND_OFF_BATCH_BYTES`), each an
         ``adopt_many`` exchange the storage node answers once it has read them (in place from
         this node's arena where it may map it, else pulled), verified, stored and published
-        them; it skips keys it holds already. Stops at ``within_s``, or at the first failed exchange: what was not handed
-        off leaves with this node, as without a hand-off. The storage node chosen is the alive
-        one on this host with the most shared-memory (cxl) capacity, then the most capacity;
-        none on this host: nothing is handed off. Never raises; returns what it did."""
+        them; it skips keys it holds already. Stops at ``within_s``, or at the first failed
+        exchange: what was not handed off leaves with this node, as without a hand-off (or is
+        rescued, should this node die instead: the master's ``_plan_rescue``). The storage node
+        chosen is the alive one on this host with the most shared-memory (cxl) capacity, then
+        the most capacity; none on this host: nothing is handed off. Never raises; returns what
+        it did."""
         started = time.monotonic()
         deadline = started + within_s
         done: dict[str, Any] = {"adopted": 0, "held": 0, "failed": 0, "left": 0, "target": None}

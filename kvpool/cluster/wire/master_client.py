@@ -375,12 +375,14 @@ class MasterClient:
         role: str = P.ROLE_CLIENT,
         persistent_tiers: Sequence[str] = (),
         control: str | None = None,
+        hand_off: bool = False,
     ) -> dict[str, Any]:
         """Announce a node and everything it holds (replaces what the master believed).
 
         Each object is a :func:`kvpool.cluster.wire.protocol.replica_record` with ``key`` set.
         ``role`` ``"storage"`` plus a persistent tier makes the node eligible for
-        durable copies; ``control`` is its control socket (for re-replication).
+        durable copies; ``control`` is its control socket (for re-replication); ``hand_off``: a
+        storage node on its host should keep its shared-memory objects once it is gone.
         The reply carries the master's ``heartbeat_ms``/``dead_after_missed``.
         """
         first: list[dict[str, Any]] = []
@@ -395,6 +397,8 @@ class MasterClient:
             }
             if control is not None:
                 body["control"] = control
+            if hand_off:
+                body["hand_off"] = True
             first.append(msgspec.structs.asdict(self.call(P.REGISTER, body)))
             return cast(int, first[0]["indexed"])
 

@@ -111,6 +111,9 @@ class Register(Body):
     role: str = ROLE_CLIENT
     persistent_tiers: list[str] = []
     control: str | None = None  # the node's control socket; taken from a JSON ``address`` when absent
+    # a client whose objects a storage node on its host should keep when it goes (node.hand_off_s):
+    # at a clean exit it hands them off itself; declared dead, the master has them rescued
+    hand_off: bool = False
 
     def __post_init__(self) -> None:
         _bounded("node_id", self.node_id, MAX_ID_BYTES)
@@ -406,6 +409,9 @@ class AdoptMany(Body):
 
     items: list[AdoptItem]
     source: str
+    # the master's rescue of a client declared dead: its arena is read though no process owns it
+    # any more, and what is not there is not pulled (nobody serves it)
+    rescue: bool = False
 
 
 class ReplicateMany(Body):

@@ -257,6 +257,12 @@ class IndexMachine(RuleBasedStateMachine):
             assert info["objects"] == sum(node in h for h in self.model.values())
         listed = state.handle(P.LIST, {"prefix": b"", "limit": 1000})["keys"]
         assert sorted(item["key"] for item in listed) == sorted(self.model)
+        for node in NODES:  # what a dead client's rescue is planned from: every record a node holds
+            got = sorted((key, _comparable(vars_of(record))) for key, record in state.index.records_of(node))
+            want = sorted((key, _comparable(held[node])) for key, held in self.model.items() if node in held)
+            assert got == want, node
+            assert sorted(k for k, _ in state.index.records_of(node, "cxl")) == \
+                sorted(k for k, held in self.model.items() if node in held and held[node]["tier"] == "cxl")
         # The standby, once it has followed, answers as the leader does.
         self._follow()
         standby = self.standby
@@ -273,6 +279,12 @@ def _everything(state: MasterState) -> Any:
     stats = state.handle(P.STATS, {})
     return ([None if r is None else sorted((x["node_id"], _comparable(x)) for x in r) for r in located],
             stats["keys"], stats["replicas"], {n: i["objects"] for n, i in stats["nodes"].items()})
+
+
+def vars_of(record: Any) -> dict[str, Any]:
+    """A master Replica as the wire dict the model keeps."""
+    return {"tier": record.tier, "spec": record.spec, "nbytes": record.nbytes, "header_sum": record.header_sum,
+            "location": record.location}
 
 
 def _comparable(record: dict[str, Any]) -> tuple[Any, ...]:
