@@ -88,7 +88,9 @@ A client that closes with ``node.hand_off_s`` sends the storage node on its host
 ``adopt_many`` ``{"items": [{"key", "spec", "header_sum", "token"}], "source"}``: the
 node skips keys it holds, pulls and checks the rest as above, stores them as ordinary
 (evictable) objects, a shared-memory tier first, publishes them as its own and replies
-``{"node_id", "adopted", "held", "failed"}``.
+``{"node_id", "adopted", "held", "failed"}``. The master sends the same with ``"rescue":
+true`` for a client that registered with ``"hand_off": true`` and was declared dead: the node
+reads the dead client's arena without an owner and pulls nothing.
 
 ``leave`` is a clean departure: the node's replicas leave the index at once and
 it is listed as ``left`` (not dead) until ``master.forget_nodes_after_s``.
