@@ -884,14 +884,10 @@ class Node:
                     raise result
                 header = ObjectHeader.unpack_expected(raw_header, item.key, item.header_sum, spec)
                 header.verify(LayerRange(0, spec.layers), payload)
-                self.manager.put(item.key, spec, payload.data, shared=True)
+                self._keep_adopted(item.key, spec, payload, records)
             except errors.KVPoolError as exc:
                 failed += 1
                 log.debug("adopt %s: %s: %s", item.key.hex(), type(exc).__name__, exc)
-                continue
-            record = self.record(item.key)
-            if record is not None:
-                records.append(record)
         if records:
             self.publish(records)
         self.counters["adopted_objects"] += len(records)
@@ -938,20 +934,24 @@ class Node:
                 payload = buffer[:spec.payload_nbytes]
                 try:
                     reader.read_layers_into(offset, header, LayerRange(0, spec.layers), payload, verify=True)
-                    self.manager.put(item.key, spec, payload.data, shared=True)
+                    self._keep_adopted(item.key, spec, payload, records)
                 except errors.KVPoolError as exc:
                     failed += 1
                     log.debug("adopt %s in place: %s: %s", item.key.hex(), type(exc).__name__, exc)
-                    continue
-                record = self.record(item.key)
-                if record is not None:
-                    records.append(record)
         finally:
             reader.close()
         self.counters["adopted_in_place"] += len(records)
         if not owned:
             self.counters["rescued_objects"] += len(records)
         return records, left, failed
+
+    def _keep_adopted(self, key: bytes, spec: ObjectSpec, payload: np.ndarray, records: list[ReplicaRecord]) -> None:
+        """Store a verified adopted object, a shared-memory tier first, and note its record for
+        the publish (none where a flood of puts evicted it again meanwhile)."""
+        self.manager.put(key, spec, payload.data, shared=True)
+        record = self.record(key)
+        if record is not None:
+            records.append(record)
 
     def _pull_replicas(self, source: PeerAddress, requests: list[PullRequest]) -> list[int | BaseException]:
         """A batch's pulls, all in flight together (see :meth:`_replica_pulls`); those whose TCP
