@@ -568,6 +568,50 @@ def test_stale_arenas_of_dead_owners_are_collected(arena_path: Path) -> None:
         live.close()
 
 
+def test_a_starting_tier_spares_a_freshly_dead_owners_arena_for_its_rescue_then_collects_it(
+        arena_path: Path) -> None:
+    """A tier that starts collects dead owners' arenas, but not one touched within
+    DEAD_OWNER_GRACE_S (its owner's heartbeat touches it): the master may still have a storage
+    node rescue its objects. Past that it is collected; ``collect_stale_arenas`` without a
+    grace (``kvpool gc``) collects at once."""
+    from tiers.cxl import collect_stale_arenas
+    from tiers.cxl.tier import DEAD_OWNER_GRACE_S
+
+    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
+    try:
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.proc.wait()
+    finally:
+        owner.stop()
+    starters = [arena_path.with_name(arena_path.name.replace("-cxl", f"-starter{i}-cxl")) for i in range(2)]
+    CxlTier(starters[0], 1 << 20).close()  # freshly dead: spared
+    assert arena_path.exists()
+    with CxlArenaReader.open(arena_path, require_owner=False) as reader:  # (a rescuer can still read it)
+        assert not reader.owner_alive()
+    past = time.time() - DEAD_OWNER_GRACE_S - 1
+    os.utime(arena_path, (past, past))  # as if its owner's last heartbeat were that long ago
+    CxlTier(starters[1], 1 << 20).close()
+    assert not arena_path.exists()
+    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
+    try:
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.proc.wait()
+    finally:
+        owner.stop()
+    assert collect_stale_arenas(arena_path.parent) == [arena_path]  # no grace: at once
+
+
+def test_an_owner_touching_its_arena_moves_its_mtime(arena_path: Path) -> None:
+    tier = CxlTier(arena_path, 1 << 20)
+    try:
+        past = time.time() - 100
+        os.utime(arena_path, (past, past))
+        tier.mark_in_use()
+        assert time.time() - arena_path.stat().st_mtime < 10
+    finally:
+        tier.close()
+
+
 def test_reader_refuses_a_fifo_and_a_symlink(tmp_path: Path) -> None:
     fifo = tmp_path / "kvpool-fifo-cxl"
     os.mkfifo(fifo)

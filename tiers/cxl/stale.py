@@ -27,9 +27,15 @@ log = logging.getLogger("tiers.cxl")
 _TMP_GRACE_S = 60.0
 
 
-def collect_stale_arenas(directory: str | os.PathLike[str] = SHM_DIR) -> list[Path]:
+def collect_stale_arenas(directory: str | os.PathLike[str] = SHM_DIR, grace_s: float = 0.0) -> list[Path]:
     """Remove kvpool arenas in ``directory`` whose owner is gone (nobody holds their lock),
     with their shared indexes; return the paths removed.
+
+    ``grace_s``: spare an arena whose file changed less than this long ago. A live owner
+    touches its arena with every heartbeat (:meth:`CxlTier.mark_in_use`), so this spares the arena
+    of an owner that died moments ago: the master has a storage node rescue its objects once
+    it declares the owner dead (``node.hand_off_s``), which a process starting on the host
+    meanwhile must not pre-empt. ``kvpool gc`` collects at once.
 
     Safe against a live owner (its lock is held), a starting one (its fresh
     temporary file is spared for a grace period; a starter that loses its
@@ -54,7 +60,7 @@ def collect_stale_arenas(directory: str | os.PathLike[str] = SHM_DIR) -> list[Pa
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 continue
-            if ".tmp-" in name and time.time() - st.st_mtime < _TMP_GRACE_S:
+            if time.time() - st.st_mtime < (_TMP_GRACE_S if ".tmp-" in name else grace_s):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -50,6 +50,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiers.cxl")
 
+#: a starting tier spares the arena of an owner whose heartbeat touched it this recently: the
+#: master declares a node dead after 3 missed beats (3 s by default) and then has a storage node
+#: on the host rescue the dead client's objects out of it (kvpool.cluster.master.state
+#: ._plan_rescue), which takes a second or two for a full engine arena
+DEAD_OWNER_GRACE_S = 20.0
+
 # madvise(MADV_POPULATE_WRITE) (Linux 5.14+): map a freshly allocated range writable in one call.
 # Without it the first write to each 4 KiB page of the range traps into the kernel once per page,
 # which costs several times the copy a put makes there.
@@ -117,7 +123,9 @@ class CxlTier(ArenaTier):
         if Path(path).parent == user_shm_dir():  # the default place: made or checked private to this user
             private_arena_dir(Path(path).parent, group)
         _refuse_foreign_index(Path(path))
-        collect_stale_arenas(Path(path).parent)  # a dead owner's arena must not count as used
+        # A dead owner's arena must not count as used; one that died moments ago may still be
+        # rescued by a storage node (see DEAD_OWNER_GRACE_S).
+        collect_stale_arenas(Path(path).parent, grace_s=DEAD_OWNER_GRACE_S)
         capacity_bytes = fit_to_filesystem(Path(path), capacity_bytes)
         super().__init__(capacity_bytes, alignment=ALIGNMENT)
         self.model = AccessModel(latency_ns, bandwidth_gbps)
@@ -370,6 +378,14 @@ class CxlTier(ArenaTier):
         if self.index is not None:
             with self._index_lock:
                 self.index.remove(key, extent.offset)
+
+    def mark_in_use(self) -> None:
+        """Mark the arena file as in use now (its mtime): the owner's node does so with every
+        heartbeat, so a starting tier spares a freshly dead owner's arena for a while
+        (:data:`DEAD_OWNER_GRACE_S`). Best effort."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.utime(self._fd)
 
     def arena_info(self) -> dict[str, Any]:
         """What another process on this host needs to open this arena and its index."""

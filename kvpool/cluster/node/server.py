@@ -293,7 +293,7 @@ class Node:
             lambda: MasterClient(self.master_address, config=self.config, cluster_key=self.cluster_key,
                                  context=self._zmq),
             self.node_id,
-            self._beat_s, self.tier_state, self.register, self._on_delete,
+            self._beat_s, self.beat_state, self.register, self._on_delete,
             self.publish_again,
         )
         self.heartbeater.term = self._registered_term
@@ -418,6 +418,16 @@ class Node:
 
     def tier_state(self) -> dict[str, dict[str, int]]:
         return {t.name: {"capacity": t.capacity_bytes, "free": t.free_bytes} for t in self.manager.tiers}
+
+    def beat_state(self) -> dict[str, dict[str, int]]:
+        """:meth:`tier_state` for a heartbeat, which also touches this node's shared arena
+        (``CxlTier.mark_in_use``): an arena touched lately is spared by other processes' start-up
+        collection for a while after this node died, for the master's rescue."""
+        for tier in self.manager.tiers:
+            mark = getattr(tier, "mark_in_use", None)
+            if mark is not None:
+                mark()
+        return self.tier_state()
 
     def register(self) -> None:
         """Tell the master this node exists, what it is and everything it holds (one message).
