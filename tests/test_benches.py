@@ -70,8 +70,8 @@ def test_hand_off_bench_keeps_and_verifies_every_object_both_ways() -> None:
                        timeout_s=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {line.split("  ")[0]: line for line in proc.stdout.splitlines()
-            if line.startswith(("read in place", "pulled over TCP"))}
-    assert set(rows) == {"read in place", "pulled over TCP"}, proc.stdout
+            if line.startswith(("arena in /dev/shm", "arena elsewhere"))}
+    assert set(rows) == {"arena in /dev/shm", "arena elsewhere"}, proc.stdout
     for line in rows.values():  # every object kept, none failed or left, every one's bytes checked
         assert re.search(r"16 of 16\s+0\s+0\s+[\d.]+ s\s+[\d.]+\s+[\d.]+ s\s+16 of 16$", line), line
 

@@ -866,8 +866,10 @@ class Node:
         together, each verified against the header the source named (a corrupt or changed
         object is not kept: a miss later, never its bytes), stored as ordinary evictable
         objects, a shared-memory tier first (the engines beside this node read them in place),
-        and published in one master round trip. Returns how many were ``adopted``, ``held``
-        already and ``failed``."""
+        and published in one master round trip. A rescue (``rescue``: the master's, for a
+        source declared dead) reads them out of the arena the source left instead
+        (:meth:`_adopt_in_place`). Returns how many were ``adopted``, ``held`` already and
+        ``failed``."""
         self.counters["adopt_requests"] += 1
         items = body.items
         if len(items) > self.config.master.max_batch:
@@ -881,8 +883,13 @@ class Node:
         todo = [S.ReplicateItem(item.key, item.spec, item.header_sum, 0, item.token)
                 for item in items if item.key not in self.manager]
         held = len(items) - len(todo)
-        records, todo, failed = self._adopt_in_place(address, todo, owned=not body.rescue)
-        if body.rescue:  # the source is dead: what its arena did not give, nobody serves
+        # A live source's objects are pulled: with a vLLM engine exiting beside it, reading an
+        # 8k-token run's 779 blocks out of its arena here took over 3 s where pulls took 1.2
+        # (docs/benchmarks.md, "Hand-off at exit"). A dead one's arena is all there is.
+        records: list[ReplicaRecord] = []
+        failed = 0
+        if body.rescue:  # what its arena did not give, nobody serves
+            records, todo, failed = self._adopt_in_place(address, todo, owned=False)
             failed, todo = failed + len(todo), []
         buffers = self._replication_buffers(todo, persistent=False)
         pulled = self._pull_replicas(source, [
@@ -906,7 +913,7 @@ class Node:
 
     def _adopt_in_place(self, address: NodeAddress, items: list[S.ReplicateItem], owned: bool = True,
                         ) -> tuple[list[ReplicaRecord], list[S.ReplicateItem], int]:
-        """The part of a hand-off read straight out of the source's shared-memory arena (a node on
+        """The part of a rescue read straight out of the source's shared-memory arena (a node on
         this host whose arena lies where this node may map arenas: ``tiers.cxl.shared_dirs``):
         each object found through the arena's index, its header the version the source named,
         copied out and verified against that header, then stored. Returns the records stored,
