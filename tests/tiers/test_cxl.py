@@ -568,6 +568,16 @@ def test_stale_arenas_of_dead_owners_are_collected(arena_path: Path) -> None:
         live.close()
 
 
+def killed_owner_left(arena_path: Path) -> None:
+    """An owner process of an arena at ``arena_path``, killed -9: its arena stays behind."""
+    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
+    try:
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.proc.wait()
+    finally:
+        owner.stop()
+
+
 def test_a_starting_tier_spares_a_freshly_dead_owners_arena_for_its_rescue_then_collects_it(
         arena_path: Path) -> None:
     """A tier that starts collects dead owners' arenas, but not one touched within
@@ -577,12 +587,7 @@ def test_a_starting_tier_spares_a_freshly_dead_owners_arena_for_its_rescue_then_
     from tiers.cxl import collect_stale_arenas
     from tiers.cxl.tier import DEAD_OWNER_GRACE_S
 
-    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
-    try:
-        owner.proc.send_signal(signal.SIGKILL)
-        owner.proc.wait()
-    finally:
-        owner.stop()
+    killed_owner_left(arena_path)
     starters = [arena_path.with_name(arena_path.name.replace("-cxl", f"-starter{i}-cxl")) for i in range(2)]
     CxlTier(starters[0], 1 << 20).close()  # freshly dead: spared
     assert arena_path.exists()
@@ -592,12 +597,7 @@ def test_a_starting_tier_spares_a_freshly_dead_owners_arena_for_its_rescue_then_
     os.utime(arena_path, (past, past))  # as if its owner's last heartbeat were that long ago
     CxlTier(starters[1], 1 << 20).close()
     assert not arena_path.exists()
-    owner = Child(OWNER_SCRIPT.replace("sys.argv[1]", repr(str(arena_path))))
-    try:
-        owner.proc.send_signal(signal.SIGKILL)
-        owner.proc.wait()
-    finally:
-        owner.stop()
+    killed_owner_left(arena_path)
     assert collect_stale_arenas(arena_path.parent) == [arena_path]  # no grace: at once
 
 
