@@ -868,7 +868,7 @@ class Node:
         objects, a shared-memory tier first (the engines beside this node read them in place),
         and published in one master round trip. A rescue (``rescue``: the master's, for a
         source declared dead) reads them out of the arena the source left instead
-        (:meth:`_adopt_in_place`). Returns how many were ``adopted``, ``held`` already and
+        (:meth:`_rescue_from_arena`). Returns how many were ``adopted``, ``held`` already and
         ``failed``."""
         self.counters["adopt_requests"] += 1
         items = body.items
@@ -886,11 +886,20 @@ class Node:
         # A live source's objects are pulled: with a vLLM engine exiting beside it, reading an
         # 8k-token run's 779 blocks out of its arena here took over 3 s where pulls took 1.2
         # (docs/benchmarks.md, "Hand-off at exit"). A dead one's arena is all there is.
+        if body.rescue:  # the source is dead: its arena is all there is, nobody serves a pull
+            records, failed = self._rescue_from_arena(address, todo)
+        else:
+            records, failed = self._pull_adopted(source, todo)
+        if records:
+            self.publish(records)
+        self.counters["adopted_objects"] += len(records)
+        self.counters["adopt_failures"] += failed
+        return {"node_id": self.node_id, "adopted": len(records), "held": held, "failed": failed}
+
+    def _pull_adopted(self, source: PeerAddress, todo: list[S.ReplicateItem]) -> tuple[list[ReplicaRecord], int]:
+        """A live source's objects, pulled together, each checked and kept: (records, failures)."""
         records: list[ReplicaRecord] = []
         failed = 0
-        if body.rescue:  # what its arena did not give, nobody serves
-            records, todo, failed = self._adopt_in_place(address, todo, owned=False)
-            failed, todo = failed + len(todo), []
         buffers = self._replication_buffers(todo, persistent=False)
         pulled = self._pull_replicas(source, [
             PullRequest(source, item.key, LayerRange(0, spec.layers), payload, token=item.token,
@@ -905,44 +914,37 @@ class Node:
             except errors.KVPoolError as exc:
                 failed += 1
                 log.debug("adopt %s: %s: %s", item.key.hex(), type(exc).__name__, exc)
-        if records:
-            self.publish(records)
-        self.counters["adopted_objects"] += len(records)
-        self.counters["adopt_failures"] += failed
-        return {"node_id": self.node_id, "adopted": len(records), "held": held, "failed": failed}
+        return records, failed
 
-    def _adopt_in_place(self, address: NodeAddress, items: list[S.ReplicateItem], owned: bool = True,
-                        ) -> tuple[list[ReplicaRecord], list[S.ReplicateItem], int]:
-        """The part of a rescue read straight out of the source's shared-memory arena (a node on
-        this host whose arena lies where this node may map arenas: ``tiers.cxl.shared_dirs``):
-        each object found through the arena's index, its header the version the source named,
-        copied out and verified against that header, then stored. Returns the records stored,
-        the items to pull instead (not in the arena, or no arena to read) and how many failed
-        their checks (not kept, not pulled again). ``owned`` false (a rescue): the arena's owner
-        is gone, its file is read as it was left (every object still checked)."""
+    def _rescue_from_arena(self, address: NodeAddress, items: list[S.ReplicateItem],
+                           ) -> tuple[list[ReplicaRecord], int]:
+        """A dead source's objects read out of the shared-memory arena it left (on this host,
+        where this node may map arenas: ``tiers.cxl.shared_dirs``; no owner needed): each found
+        through the arena's index, its header the version the master indexed, copied out and
+        verified against that header, then kept. Returns (records, failures): an object not
+        there as named, or no arena to read, is a failure too."""
         arena = address.arena
         if not items or arena is None or address.peer.host_id != self.host_id:
-            return [], items, 0
+            return [], len(items)
         from tiers.cxl import CxlArenaReader
         from tiers.cxl.arena import inside_dirs, shared_dirs_of
 
         real = os.path.realpath(arena["path"])
         if not inside_dirs(real, [os.path.realpath(d) for d in shared_dirs_of(self.config)]):
-            return [], items, 0
+            return [], len(items)
         try:
-            reader = CxlArenaReader.open(real, instance=arena["instance"], require_owner=owned)
+            reader = CxlArenaReader.open(real, instance=arena["instance"], require_owner=False)
         except (errors.KVPoolError, OSError) as exc:
-            log.debug("adopt: cannot map the source's arena %s: %s", real, exc)
-            return [], items, 0
+            log.debug("rescue: cannot map the dead source's arena %s: %s", real, exc)
+            return [], len(items)
         records: list[ReplicaRecord] = []
-        left: list[S.ReplicateItem] = []
         failed = 0
         buffer = np.empty(0, dtype=np.uint8)  # one receive buffer, reused: put copies out of it
         try:
             for item in items:
                 found = reader.find(item.key)
                 if found is None or found[1].checksum() != item.header_sum:
-                    left.append(item)  # not there as named: the pull decides
+                    failed += 1  # not there as the master indexed it
                     continue
                 offset, header = found
                 spec = header.spec
@@ -954,13 +956,11 @@ class Node:
                     self._keep_adopted(item.key, spec, payload, records)
                 except errors.KVPoolError as exc:
                     failed += 1
-                    log.debug("adopt %s in place: %s: %s", item.key.hex(), type(exc).__name__, exc)
+                    log.debug("rescue %s: %s: %s", item.key.hex(), type(exc).__name__, exc)
         finally:
             reader.close()
-        self.counters["adopted_in_place"] += len(records)
-        if not owned:
-            self.counters["rescued_objects"] += len(records)
-        return records, left, failed
+        self.counters["rescued_objects"] += len(records)
+        return records, failed
 
     def _keep_adopted(self, key: bytes, spec: ObjectSpec, payload: np.ndarray, records: list[ReplicaRecord]) -> None:
         """Store a verified adopted object, a shared-memory tier first, and note its record for
