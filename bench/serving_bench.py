@@ -632,7 +632,7 @@ class Bench:
             return {"kv_connector": "LMCacheMPConnector", "kv_role": role,
                     "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": int(store)}}
         return {"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.integrations.vllm",
-                "kv_role": role, "kv_connector_extra_config": {"master": store}}
+                "kv_role": role, "kv_connector_extra_config": {"master": store, **self.args.kvpool_extra}}
 
     def store(self, row: str, workload: str) -> str:
         """Start the row's store for one workload (a fresh one each); its address for kv_config."""
@@ -818,11 +818,12 @@ def report(results: list[RowResult], args: argparse.Namespace) -> list[dict[str,
     print(f"\nsizes: users {args.users} x turns {args.turns}, doc {args.doc_tokens} tokens; P/D {args.pd_prompts} "
           f"x {args.pd_tokens} tokens, {args.pd_concurrency} at a time; model {args.layers} layers, hidden "
           f"{args.hidden}, {args.kv_heads} KV heads of 64, bf16; max_tokens {args.max_tokens}; one compute core per "
-          f"engine")
+          f"engine" + (f"; kvpool's extra config {json.dumps(args.kvpool_extra)}" if args.kvpool_extra else ""))
     print("ms. TTFT: multi-turn over turns >= 1; P/D: the consumer's (D's) own, the client's (through the proxy, "
           "the prefill included) beside it. ITL: gaps between streamed chunks (P/D: D's own stream). Loaded: "
           "prompt tokens the engines counted as external_kv_transfer, of those another engine had computed in full "
-          "blocks (a store that also loads a partial block may exceed it).")
+          "blocks of its prompts (a store that also loads a partial block, or the previous answer's blocks, may exceed "
+          "it).")
     print(format_table(["row", "status", "TTFT p50 / p90", "client TTFT p50", "ITL p50 / p99", "wall s",
                         "tokens loaded from outside", "local cache hits", "errors", "answers = reference", "router"],
                        out_rows, align="llrrrrrrrll"))
@@ -879,6 +880,9 @@ def main() -> None:
     parser.add_argument("--model", default="", help="a model directory to serve instead of a fresh random Llama")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
     parser.add_argument("--engine-args", default="", help="more arguments for every vLLM server (one string)")
+    parser.add_argument("--kvpool-extra", type=json.loads, default={},
+                        help='more kv_connector_extra_config for the kvpool rows (JSON, e.g. '
+                             '\'{"save_answers": false}\')')
     parser.add_argument("--lmcache-venv", default=str(REPO_ROOT / ".venv-lmcache"))
     parser.add_argument("--lmcache-l1-gb", type=float, default=2.0)
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to be ready")

