@@ -112,8 +112,11 @@ class HiCacheSettings:
         """This process's pool: connected to ``master`` (without ``config``, every page in a
         shared-memory arena that other processes on the host read in place, as the vLLM
         connector's default: no dram tier), or embedded. Raises what
-        :func:`kvpool.connect` / :class:`kvpool.Pool` raise (MasterUnreachableError, ConfigError)."""
-        return EnginePool(self.master, self.config, self.durable, self.replicas, self.transport).open()
+        :func:`kvpool.connect` / :class:`kvpool.Pool` raise (MasterUnreachableError, ConfigError).
+        UCX starts now, while SGLang starts: started at the first page above 1 MiB, it would
+        hold the GIL (~0.4 s here) in the scheduler's process mid-request."""
+        return EnginePool(self.master, self.config, self.durable, self.replicas,
+                          self.transport).open(start_ucx=True)
 
 
 @dataclass(frozen=True)
