@@ -7,6 +7,7 @@ fills, to save. ``docs/vllm.md`` describes the whole connector."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
     from kvpool.cluster.wire.master_client import MasterClient
 
-__all__ = ["LOOKUP_TIMEOUT_S", "PARAMS_KEY", "KvpoolScheduler", "MasterWatch"]
+__all__ = ["LOOKUP_TIMEOUT_S", "PARAMS_KEY", "KvpoolScheduler", "MasterWatch", "answers_saved"]
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logger: its handlers and levels apply
 
@@ -53,6 +54,14 @@ LOOKUP_TIMEOUT_S = 1.0
 # Once a lookup found the master away, a thread asks it this often until it answers; meanwhile
 # requests are computed without asking.
 _PROBE_EVERY_S = 0.5
+
+
+def answers_saved(vllm_config: Any) -> bool:
+    """Whether an engine of ``vllm_config`` may save its answers' blocks (``save_answers``):
+    not with speculative decoding, whose drafter (EAGLE's layers share the engine's KV cache)
+    may write a position's KV after the step in which the verified model filled its block, as
+    vLLM's own offloading connector also holds such a block back."""
+    return getattr(vllm_config, "speculative_config", None) is None
 
 
 class MasterWatch:
@@ -169,6 +178,10 @@ class KvpoolScheduler:
         from kvpool.config import Config
         from kvpool.transport.engine import local_host_id
 
+        if settings.save_answers and not answers_saved(vllm_config):
+            log.info("kvpool connector: speculative decoding: only prompt blocks are saved (a drafter's KV of an "
+                     "answer's last tokens may still be rewritten after the step that fills their block)")
+            settings = dataclasses.replace(settings, save_answers=False)
         master = MasterClient(settings.master, config=Config.load(settings.pool_config()),
                               request_timeout_s=LOOKUP_TIMEOUT_S)
         return cls(settings, master, block_size=vllm_config.cache_config.block_size,

@@ -1880,6 +1880,12 @@ def test_scheduler_side_saves_the_full_blocks_of_an_answer_as_it_is_generated(sp
         _, params = scheduler.request_finished(request, [30, 31, 32, 33])
         assert params == {"kvpool": {"blocks": 2, "last": chain[1].hex()}}
 
+        # an engine with speculative decoding saves its prompts only (a drafter may rewrite an
+        # answer's last KV after the step that filled its block)
+        from kvpool.integrations.vllm_scheduler import answers_saved
+
+        assert answers_saved(SimpleNamespace(speculative_config=None))
+        assert not answers_saved(SimpleNamespace(speculative_config=SimpleNamespace(method="eagle")))
         scheduler.settings = Settings.from_extra({"master": master, "load_async": False, "save_answers": False})
         request = vllm_request("a2", prompt)
         scheduler.get_num_new_matched_tokens(request, 0)
