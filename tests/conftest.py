@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +141,47 @@ def python_process(args: Sequence[str], **kwargs: Any) -> Iterator[ChildProcess]
         yield child
     finally:
         child.stop()
+
+
+@contextmanager
+def server_groups(log_dir: Path, servers: Sequence[tuple[str, list[str], dict[str, str]]],
+                  healthy: Callable[[int], bool], timeout_s: float, *, interval_s: float = 0.5,
+                  grace_s: float = 20.0, groups: dict[str, int] | None = None) -> Iterator[list[int]]:
+    """Start HTTP servers, each ``(name, argv, env)`` with ``{port}`` in ``argv`` replaced by a
+    free port, each in a process group of its own, its output in ``log_dir/NAME.log``; yields
+    their ports once ``healthy(port)`` holds for each (a server that exits first fails at
+    once, with its log's end). ``groups``, if given, gets each one's process group. Every
+    group is sent SIGTERM on the way out, and SIGKILL after ``grace_s``."""
+    procs: list[tuple[str, subprocess.Popen[bytes], int]] = []
+    try:
+        for name, argv, env in servers:
+            port = free_tcp_port()
+            with (log_dir / f"{name}.log").open("wb") as fh:
+                procs.append((name, subprocess.Popen(
+                    [arg.replace("{port}", str(port)) for arg in argv], cwd=REPO_ROOT, stdout=fh,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", **env}), port))
+            if groups is not None:
+                groups[name] = procs[-1][1].pid
+        for name, proc, port in procs:
+            def up(name: str = name, proc: subprocess.Popen[bytes] = proc, port: int = port) -> bool:
+                assert proc.poll() is None, f"{name} exited:\n{(log_dir / f'{name}.log').read_text()[-4000:]}"
+                return healthy(port)
+
+            wait_for(up, timeout_s, f"server {name}", interval_s=interval_s)
+        yield [port for _, _, port in procs]
+    finally:
+        for _, proc, _ in procs:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, _ in procs:
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 @pytest.fixture

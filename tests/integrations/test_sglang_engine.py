@@ -17,10 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT, free_tcp_port, wait_for
+from tests.conftest import server_groups, wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -78,40 +75,16 @@ def sglang_servers(tmp_path: Path, model: Path, master: str, *names: str) -> Ite
     their ports once each answers /health; their process groups are killed on the way out."""
     extra = {"backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
              "class_name": "KvpoolHiCacheStorage", "interface_v1": 1, "master": master}
-    procs: list[tuple[str, subprocess.Popen[bytes], int]] = []
-    try:
-        for name in names:
-            port = free_tcp_port()
-            args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
-                    "--port", str(port), "--skip-tokenizer-init", "--page-size", str(PAGE),
-                    "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--disable-cuda-graph",
-                    "--enable-hierarchical-cache", "--hicache-mem-layout", "page_first", "--hicache-size", "1",
-                    "--hicache-write-policy", "write_through", "--hicache-storage-prefetch-policy", "wait_complete",
-                    "--enable-cache-report", "--hicache-storage-backend", "dynamic",
-                    "--hicache-storage-backend-extra-config", json.dumps(extra)]
-            with (tmp_path / f"{name}.log").open("wb") as fh:
-                procs.append((name, subprocess.Popen(args, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                                     start_new_session=True,
-                                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}), port))
-        for name, proc, port in procs:
-            def up(name: str = name, proc: subprocess.Popen[bytes] = proc, port: int = port) -> bool:
-                assert proc.poll() is None, f"{name} exited:\n{(tmp_path / f'{name}.log').read_text()[-4000:]}"
-                return healthy(port)
-
-            wait_for(up, 600, f"SGLang server {name}", interval_s=1.0)
-        yield [port for _, _, port in procs]
-    finally:
-        for _, proc, _ in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc, _ in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
+            "--port", "{port}", "--skip-tokenizer-init", "--page-size", str(PAGE),
+            "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--disable-cuda-graph",
+            "--enable-hierarchical-cache", "--hicache-mem-layout", "page_first", "--hicache-size", "1",
+            "--hicache-write-policy", "write_through", "--hicache-storage-prefetch-policy", "wait_complete",
+            "--enable-cache-report", "--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", json.dumps(extra)]
+    with server_groups(tmp_path, [(name, args, {}) for name in names], healthy, 600, interval_s=1.0,
+                       grace_s=30.0) as ports:
+        yield ports
 
 
 def generate(port: int, prompt: list[int]) -> tuple[list[int], int]:

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvpool.cluster.wire.master_client import MasterClient
-from tests.conftest import REPO_ROOT, free_tcp_port, wait_for
+from tests.conftest import REPO_ROOT, free_tcp_port, server_groups, wait_for
 from tests.test_daemon import http_get
 
 pytest.importorskip("vllm")
@@ -50,46 +50,25 @@ def api_servers(tmp_path: Path, model: Path,
     connector) in ``kv_role``. All start at once; yields their ports once each /health
     answers (``groups``, if given, gets each one's process group). Their whole process groups
     are killed on the way out."""
-    procs: list[tuple[str, subprocess.Popen[bytes], int]] = []
-    try:
-        for name, cpu, extra_config, kv_role in engines:
-            port = free_tcp_port()
-            args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
-                    str(port), "--host", "127.0.0.1", "--skip-tokenizer-init", "--dtype", "bfloat16",
-                    "--max-model-len", "4096", "--max-num-seqs", "8", "--disable-uvicorn-access-log"]
-            if extra_config is not None:
-                args += ["--kv-transfer-config", json.dumps(
-                    {"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.integrations.vllm",
-                     "kv_role": kv_role, "kv_connector_extra_config": extra_config})]
-            with (tmp_path / f"{name}.log").open("wb") as fh:
-                procs.append((name, subprocess.Popen(
-                    args, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                         "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}), port))
-            if groups is not None:
-                groups[name] = procs[-1][1].pid
-        for name, proc, port in procs:
-            def up(name: str = name, proc: subprocess.Popen[bytes] = proc, port: int = port) -> bool:
-                assert proc.poll() is None, f"{name} exited:\n{(tmp_path / f'{name}.log').read_text()[-4000:]}"
-                try:
-                    return http_get(port, "/health")[0] == 200
-                except OSError:
-                    return False
+    servers = []
+    for name, cpu, extra_config, kv_role in engines:
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", "{port}",
+                "--host", "127.0.0.1", "--skip-tokenizer-init", "--dtype", "bfloat16",
+                "--max-model-len", "4096", "--max-num-seqs", "8", "--disable-uvicorn-access-log"]
+        if extra_config is not None:
+            args += ["--kv-transfer-config", json.dumps(
+                {"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.integrations.vllm",
+                 "kv_role": kv_role, "kv_connector_extra_config": extra_config})]
+        servers.append((name, args, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}))
 
-            wait_for(up, 400, f"{name}'s OpenAI server", interval_s=0.5)
-        yield [port for _, _, port in procs]
-    finally:
-        for _, proc, _ in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc, _ in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    def healthy(port: int) -> bool:
+        try:
+            return http_get(port, "/health")[0] == 200
+        except OSError:
+            return False
+
+    with server_groups(tmp_path, servers, healthy, 400, groups=groups) as ports:
+        yield ports
 
 
 def stream(port: int, model: Path, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], float]:
