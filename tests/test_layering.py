@@ -54,6 +54,7 @@ CIRCLE_FREE = ("kvpool", "tiers", "bench")
 INTEGRATIONS_BELOW_API = {
     ("kvpool.integrations.vllm_scheduler", "kvpool.cluster.wire.master_client"),  # the scheduler's own MasterClient
     ("kvpool.integrations.vllm_scheduler", "kvpool.transport.engine"),  # local_host_id, for the worker's placement
+    ("kvpool.integrations.vllm_worker", "kvpool.cluster.wire.affinity"),  # process_cpus: the node's I/O threads' CPUs
 }
 
 

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import errors
+from kvpool.cluster.wire.affinity import process_cpus
 from kvpool.integrations.vllm_messages import (
     NULL_BLOCK,
     KvpoolConnectorMetadata,
@@ -131,7 +132,7 @@ def worker_cpus(setting: str | frozenset[int]) -> frozenset[int] | None:
         return None
     model = os.sched_getaffinity(0)
     named = frozenset() if isinstance(setting, str) else frozenset(setting)
-    allowed = _allowed_cpus(model | named)
+    allowed = process_cpus(model | named)
     if named:
         if not named <= allowed:
             raise errors.ConfigError(
@@ -150,20 +151,7 @@ def pull_cpus(setting: str | frozenset[int], cpus: frozenset[int] | None) -> fro
     core). Any other setting: ``cpus``. (Measurements: docs/benchmarks.md.)"""
     if setting != "auto" or cpus is None or not hasattr(os, "sched_setaffinity"):
         return cpus
-    return _allowed_cpus(cpus)
-
-
-def _allowed_cpus(known: set[int] | frozenset[int]) -> frozenset[int]:
-    """Every CPU this process may use (the kernel keeps those of its cpuset); ``known``: CPU
-    ids to ask for at least."""
-    model = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, range(max(os.cpu_count() or 1, max(set(model) | set(known)) + 1)))
-        return frozenset(os.sched_getaffinity(0))
-    except OSError:
-        return frozenset(model)
-    finally:
-        os.sched_setaffinity(0, model)
+    return process_cpus(cpus)
 
 
 @contextlib.contextmanager
@@ -186,7 +174,8 @@ def open_pool(settings: Settings, cpus: frozenset[int] | None = None) -> Any:
     with ``settings.pool_config()`` (without a ``config``: every save in a shared-memory arena
     that same-host engines read in place, :func:`~kvpool.integrations.vllm_settings.default_pool_config`)
     and ``settings.transport``; its threads (serving pulls, heartbeats, UCX) on ``cpus``
-    (:func:`worker_cpus`). Raises what :func:`kvpool.connect` raises (MasterUnreachableError,
+    (:func:`worker_cpus`), but for its master link's ZeroMQ I/O thread, which a step's saves
+    wait for: that one runs on every CPU (:mod:`kvpool.cluster.wire.affinity`). Raises what :func:`kvpool.connect` raises (MasterUnreachableError,
     ConfigError)."""
     import kvpool
 

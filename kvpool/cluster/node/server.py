@@ -42,6 +42,7 @@ from kvpool.cluster.node.heartbeat import Heartbeater
 from kvpool.cluster.node.recent import RecentChanges
 from kvpool.cluster.wire import protocol as P
 from kvpool.cluster.wire import schema as S
+from kvpool.cluster.wire.affinity import io_threads_anywhere
 from kvpool.cluster.wire.master_client import MasterClient
 from kvpool.cluster.wire.protocol import ReplicaRecord, replica_record
 from kvpool.cluster.wire.security import ClusterKey
@@ -183,8 +184,9 @@ class Node:
         self.host = node_host(config, master_address)  # what this node binds and advertises
         self.cluster_key = ClusterKey.from_config(config)
         # One ZeroMQ context for the process (its I/O thread): this node's master clients and
-        # its control socket.
+        # its control socket. Its I/O thread on every CPU, whatever this thread is bound to.
         self._zmq: zmq.Context[Any] = zmq.Context.instance()
+        io_threads_anywhere(self._zmq)
         self.master = MasterClient(master_address, config=config, cluster_key=self.cluster_key, context=self._zmq)
         # One UCX worker and progress thread for the process (:meth:`ucx_engine`): the UCX pull
         # server's, and the pull client of a ClusterPool around this node. Made at start by a

@@ -30,6 +30,7 @@ import zmq
 
 from kvpool import errors
 from kvpool.cluster.wire import protocol as P
+from kvpool.cluster.wire.affinity import io_threads_anywhere
 from kvpool.cluster.wire.etcd import LeaderFinder
 from kvpool.cluster.wire.protocol import EvictDecision, HeartbeatReply, Located, Placement, ReplicaRecord
 from kvpool.cluster.wire.query import QueryPorts
@@ -143,6 +144,7 @@ class MasterClient:
         self._context = context if context is not None else zmq.Context(io_threads=1)
         if self._owns_context:
             self._context.setsockopt(zmq.LINGER, 0)  # no socket of this client can hold up term()
+            io_threads_anywhere(self._context)
         self._local = threading.local()
         self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
