@@ -261,7 +261,7 @@ def load_rows(master: str, work: Path, args: argparse.Namespace, prefix: int) ->
     print(format_table(["path", "bytes", "get_many", "get_many bandwidth", "connector load", "connector bandwidth",
                         "connector / get_many"], rows))
     print(format_table(["path", "master locate (all blocks)", "pulls (get_many in the load)",
-                        "checksums (in the pulls)", "copies into the cache", "loader thread's CPU",
+                        "checksums (in the pulls)", "copies into the cache", "their CPU",
                         "model waited (all layers)"], stages))
 
 

@@ -93,7 +93,7 @@ class _LayerLoad:
         self.finished_s = 0.0
         self.pull_s = 0.0  # in get_many (locate, pulls, checksums)
         self.copy_s = 0.0  # into the paged cache (from same-host arenas, or the staging buffer)
-        self.loader_cpu_s = 0.0  # CPU time the loader thread used (the rest of its time it waited)
+        self.loader_cpu_s = 0.0  # CPU time its copies and pulls used (the rest of their time they waited)
         self.in_place = 0  # blocks copied from a same-host node's arena
         # Held while the loader writes a layer into the paged cache, and by the model's side
         # when it gives up waiting: once timed_out is set, nothing more is written there.
@@ -175,8 +175,8 @@ def open_pool(settings: Settings, cpus: frozenset[int] | None = None) -> Any:
     that same-host engines read in place, :func:`~kvpool.integrations.vllm_settings.default_pool_config`)
     and ``settings.transport``; its threads (serving pulls, heartbeats, UCX) on ``cpus``
     (:func:`worker_cpus`), but for its master link's ZeroMQ I/O thread, which a step's saves
-    wait for: that one runs on every CPU (:mod:`kvpool.cluster.wire.affinity`). Raises what :func:`kvpool.connect` raises (MasterUnreachableError,
-    ConfigError)."""
+    wait for: that one runs on every CPU (:mod:`kvpool.cluster.wire.affinity`). Raises what
+    :func:`kvpool.connect` raises (MasterUnreachableError, ConfigError)."""
     import kvpool
 
     with threads_on(cpus):
@@ -387,8 +387,25 @@ class KvpoolWorker:
         groups = self._group_ids(meta.loads)
         load = self._load = _LayerLoad(len(self._layers), groups, self._owners(meta.loads))
         self._loading(+1)
-        self._load_future = self._loader.submit(self._pull, load, keys)
         self._count("blocks_loaded", len(keys))
+        # The blocks in a same-host arena are copied here, on the model's own thread: the model
+        # would only wait for them meanwhile, so its core is the one sure to be free, while a
+        # loader thread waits for a CPU that another engine may keep busy (served P/D, two
+        # engines on two cores: 17-22 ms of copying took 25-460 ms there). What is left to pull
+        # goes to the loader thread, as before in the same order.
+        failed: set[int] = set()
+        cpu, started = time.thread_time(), time.perf_counter()
+        try:
+            rest = self._copy_in_place(load, keys, failed)
+        except Exception:  # never the model's error: every block is recomputed
+            log.exception("kvpool: copying %d same-host blocks failed: they are recomputed", len(keys))
+            rest, failed = [], set(range(len(keys)))
+        load.waited_s += time.perf_counter() - started  # the step's time, as a wait for a layer is
+        if rest:
+            self._load_future = self._loader.submit(self._pull, load, keys, rest, failed, time.thread_time() - cpu)
+        else:
+            self._load_future = None
+            self._loaded(load, failed, time.thread_time() - cpu)
 
     def _object_keys(self, keys: Iterable[bytes]) -> list[bytes]:
         """This rank's objects of the blocks ``keys`` (the scheduler's, one per block): the keys
@@ -406,26 +423,37 @@ class KvpoolWorker:
         """(request, its block) of each block the transfers load, in the load's order."""
         return [(t.req_id, t.first + i) for t in transfers for i in range(len(t.keys))]
 
-    def _pull(self, load: _LayerLoad, keys: list[bytes]) -> None:
-        """The loader thread: blocks a same-host node holds in its shared-memory arena are
-        copied from there straight into the paged cache (:meth:`_copy_in_place`); the others
-        are pulled (:meth:`_pull_remote`, through a staging buffer: a load that timed out
-        writes nothing into the cache later). Each layer is handed to the model
-        (``load.done``) as soon as every block has it; the blocks (indices) that failed end
-        in ``load.failed_rows``."""
-        failed: set[int] = set()
+    def _pull(self, load: _LayerLoad, keys: list[bytes], rest: list[int] | None = None,
+              failed: set[int] | None = None, cpu_before: float = 0.0) -> None:
+        """A loader thread: blocks a same-host node holds in its shared-memory arena are
+        copied from there straight into the paged cache (:meth:`_copy_in_place`; ``rest``
+        given: the model's thread did that already, these are the indices left, ``failed``
+        what failed there, ``cpu_before`` its CPU time); the others are pulled
+        (:meth:`_pull_remote`, through a staging buffer: a load that timed out writes nothing
+        into the cache later). Each layer is handed to the model (``load.done``) as soon as
+        every block has it; the blocks (indices) that failed end in ``load.failed_rows``
+        (every block, should anything here raise: none is used)."""
+        failed = set() if failed is None else failed
         cpu = time.thread_time()
         try:
-            rest = self._copy_in_place(load, keys, failed)  # (the loaders run on pull_cpus)
+            if rest is None:
+                rest = self._copy_in_place(load, keys, failed)  # (the loaders run on pull_cpus)
             if rest and not load.timed_out:
                 self._pull_remote(load, [keys[i] for i in rest], rest, failed)
+        except BaseException:
+            failed.update(range(load.blocks))
+            raise
         finally:
-            load.failed_rows = failed
-            load.finished_s = time.perf_counter() - load.started
-            load.loader_cpu_s = time.thread_time() - cpu
-            for event in load.done:
-                event.set()
-            self._loading(-1)
+            self._loaded(load, failed, cpu_before + time.thread_time() - cpu)
+
+    def _loaded(self, load: _LayerLoad, failed: set[int], cpu_s: float) -> None:
+        """A load is over: its failed blocks, its times, every layer handed to the model."""
+        load.failed_rows = failed
+        load.finished_s = time.perf_counter() - load.started
+        load.loader_cpu_s = cpu_s
+        for event in load.done:
+            event.set()
+        self._loading(-1)
 
     def _loading(self, change: int) -> None:
         """Count a load handed to a loader thread (+1) or finished (-1); the saver waits on
@@ -633,8 +661,8 @@ class KvpoolWorker:
         self.stats["load_wait_s"] += load.waited_s
         self.stats["load_total_s"] += load.finished_s
         log.info("kvpool load: %d blocks of %d layers in %.2f ms, the model waited %.2f ms for them (%d in place "
-                 "from a same-host arena; %d layers per pull; pulls %.2f ms, copies into the cache %.2f ms, the loader "
-                 "thread's CPU time %.2f ms, started %.2f ms after the step)",
+                 "from a same-host arena; %d layers per pull; pulls %.2f ms, copies into the cache %.2f ms, their CPU "
+                 "time %.2f ms, started %.2f ms after the step)",
                  load.blocks, len(self._layers), load.finished_s * 1e3, load.waited_s * 1e3, load.in_place,
                  self._layers_per_pull, load.pull_s * 1e3, load.copy_s * 1e3, load.loader_cpu_s * 1e3,
                  (load.started - self._step_started) * 1e3 if self._step_started else 0.0)

@@ -1214,7 +1214,8 @@ def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadl
     """``load_async``: the blocks load on the worker's own thread while no forward pass waits;
     get_finished names the request once every block is in the cache (failed blocks in the same
     pass's load errors). A load still running after ``load_timeout_s`` is reported finished
-    with every block failed, and its bytes, arriving later, are never written into the cache."""
+    with every block failed, and its bytes, arriving later, are never written into the cache.
+    A load whose loader raises is every block failed too."""
     import numpy as np
     import torch
 
@@ -1277,6 +1278,21 @@ def test_an_asynchronous_load_is_reported_by_get_finished_and_one_past_its_deadl
             assert reader.get_block_ids_with_load_errors() == {3, 5}
         reader._async_loader.shutdown(wait=True)  # the pull has finished
         assert all(not cache.any() for cache in reader._layers)
+
+        # A load whose pull path raises what is not a miss (a bug) fails every block of it: none
+        # is handed to vLLM as loaded.
+        reader.settings = Settings.from_extra({"master": master, "load_async": False})
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("a bug in the pull path")
+
+        reader._pull_remote = broken
+        reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("d", keys[:2], [3, 5])], num_tokens=1))
+        reader.start_load_kv()
+        for i in range(layers):
+            reader.wait_for_layer_load(f"layer.{i}")
+        reader.wait_for_save()
+        assert reader.get_block_ids_with_load_errors() == {3, 5}
     finally:
         reader._saver.shutdown()
         reader.pool.close()
@@ -1321,6 +1337,7 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
             reader.bind_connector_metadata(KvpoolConnectorMetadata(loads=[Transfer("r", keys, block_ids)],
                                                                    num_tokens=1))
             reader.start_load_kv()
+            copied_here.append(reader._load_future is None and all(e.is_set() for e in reader._load.done))
             for i in range(layers):
                 reader.wait_for_layer_load(f"layer.{i}")
             reader.wait_for_save()
@@ -1330,8 +1347,12 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
             return all(np.array_equal(reader._layers[i][block_id].view(torch.int16).numpy().reshape(-1),
                                       obj[i].view(np.int16).reshape(-1)) for i in range(layers))
 
+        copied_here: list[bool] = []
         pulled = reader_pool.stats()["remote"].get("bytes_pulled", 0)
         assert load([4, 1, 2]) == set()
+        # Every block was in place: the model's own thread copied them before start_load_kv
+        # returned (no loader thread to wait for a CPU).
+        assert copied_here == [True]
         assert all(holds(b, obj) for b, obj in zip([4, 1, 2], objects))
         assert reader.stats["blocks_in_place"] == 3
         assert reader_pool.stats()["remote"].get("bytes_pulled", 0) == pulled  # nothing went over the get path
@@ -1351,6 +1372,7 @@ def test_blocks_in_a_same_host_arena_are_copied_straight_into_the_paged_cache_ea
         for cache in reader._layers:
             cache.zero_()
         assert load([5, 3, 1]) == {3}
+        assert copied_here == [True, False]  # the corrupt block went to the loader's pull path
         assert holds(5, objects[0]) and holds(1, objects[2])
         assert reader.stats["blocks_in_place"] == 5
     finally:
