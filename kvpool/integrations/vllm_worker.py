@@ -61,11 +61,11 @@ _SAVE_YIELD_S = 0.05
 # connection (holders serve one connection's pulls one after another), at most one per CPU the
 # connector's threads run on: more threads than CPUs only take turns with the GIL.
 _PULL_STREAMS = 4
-# x86-64 Linux: arch_prctl's syscall number, its "request permission" code, AMX's tile data (allow_amx)
-_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 _MIN_BLOCKS_PER_STREAM = 4
 _DTYPES = {torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16),
            torch.float32: ("float32", np.float32), torch.uint8: ("uint8", np.uint8)}
+# x86-64 Linux: arch_prctl's syscall number, its "request permission" code, AMX's tile data (allow_amx)
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 @dataclass
 class _Stage:
