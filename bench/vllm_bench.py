@@ -124,7 +124,7 @@ def engine(work: Path, name: str, model: Path, prompts: Path, *args: str, python
 # No usage reports from vLLM or LMCache (as bench/serving_bench.py).
 _NO_USAGE = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
              # LMCache's engines ask for AMX as kvpool's connector does (tests/vllm_cpu_amx/sitecustomize.py):
-             # on an AMX CPU vLLM-CPU's cached-prefix attention dies of SIGILL in a worker that did not
+             # on an AMX CPU vLLM-CPU's cached-prefix attention dies of SIGILL in a worker that did not ask
              "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "tests" /
                                                              "vllm_cpu_amx"), os.environ.get("PYTHONPATH")]))}
 

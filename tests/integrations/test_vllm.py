@@ -1944,4 +1944,7 @@ def test_a_worker_on_an_amx_cpu_asks_for_amx_before_vllms_attention_uses_it() ->
         pytest.skip("this CPU has no AMX")
     done = subprocess.run([sys.executable, "-c", _XCOMP_PERM], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "True"]
+    before, after = done.stdout.split()
+    if before == "True":
+        pytest.skip("this process could use AMX before it asked (nothing to show)")
+    assert after == "True"
