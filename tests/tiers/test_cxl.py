@@ -25,6 +25,7 @@ from kvpool import errors
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, byte_view
 from kvpool.testing import TierTests, make_object, store
+from tiers.base import madvise
 from tiers.cxl import DATA_OFFSET, CxlArenaReader, CxlTier, default_arena_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -818,22 +819,18 @@ def test_a_group_shared_arena_in_the_user_directory_is_readable_by_that_group(sh
         tier.close()
 
 
-def test_copying_layers_out_maps_each_chunk_of_the_arena_once(arena_path: Path) -> None:
+def test_copying_layers_out_maps_each_chunk_of_the_arena_once(arena_path: Path, monkeypatch) -> None:
     """A layer-by-layer copy of many objects asks the kernel to map their pages once per 2 MiB
     chunk, not once per layer of each object (that walk cost a third of a same-host load's
     copy time), and every copy is still verified and exact."""
+    import tiers.cxl.reader as reader_module
     from kvpool.objformat import layer_checksums, spec_of
 
-    class CountingMap:  # the reader's mapping, its madvise calls counted
-        def __init__(self, mm: Any) -> None:
-            self.mm, self.calls = mm, []
+    calls: list[tuple[int, int, int]] = []
 
-        def madvise(self, *args: int) -> None:
-            self.calls.append(args)
-            self.mm.madvise(*args)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.mm, name)
+    def counting(region: Any, advice: int, start: int, length: int) -> None:
+        calls.append((advice, start, length))
+        madvise(region, advice, start, length)
 
     tier = CxlTier(arena_path, 16 << 20)
     try:
@@ -847,8 +844,7 @@ def test_copying_layers_out_maps_each_chunk_of_the_arena_once(arena_path: Path) 
             tier.commit(b"k%d" % seed, extent, header)
             objects.append(arr)
         with CxlArenaReader.open(tier.path) as reader:
-            counted = CountingMap(reader._mmap)
-            reader._mmap = counted
+            monkeypatch.setattr(reader_module, "madvise", counting)
             found = [f for f in (reader.find(b"k%d" % seed) for seed in range(6)) if f is not None]
             assert len(found) == 6
             outs = np.zeros((2, 4, 6, 2, 128, 8, 64), np.uint16)
@@ -857,13 +853,80 @@ def test_copying_layers_out_maps_each_chunk_of_the_arena_once(arena_path: Path) 
                     ok = reader.copy_layer_out(layer, found, [byte_view(outs[rep, layer, i]) for i in range(6)])
                     assert ok == [True] * 6
                 if rep == 0:  # the 4 chunks under the objects, at most: not 24 spans
-                    first_pass = len(counted.calls)
+                    first_pass = len(calls)
                     assert 1 <= first_pass <= 4
-                    assert 6 << 20 <= sum(n for _, _, n in counted.calls) <= 8 << 20
-            assert len(counted.calls) == first_pass  # the second pass asks nothing again
+                    assert 6 << 20 <= sum(n for _, _, n in calls) <= 8 << 20
+            assert len(calls) == first_pass  # the second pass asks nothing again
             for rep in range(2):
                 for i, arr in enumerate(objects):
                     assert np.array_equal(outs[rep, :, i], arr)
-            reader._mmap = counted.mm
     finally:
         tier.close()
+
+
+def _mapping_rss(address: int) -> int:
+    """Resident bytes of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            return next(int(rss.split()[1]) << 10 for rss in lines[i + 1:] if rss.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:x}")
+
+
+def test_madvise_maps_a_range_without_holding_the_gil(tmp_path: Path) -> None:
+    """``tiers.base.madvise`` populates the range asked for (writable and read-only mappings),
+    refuses a start outside the mapping, and lets the process's other threads run while the
+    kernel works: CPython's ``mmap.madvise`` holds the GIL, so a readier thread populating
+    16 MiB steps stalled the puts it readied for."""
+    import mmap
+
+    nbytes = 512 << 20
+    path = Path("/dev/shm") / f"kvpool-test-madvise-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        rw = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        ro = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
+            rw_at = np.frombuffer(rw, np.uint8).ctypes.data
+            ro_at = np.frombuffer(ro, np.uint8).ctypes.data
+            assert _mapping_rss(rw_at) == 0 and _mapping_rss(ro_at) == 0
+            madvise(ro, 22, 16 << 20, 8 << 20)  # MADV_POPULATE_READ of 8 MiB
+            assert _mapping_rss(ro_at) == 8 << 20
+            with pytest.raises(ValueError):
+                madvise(rw, 23, nbytes, 4096)
+
+            # While another thread populates 256 MiB writable, the main thread waits for 10 ms
+            # past the call's start, then notes the time once (noting it allocating all along
+            # would stall it: growing a list maps memory, which waits for the mmap lock the
+            # populate holds). With the GIL held through the call, it could note it only once
+            # the call returned (a little before the worker notes the end: the worker then
+            # waits for the GIL in its turn).
+            span: list[float] = []
+            seen: list[float] = []
+            done = threading.Event()
+
+            def populate() -> None:
+                span.append(time.monotonic())
+                madvise(rw, 23, 0, 256 << 20)  # MADV_POPULATE_WRITE
+                span.append(time.monotonic())
+                done.set()
+
+            worker = threading.Thread(target=populate)
+            worker.start()
+            while not done.is_set():
+                if span and not seen and time.monotonic() > span[0] + 0.01:
+                    seen.append(time.monotonic())
+            worker.join()
+            assert _mapping_rss(rw_at) == 256 << 20
+            start, end = span
+            if end - start < 0.04:
+                pytest.skip(f"populating 256 MiB took {1e3 * (end - start):.0f} ms: too quick to tell")
+            assert seen and seen[0] - start < (end - start) / 2, \
+                f"the main thread did not run in the first half of the {1e3 * (end - start):.0f} ms call"
+        finally:
+            rw.close()
+            ro.close()
+    finally:
+        os.close(fd)
+        path.unlink()

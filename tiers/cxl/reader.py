@@ -26,7 +26,7 @@ from kvpool.objformat import (
     header_nbytes_at,
     stored_header_checksum,
 )
-from tiers.base import close_mapping
+from tiers.base import close_mapping, madvise
 from tiers.cxl.arena import ARENA, DATA_OFFSET, MAX_HEADER_NBYTES, AccessModel, ArenaHeader, lock_is_free
 from tiers.cxl.index import SharedIndexReader, index_path
 
@@ -329,7 +329,7 @@ class CxlArenaReader:
         at -= at % mmap.PAGESIZE
         end = self.header.data_offset + min(hi * _POPULATE_CHUNK, self.header.capacity_bytes)
         try:
-            self._mmap.madvise(_MADV_POPULATE_READ, at, end - at)
+            madvise(self._mmap, _MADV_POPULATE_READ, at, end - at)  # without the GIL
         except (OSError, ValueError) as exc:
             if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENOSYS):
                 _MADV_POPULATE_READ = 0  # not in this kernel: never asked again

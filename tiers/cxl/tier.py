@@ -20,7 +20,7 @@ import numpy as np
 from kvpool import errors
 from kvpool.config import format_size
 from kvpool.objformat import ObjectHeader
-from tiers.base import ArenaTier, Extent, close_mapping
+from tiers.base import ArenaTier, Extent, close_mapping, madvise
 from tiers.cxl.arena import (
     ALIGNMENT,
     DATA_OFFSET,
@@ -70,7 +70,7 @@ def populate_writable(mm: mmap.mmap | None, start: int, nbytes: int) -> None:
         return
     at = start - start % mmap.PAGESIZE
     try:
-        mm.madvise(_MADV_POPULATE_WRITE, at, start + nbytes - at)
+        madvise(mm, _MADV_POPULATE_WRITE, at, start + nbytes - at)  # without the GIL
     except (OSError, ValueError) as exc:
         if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENOSYS):
             _MADV_POPULATE_WRITE = 0  # not in this kernel: never asked again
