@@ -396,12 +396,16 @@ def progress(text: str) -> None:
     print(f"[hicache-bench] {text}", file=sys.stderr, flush=True)
 
 
-def measure_kvpool(row: Row, writer: Writer, reader: Any, host: Any, model: str, warmup: int, calls: int,
-                   writer_extra: dict[str, Any] | None = None) -> None:
-    """A writer process sets, this process's ``reader`` gets (kvpool's rows, Mooncake's remote row;
-    ``writer_extra``: the writer's backend settings for this row, else those it was made with)."""
+def attach_writer(writer: Writer, row: Row, model: str, writer_extra: dict[str, Any] | None = None) -> None:
+    """The writer makes its backend for ``row`` (``writer_extra``: its settings for this row, else
+    those it was made with)."""
     writer.ask({"op": "attach", "page_size": row.page_size, "model": model,
                 **({} if writer_extra is None else {"extra": writer_extra})})
+
+
+def measure_kvpool(row: Row, writer: Writer, reader: Any, host: Any, warmup: int, calls: int) -> None:
+    """A writer process (attached: :func:`attach_writer`) sets, this process's ``reader`` gets
+    (kvpool's rows, Mooncake's remote row)."""
     total = warmup + calls
     for call in range(total):
         answer = writer.ask({"op": "set", "row": row.row, "page_size": row.page_size, "call": call,
@@ -527,12 +531,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         reader_config = {"pool": {"data_dir": str(work / f"reader-{name}-{page_size}")},
                                          "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
                                                    "cxl": {"capacity": 0}, "nvme": {"capacity": 0}}}
+                        attach_writer(writers[name], row, model)
                         reader = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
                                                                  "config": reader_config, "transport": transport},
                                               host)
                         backends.append(reader)
                         try:
-                            measure_kvpool(row, writers[name], reader, host, model, args.warmup, args.calls)
+                            measure_kvpool(row, writers[name], reader, host, args.warmup, args.calls)
                         finally:
                             reader.close()
                             backends.remove(reader)
@@ -545,11 +550,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         row.status = mooncake_why
                     elif name == "mooncake-remote":  # a writer's segment; this process contributes none
                         assert mooncake_master is not None
+                        # the writer's segment first: the reader's store puts a warm-up object as it
+                        # starts, which fails (10 tries, then RuntimeError) where no segment is mounted
+                        attach_writer(writers[name], row, model, mooncake_extra(mooncake_master, segment))
                         reader = make_backend("mooncake", model, mooncake_extra(mooncake_master, 0), host)
                         backends.append(reader)
                         try:
-                            measure_kvpool(row, writers[name], reader, host, model, args.warmup, args.calls,
-                                           writer_extra=mooncake_extra(mooncake_master, segment))
+                            measure_kvpool(row, writers[name], reader, host, args.warmup, args.calls)
                         finally:
                             reader.close()
                             backends.remove(reader)
