@@ -122,11 +122,13 @@ def engine(work: Path, name: str, model: Path, prompts: Path, *args: str, python
 
 
 # No usage reports from vLLM or LMCache (as bench/serving_bench.py).
-_NO_USAGE = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
-             # LMCache's engines ask for AMX as kvpool's connector does (tests/vllm_cpu_amx/sitecustomize.py):
-             # on an AMX CPU vLLM-CPU's cached-prefix attention dies of SIGILL in a worker that did not ask
-             "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "tests" /
-                                                             "vllm_cpu_amx"), os.environ.get("PYTHONPATH")]))}
+_NO_USAGE = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+# Every engine asks for AMX at start, as kvpool's connector does in its worker
+# (tests/vllm_cpu_amx/sitecustomize.py): on an AMX CPU vLLM-CPU's cached-prefix attention dies of
+# SIGILL in a worker that did not ask, which LMCache's engines (no kvpool code in them) would not.
+_ASK_AMX = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "tests" /
+                                                            "vllm_cpu_amx"), os.environ.get("PYTHONPATH")]))}
+_ENGINE_ENV = {**_NO_USAGE, **_ASK_AMX}
 
 
 def lmcache_installed(venv: Path) -> bool:
@@ -577,12 +579,12 @@ def lmcache_row(work: Path, args: argparse.Namespace, prefix: int, model: Path, 
         run = ["--lmcache-port", str(port)]
         python = str(venv / "bin" / "python")
         engine(work, f"warm-lmcache-{prefix}", model, warm, "--connector", "lmcache", *run,
-               "--max-model-len", str(prefix + 256), python=python, env=_NO_USAGE)
+               "--max-model-len", str(prefix + 256), python=python, env=_ENGINE_ENV)
         if server.poll() is not None:
             raise RuntimeError(f"lmcache server exited during the warm-up:\n"
                                f"{(work / f'lmcache-server-{prefix}.log').read_text(errors='replace')[-3000:]}")
         return ttft_row(work, prefix, model, asked, "lmcache", label, [*extra, *run], results, python=python,
-                        env=_NO_USAGE)
+                        env=_ENGINE_ENV)
     finally:
         stop_group(server)
 
