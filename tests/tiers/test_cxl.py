@@ -873,14 +873,14 @@ def _mapping_rss(address: int) -> int:
     raise AssertionError(f"no mapping at {address:x}")
 
 
-def test_madvise_maps_a_range_without_holding_the_gil(tmp_path: Path) -> None:
+def test_madvise_maps_a_range_without_holding_the_gil() -> None:
     """``tiers.base.madvise`` populates the range asked for (writable and read-only mappings),
     refuses a start outside the mapping, and lets the process's other threads run while the
     kernel works: CPython's ``mmap.madvise`` holds the GIL, so a readier thread populating
     16 MiB steps stalled the puts it readied for."""
     import mmap
 
-    nbytes = 512 << 20
+    nbytes = 288 << 20
     path = Path("/dev/shm") / f"kvpool-test-madvise-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
