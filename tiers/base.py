@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import ctypes.util
+import functools
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -45,10 +47,17 @@ def close_mapping(region: Any) -> None:
         pass
 
 
+@functools.cache
+def libc() -> Any:
+    """The C library through ctypes (errno kept), whose calls give up the GIL (raises OSError
+    where it cannot be loaded)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def _libc_madvise() -> Any:
-    """libc's ``madvise`` through ctypes, which gives up the GIL for the call; None without it."""
+    """libc's ``madvise``; None without it."""
     try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise = libc().madvise
     except (OSError, AttributeError):
         return None
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

@@ -15,7 +15,6 @@ logged once per host.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -28,17 +27,13 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.config import format_size
-from tiers.base import ArenaTier, close_mapping
+from tiers.base import ArenaTier, close_mapping, libc
 
 if TYPE_CHECKING:
     from kvpool.config import Config, DramSection
 
 log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
-
-
-def _libc() -> Any:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def mlock_region(address: int, nbytes: int) -> tuple[int, str]:
@@ -61,9 +56,9 @@ def mlock_region(address: int, nbytes: int) -> tuple[int, str]:
     allowed = allowed // PAGE * PAGE
     if allowed == 0:
         return 0, f"RLIMIT_MEMLOCK is {soft} bytes: nothing locked"
-    libc = _libc()
+    clib = libc()
     while allowed >= PAGE:
-        if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(allowed)) == 0:
+        if clib.mlock(ctypes.c_void_p(address), ctypes.c_size_t(allowed)) == 0:
             note = "fully locked" if allowed == nbytes else f"RLIMIT_MEMLOCK allows {allowed} of {nbytes} bytes"
             return allowed, note
         allowed = allowed // 2 // PAGE * PAGE  # the limit is shared with earlier locks: back off
@@ -110,7 +105,7 @@ def _warn_memlock_once(note: str, locked: int, wanted: int) -> None:
 
 def munlock_region(address: int, nbytes: int) -> None:
     if nbytes:
-        _libc().munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
+        libc().munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
 
 
 def _advise_huge_pages(region: mmap.mmap) -> bool:
