@@ -38,12 +38,14 @@ class Daemon:
         self.starts = 0
 
     def start(self) -> ChildProcess:
-        """A one-machine pool (role all) whose only tier is nvme, so what it holds survives restarts."""
+        """A one-machine pool (role all): dram and cxl in front of nvme, as by default (a durable
+        copy is then a memory copy backed by nvme), so what it holds on nvme survives restarts."""
         self.starts += 1
         log = self.tmp_path / f"daemon-{self.starts}.log"
         return self.spawn(
             ["-m", "kvpool.cli.server", "--pool.name", "daemon-test", "--pool.data_dir", str(self.tmp_path / "data"),
-             "--tiers.dram.capacity", "0", "--tiers.cxl.capacity", "0", "--tiers.nvme.capacity", "32MiB",
+             "--tiers.dram.capacity", "8MiB", "--tiers.dram.mlock", "false", "--tiers.cxl.capacity", "8MiB",
+             "--tiers.nvme.capacity", "32MiB",
              "--tiers.nvme.segment_size", "16MiB", "--master.listen", self.master, "--master.heartbeat_ms", "200",
              "--metrics.port", str(self.metrics_port)],
             log_path=log, ready=lambda: http_get(self.metrics_port, "/health")[0] == 200, timeout_s=40)

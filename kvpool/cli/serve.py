@@ -103,7 +103,8 @@ def _start_node(config: Config, stack: ExitStack) -> Any:
     manager = build_tier_manager(config)
 
     def close_manager() -> None:
-        on_disk = sum(1 for _key, tier, _extent, _header in manager.snapshot() if tier.persistent)
+        # an object counts once per persistent copy: resident there, or backing a memory tier's copy
+        on_disk = sum(stats["objects"] for tier, stats in zip(manager.tiers, manager.tier_stats()) if tier.persistent)
         manager.close()
         log.info("tiers closed, nvme index flushed: %d objects on disk will be found again at the next "
                  "start (memory tiers are not kept)", on_disk)
