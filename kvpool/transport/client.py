@@ -51,6 +51,11 @@ from kvpool.transport.pulls import Peer, PullRequest, PullState, checked_out, ch
 
 log = logging.getLogger("kvpool.transport")
 
+#: after an endpoint to a peer could not be made, pulls to that peer fail at once for this long
+#: instead of each trying again: a batch of pulls from a process that just died (a hand-off from
+#: an engine killed meanwhile) made one endpoint each, and UCX logged four ERROR lines for each
+CONNECT_RETRY_S = 2.0
+
 
 
 class PullClient:
@@ -84,6 +89,7 @@ class PullClient:
         self._client_id = secrets.randbits(64)
         self._host_id = local_host_id()
         self._peers: dict[tuple[Any, ...], Peer] = {}
+        self._unreachable: dict[tuple[Any, ...], tuple[float, str]] = {}  # peer key -> (retry at, why)
         # ``host``: this process's address (node.host); UCX's transports stay on its interface.
         # ``engine``: a shared one (the node's), which this client uses but does not stop.
         self._owns_engine = engine is None
@@ -415,6 +421,26 @@ class PullClient:
             peer = None
         if peer is not None:
             return peer
+        failed = self._unreachable.get(key)
+        if failed is not None:
+            retry_at, why = failed
+            if time.monotonic() < retry_at:
+                raise errors.TransferError(f"{why} (an attempt moments ago; the next after {CONNECT_RETRY_S:g} s)")
+            del self._unreachable[key]
+        try:
+            peer = self._new_peer(key, address, use_worker_address, checked_worker_address)
+        except Exception as exc:
+            now = time.monotonic()
+            for stale in [k for k, (retry_at, _) in self._unreachable.items() if retry_at <= now]:
+                del self._unreachable[stale]
+            self._unreachable[key] = (now + CONNECT_RETRY_S, describe(exc))
+            raise
+        self._peers[key] = peer
+        return peer
+
+    def _new_peer(self, key: tuple[Any, ...], address: PeerAddress, use_worker_address: bool,
+                  checked_worker_address: bool) -> Peer:
+        """An endpoint to ``address`` as :meth:`_peer_for` chose to reach it (its hello sent)."""
         worker = self._engine.worker
         if use_worker_address:
             ucx_address = ucx_api.UCXAddress.create_from_buffer(address.worker_address)
@@ -440,7 +466,6 @@ class PullClient:
                     self._drop_peer(peer, f"hello failed: {describe(err)}")
 
             self._engine.watch(ep.stream_send(hello_array), hello_sent, hello_array)
-        self._peers[key] = peer
         return peer
 
     def _sweep_dead_peers(self) -> None:

@@ -36,7 +36,7 @@ import pytest
 
 from kvpool import errors
 from kvpool.objformat import LayerRange
-from kvpool.transport import PeerAddress, PullClient, PullServer, ServeSource
+from kvpool.transport import PeerAddress, PullClient, PullRequest, PullServer, ServeSource
 from kvpool.transport.tcp import TcpPullServer
 
 LAYERS = 8
@@ -550,6 +550,38 @@ def test_holder_killed_mid_pull_fails_within_deadline(
         # latest), never hangs.
         with pytest.raises((errors.TransferError, errors.KVTimeoutError)):
             pull_client.pull_into(fresh_server.peer, b"obj-a", (0, 2), out, timeout_s=2.0)
+
+
+def test_a_batch_from_a_dead_same_host_holder_tries_one_endpoint_not_one_per_pull(
+        fresh_server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A storage node pulling a hand-off from an engine killed meanwhile: by worker address
+    (shared memory), every pull of the batch made its own endpoint and UCX printed four ERROR
+    lines for each (56 for 14 blocks). Now the first failure is remembered for
+    ``CONNECT_RETRY_S``: one endpoint attempted, every pull a TransferError, and a later batch
+    tries again."""
+    import kvpool.transport.client as client_module
+
+    monkeypatch.setattr(client_module, "CONNECT_RETRY_S", 0.5)
+    fresh_server.kill()  # its shared-memory segments are gone with it
+    requests = [PullRequest(fresh_server.peer, b"obj-a", LayerRange(0, 2), np.zeros(2 * LAYER_NBYTES, np.uint8))
+                for _ in range(14)]
+    attempts = []
+    new_peer = PullClient._new_peer
+
+    def counted(self: PullClient, *args: Any) -> Any:
+        attempts.append(args[1])
+        return new_peer(self, *args)
+
+    monkeypatch.setattr(PullClient, "_new_peer", counted)
+    with PullClient(transport="auto") as pull_client:
+        outcomes = pull_client.pull_many(requests, timeout_s=5.0)
+        assert all(type(o) is errors.TransferError for o in outcomes), outcomes
+        assert "moments ago" in str(outcomes[-1])
+        assert len(attempts) == 1
+        time.sleep(0.6)
+        (again,) = pull_client.pull_many(requests[:1], timeout_s=5.0)
+        assert type(again) is errors.TransferError and "moments ago" not in str(again)
+        assert len(attempts) == 2
 
 
 def test_read_failure_mid_pull_is_reported_at_once(server: ServerProcess, client: PullClient) -> None:
