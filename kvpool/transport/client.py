@@ -57,7 +57,6 @@ log = logging.getLogger("kvpool.transport")
 CONNECT_RETRY_S = 2.0
 
 
-
 class PullClient:
     """Pulls ``(key, layer range)`` from :class:`PullServer` peers into caller buffers.
 
@@ -425,7 +424,7 @@ class PullClient:
         if failed is not None:
             retry_at, why = failed
             if time.monotonic() < retry_at:
-                raise errors.TransferError(f"{why} (an attempt moments ago; the next after {CONNECT_RETRY_S:g} s)")
+                raise errors.TransferError(f"{why} (failed moments ago; not tried again for {CONNECT_RETRY_S:g} s)")
             del self._unreachable[key]
         try:
             peer = self._new_peer(key, address, use_worker_address, checked_worker_address)
