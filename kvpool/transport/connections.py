@@ -11,6 +11,7 @@ client's deadline reports that failure).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,11 @@ from kvpool.transport.engine import Array, Engine, close_endpoint, ucx_api
 from kvpool.transport.frames import HELLO, HELLO_MAGIC, PROTOCOL_VERSION, Request
 
 log = logging.getLogger("kvpool.transport")
+
+#: after a client's reply endpoint could not be made, its requests that reach the server meanwhile
+#: are dropped (counted as errors) for this long instead of each trying again: a client that died
+#: with a batch of pulls in flight cost one attempt, one warning and UCX's ERROR lines per pull
+REPLY_RETRY_S = 2.0
 
 
 class ReplyEndpoints:
@@ -34,6 +40,7 @@ class ReplyEndpoints:
         self._conns: dict[int, Any] = {}  # conn_id -> endpoint replies go out on
         self._reply_conn: dict[int, int] = {}  # client_id -> conn_id of its worker-address reply endpoint
         self._parked: dict[int, list[Request]] = {}
+        self._unreachable: dict[bytes, float] = {}  # reply address -> when to try it again
 
     # -- listener connections ------------------------------------------------------------
 
@@ -94,6 +101,13 @@ class ReplyEndpoints:
         create toward each other, so our old reply endpoint points at the
         closed one and must be replaced, not reused.
         """
+        now = time.monotonic()
+        retry_at = self._unreachable.get(request.reply_address)
+        if retry_at is not None:
+            if now < retry_at:  # failed moments ago: no new attempt, no new warning
+                self._error()
+                return None
+            del self._unreachable[request.reply_address]
         stale = self._conns.get(self._reply_conn.get(request.client_id, -1))
         if stale is not None:
             self.drop(stale)
@@ -104,7 +118,11 @@ class ReplyEndpoints:
                 ep.set_close_callback(self._engine.post, cb_args=(self.sweep,))
         except Exception as exc:
             self._error()
-            log.warning("%s: cannot reach client by worker address: %s", self._name, exc)
+            for stale_address in [a for a, at in self._unreachable.items() if at <= now]:
+                del self._unreachable[stale_address]
+            self._unreachable[request.reply_address] = now + REPLY_RETRY_S
+            log.warning("%s: cannot reach client by worker address: %s (its requests dropped for %g s)",
+                        self._name, exc, REPLY_RETRY_S)
             return None
         self._conns[request.conn_id] = ep
         self._reply_conn[request.client_id] = request.conn_id
@@ -140,5 +158,6 @@ class ReplyEndpoints:
         self._conns.clear()
         self._reply_conn.clear()
         self._parked.clear()
+        self._unreachable.clear()
         for ep in eps:
             close_endpoint(ep)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import queue
 import signal
@@ -37,6 +38,8 @@ import pytest
 from kvpool import errors
 from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullClient, PullRequest, PullServer, ServeSource
+from kvpool.transport.engine import Engine, ucx_interface_options
+from kvpool.transport.frames import Request, pack_request, parse_request
 from kvpool.transport.tcp import TcpPullServer
 
 LAYERS = 8
@@ -582,6 +585,44 @@ def test_a_batch_from_a_dead_same_host_holder_tries_one_endpoint_not_one_per_pul
         (again,) = pull_client.pull_many(requests[:1], timeout_s=5.0)
         assert type(again) is errors.TransferError and "moments ago" not in str(again)
         assert len(attempts) == 2
+
+
+def test_a_server_answering_a_dead_client_tries_one_reply_endpoint_not_one_per_request(
+        fresh_server: ServerProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The server's side of the same: a same-host client that died with a batch of pulls in
+    flight. Its requests reach the server, which makes the reply endpoint to the client's worker
+    address: one attempt and one warning for the batch, each request counted as an error and
+    never served; after ``REPLY_RETRY_S`` a request tries again."""
+    import kvpool.transport.connections as connections
+
+    monkeypatch.setattr(connections, "REPLY_RETRY_S", 0.5)
+    dead_address = fresh_server.peer.worker_address  # a worker address whose process is gone
+    fresh_server.kill()
+    served: list[Request] = []
+    failures: list[int] = []
+    engine = Engine("test-reply-endpoints", ucx_interface_options("127.0.0.1"))
+    try:
+        table = connections.ReplyEndpoints(engine, "test", park_s=1.0, dispatch=lambda r, ep: served.append(r),
+                                           dropped=lambda ep: None, error=lambda: failures.append(1))
+
+        def requests(first_id: int, count: int) -> list[Request]:
+            return [parse_request(pack_request(b"obj-a", b"", LayerRange(0, 1), 4096, want_header=False,
+                                               max_chunk=4096, request_id=i, client_id=7, conn_id=9,
+                                               reply_address=dead_address))
+                    for i in range(first_id, first_id + count)]
+
+        with caplog.at_level(logging.WARNING, logger="kvpool.transport"):
+            for request in requests(0, 14):
+                engine.call(lambda request=request: table.route(request))
+            assert (len(served), len(failures)) == (0, 14)
+            assert len([r for r in caplog.records if "cannot reach client" in r.getMessage()]) == 1
+            time.sleep(0.6)
+            (late,) = requests(14, 1)
+            engine.call(lambda: table.route(late))
+            assert (len(served), len(failures)) == (0, 15)
+            assert len([r for r in caplog.records if "cannot reach client" in r.getMessage()]) == 2
+    finally:
+        engine.stop(lambda: None)
 
 
 def test_read_failure_mid_pull_is_reported_at_once(server: ServerProcess, client: PullClient) -> None:
