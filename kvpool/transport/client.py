@@ -100,6 +100,8 @@ class PullClient:
         self.failures = 0
         self.timeouts = 0
         self.bytes_received = 0
+        self.connects_failed = 0
+        self.connects_skipped = 0
 
     # -- public API ------------------------------------------------------------------------
 
@@ -306,9 +308,13 @@ class PullClient:
         return self._worker_address
 
     def stats(self) -> dict[str, int]:
-        """Counters: pulls completed and failed, timeouts among them, bytes received."""
+        """Counters: pulls completed and failed, timeouts among them, bytes received; endpoints
+        that could not be made (``connects_failed``), and pulls failed at once meanwhile
+        (``connects_skipped``, see :data:`CONNECT_RETRY_S`)."""
         return {
             "peers": len(self._peers),
+            "connects_failed": self.connects_failed,
+            "connects_skipped": self.connects_skipped,
             "pulls": self.pulls,
             "failures": self.failures,
             "timeouts": self.timeouts,
@@ -424,11 +430,13 @@ class PullClient:
         if failed is not None:
             retry_at, why = failed
             if time.monotonic() < retry_at:
+                self.connects_skipped += 1
                 raise errors.TransferError(f"{why} (failed moments ago; not tried again for {CONNECT_RETRY_S:g} s)")
             del self._unreachable[key]
         try:
             peer = self._new_peer(key, address, use_worker_address, checked_worker_address)
         except Exception as exc:
+            self.connects_failed += 1
             now = time.monotonic()
             for stale in [k for k, (retry_at, _) in self._unreachable.items() if retry_at <= now]:
                 del self._unreachable[stale]

@@ -243,7 +243,8 @@ class Pulls:
 
     def stats(self) -> dict[str, Any]:
         ucx = (self._ucx.stats() if self._ucx is not None  # none yet: nothing pulled over UCX
-               else {"peers": 0, "pulls": 0, "failures": 0, "timeouts": 0, "bytes_received": 0})
+               else {"peers": 0, "connects_failed": 0, "connects_skipped": 0, "pulls": 0, "failures": 0,
+                     "timeouts": 0, "bytes_received": 0})
         return {"pull_client": ucx, "tcp_pull_client": self.tcp.stats() if self.tcp is not None else {}}
 
     def close(self) -> None:
