@@ -20,6 +20,7 @@ from kvpool.transport.engine import (
     Array,
     Engine,
     MiB,
+    RecentFailures,
     close_endpoint,
     describe,
     local_host_id,
@@ -88,7 +89,7 @@ class PullClient:
         self._client_id = secrets.randbits(64)
         self._host_id = local_host_id()
         self._peers: dict[tuple[Any, ...], Peer] = {}
-        self._unreachable: dict[tuple[Any, ...], tuple[float, str]] = {}  # peer key -> (retry at, why)
+        self._unreachable = RecentFailures(lambda: CONNECT_RETRY_S)  # peer keys
         # ``host``: this process's address (node.host); UCX's transports stay on its interface.
         # ``engine``: a shared one (the node's), which this client uses but does not stop.
         self._owns_engine = engine is None
@@ -426,21 +427,15 @@ class PullClient:
             peer = None
         if peer is not None:
             return peer
-        failed = self._unreachable.get(key)
-        if failed is not None:
-            retry_at, why = failed
-            if time.monotonic() < retry_at:
-                self.connects_skipped += 1
-                raise errors.TransferError(f"{why} (failed moments ago; not tried again for {CONNECT_RETRY_S:g} s)")
-            del self._unreachable[key]
+        why = self._unreachable.why(key)
+        if why is not None:
+            self.connects_skipped += 1
+            raise errors.TransferError(f"{why} (failed moments ago; not tried again for {CONNECT_RETRY_S:g} s)")
         try:
             peer = self._new_peer(key, address, use_worker_address, checked_worker_address)
         except Exception as exc:
             self.connects_failed += 1
-            now = time.monotonic()
-            for stale in [k for k, (retry_at, _) in self._unreachable.items() if retry_at <= now]:
-                del self._unreachable[stale]
-            self._unreachable[key] = (now + CONNECT_RETRY_S, describe(exc))
+            self._unreachable.failed(key, describe(exc))
             raise
         self._peers[key] = peer
         return peer

@@ -11,11 +11,10 @@ client's deadline reports that failure).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.transport.engine import Array, Engine, close_endpoint, ucx_api
+from kvpool.transport.engine import Array, Engine, RecentFailures, close_endpoint, describe, ucx_api
 from kvpool.transport.frames import HELLO, HELLO_MAGIC, PROTOCOL_VERSION, Request
 
 log = logging.getLogger("kvpool.transport")
@@ -40,7 +39,7 @@ class ReplyEndpoints:
         self._conns: dict[int, Any] = {}  # conn_id -> endpoint replies go out on
         self._reply_conn: dict[int, int] = {}  # client_id -> conn_id of its worker-address reply endpoint
         self._parked: dict[int, list[Request]] = {}
-        self._unreachable: dict[bytes, float] = {}  # reply address -> when to try it again
+        self._unreachable = RecentFailures(lambda: REPLY_RETRY_S)  # reply addresses
 
     # -- listener connections ------------------------------------------------------------
 
@@ -101,13 +100,9 @@ class ReplyEndpoints:
         create toward each other, so our old reply endpoint points at the
         closed one and must be replaced, not reused.
         """
-        now = time.monotonic()
-        retry_at = self._unreachable.get(request.reply_address)
-        if retry_at is not None:
-            if now < retry_at:  # failed moments ago: no new attempt, no new warning
-                self._error()
-                return None
-            del self._unreachable[request.reply_address]
+        if self._unreachable.why(request.reply_address) is not None:  # no new attempt, no new warning
+            self._error()
+            return None
         stale = self._conns.get(self._reply_conn.get(request.client_id, -1))
         if stale is not None:
             self.drop(stale)
@@ -118,9 +113,7 @@ class ReplyEndpoints:
                 ep.set_close_callback(self._engine.post, cb_args=(self.sweep,))
         except Exception as exc:
             self._error()
-            for stale_address in [a for a, at in self._unreachable.items() if at <= now]:
-                del self._unreachable[stale_address]
-            self._unreachable[request.reply_address] = now + REPLY_RETRY_S
+            self._unreachable.failed(request.reply_address, describe(exc))
             log.warning("%s: cannot reach client by worker address: %s (its requests dropped for %g s)",
                         self._name, exc, REPLY_RETRY_S)
             return None

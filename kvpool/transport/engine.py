@@ -550,6 +550,36 @@ def close_endpoint(ep: Any) -> None:
         log.debug("closing endpoint: %s", exc)
 
 
+class RecentFailures:
+    """Endpoints that could not be made lately, by key, each left alone for ``retry_s`` (read
+    when it fails, so a caller may change it): the pulls of a batch to a process that just died
+    make one attempt between them, not one each (UCX logs four ERROR lines per attempt). On the
+    progress thread only, as the endpoints are."""
+
+    def __init__(self, retry_s: Callable[[], float]) -> None:
+        self._retry_s = retry_s
+        self._until: dict[Any, tuple[float, str]] = {}  # key -> (left alone until, why it failed)
+
+    def why(self, key: Any) -> str | None:
+        """Why ``key`` failed, if it did within its window (None: try it)."""
+        failed = self._until.get(key)
+        if failed is None:
+            return None
+        if time.monotonic() < failed[0]:
+            return failed[1]
+        del self._until[key]
+        return None
+
+    def failed(self, key: Any, why: str) -> None:
+        now = time.monotonic()
+        for stale in [k for k, (until, _) in self._until.items() if until <= now]:
+            del self._until[stale]
+        self._until[key] = (now + self._retry_s(), why)
+
+    def clear(self) -> None:
+        self._until.clear()
+
+
 def reply_tag(request_id: int, index: int) -> Any:
     return ucx_api.UCXXTag((request_id << INDEX_BITS) | index)
 
