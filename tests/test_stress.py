@@ -34,6 +34,12 @@ SECONDS = float(os.environ.get("KVPOOL_STRESS_SECONDS", "15"))
 HEARTBEAT_MS = 500
 # Errors a get/put may raise on a loaded 2-core machine without breaking the contract.
 TOLERATED_ERRORS = ("MasterUnreachableError", "KVTimeoutError")
+# A put into a tiny tier whose every object other processes hold leased (reading them) fails
+# typed after its rounds of asking the master (tiers/manager.py): the put is a future miss, the
+# contract holds. Seen once in 2,624 puts of one worker (a full suite run, 2026-12-05); tolerated
+# while rare, so puts that fail as a rule still fail the test.
+RARE_ERRORS = ("put:PoolFullError",)
+RARE_SHARE = 0.01
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(max(120, 60 + 3 * SECONDS))]
 
@@ -92,8 +98,11 @@ def report(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def assert_exact(results: Sequence[dict[str, Any]], total: dict[str, Any]) -> None:
     wrong = {r["name"]: r["wrong_samples"] for r in results if r["wrong"]}
     assert total["wrong"] == 0, f"{total['wrong']} wrong values in {total['gets']} gets; samples: {wrong}"
+    def expected(r: dict[str, Any], name: str, count: int) -> bool:
+        return name.endswith(TOLERATED_ERRORS) or name in RARE_ERRORS and count <= RARE_SHARE * max(1, r["puts"])
+
     unexpected = {r["name"]: (r["errors"], r["error_samples"]) for r in results
-                  if any(not name.endswith(TOLERATED_ERRORS) for name in r["errors"])}
+                  if not all(expected(r, name, count) for name, count in r["errors"].items())}
     assert not unexpected, f"unexpected errors: {unexpected}"
 
 
