@@ -39,7 +39,7 @@ TOLERATED_ERRORS = ("MasterUnreachableError", "KVTimeoutError")
 # contract holds. Seen once in 2,624 puts of one worker (a full suite run, 2026-12-05); tolerated
 # while rare, so puts that fail as a rule still fail the test.
 RARE_ERRORS = ("put:PoolFullError",)
-RARE_SHARE = 0.01
+RARE_SHARE = 0.002  # of a worker's puts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(max(120, 60 + 3 * SECONDS))]
 
@@ -98,8 +98,9 @@ def report(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def assert_exact(results: Sequence[dict[str, Any]], total: dict[str, Any]) -> None:
     wrong = {r["name"]: r["wrong_samples"] for r in results if r["wrong"]}
     assert total["wrong"] == 0, f"{total['wrong']} wrong values in {total['gets']} gets; samples: {wrong}"
+
     def expected(r: dict[str, Any], name: str, count: int) -> bool:
-        return name.endswith(TOLERATED_ERRORS) or name in RARE_ERRORS and count <= RARE_SHARE * max(1, r["puts"])
+        return name.endswith(TOLERATED_ERRORS) or (name in RARE_ERRORS and count <= RARE_SHARE * r["puts"])
 
     unexpected = {r["name"]: (r["errors"], r["error_samples"]) for r in results
                   if not all(expected(r, name, count) for name, count in r["errors"].items())}
