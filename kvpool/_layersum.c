@@ -283,15 +283,17 @@ static PyObject *copy_layer_digests(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(copy_spans_digests_doc,
-"copy_spans_digests(dsts, srcs) -> tuple[int, ...]\n\n"
-"``copy_layer_digests`` of many one-layer spans in one call: copy each ``srcs[i]`` into\n"
-"``dsts[i]`` (writable, the same length, at least 241 bytes, not overlapping) and return the\n"
-"xxh3-64 of each as copied. The GIL is released once for all of them (a per-span call\n"
-"takes it back after every copy, which waits behind other threads).");
+"copy_spans_digests(dsts, srcs, steps=None) -> tuple[int, ...]\n\n"
+"``copy_layer_digests`` of many spans in one call: copy each ``srcs[i]`` into ``dsts[i]``\n"
+"(writable, the same length, not overlapping) and return the xxh3-64 of each layer as\n"
+"copied, span after span. ``steps[i]``: the layer size of span ``i`` (> 240, dividing its\n"
+"length); without ``steps`` every span is one layer (at least 241 bytes). The GIL is\n"
+"released once for all of them (a per-span call takes it back after every copy, which\n"
+"waits behind other threads).");
 
 static PyObject *copy_spans_digests(PyObject *self, PyObject *args) {
-    PyObject *dst_list, *src_list;
-    if (!PyArg_ParseTuple(args, "OO:copy_spans_digests", &dst_list, &src_list)) return NULL;
+    PyObject *dst_list, *src_list, *step_list = Py_None;
+    if (!PyArg_ParseTuple(args, "OO|O:copy_spans_digests", &dst_list, &src_list, &step_list)) return NULL;
     PyObject *dsts = PySequence_Fast(dst_list, "dsts must be a sequence of buffers");
     if (dsts == NULL) return NULL;
     PyObject *srcs = PySequence_Fast(src_list, "srcs must be a sequence of buffers");
@@ -299,8 +301,9 @@ static PyObject *copy_spans_digests(PyObject *self, PyObject *args) {
         Py_DECREF(dsts);
         return NULL;
     }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(dsts), held = 0;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(dsts), held = 0, layers = 0;
     Py_buffer *views = NULL;
+    Py_ssize_t *steps = NULL;
     uint64_t *sums = NULL;
     PyObject *out = NULL;
     if (PySequence_Fast_GET_SIZE(srcs) != count) {
@@ -308,10 +311,27 @@ static PyObject *copy_spans_digests(PyObject *self, PyObject *args) {
         goto done;
     }
     views = PyMem_Calloc((size_t)(2 * count + 1), sizeof(Py_buffer));
-    sums = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(count + 1));
-    if (views == NULL || sums == NULL) {
+    steps = PyMem_Calloc((size_t)(count + 1), sizeof(Py_ssize_t));
+    if (views == NULL || steps == NULL) {
         PyErr_NoMemory();
         goto done;
+    }
+    if (step_list != Py_None) {
+        PyObject *given = PySequence_Fast(step_list, "steps must be a sequence of ints");
+        if (given == NULL) goto done;
+        if (PySequence_Fast_GET_SIZE(given) != count) {
+            PyErr_Format(PyExc_ValueError, "%zd steps for %zd spans", PySequence_Fast_GET_SIZE(given), count);
+            Py_DECREF(given);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) {
+            steps[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(given, i));
+            if (steps[i] == -1 && PyErr_Occurred()) {
+                Py_DECREF(given);
+                goto done;
+            }
+        }
+        Py_DECREF(given);
     }
     for (Py_ssize_t i = 0; i < count; i++, held++) {
         Py_buffer *d = &views[2 * i], *r = &views[2 * i + 1];
@@ -327,23 +347,41 @@ static PyObject *copy_spans_digests(PyObject *self, PyObject *args) {
             held++;
             goto done;
         }
+        if (steps[i] == 0) steps[i] = r->len;
+        Py_ssize_t n;
+        if (layer_count(r->len, steps[i], &n) < 0) {
+            held++;
+            goto done;
+        }
+        layers += n;
         if ((char *)d->buf < (char *)r->buf + r->len && (char *)r->buf < (char *)d->buf + d->len) {
             PyErr_Format(PyExc_ValueError, "span %zd: dst and src overlap", i);
             held++;
             goto done;
         }
     }
+    sums = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(layers + 1));
+    if (sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++)
-        sums[i] = layer((uint8_t *)views[2 * i].buf, (const uint8_t *)views[2 * i + 1].buf, (size_t)views[2 * i].len);
+    uint64_t *sum = sums;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint8_t *d = (uint8_t *)views[2 * i].buf;
+        const uint8_t *r = (const uint8_t *)views[2 * i + 1].buf;
+        for (Py_ssize_t at = 0; at < views[2 * i].len; at += steps[i])
+            *sum++ = layer(d + at, r + at, (size_t)steps[i]);
+    }
     Py_END_ALLOW_THREADS
-    out = digests(sums, count);
+    out = digests(sums, layers);
 done:
     for (Py_ssize_t i = 0; i < held; i++) {
         PyBuffer_Release(&views[2 * i]);
         PyBuffer_Release(&views[2 * i + 1]);
     }
     PyMem_Free(views);
+    PyMem_Free(steps);
     PyMem_RawFree(sums);
     Py_DECREF(dsts);
     Py_DECREF(srcs);

@@ -87,6 +87,25 @@ def test_bad_arguments_are_refused(native: Any) -> None:
         native.copy_layer_digests(bytes(4096), data, 1024)  # read-only dst
 
 
+def test_spans_give_each_layer_of_each_span(native: Any, variant: str) -> None:
+    """``copy_spans_digests`` with ``steps``: every span copied, every layer's digest in order
+    (spans of different layer sizes in one call); without ``steps`` one digest a span."""
+    rng = np.random.default_rng(5)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4096, 3 * 1000, 241)]
+    steps = [1024, 1000, 241]
+    dsts = [np.zeros_like(src) for src in srcs]
+    expected = tuple(d for src, step in zip(srcs, steps) for d in reference(src, step))
+    assert native.copy_spans_digests(dsts, srcs, steps) == expected
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+    assert native.copy_spans_digests(dsts, srcs) == tuple(reference(src, len(src))[0] for src in srcs)
+    with pytest.raises(ValueError, match="whole number"):
+        native.copy_spans_digests(dsts, srcs, [1024, 1024, 241])
+    with pytest.raises(ValueError, match="at least"):
+        native.copy_spans_digests(dsts, srcs, [128, 1000, 241])
+    with pytest.raises(ValueError, match="2 steps for 3 spans"):
+        native.copy_spans_digests(dsts, srcs, [1024, 1000])
+
+
 @pytest.mark.parametrize("nbytes", [64 << 10, 8 << 20])  # below and above the Python path's fused size
 def test_both_paths_give_xxhash_checksums_of_the_copy(checksum_path: str, nbytes: int) -> None:
     step = nbytes // 16

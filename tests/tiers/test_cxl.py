@@ -550,6 +550,67 @@ def test_find_refuses_an_extent_reused_by_another_key(cxl: CxlTier) -> None:
             reader.read_layers_into(found[0], found[1], LayerRange(0, 4), byte_view(out))
 
 
+@pytest.mark.parametrize("copies", ["one C call", "one by one"])
+def test_a_batched_read_judges_every_object_on_its_own_copy(cxl: CxlTier, copies: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``find_many`` + ``read_many_into`` (a same-host get_many's path): one C call copies a
+    whole batch, and each object is judged on the bytes its own copy holds. Interleaving: the
+    reader finds A, B and C; then the owner overwrites B's extent (its payload, then the whole
+    object with key D's) before the copy. Only B is refused; A and C land exact; a stale index
+    entry is a miss at find."""
+    import tiers.cxl.reader
+    from kvpool.objformat import layer_checksums, spec_of
+    from tiers.cxl.index import IndexEntry
+
+    if copies == "one by one":  # an install without the C extension
+        monkeypatch.setattr(tiers.cxl.reader, "_copy_spans", None)
+    elif tiers.cxl.reader._copy_spans is None:
+        pytest.skip("the C extension is not built here")
+
+    def obj(key: bytes, seed: int, layers: int = 4):
+        arr = np.random.default_rng(seed).standard_normal((layers, 2, 16, 2, 32)).astype("float16")
+        spec, arr = spec_of(arr)
+        payload = byte_view(arr)
+        header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))
+        extent = store(cxl, header, payload)
+        cxl.commit(key, extent, header)
+        return arr, header, payload, extent
+
+    a, b, c = obj(b"key-a", 1), obj(b"key-b", 2, layers=6), obj(b"key-c", 3)
+    with CxlArenaReader.open(cxl.path) as reader:
+        found = reader.find_many([b"key-a", b"missing", b"key-b", b"key-c"])
+        assert found[1] is None
+        assert [f[0] for f in (found[0], found[2], found[3])] == [a[3].offset, b[3].offset, c[3].offset]
+        assert [f[2] for f in (found[0], found[2], found[3])] == [a[1].checksum(), b[1].checksum(), c[1].checksum()]
+        wanted = [(found[0][0], found[0][1], LayerRange(0, 4)), (found[2][0], found[2][1], LayerRange(1, 5)),
+                  (found[3][0], found[3][1], LayerRange(2, 4))]
+
+        def outs():
+            arrays = [np.zeros(h.spec.array_shape(r), "float16") for _, h, r in wanted]
+            return arrays, [byte_view(x) for x in arrays]
+
+        arrays, views = outs()
+        assert reader.read_many_into(wanted, views) == [True, True, True]
+        assert np.array_equal(arrays[0], a[0]) and np.array_equal(arrays[1], b[0][1:5])
+        assert np.array_equal(arrays[2], c[0][2:4])
+
+        _, _, payload_x, _ = obj(b"key-x", 9, layers=6)  # B's extent gets other bytes, same length
+        cxl.write(b[3], b[1].nbytes, payload_x)
+        arrays, views = outs()
+        assert reader.read_many_into(wanted, views) == [True, False, True]
+        assert np.array_equal(arrays[0], a[0]) and np.array_equal(arrays[2], c[0][2:4])
+
+        # B's extent reused whole by D; the index still names B there: a miss at find.
+        _, header_d, payload_d, _ = obj(b"key-d", 4, layers=6)
+        cxl.write_object(b[3], header_d, payload_d)
+        assert cxl.index is not None
+        cxl.index.insert(b"key-b", IndexEntry(b[3].offset, b[3].nbytes, header_d.checksum()))
+        assert reader.find_many([b"key-b", b"key-a"])[0] is None
+
+        with pytest.raises(errors.OutBufferError):  # a wrongly sized out: refused before any copy
+            reader.read_many_into(wanted[:1], [byte_view(np.zeros(7, "float16"))])
+
+
 def test_stale_arenas_of_dead_owners_are_collected(arena_path: Path) -> None:
     from tiers.cxl import collect_stale_arenas
     from tiers.cxl.index import index_path

@@ -26,6 +26,7 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -263,10 +264,17 @@ class SharedIndexReader:
 
     def find(self, key: bytes) -> IndexEntry | None:
         """Where ``key`` was at the moment of the lookup, or None (absent, or the slot stayed busy)."""
+        return self.find_many([key])[0]
+
+    def find_many(self, keys: Sequence[bytes]) -> list[IndexEntry | None]:
+        """:meth:`find` of each key, the mapping checked once for them all."""
         if os.fstat(self._fd).st_size < self._mapped_nbytes:
-            return None  # shrunk under us: touching the mapping would fault
+            return [None] * len(keys)  # shrunk under us: touching the mapping would fault
         if self._table.mm[:8] != MAGIC:
-            return None  # the owner closed its arena
+            return [None] * len(keys)  # the owner closed its arena
+        return [self._probe(key) for key in keys]
+
+    def _probe(self, key: bytes) -> IndexEntry | None:
         lo, hi = _hash(key)
         words, mask = self._table.words, self._table.mask
         for i in self._table.probe(lo):

@@ -28,7 +28,7 @@ from kvpool.objformat import (
 )
 from tiers.base import close_mapping, madvise
 from tiers.cxl.arena import ARENA, DATA_OFFSET, MAX_HEADER_NBYTES, AccessModel, ArenaHeader, lock_is_free
-from tiers.cxl.index import SharedIndexReader, index_path
+from tiers.cxl.index import IndexEntry, SharedIndexReader, index_path
 
 log = logging.getLogger("tiers.cxl")
 
@@ -169,17 +169,30 @@ class CxlArenaReader:
         reused for another object is a miss, not data. Copy the layers with
         :meth:`read_layers_into` and this header: the copy is verified against it.
         """
+        found = self.find_many([key])[0]
+        return None if found is None else (found[0], found[1])
+
+    def find_many(self, keys: Sequence[bytes]) -> list[tuple[int, ObjectHeader, int] | None]:
+        """:meth:`find` of each key, the index and the arena file checked once for them all:
+        (offset, header, the header's checksum) or None."""
         self._check_open()
         if self._index is None:
             try:
                 self._index = SharedIndexReader(index_path(self.path), self.header.instance)
             except errors.KVPoolError:
-                return None  # an owner without an index (or a dead one): use the master
-        entry = self._index.find(key)
-        capacity = self.header.capacity_bytes
-        if entry is None or not 0 <= entry.offset <= capacity - FIXED_HEADER_NBYTES:
-            return None
+                return [None] * len(keys)  # an owner without an index (or a dead one): use the master
+        entries = self._index.find_many(keys)
+        if all(entry is None for entry in entries):
+            return [None] * len(keys)
         self._check_size()
+        capacity = self.header.capacity_bytes
+        return [None if entry is None else self._indexed_header(key, entry, capacity)
+                for key, entry in zip(keys, entries)]
+
+    def _indexed_header(self, key: bytes, entry: IndexEntry, capacity: int) -> tuple[int, ObjectHeader, int] | None:
+        """The header at an index entry, if it is whole, names ``key`` and is the version indexed."""
+        if not 0 <= entry.offset <= capacity - FIXED_HEADER_NBYTES:
+            return None
         try:
             claimed = header_nbytes_at(self.arena[entry.offset:entry.offset + FIXED_HEADER_NBYTES])
             if not FIXED_HEADER_NBYTES <= claimed <= min(MAX_HEADER_NBYTES, capacity - entry.offset):
@@ -191,7 +204,7 @@ class CxlArenaReader:
         if (not header.is_for(key) or stored_header_checksum(snapshot) != entry.header_sum
                 or header.spec.total_nbytes != entry.nbytes or entry.offset + entry.nbytes > capacity):
             return None
-        return entry.offset, header
+        return entry.offset, header, entry.header_sum
 
     def read_key_into(self, key: bytes, layers: Any,
                       out_view: Any) -> tuple[np.ndarray, memoryview] | None:
@@ -271,6 +284,50 @@ class CxlArenaReader:
             dst[:] = src
         if self.model.enabled:
             self.model.charge(rng.nbytes, time.perf_counter() - start)
+
+    def read_many_into(self, objects: Sequence[tuple[int, ObjectHeader, LayerRange]],
+                       outs: Sequence[memoryview]) -> list[bool]:
+        """:meth:`read_layers_into` of many objects, each ``(offset, header, layer_range)``
+        (``offset`` and ``header`` as :meth:`find_many` gave them), into ``outs[i]`` (a writable
+        byte view of exactly those layers): the arena checked once, its pages mapped in one call
+        per chunk, every copy hashed as it is made, in one C call. ``ok[i]`` False: that copy
+        failed its checksums (the owner reused the extent meanwhile, or rot) or lies outside the
+        arena, so ``outs[i]`` holds bytes that must not be used. Raises OutBufferError for an
+        ``out`` of another size or read-only (before anything is copied)."""
+        self._check_open()
+        self._check_size()
+        capacity = self.header.capacity_bytes
+        spans: list[tuple[int, memoryview, int, int, int]] = []  # (object, out, first byte, bytes, layer size)
+        for i, ((offset, header, layer_range), dst) in enumerate(zip(objects, outs, strict=True)):
+            rng = header.spec.layer_bytes(layer_range)
+            if dst.readonly or dst.nbytes != rng.nbytes:
+                raise errors.OutBufferError(f"out of {dst.nbytes} bytes{' (read-only)' if dst.readonly else ''} "
+                                            f"for layers of {rng.nbytes}")
+            first = offset + rng.offset
+            if offset >= 0 and first + rng.nbytes <= capacity:
+                spans.append((i, dst, first, rng.nbytes, header.spec.layer_nbytes))
+        start = time.perf_counter()
+        for _, _, first, n, _ in spans:
+            self._populate(first, n)
+        arena = self.arena
+        ok = [False] * len(outs)
+        if _copy_spans is not None and all(step >= _NATIVE_MIN_STEP for *_, step in spans):
+            # one C call: the GIL is given up once, not taken back after every object
+            sums = _copy_spans([dst for _, dst, _, _, _ in spans], [arena[first:first + n] for _, _, first, n, _ in spans],
+                               [step for *_, step in spans])
+            at = 0
+            for i, _, _, n, step in spans:
+                _, header, layer_range = objects[i]
+                ok[i] = sums[at:at + n // step] == header.layer_checksums[layer_range.start:layer_range.stop]
+                at += n // step
+        else:
+            for i, dst, first, n, step in spans:
+                _, header, layer_range = objects[i]
+                ok[i] = (copy_layer_checksums(dst, arena[first:first + n].data, step)
+                         == header.layer_checksums[layer_range.start:layer_range.stop])
+        if self.model.enabled:
+            self.model.charge(sum(n for _, _, _, n, _ in spans), time.perf_counter() - start)
+        return ok
 
     def copy_layer_out(self, layer: int, objects: Sequence[tuple[int, ObjectHeader]],
                        outs: Sequence[Any]) -> list[bool]:

@@ -301,7 +301,13 @@ class ReplicaReader:
 
         alone: list[tuple[int, dict[str, str] | None]] = []  # read one by one, skipping these nodes
         batch: list[tuple[int, LocatedReplica, np.ndarray, ArrivalCheck]] = []
+        if source == "same_host":  # what the same-host indexes found, copied per arena at once
+            self._read_many_found_in_place(replicas, layers, outs, out_view, results, tell)
         for i, (located, out) in enumerate(zip(replicas, outs)):
+            if source == "same_host":
+                if results[i] is None and located and len(located) != 1:
+                    alone.append((i, None))
+                continue
             first = self._first_to_pull(located)
             if first is None:
                 alone.append((i, None))
@@ -342,6 +348,44 @@ class ReplicaReader:
         if raised:
             raise raised[0]
         return results
+
+    def _read_many_found_in_place(self, replicas: Sequence[list[LocatedReplica] | None], layers: Sequence[Any],
+                                  outs: Sequence[Any], out_view: OutView, results: list[np.ndarray | None],
+                                  tell: Callable[[int, np.ndarray | None], None]) -> None:
+        """:meth:`_read_found_in_place` of every key a same-host index found (one replica
+        each), one :meth:`CxlArenaReader.read_many_into` per arena: each copy verified against
+        the header found, a failed one (freed or reused since) left None in ``results``."""
+        arenas: dict[int, tuple[Any, list[tuple[int, int, Any, LayerRange, np.ndarray, memoryview]]]] = {}
+        for i, located in enumerate(replicas):
+            if not located or len(located) != 1:
+                continue
+            replica = located[0]
+            layer_range = LayerRange.resolve(layers[i], replica.spec.layers)
+            arr, buf = out_view(replica.spec, layer_range, outs[i])
+            try:
+                reader = self.arenas.at(replica.location)
+            except (errors.KVPoolError, OSError) as exc:
+                log.debug("same-host arena of %s: %s", replica.node_id, exc)
+                self.counters["same_host_retries"] += 1
+                continue
+            arenas.setdefault(id(reader), (reader, []))[1].append(
+                (i, replica.location["offset"], replica.header, layer_range, arr, buf))
+        counters = self.counters
+        for reader, items in arenas.values():
+            try:
+                ok = reader.read_many_into([(offset, header, layer_range) for _, offset, header, layer_range, _, _
+                                            in items], [buf for *_, buf in items])
+            except (errors.KVPoolError, OSError) as exc:  # the arena went away meanwhile: ask on
+                log.debug("same-host read of %d objects failed: %s", len(items), exc)
+                ok = [False] * len(items)
+            for (i, _, _, _, arr, buf), intact in zip(items, ok):
+                if not intact:
+                    counters["same_host_retries"] += 1
+                    continue
+                counters["hits_same_host"] += 1
+                counters["bytes_pulled"] += len(buf)
+                results[i] = arr
+                tell(i, arr)
 
     def _first_to_pull(self, located: list[LocatedReplica] | None) -> LocatedReplica | None:
         """The replica a one-key read would try first, if it is to be pulled (not read in place

@@ -166,21 +166,25 @@ class SameHostArenas:
         neighbours = self._indexed
         if not neighbours:
             return [None] * len(keys)
-        found: list[list[LocatedReplica] | None] = []
-        for key in keys:
-            hit = None
-            for node_id, reader, peer, path, instance in neighbours:
-                try:
-                    at = reader.find(key)
-                except (errors.KVPoolError, OSError):
+        found: list[list[LocatedReplica] | None] = [None] * len(keys)
+        pending = range(len(keys))
+        for node_id, reader, peer, path, instance in neighbours:
+            try:
+                hits = reader.find_many([keys[i] for i in pending])
+            except (errors.KVPoolError, OSError):
+                continue
+            missed = []
+            for i, hit in zip(pending, hits):
+                if hit is None:
+                    missed.append(i)
                     continue
-                if at is not None:
-                    offset, header = at
-                    hit = [LocatedReplica(node_id, self.host_id, "cxl", header.checksum(), b"",
-                                          {"path": path, "offset": offset, "instance": instance},
-                                          peer, header.spec, header)]
-                    break
-            found.append(hit)
+                offset, header, header_sum = hit
+                found[i] = [LocatedReplica(node_id, self.host_id, "cxl", header_sum, b"",
+                                           {"path": path, "offset": offset, "instance": instance},
+                                           peer, header.spec, header)]
+            if not missed:
+                break
+            pending = missed
         return found
 
     def find_many(self, keys: Sequence[bytes]) -> list[ArenaBlock | None]:
