@@ -313,8 +313,8 @@ class CxlArenaReader:
         ok = [False] * len(outs)
         if _copy_spans is not None and all(step >= _NATIVE_MIN_STEP for *_, step in spans):
             # one C call: the GIL is given up once, not taken back after every object
-            sums = _copy_spans([dst for _, dst, _, _, _ in spans], [arena[first:first + n] for _, _, first, n, _ in spans],
-                               [step for *_, step in spans])
+            sums = _copy_spans([dst for _, dst, _, _, _ in spans],
+                               [arena[first:first + n] for _, _, first, n, _ in spans], [step for *_, step in spans])
             at = 0
             for i, _, _, n, step in spans:
                 _, header, layer_range = objects[i]

@@ -167,7 +167,7 @@ class SameHostArenas:
         if not neighbours:
             return [None] * len(keys)
         found: list[list[LocatedReplica] | None] = [None] * len(keys)
-        pending = range(len(keys))
+        pending: Sequence[int] = range(len(keys))
         for node_id, reader, peer, path, instance in neighbours:
             try:
                 hits = reader.find_many([keys[i] for i in pending])
