@@ -325,8 +325,11 @@ class CxlArenaReader:
                 _, header, layer_range = objects[i]
                 ok[i] = (copy_layer_checksums(dst, arena[first:first + n].data, step)
                          == header.layer_checksums[layer_range.start:layer_range.stop])
-        if self.model.enabled:
-            self.model.charge(sum(n for _, _, _, n, _ in spans), time.perf_counter() - start)
+        if self.model.enabled:  # one modelled access an object, as read one by one
+            elapsed = time.perf_counter() - start
+            for _, _, _, n, _ in spans:
+                self.model.charge(n, elapsed)
+                elapsed = 0.0
         return ok
 
     def copy_layer_out(self, layer: int, objects: Sequence[tuple[int, ObjectHeader]],
