@@ -24,16 +24,21 @@ def test_a_batch_is_answered_by_the_nearest_locator_of_each_key(cluster: Cluster
     # node's dram (only the master, then the location cache, know where)
     cluster.start_actor("writer", "in-arena", "--keys", "3", "--dram", "0")
     cluster.start_actor("writer", "in-dram", "--keys", "2", "--first", "3")
+    # keys 6-7 in a second same-host arena: a batch asks each arena's index for what the
+    # ones before it did not have
+    cluster.start_actor("writer", "in-arena-2", "--keys", "2", "--first", "6", "--dram", "0")
     reader = cluster.connect("reader")
     try:
         keys = [key_of(i) for i in range(5)] + [b"never-put"]
         before = _master_key_requests(cluster)
-        got = reader.get_many(keys, layers=range(1, 3))
+        got = reader.get_many([*keys, key_of(7), key_of(6)], layers=range(1, 3))
         for i in range(5):
             np.testing.assert_array_equal(got[i], content(i)[1:3])
         assert got[5] is None
+        np.testing.assert_array_equal(got[6], content(7)[1:3])
+        np.testing.assert_array_equal(got[7], content(6)[1:3])
         remote = reader.stats()["remote"]
-        assert remote["hits_same_host"] == 3 and remote["hits_remote"] == 2
+        assert remote["hits_same_host"] == 5 and remote["hits_remote"] == 2
         # one master round trip, for the three keys no same-host index had
         assert _master_key_requests(cluster) - before == 3
 
@@ -44,7 +49,7 @@ def test_a_batch_is_answered_by_the_nearest_locator_of_each_key(cluster: Cluster
         for i in range(5):
             np.testing.assert_array_equal(got[i], content(i))
         remote = reader.stats()["remote"]
-        assert remote["hits_same_host"] == 6 and remote["location_cache_hits"] == 2
+        assert remote["hits_same_host"] == 8 and remote["location_cache_hits"] == 2
         assert _master_key_requests(cluster) == before
 
         # Damage key 1 in the arena: its index entry still names it, the in-place read fails
