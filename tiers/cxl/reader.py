@@ -289,7 +289,7 @@ class CxlArenaReader:
                        outs: Sequence[memoryview]) -> list[bool]:
         """:meth:`read_layers_into` of many objects, each ``(offset, header, layer_range)``
         (``offset`` and ``header`` as :meth:`find_many` gave them), into ``outs[i]`` (a writable
-        byte view of exactly those layers): the arena checked once, its pages mapped in one call
+        contiguous view of exactly those layers' bytes): the arena checked once, its pages mapped in one call
         per chunk, every copy hashed as it is made, in one C call. ``ok[i]`` False: that copy
         failed its checksums (the owner reused the extent meanwhile, or rot) or lies outside the
         arena, so ``outs[i]`` holds bytes that must not be used. Raises OutBufferError for an
@@ -341,36 +341,16 @@ class CxlArenaReader:
         meanwhile, or rot), so ``outs[i]`` holds bytes that are not the object's and must not
         be used. Raises LayerRangeError for a layer an object lacks, OutBufferError for an
         ``out`` of another size or read-only (before anything is copied)."""
-        self._check_open()
-        self._check_size()
-        spans = []
-        for (offset, header), out in zip(objects, outs, strict=True):
+        wanted = []
+        for offset, header in objects:
             spec = header.spec
             if not 0 <= layer < spec.layers:
                 raise errors.LayerRangeError(f"layer {layer} of an object of {spec.layers} layers")
             first = offset + spec.header_nbytes + layer * spec.layer_nbytes
             if offset < 0 or first + spec.layer_nbytes > self.header.capacity_bytes:
                 raise errors.FormatError(f"cxl: layer at {first} outside the arena")
-            dst = memoryview(out)
-            if dst.readonly or dst.nbytes != spec.layer_nbytes:
-                raise errors.OutBufferError(
-                    f"out of {dst.nbytes} bytes{' (read-only)' if dst.readonly else ''} for a layer of "
-                    f"{spec.layer_nbytes}")
-            spans.append((dst, first, spec.layer_nbytes, header.layer_checksums[layer]))
-        start = time.perf_counter()
-        for _, first, n, _ in spans:
-            self._populate(first, n)
-        arena = self.arena
-        sources = [arena[first:first + n] for _, first, n, _ in spans]
-        if _copy_spans is not None and all(n >= _NATIVE_MIN_STEP for _, _, n, _ in spans):
-            # one C call: the GIL is given up once, not taken back after every block
-            sums = _copy_spans([dst for dst, _, _, _ in spans], sources)
-        else:
-            sums = tuple(copy_layer_checksums(dst, src.data, n)[0] for (dst, _, n, _), src in zip(spans, sources))
-        ok = [got == expected for got, (_, _, _, expected) in zip(sums, spans)]
-        if self.model.enabled:
-            self.model.charge(sum(n for _, _, n, _ in spans), time.perf_counter() - start)
-        return ok
+            wanted.append((offset, header, LayerRange(layer, layer + 1)))
+        return self.read_many_into(wanted, [memoryview(out) for out in outs])
 
     def _populate(self, first: int, nbytes: int) -> None:
         """Map the pages of data-area bytes ``first .. first + nbytes`` now, in one call, once
