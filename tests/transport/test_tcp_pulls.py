@@ -20,8 +20,10 @@ from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.wire.security import ClusterKey
 from kvpool.objformat import LayerRange
 from kvpool.transport import PeerAddress, PullRequest, ServeSource, local_host_id
+from kvpool.transport.frames import OK_STATUSES, STATUS, pack_request, parse_status_head
 from kvpool.transport.puller import SAME_HOST_TCP_PULL_MAX
 from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient, TcpPullServer
+from kvpool.transport.tcp.stream import PROOF_NBYTES, PULL_HELLO
 from tests.transport.test_transfer import LAYER_NBYTES, LAYERS, ServerProcess, expected, header_of
 
 
@@ -274,6 +276,122 @@ def _slow_provider(key: bytes, layer_range: LayerRange) -> ServeSource | None:
         return len(out)
 
     return ServeSource(data.nbytes, read_into=read_into, header=key.ljust(16, b"."))
+
+
+class _Ledger:
+    """A provider that logs what the server asks and releases: misses (``miss:*``), a provider
+    that raises (``boom``), payloads read while sent (``read:*``), the rest from memory."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, bytes]] = []
+        self.lock = threading.Lock()
+
+    def log(self, what: str, key: bytes) -> None:
+        with self.lock:
+            self.events.append((what, key))
+
+    def __call__(self, key: bytes, layer_range: LayerRange) -> ServeSource | None:
+        self.log("provide", key)
+        if key.startswith(b"miss:"):
+            return None
+        if key == b"boom":
+            raise RuntimeError("disk on fire")
+        data = expected(key, layer_range.start, layer_range.stop)
+        release = lambda: self.log("release", key)  # noqa: E731
+        if key.startswith(b"read:"):
+            def read_into(offset: int, out: memoryview) -> int:
+                out[:] = memoryview(data)[offset:offset + len(out)]
+                return len(out)
+            return ServeSource(data.nbytes, read_into=read_into, release=release)
+        return ServeSource(data.nbytes, buffers=[memoryview(data)], release=release)
+
+    def released(self) -> list[bytes]:
+        with self.lock:
+            return [key for what, key in self.events if what == "release"]
+
+
+def _opened(port: int) -> socket.socket:
+    """A raw connection to a TCP pull server, its opening done (as a client without the key)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    nonce, hello = PULL_HELLO.opening()
+    sock.sendall(hello)
+    answer = _recv_exactly(sock, PULL_HELLO.ANSWER.size)
+    PULL_HELLO.check_answer(answer, nonce, None)
+    sock.sendall(bytes(PROOF_NBYTES))
+    return sock
+
+
+def _recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    while view.nbytes:
+        got = sock.recv_into(view)
+        assert got, "the server closed the connection"
+        view = view[got:]
+    return buf
+
+
+def _requests(keys: list[bytes]) -> bytes:
+    """Request frames for layer 0 of each key, sent at once (one segment: the server's first
+    receive takes them all)."""
+    return b"".join(pack_request(key, b"", LayerRange(0, 1), LAYER_NBYTES, want_header=False,
+                                 max_chunk=LAYER_NBYTES, request_id=7) for key in keys)
+
+
+def test_pipelined_requests_are_answered_together_in_order_each_source_released_once() -> None:
+    """Small requests that arrive together are answered with one send (every object is provided
+    before the first is released); a miss, a provider that raises and a payload read while sent
+    keep their place in the stream, and every source is released exactly once."""
+    ledger = _Ledger()
+    keys = [b"a", b"miss:b", b"c", b"boom", b"read:d", b"e"]
+    with TcpPullServer(ledger) as server, _opened(server.port) as sock:
+        sock.sendall(_requests(keys))
+        for key in keys:
+            head = _recv_exactly(sock, STATUS.size)
+            parsed = parse_status_head(head, 7)
+            assert parsed is not None
+            status, body_len, nbytes, _ = parsed
+            body = _recv_exactly(sock, body_len)
+            if key.startswith(b"miss:") or key == b"boom":
+                assert status not in OK_STATUSES, key
+                assert key != b"boom" or b"disk on fire" in body
+                continue
+            assert status in OK_STATUSES and nbytes == LAYER_NBYTES, key
+            assert bytes(_recv_exactly(sock, nbytes)) == expected(key, 0, 1).tobytes(), key
+        deadline = time.monotonic() + 10
+        while len(ledger.released()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(ledger.released()) == [b"a", b"c", b"e", b"read:d"]
+        # the first two answers went out together: b"c" was provided before b"a" was released
+        events = ledger.events
+        assert events.index(("provide", b"c")) < events.index(("release", b"a"))
+        stats = server.stats()
+        assert stats["requests_served"] == 4 and stats["misses"] == 1 and stats["errors"] == 1
+        assert stats["bytes_sent"] == 4 * LAYER_NBYTES
+
+
+def test_a_reader_gone_mid_batch_leaves_nothing_pinned() -> None:
+    """The reader closes with answers unsent: the failed send releases every source it held."""
+    ledger = _Ledger()
+    keys = [f"k{i}".encode() for i in range(10)]
+    with TcpPullServer(ledger) as server:
+        sock = _opened(server.port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the answers cannot all fit
+        sock.sendall(_requests(keys * 40))
+        _recv_exactly(sock, STATUS.size)  # the first answer is on its way
+        sock.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with ledger.lock:
+                provided = sum(what == "provide" for what, _ in ledger.events)
+            if provided and len(ledger.released()) == provided and not server.stats()["connections"]:
+                break
+            time.sleep(0.02)
+        with ledger.lock:
+            provided = sum(what == "provide" for what, _ in ledger.events)
+        assert 0 < provided < len(keys) * 40
+        assert len(ledger.released()) == provided
+        assert server.stats()["connections"] == 0
 
 
 def test_a_reply_that_does_not_come_whole_in_one_receive_is_read_the_general_way() -> None:

@@ -40,6 +40,15 @@ _STAGING_NBYTES = 4 << 20  # nvme payloads are read and sent in pieces of at mos
 # Requests are read into a buffer of this size, as many as have arrived at once (pipelined
 # ones); it holds the largest request a client may send.
 _REQUESTS_NBYTES = 16 << 10
+# Pipelined requests already received are answered with one send while their payloads add up
+# to less than _COALESCE_NBYTES (at most _ANSWERS_PER_SEND of them, pinned until it returns):
+# one sendmsg, one push through the stack, one wake-up of the reader for several small objects.
+# Measured (bench/hicache_bench.py, 256 KiB objects, 128-page gets over loopback TCP): 37 ms a
+# call answering one at a time, 28.5 ms coalescing up to 1 MiB, 30-31 ms up to 512 KiB or 2 MiB;
+# coalescing 1 MiB objects 16 at a time made their gets slower (87 -> 108 ms), so a request
+# of 1 MiB or more is answered alone, as before.
+_ANSWERS_PER_SEND = 16
+_COALESCE_NBYTES = 1 << 20
 assert _REQUESTS_NBYTES >= REQUEST.size + MAX_KEY_BYTES + MAX_TOKEN_BYTES + MAX_ADDRESS_BYTES
 
 
@@ -48,7 +57,8 @@ class TcpPullServer:
 
     ``provider`` and ``authorize`` are the node's, as for :class:`PullServer`; here they run
     on the connection's own thread, so a provider may block. ``release`` of a source runs
-    once its last byte is written (or the connection failed). ``prove``: the answer to a
+    once the send that carried its last byte returned (or the connection failed): pipelined
+    requests for small objects that arrived together are answered with one send. ``prove``: the answer to a
     client's hello nonce (16 bytes; zeros when None). ``trust(nonce, proof)``: whether a
     client's answer to this server's nonce proves it holds the cluster key
     (:meth:`ClusterKey.check_reader_proof`); such a client may mint tokens anyway, so its
@@ -191,7 +201,14 @@ class TcpPullServer:
                 request = requests.next()
                 if request is None:
                     return  # the client closed between requests
-                self._answer(conn, request, staging, authorize)
+                batch = [request]  # small pipelined requests already here: answered together
+                nbytes = request.capacity
+                while len(batch) < _ANSWERS_PER_SEND and nbytes < _COALESCE_NBYTES and requests.ready():
+                    more = requests.next()
+                    assert more is not None  # (ready: a whole request is here)
+                    batch.append(more)
+                    nbytes += more.capacity
+                self._answer(conn, batch, staging, authorize)
         except (OSError, errors.KVPoolError) as exc:  # BlockingIOError: idle or stuck past a timeout
             if not self._closing:
                 log.debug("tcp pull connection dropped: %s", describe(exc))
@@ -205,32 +222,48 @@ class TcpPullServer:
             for buf in staging:
                 buf.close()
 
-    def _answer(self, conn: socket.socket, request: Request, staging: list[mmap.mmap],
+    def _answer(self, conn: socket.socket, batch: list[Request], staging: list[mmap.mmap],
                 authorize: Callable[[bytes, bytes], None] | None) -> None:
-        outcome = provide(request, self._provider, authorize)
+        """Answer one request, or several that arrived together, in order: the answers whose
+        payload is in memory go out in as few ``sendmsg`` calls as the socket takes (one system
+        call and one push through the stack for many answers, not one each); an nvme payload
+        (read while it is sent) flushes what is pending first. Every source is released once
+        the send that carried it returned or failed."""
+        views: list[memoryview] = []
+        held: list[object] = []  # outcomes to release after the send
+        served = sent = 0
         try:
-            answer = decide(request, outcome)
-            if not answer.ok:
-                self.misses += answer.status == STATUS_MISS
-                self.refused += answer.status == STATUS_UNAUTHORIZED
-                self.errors += answer.is_error
-                conn.sendall(answer.frame(request.request_id))
-                return
-            source = answer.source
-            assert source is not None
-            if source.read_into is None:
-                send_views(conn, [memoryview(answer.frame(request.request_id)), *source.buffers])
-            else:
-                conn.sendall(answer.frame(request.request_id))
-                self._send_read(conn, source, staging)
-            self.requests_served += 1
-            self.bytes_sent += source.nbytes
+            for request in batch:
+                outcome = provide(request, self._provider, authorize)
+                held.append(outcome)
+                answer = decide(request, outcome)
+                if not answer.ok:
+                    self.misses += answer.status == STATUS_MISS
+                    self.refused += answer.status == STATUS_UNAUTHORIZED
+                    self.errors += answer.is_error
+                    views.append(memoryview(answer.frame(request.request_id)))
+                    continue
+                source = answer.source
+                assert source is not None
+                if source.read_into is not None:
+                    send_views(conn, views)  # (empties it)
+                    conn.sendall(answer.frame(request.request_id))
+                    self._send_read(conn, source, staging)
+                else:
+                    views.append(memoryview(answer.frame(request.request_id)))
+                    views.extend(source.buffers)
+                served += 1
+                sent += source.nbytes
+            send_views(conn, views)
+            self.requests_served += served
+            self.bytes_sent += sent
         finally:
-            if isinstance(outcome, ServeSource) and outcome.release is not None:
-                try:
-                    outcome.release()
-                except Exception:
-                    log.exception("releasing a served object failed")
+            for outcome in held:
+                if isinstance(outcome, ServeSource) and outcome.release is not None:
+                    try:
+                        outcome.release()
+                    except Exception:
+                        log.exception("releasing a served object failed")
 
     def _send_read(self, conn: socket.socket, source: ServeSource, staging: list[mmap.mmap]) -> None:
         """Send a payload read while it is sent; a failed or short read cuts the connection."""
@@ -275,6 +308,15 @@ class _Requests:
         if self.start == self.end:  # all read: the next recv fills the buffer from its start
             self.start = self.end = 0
         return request
+
+    def ready(self) -> bool:
+        """Whether a whole request is buffered already (:meth:`next` would not wait for it)."""
+        have = self.end - self.start
+        if have < REQUEST.size:
+            return False
+        fields = REQUEST.unpack_from(self.buf, self.start)
+        size: int = REQUEST.size + fields[3] + fields[4] + fields[13]  # key, address, token
+        return have >= size
 
     def _have(self, nbytes: int, at_boundary: bool = False) -> bool:
         """At least ``nbytes`` unread bytes in the buffer (moved to its front when the rest of
