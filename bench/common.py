@@ -28,6 +28,24 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 
 
+# -- the machine ----------------------------------------------------------------
+
+_REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
+
+
+def memory_given_to_host() -> int | None:
+    """Bytes this VM's kernel has reported free to its host so far (virtio-balloon free page
+    reporting, where the kernel counts them; None elsewhere). A reported page is taken back
+    by the host, and the next use of it costs a fault in the host as well as the guest's own:
+    on the 2-vCPU VM, 16 MiB of new shared-memory pages took ~48 ms instead of ~5 ms, so a
+    benchmark row that allocates memory while timed is slower by however much of it had been
+    handed back (docs/benchmarks.md). Compare it before and after a run."""
+    try:
+        return int(_REPORTED_KIB.read_text().split()[0]) << 10
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 # -- sizes ----------------------------------------------------------------------
 
 

@@ -38,7 +38,8 @@ kvpool's set is the writer's (``exists_many`` + ``put_many``: into its arena + o
 publish); its get is the reader's (one ``get_many``: locate + in-place copy or pull). Ratios
 kvpool / HiCacheFile and kvpool / Mooncake are printed per page size with issue 43's targets
 (>= 1.5x HiCacheFile, >= 1.0x Mooncake): reported, never asserted. Speed on a shared machine
-is noisy; run it on an idle one.
+is noisy; run it on an idle one. On a VM that hands free memory back to its host, memory used
+again costs a fault in the host too; the run prints how much was handed back meanwhile.
 
     .venv-sglang/bin/python bench/hicache_bench.py                 # layers 8, 8 heads x 128, pages 16 and 64
     .venv-sglang/bin/python bench/hicache_bench.py --quick         # smoke run, under a minute
@@ -70,6 +71,8 @@ import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make ``bench``, ``tests`` and ``kvpool`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import memory_given_to_host  # noqa: E402  (after the path above)
 
 BATCH = 128  # pages per call: SGLang's STORAGE_BATCH_SIZE
 KVPOOL_EXTRA = {"backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
@@ -462,6 +465,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = set(rows_wanted) - set(ROWS)
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}; known: {','.join(ROWS)}")
+    given_before = memory_given_to_host()
     biggest_call = BATCH * max(args.page_sizes) * layout.token_bytes()
     arena = int((args.warmup + args.calls) * biggest_call * 1.5) + (64 << 20)
     work = Path(tempfile.mkdtemp(prefix="kvpool-hicache-bench-"))
@@ -581,6 +585,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(path, ignore_errors=True)
     return {"layout": asdict(layout), "layout_text": layout.describe(), "pages_per_call": BATCH,
             "warmup": args.warmup, "calls": args.calls, "torch_threads": args.torch_threads, "where": where,
+            "given_to_host": None if given_before is None else (memory_given_to_host() or 0) - given_before,
             "rows": [{**asdict(r), "label": LABELS[r.row], "set_gbps": r.gbps("set"), "get_gbps": r.gbps("get"),
                       "set_p50_ms": r.p50_ms("set"), "get_p50_ms": r.p50_ms("get")} for r in rows],
             "ratios": ratios(rows)}
@@ -623,6 +628,10 @@ def report(result: dict[str, Any]) -> None:
     print(f"layout: {result['layout_text']}; {result['pages_per_call']} pages a call, "
           f"{result['calls']} timed calls (+{result['warmup']} warm-up) per backend and page size; "
           f"torch threads {result['torch_threads']}")
+    if result["given_to_host"] is not None:
+        print(f"memory this VM handed back to its host during the run: {result['given_to_host'] / (1 << 30):.1f} "
+              "GiB (free page reporting: a row that allocates memory while timed pays a host fault per page "
+              "used again; which rows do depends on their order)")
     for name, text in result["where"].items():
         print(f"{LABELS[name]}: {text}")
     for page_size in sorted({r["page_size"] for r in result["rows"]}):
