@@ -58,11 +58,11 @@ class TcpPullServer:
     ``provider`` and ``authorize`` are the node's, as for :class:`PullServer`; here they run
     on the connection's own thread, so a provider may block. ``release`` of a source runs
     once the send that carried its last byte returned (or the connection failed): pipelined
-    requests for small objects that arrived together are answered with one send. ``prove``: the answer to a
-    client's hello nonce (16 bytes; zeros when None). ``trust(nonce, proof)``: whether a
-    client's answer to this server's nonce proves it holds the cluster key
-    (:meth:`ClusterKey.check_reader_proof`); such a client may mint tokens anyway, so its
-    requests are served without ``authorize``. Any other client's requests are authorized
+    requests for small objects that arrived together are answered with one send.
+    ``prove``: the answer to a client's hello nonce (16 bytes; zeros when None).
+    ``trust(nonce, proof)``: whether a client's answer to this server's nonce proves it holds
+    the cluster key (:meth:`ClusterKey.check_reader_proof`); such a client may mint tokens
+    anyway, so its requests are served without ``authorize``. Any other client's requests are authorized
     one by one. ``poll_s``: after answering, a connection's thread polls for the next request
     this long before it blocks (:class:`ReplyPoll`, without the GIL where kvpool._poll is
     built; one connection at a time; 0: never).
