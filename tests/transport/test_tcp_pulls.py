@@ -23,7 +23,8 @@ from kvpool.transport import PeerAddress, PullRequest, ServeSource, local_host_i
 from kvpool.transport.frames import OK_STATUSES, STATUS, pack_request, parse_status_head
 from kvpool.transport.puller import SAME_HOST_TCP_PULL_MAX
 from kvpool.transport.tcp import TcpPathUnusable, TcpPullClient, TcpPullServer
-from kvpool.transport.tcp.stream import PROOF_NBYTES, PULL_HELLO
+from kvpool.transport.tcp.stream import PROOF_NBYTES, PULL_HELLO, recv_exactly
+from tests.conftest import wait_for
 from tests.transport.test_transfer import LAYER_NBYTES, LAYERS, ServerProcess, expected, header_of
 
 
@@ -313,21 +314,20 @@ class _Ledger:
 def _opened(port: int) -> socket.socket:
     """A raw connection to a TCP pull server, its opening done (as a client without the key)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    nonce, hello = PULL_HELLO.opening()
-    sock.sendall(hello)
-    answer = _recv_exactly(sock, PULL_HELLO.ANSWER.size)
-    PULL_HELLO.check_answer(answer, nonce, None)
-    sock.sendall(bytes(PROOF_NBYTES))
+    try:
+        nonce, hello = PULL_HELLO.opening()
+        sock.sendall(hello)
+        PULL_HELLO.check_answer(_received(sock, PULL_HELLO.ANSWER.size), nonce, None)
+        sock.sendall(bytes(PROOF_NBYTES))
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
-def _recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
+def _received(sock: socket.socket, nbytes: int) -> bytearray:
     buf = bytearray(nbytes)
-    view = memoryview(buf)
-    while view.nbytes:
-        got = sock.recv_into(view)
-        assert got, "the server closed the connection"
-        view = view[got:]
+    recv_exactly(sock, memoryview(buf))
     return buf
 
 
@@ -347,20 +347,18 @@ def test_pipelined_requests_are_answered_together_in_order_each_source_released_
     with TcpPullServer(ledger) as server, _opened(server.port) as sock:
         sock.sendall(_requests(keys))
         for key in keys:
-            head = _recv_exactly(sock, STATUS.size)
+            head = _received(sock, STATUS.size)
             parsed = parse_status_head(head, 7)
             assert parsed is not None
             status, body_len, nbytes, _ = parsed
-            body = _recv_exactly(sock, body_len)
+            body = _received(sock, body_len)
             if key.startswith(b"miss:") or key == b"boom":
                 assert status not in OK_STATUSES, key
                 assert key != b"boom" or b"disk on fire" in body
                 continue
             assert status in OK_STATUSES and nbytes == LAYER_NBYTES, key
-            assert bytes(_recv_exactly(sock, nbytes)) == expected(key, 0, 1).tobytes(), key
-        deadline = time.monotonic() + 10
-        while len(ledger.released()) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+            assert bytes(_received(sock, nbytes)) == expected(key, 0, 1).tobytes(), key
+        wait_for(lambda: len(ledger.released()) >= 4, 10, "every served source released")
         assert sorted(ledger.released()) == [b"a", b"c", b"e", b"read:d"]
         # the first two answers went out together: b"c" was provided before b"a" was released
         events = ledger.events
@@ -375,23 +373,15 @@ def test_a_reader_gone_mid_batch_leaves_nothing_pinned() -> None:
     ledger = _Ledger()
     keys = [f"k{i}".encode() for i in range(10)]
     with TcpPullServer(ledger) as server:
-        sock = _opened(server.port)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the answers cannot all fit
-        sock.sendall(_requests(keys * 40))
-        _recv_exactly(sock, STATUS.size)  # the first answer is on its way
-        sock.close()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with ledger.lock:
-                provided = sum(what == "provide" for what, _ in ledger.events)
-            if provided and len(ledger.released()) == provided and not server.stats()["connections"]:
-                break
-            time.sleep(0.02)
+        with _opened(server.port) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the answers cannot all fit
+            sock.sendall(_requests(keys * 40))
+            _received(sock, STATUS.size)  # the first answer is on its way
+        wait_for(lambda: not server.stats()["connections"], 10, "the server to drop the connection")
         with ledger.lock:
             provided = sum(what == "provide" for what, _ in ledger.events)
         assert 0 < provided < len(keys) * 40
         assert len(ledger.released()) == provided
-        assert server.stats()["connections"] == 0
 
 
 def test_a_reply_that_does_not_come_whole_in_one_receive_is_read_the_general_way() -> None:
