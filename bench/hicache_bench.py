@@ -427,7 +427,8 @@ def measure_kvpool(row: Row, writer: Writer, reader: Any, host: Any, warmup: int
     with contextlib.suppress(AttributeError):  # how the reader's pages came: in place, or pulled
         counters = reader.pool.cluster.reader.counters
         row.reads = {k: int(v) for k, v in counters.items()
-                     if k in ("hits_same_host", "reads_in_place", "pulls", "hits_remote", "tcp_fallbacks")}
+                     if k in ("hits_same_host", "reads_in_place", "pulls", "hits_remote", "tcp_fallbacks",
+                              "speculative_hits")}
 
 
 def measure_local(row: Row, backend: Any, host: Any, warmup: int, calls: int, v1: bool) -> None:
@@ -618,7 +619,9 @@ def how(reads: dict[str, int]) -> str:
     if not reads:
         return ""
     in_place = reads.get("hits_same_host", 0) + reads.get("reads_in_place", 0)
-    return f" ({in_place} objects in place, {reads.get('pulls', 0)} pulled)"
+    pulled = reads.get("pulls", 0)
+    guessed = f" ({reads['speculative_hits']} without the master)" if reads.get("speculative_hits") else ""
+    return f" ({in_place} objects in place, {pulled} pulled{guessed})"
 
 
 def report(result: dict[str, Any]) -> None:

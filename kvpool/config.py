@@ -284,13 +284,13 @@ class NodeSection:
     pull_timeout_s: float = _opt(10.0, "deadline for one pull from a peer")
     same_host_index: bool = _opt(True, "find objects in same-host nodes' cxl arenas by key, without the master")
     location_cache: int = _opt(65536, "keys whose holder is remembered, so a repeat get skips the master (0: off)")
-    speculative_pulls: bool = _opt(True, "a one-key get first pulls from the node last pulled from (a decode "
-                                         "node mostly reads one prefill node's keys)")
+    speculative_pulls: bool = _opt(True, "a get, and get_many for its whole batch, first pulls from the node "
+                                         "last pulled from (a decode node mostly reads one prefill node's keys)")
     confirm_speculative: bool = _opt(False, "use a speculative pull's bytes only once the master's locate (sent "
                                             "alongside) names that holder and version, so a key deleted by "
-                                            "another process is a miss at once; false: the holder's verified "
-                                            "answer is used with no master round trip, as a remembered "
-                                            "location's is")
+                                            "another process is a miss at once (get_many then guesses "
+                                            "nothing); false: the holder's verified answer is used with no "
+                                            "master round trip, as a remembered location's is")
     tcp_pull_max: int = _size("16MiB", "pulls of at most this many bytes go over a plain TCP connection to the "
                                       "holder (node.host, an ephemeral port), larger ones over UCX (from a "
                                       "same-host holder over UCX shared memory: above 1 MiB); 0: every pull "

@@ -136,13 +136,18 @@ def test_reader_pulls_exactly_the_layers_it_asks_for(cluster: Cluster) -> None:
         assert reader.get(key_of(1)) is None
         outs = [np.empty((2,) + content(0).shape[1:], np.float16) for _ in range(2)]
         asked = cluster.client.stats()["counters"]["key_hits"]
-        hits = reader.stats()["remote"]["location_cache_hits"]
+
+        def without_master() -> int:  # reads of a remembered location or from the guessed last holder
+            remote = reader.stats()["remote"]
+            return int(remote.get("location_cache_hits", 0) + remote.get("speculative_hits", 0))
+
+        hits = without_master()
         into = reader.get_many([key_of(0), key_of(2)], layers=range(3, 5), outs=outs)
         assert into[0] is outs[0] and into[1] is outs[1]
         np.testing.assert_array_equal(outs[0], content(0)[3:5])
         np.testing.assert_array_equal(outs[1], content(2)[3:5])
         # both were read before: pulled from where they were, the master not asked
-        assert reader.stats()["remote"]["location_cache_hits"] == hits + 2
+        assert without_master() == hits + 2
         assert cluster.client.stats()["counters"]["key_hits"] == asked
     finally:
         reader.close()
@@ -319,6 +324,58 @@ def test_a_get_pulls_from_the_last_holder_and_uses_its_verified_answer_without_t
             return got is None
 
         wait_for(gone, 10, "another process's delete to reach the holder")
+    finally:
+        for pool in (a, b, reader):
+            pool.close()
+
+
+def test_get_many_pulls_the_whole_batch_from_the_last_holder_and_locates_only_what_it_did_not_answer(
+        cluster: Cluster) -> None:
+    """get_many guesses every key of a batch on the node the reader last pulled from (the
+    LastHolder locator) and uses each answer of that holder, which proves the cluster key,
+    whose header is whole, names the key, has the guessed spec and matches every layer: the
+    master is not asked. The keys it did not answer so (held elsewhere, of another spec,
+    deleted through this reader) are located together in one round trip, and each key's
+    result is told once."""
+    cluster.start_master()
+    a, b, reader = cluster.connect("holder-a"), cluster.connect("holder-b"), cluster.connect("reader")
+
+    def counter(name: str) -> int:
+        return int(reader.stats()["remote"].get(name, 0))
+
+    def master_asked() -> int:  # keys the master was asked to locate, found or not
+        counters = cluster.client.stats()["counters"]
+        return int(counters["key_hits"] + counters["key_misses"])
+
+    two_layers = (2, *content(0).shape[1:])
+    try:
+        for i in range(6):
+            a.put(key_of(i), content(i))
+        for i in (10, 11):
+            b.put(key_of(i), content(i))
+        a.put(key_of(20), content(20, two_layers))
+        np.testing.assert_array_equal(reader.get(key_of(0)), content(0))  # nothing to guess yet: located
+        asked = master_asked()
+
+        got = reader.get_many([key_of(i) for i in (1, 2, 3)], layers=range(2, 5))
+        for i, arr in zip((1, 2, 3), got):
+            np.testing.assert_array_equal(arr, content(i)[2:5])
+        assert master_asked() == asked  # all three were a's answers, used as they came
+        assert counter("speculative_hits") == counter("speculative_unconfirmed") == 3
+
+        reader.delete(key_of(5))  # a keeps it until its next heartbeat; never guessed here
+        keys = [key_of(4), key_of(10), key_of(20), key_of(5), key_of(11)]
+        told: list[int] = []
+        got = reader.get_many(keys, landed=lambda i, arr: told.append(i))
+        np.testing.assert_array_equal(got[0], content(4))  # a's answer
+        np.testing.assert_array_equal(got[1], content(10))  # a lacks it: located on b
+        np.testing.assert_array_equal(got[2], content(20, two_layers))  # not the guessed spec: located
+        assert got[3] is None  # deleted: not guessed, and the master says so
+        np.testing.assert_array_equal(got[4], content(11))
+        assert sorted(told) == list(range(len(keys)))  # each key told once, a miss included
+        assert master_asked() == asked + 4  # one locate of the four keys a did not answer
+        assert counter("speculative_hits") == 4
+        assert counter("speculative_wasted") == 3  # 10, 20, 11 (5 was not pulled at all)
     finally:
         for pool in (a, b, reader):
             pool.close()

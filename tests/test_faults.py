@@ -185,6 +185,43 @@ def test_a_frozen_last_holder_delays_a_speculative_get_once_and_never_serves_it(
 
 
 @pytest.mark.slow
+def test_a_frozen_last_holder_delays_a_guessed_batch_once_and_never_serves_it(cluster: Cluster) -> None:
+    """get_many first pulls the whole batch from the node it last pulled from (the LastHolder
+    locator). That node frozen (SIGSTOP) and the keys held elsewhere: the exact bytes from the
+    other holder; the frozen node is waited on once, until the master declares it dead, the
+    located read does not wait on it again, and it is not guessed again."""
+    cluster.start_master()
+    frozen = cluster.start_actor("writer", "holder-a", "--keys", "2")
+    cluster.start_actor("writer", "holder-b", "--keys", "4", "--first", "10")
+    reader = cluster.connect("reader")
+    stopped = False
+
+    def tcp_failures() -> int:
+        return int(reader.stats()["remote"]["tcp_pull_client"]["failures"])
+
+    try:
+        np.testing.assert_array_equal(reader.get(key_of(0)), content(0))  # from a: a is guessed next
+        os.kill(frozen.pid, signal.SIGSTOP)
+        stopped = True
+        got = reader.get_many([key_of(i) for i in (10, 11)])
+        for i, arr in zip((10, 11), got):
+            np.testing.assert_array_equal(arr, content(i))
+        remote = reader.stats()["remote"]
+        assert remote["speculative_wasted"] == 2 and remote.get("miss_timeout", 0) == 0
+        failures = tcp_failures()
+        assert failures <= 2  # the guesses on a; the located read went to b
+        got = reader.get_many([key_of(i) for i in (12, 13)])  # b is the holder guessed now, and right
+        for i, arr in zip((12, 13), got):
+            np.testing.assert_array_equal(arr, content(i))
+        remote = reader.stats()["remote"]
+        assert remote["speculative_hits"] == 2 and tcp_failures() == failures
+    finally:
+        if stopped:
+            os.kill(frozen.pid, signal.SIGCONT)
+        reader.close()
+
+
+@pytest.mark.slow
 def test_get_many_moves_on_to_the_next_replica_when_the_first_choice_was_killed(cluster: Cluster) -> None:
     """get_many pulls every key's first choice of replica at once (one PullClient.pull_many);
     the keys whose holder was killed under it are read from the other replica, exact."""

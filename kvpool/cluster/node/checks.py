@@ -52,18 +52,9 @@ class Speculation:
             self.arr, self.buf = out_view(spec, self.layer_range, out)
         except errors.KVPoolError:
             return False
-        self.raw_header = bytearray(spec.header_nbytes)
-        self.check = ArrivalCheck(self._own_header, self.raw_header, self.layer_range, self.buf)
+        self.check = guessed_check(self.key, self.replica, self.layer_range, self.buf)
+        self.raw_header = self.check.raw_header
         return True
-
-    def _own_header(self, raw_header: bytearray) -> ObjectHeader:
-        """The holder's header, if whole, naming this key, with the guessed spec."""
-        spec: ObjectSpec = self.replica.spec
-        header = ObjectHeader.unpack_exact(raw_header, spec)
-        header.check_identity(self.key)
-        if header.spec is not spec and header.spec != spec:
-            raise errors.WrongObjectError(f"the holder's object is {header.spec}, guessed {spec}")
-        return header
 
 
 class ArrivalCheck:
@@ -124,6 +115,22 @@ class ArrivalCheck:
             self.header.verify(LayerRange(start + self.checked, start + ready),
                                self.buf[self.checked * step:ready * step])
             self.checked = ready
+
+
+def guessed_check(key: bytes, replica: LocatedReplica, layer_range: LayerRange, buf: memoryview) -> ArrivalCheck:
+    """The check of a pull from a guessed holder, which no master vouched for: the header the
+    holder sends must be whole, name ``key`` and have the guessed spec (``replica.spec``), and
+    every layer in ``buf`` must match it."""
+    spec: ObjectSpec = replica.spec
+
+    def own(raw: bytearray) -> ObjectHeader:
+        header = ObjectHeader.unpack_exact(raw, spec)
+        header.check_identity(key)
+        if header.spec is not spec and header.spec != spec:
+            raise errors.WrongObjectError(f"the holder's object is {header.spec}, guessed {spec}")
+        return header
+
+    return ArrivalCheck(own, bytearray(spec.header_nbytes), layer_range, buf)
 
 
 def check_same(header: ObjectHeader, same_as: ObjectHeader | None, layer_range: LayerRange) -> None:

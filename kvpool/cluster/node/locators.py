@@ -4,7 +4,11 @@
    master, no lease, no token); a replica found there is read in place.
 2. :class:`LocationCache`: where this process read the key last time, the master's answer
    kept while its pull tokens are good (no master).
-3. :class:`MasterLocator`: the master's ``locate``, under a read lease the caller releases
+3. :class:`LastHolder` (``node.speculative_pulls`` without ``node.confirm_speculative``): the
+   node this process last pulled from, guessed for every key of a batch (no master); its
+   answer is used only from a holder that proves the cluster key, with a whole header naming
+   the key and the guessed spec (see :meth:`ReplicaReader.read_many`).
+4. :class:`MasterLocator`: the master's ``locate``, under a read lease the caller releases
    once it has read.
 
 Each answers a batch of keys with :class:`~kvpool.cluster.node.located.LocatedReplica` lists
@@ -20,6 +24,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
+
+import msgspec
 
 from kvpool.cluster.node.located import LocatedReplica, located_replicas
 from kvpool.cluster.node.same_host import SameHostArenas
@@ -66,6 +72,24 @@ class LocationCache:
 
     def find_many(self, keys: Sequence[bytes]) -> Found:
         return Found([self._remembered(key) for key in keys])
+
+
+class LastHolder:
+    """Every key guessed to be on the node this reader last pulled from
+    (:meth:`ReplicaReader.guessed_holder`), as it was located then: its spec is the guess of
+    each key's, and no token or location of another key's goes with it."""
+
+    source = "guess"
+
+    def __init__(self, guessed_holder: Callable[[], LocatedReplica | None]) -> None:
+        self._guessed_holder = guessed_holder
+
+    def find_many(self, keys: Sequence[bytes]) -> Found:
+        replica = self._guessed_holder()
+        if replica is None:
+            return Found([None] * len(keys))
+        guess = [msgspec.structs.replace(replica, header_sum=0, token=b"", location={}, header=None)]
+        return Found([guess] * len(keys))
 
 
 class MasterLocator:

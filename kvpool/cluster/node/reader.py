@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import errors
-from kvpool.cluster.node.checks import ArrivalCheck, Speculation, check_same, located_check
+from kvpool.cluster.node.checks import ArrivalCheck, Speculation, check_same, guessed_check, located_check
 from kvpool.cluster.node.located import LocatedReplica
 from kvpool.cluster.node.same_host import OutView, SameHostArenas
 from kvpool.cluster.wire.security import ClusterKey
@@ -277,7 +277,8 @@ class ReplicaReader:
 
     def read_many(self, keys: list[bytes], replicas: list[list[LocatedReplica] | None], layers: Sequence[Any],
                   out_view: OutView, outs: Sequence[Any], source: str = "master",
-                  landed: Callable[[int, np.ndarray | None], None] | None = None) -> list[np.ndarray | None]:
+                  landed: Callable[[int, np.ndarray | None], None] | None = None,
+                  skip: dict[str, str] | None = None) -> list[np.ndarray | None]:
         """``read`` for many keys (``layers``: each key's; results in order; ``source`` as
         :meth:`read` takes it): every key's first
         choice of replica that must be pulled is pulled in one :meth:`PullClient.pull_many` (all
@@ -285,7 +286,17 @@ class ReplicaReader:
         choice failed and keys without a usable replica take the one-key path. ``landed(i,
         result)``: told each key's result once, as soon as it is final: a TCP pull's the moment
         its last layer is verified, while the pulls behind it are still arriving (an error the
-        callback raises is raised here once every pull is done)."""
+        callback raises is raised here once every pull is done). ``skip``: node ids known to
+        fail now, with the miss reason each counts as (see :meth:`read`).
+
+        ``source`` "guess" (:class:`~kvpool.cluster.node.locators.LastHolder`): each key's one
+        replica is a guess, pulled only over TCP from a holder that proves the cluster key, with
+        no token, and used when the holder's header is whole, names the key, has the guessed
+        spec and every layer matches it (:meth:`accept`'s rule). A key the guess does not fit
+        (``layers`` or ``out`` of another spec, deleted through this process) is not pulled,
+        and no failure is final: each such key stays None for the next locator (told nothing),
+        and a holder that failed as one (dead, timed out) is added to ``skip``."""
+        guessed = source == "guess"
         results: list[np.ndarray | None] = [None] * len(keys)
         told = [False] * len(keys)
         raised: list[BaseException] = []
@@ -306,48 +317,108 @@ class ReplicaReader:
         for i, (located, out) in enumerate(zip(replicas, outs)):
             if source == "same_host":
                 if results[i] is None and located and len(located) != 1:
-                    alone.append((i, None))
+                    alone.append((i, skip or None))
                 continue
             first = self._first_to_pull(located)
-            if first is None:
-                alone.append((i, None))
+            if guessed:
+                item = self._guess_of(keys[i], first, layers[i], out, out_view)
+                if item is not None:
+                    batch.append((i, *item))
+                continue
+            if first is None or (skip and first.node_id in skip):
+                alone.append((i, skip or None))
                 continue
             spec: ObjectSpec = first.spec
             layer_range = LayerRange.resolve(layers[i], spec.layers)
             arr, buf = out_view(spec, layer_range, out)
-            check = located_check(keys[i], first, layer_range, buf)
-            if landed is not None:
+            batch.append((i, first, arr, located_check(keys[i], first, layer_range, buf)))
+        if landed is not None:
+            for i, _, arr, check in batch:
                 check.landed = lambda i=i, arr=arr: tell(i, arr)
-            batch.append((i, first, arr, check))
         if batch:
             pulled = self._pull_many([
                 PullRequest(replica.peer, keys[i], check.layer_range, check.buf,
                             token=replica.token, header_out=check.raw_header,
                             alive=lambda replica=replica: self.holder_alive(replica), progress=check)
                 for i, replica, _, check in batch])
+            wasted = 0
             for (i, replica, arr, check), outcome in zip(batch, pulled):
                 try:
                     if isinstance(outcome, BaseException):
                         raise outcome
                     check.finish()
                 except (errors.LayerRangeError, errors.OutBufferError):
-                    raise
+                    if not guessed:
+                        raise
+                    wasted += 1
+                    continue
                 except Exception as exc:  # this replica failed: the others, one by one
-                    alone.append((i, {replica.node_id: self._reason_of(keys[i], replica, exc)}))
+                    if guessed:
+                        wasted += 1
+                        failure = self._holder_failure(exc)
+                        if failure is not None and skip is not None:
+                            skip[replica.node_id] = failure
+                        continue
+                    alone.append((i, {**(skip or {}), replica.node_id: self._reason_of(keys[i], replica, exc)}))
                     continue
                 self._hit(len(check.buf), replica)
                 self._pulled_from(replica)
-                if source == "cache":
-                    self.counters["location_cache_hits"] += 1
-                self._remember(keys[i], self.ordered(replicas[i]))
+                if guessed:
+                    self.counters["speculative_hits"] += 1
+                    self.counters["speculative_unconfirmed"] += 1
+                else:
+                    if source == "cache":
+                        self.counters["location_cache_hits"] += 1
+                    self._remember(keys[i], self.ordered(replicas[i]))
                 results[i] = arr
                 tell(i, arr)
-        for i, skip in sorted(alone, key=lambda item: item[0]):
-            results[i] = self.read(keys[i], replicas[i], layers[i], outs[i], out_view, source, skip=skip)
+            if guessed:
+                self._guessed_batch(len(batch) - wasted, wasted)
+        for i, skipping in sorted(alone, key=lambda item: item[0]):
+            results[i] = self.read(keys[i], replicas[i], layers[i], outs[i], out_view, source, skip=skipping)
             tell(i, results[i])
         if raised:
             raise raised[0]
         return results
+
+    def _guess_of(self, key: bytes, replica: LocatedReplica | None, layers: Any, out: Any,
+                  out_view: OutView) -> tuple[LocatedReplica, np.ndarray, ArrivalCheck] | None:
+        """What :meth:`read_many` pulls of ``key`` from a guessed holder, or None when the guess
+        does not fit (see there)."""
+        if replica is None or key in self._deleted:
+            return None
+        spec: ObjectSpec = replica.spec
+        try:
+            layer_range = LayerRange.resolve(layers, spec.layers)
+            arr, buf = out_view(spec, layer_range, out)
+        except errors.KVPoolError:  # not the guessed spec: the next locator says what is wrong
+            return None
+        if self.pulls.proving_client(replica.peer, len(buf)) is None:
+            return None
+        return replica, arr, guessed_check(key, replica, layer_range, buf)
+
+    @staticmethod
+    def _holder_failure(exc: BaseException) -> str | None:
+        """The miss reason a guessed holder's failure counts as when it failed as a holder (dead,
+        frozen, the connection lost); None when it only did not have the key, or not as guessed."""
+        if isinstance(exc, errors.KVTimeoutError):
+            return "timeout"
+        if isinstance(exc, (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError,
+                            errors.ProtocolError, errors.AuthenticationError, errors.WrongObjectError,
+                            errors.ChecksumError, errors.FormatError)) or Pulls.path_unusable(exc):
+            return None
+        return "holder_gone"
+
+    def _guessed_batch(self, used: int, wasted: int) -> None:
+        """Score a batch of guessed pulls as one guess: a hit (one up) when at least half of them
+        were used, else a miss (two down), so a reader whose keys moved to other holders soon
+        stops guessing, and one whose batches are mostly on one holder keeps on."""
+        if wasted:
+            self.counters["speculative_wasted"] += wasted
+        if used < wasted:
+            self._speculation_score -= 2
+        elif used and self._speculation_score < _SPECULATION_MAX_SCORE:
+            self._speculation_score += 1
 
     def _read_many_found_in_place(self, replicas: Sequence[list[LocatedReplica] | None], layers: Sequence[Any],
                                   outs: Sequence[Any], out_view: OutView, results: list[np.ndarray | None],
@@ -495,15 +566,10 @@ class ReplicaReader:
         A reader that keeps reading from one holder (a decode node reading what its prefill
         node wrote) then pays max(locate, pull) instead of their sum.
         """
-        replica = self._last_holder
-        if replica is None or key in self._deleted:
+        if key in self._deleted:
             return None
-        if self._speculation_score <= 0:
-            self._speculation_skipped += 1
-            if self._speculation_skipped < _SPECULATION_RETRY_EVERY:
-                return None
-            self._speculation_skipped, self._speculation_score = 0, 1
-        if not self.holder_alive(replica):
+        replica = self.guessed_holder()
+        if replica is None:
             return None
         spec: ObjectSpec = replica.spec
         try:
@@ -514,6 +580,21 @@ class ReplicaReader:
         if out is not None and getattr(out, "nbytes", guess.nbytes) != guess.nbytes:
             return None  # (out is checked in full by bind)
         return guess
+
+    def guessed_holder(self) -> LocatedReplica | None:
+        """The node to guess a key is on (the one this reader last pulled from, as it was located
+        then: its spec is the guess of the key's), or None: nothing pulled yet, the guesses have
+        kept missing lately (then one in every ``_SPECULATION_RETRY_EVERY`` tries guesses
+        again), or that node is gone."""
+        replica = self._last_holder
+        if replica is None:
+            return None
+        if self._speculation_score <= 0:
+            self._speculation_skipped += 1
+            if self._speculation_skipped < _SPECULATION_RETRY_EVERY:
+                return None
+            self._speculation_skipped, self._speculation_score = 0, 1
+        return replica if self.holder_alive(replica) else None
 
     def provable(self, guess: Speculation) -> bool:
         """Whether ``guess`` would be pulled over TCP from a holder that must first prove it holds
@@ -558,12 +639,7 @@ class ReplicaReader:
         """Keep why a guessed pull failed on the guess (or nothing, for locate to decide)."""
         node_id = guess.replica.node_id
         log.debug("speculative pull of %s from %s: %s", guess.key.hex(), node_id, exc)
-        if isinstance(exc, errors.KVTimeoutError):
-            guess.failure = "timeout"
-        elif not isinstance(exc, (errors.RemoteMissError, errors.LayerRangeError, errors.OutBufferError,
-                                  errors.ProtocolError, errors.AuthenticationError)) and not Pulls.path_unusable(exc):
-            guess.failure = "holder_gone"  # gone, connection lost
-        # else: not there, not the guessed spec, or (proven) its TCP port unusable: locate decides
+        guess.failure = self._holder_failure(exc)  # None: locate decides
 
     def accept(self, guess: Speculation) -> np.ndarray | None:
         """The guessed holder's own answer, without the master (``node.confirm_speculative =

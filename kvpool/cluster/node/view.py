@@ -13,12 +13,13 @@ last time (no master), then the master's ``locate`` under a lease. Each yields
 :class:`~kvpool.cluster.node.located.LocatedReplica` records, which the one
 reader reads alike (in place on this host, else a pull), verified layer by
 layer; a replica that fails is skipped for the next one, a key no replica of a
-locator delivered goes to the next locator. A single-key read
-(``node.speculative_pulls``) also guesses the node it last pulled from before
-asking the master: over TCP from a holder that proves the cluster key its
-answer is used at once; else (or with ``node.confirm_speculative``) the guessed
-pull travels while ``locate`` does, and its bytes are used only when the master
-names that node with the same header checksum.
+locator delivered goes to the next locator. With ``node.speculative_pulls`` a
+read also guesses the node it last pulled from before asking the master: over
+TCP from a holder that proves the cluster key its answer is used at once (a
+batch's through the ``LastHolder`` locator); else (or with
+``node.confirm_speculative``, single keys only) the guessed pull travels while
+``locate`` does, and its bytes are used only when the master names that node
+with the same header checksum.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 from kvpool import errors
 from kvpool.cluster.node.checks import Speculation
 from kvpool.cluster.node.located import LocatedReplica, alive_nodes_of
-from kvpool.cluster.node.locators import LocationCache, Locator, MasterLocator, SameHostIndex
+from kvpool.cluster.node.locators import LastHolder, LocationCache, Locator, MasterLocator, SameHostIndex
 from kvpool.cluster.node.reader import ReplicaReader
 from kvpool.cluster.node.server import Node, NodeAddress, alive_peers_of
 from kvpool.cluster.wire import schema as S
@@ -167,9 +168,11 @@ class ClusterView:
             self._parts.append(self.reader)
             self.locate = MasterLocator(self.master, self.reader.counters)
             #: where a read looks, nearest first; the master's answer is final
-            self.locators: tuple[Locator, ...] = (SameHostIndex(self.reader.arenas),
-                                                  LocationCache(self.reader.remembered), self.locate)
-            self._nearby = self.locators[:-1]
+            self._nearby: tuple[Locator, ...] = (SameHostIndex(self.reader.arenas),
+                                                 LocationCache(self.reader.remembered))
+            guess = config.node.speculative_pulls and not config.node.confirm_speculative
+            self.locators: tuple[Locator, ...] = (*self._nearby, *((LastHolder(self.reader.guessed_holder),)
+                                                                   if guess else ()), self.locate)
             self._refresh_from_master()
             self._neighbours_thread = threading.Thread(target=self._watch_neighbours, daemon=True,
                                                        name="kvpool-neighbours")
@@ -401,6 +404,7 @@ class ClusterView:
         ``landed(i, result)``: told each key's final result as soon as it is known."""
         results: list[np.ndarray | None] = [None] * len(keys)
         pending = list(range(len(keys)))
+        skip: dict[str, str] = {}  # holders that failed as holders on the way (a guessed one)
         for locator in self.locators:
             if not pending:
                 break
@@ -417,7 +421,8 @@ class ClusterView:
 
                 pulled = self.reader.read_many([keys[i] for i, _ in ask], [r for _, r in ask],
                                                [layers[i] for i, _ in ask], out_view, [outs[i] for i, _ in ask],
-                                               source=locator.source, landed=None if landed is None else tell)
+                                               source=locator.source, landed=None if landed is None else tell,
+                                               skip=skip)
                 for (i, _), arr in zip(ask, pulled):
                     results[i] = arr
             finally:
