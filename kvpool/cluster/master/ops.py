@@ -219,20 +219,21 @@ class MasterState(IndexState):
     def op_locate(self, body: S.Locate) -> Any:
         keys = self._keys(body.keys, strict=False)
         want_lease = body.lease
-        index, nodes = self.index, self.nodes
-        mint = self.cluster_key.mint_token if self.cluster_key is not None and self.cluster_key.enabled else None
+        nodes = self.nodes
+        mint = self.cluster_key.minter() if self.cluster_key is not None and self.cluster_key.enabled else None
         out: list[list[dict[str, Any]] | None] = []
         pins: list[tuple[bytes, str]] = []
-        for key in keys:
-            replicas = index.get(key)
+        for key, replicas in zip(keys, self.index.located_many(keys)):
             if not replicas:
                 out.append(None)
                 continue
             located = []
-            for node_id, record in replicas.items():
+            for node_id, record in replicas:
                 node = nodes[node_id]
-                token = mint(key, node_id) if mint is not None else b""
-                located.append({**record, "address": node.address, "host_id": node.host_id, "token": token})
+                record["address"] = node.address
+                record["host_id"] = node.host_id
+                record["token"] = mint(key, node_id) if mint is not None else b""
+                located.append(record)
                 pins.append((key, node_id))
             out.append(located)
         hits = len(keys) - out.count(None)

@@ -72,6 +72,20 @@ def test_tokens_name_one_key_on_one_node_and_expire() -> None:
     ClusterKey(None).check_token(b"", b"prefix", "node-a")  # auth off: everything passes
 
 
+def test_a_minter_mints_the_tokens_mint_token_does() -> None:
+    """``minter`` (a locate's batch of tokens, the HMAC prepared once) mints exactly what
+    ``mint_token`` mints at the same moment, each checked as such."""
+    key = ClusterKey(b"s" * 32, token_ttl_s=10.0)
+    mint = key.minter(now=1000.0)
+    for prefix, node in ((b"prefix", "node-a"), (b"other", "node-a"), (b"prefix", "node-b"), (b"\0" * 16, "n")):
+        token = mint(prefix, node)
+        assert token == key.mint_token(prefix, node, now=1000.0)
+        key.check_token(token, prefix, node, now=1005.0)
+    with pytest.raises(errors.AuthenticationError):
+        key.check_token(mint(b"prefix", "node-a"), b"prefix", "node-b", now=1005.0)
+    assert ClusterKey(None).minter()(b"prefix", "node-a") == b""
+
+
 def _roundtrip(server_key: ClusterKey, client_key: ClusterKey | None) -> bool:
     ctx = zmq.Context()
     try:
