@@ -73,6 +73,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench``, ``tests`` and 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import memory_given_to_host  # noqa: E402  (after the path above)
+from tiers.base import tmpfs_huge_pages  # noqa: E402
 
 BATCH = 128  # pages per call: SGLang's STORAGE_BATCH_SIZE
 KVPOOL_EXTRA = {"backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
@@ -474,6 +475,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     disk_dir = Path(tempfile.mkdtemp(prefix="kvpool-hicache-bench-", dir=args.disk_dir))
     dirs = {"file-tmpfs": tmpfs_dir, "file-disk": disk_dir}
     where = {name: f"{path} ({fs_type(path)})" for name, path in dirs.items() if name in rows_wanted}
+    for name in ("kvpool-shm", "kvpool-own"):  # where their cxl arenas are, and with which pages
+        if name in rows_wanted:
+            arena_dir = Path(args.arena_dir) if args.arena_dir else Path("/dev/shm")
+            huge = tmpfs_huge_pages(arena_dir)
+            where[name] = f"cxl arena in {arena_dir} ({fs_type(arena_dir)}{f', huge={huge}' if huge else ''})"
     processes: list[subprocess.Popen[bytes]] = []
     writers: dict[str, Writer] = {}
     backends: list[Any] = []
@@ -485,7 +491,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             processes.append(proc)
             # The writers: "shm" saves in a cxl arena only (as the vLLM connector's default pool),
             # "tcp" in dram only (so its pages are pulled, never read in place).
-            for writer_row, tiers in (("kvpool-shm", {"dram": {"capacity": 0}, "cxl": {"capacity": arena}}),
+            arena_at = {} if args.arena_dir is None else {"path": str(Path(args.arena_dir) / "kvpool-shm-writer-cxl")}
+            for writer_row, tiers in (("kvpool-shm", {"dram": {"capacity": 0}, "cxl": {"capacity": arena, **arena_at}}),
                                ("kvpool-tcp", {"dram": {"capacity": arena, "mlock": False},
                                                "cxl": {"capacity": 0}})):
                 if writer_row in rows_wanted:
@@ -520,8 +527,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 progress(f"page {page_size}: {LABELS[name]}")
                 try:
                     if name == "kvpool-own":  # sets and gets in this process, as Mooncake's own segment
+                        own_at = {} if args.arena_dir is None else {
+                            "path": str(Path(args.arena_dir) / f"kvpool-own-{page_size}-cxl")}
                         config = {"pool": {"data_dir": str(work / f"own-{page_size}")},
-                                  "tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": arena},
+                                  "tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": arena, **own_at},
                                             "nvme": {"capacity": 0}}}
                         backend = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
                                                                   "config": config}, host)
@@ -535,7 +544,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         transport = "tcp" if name == "kvpool-tcp" else "auto"
                         reader_config = {"pool": {"data_dir": str(work / f"reader-{name}-{page_size}")},
                                          "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
-                                                   "cxl": {"capacity": 0}, "nvme": {"capacity": 0}}}
+                                                   "cxl": {"capacity": 0, "shared_dirs": args.arena_dir or ""},
+                                                   "nvme": {"capacity": 0}}}
                         attach_writer(writers[name], row, model)
                         reader = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
                                                                  "config": reader_config, "transport": transport},
@@ -676,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(),
                         help="a directory on disk for HiCacheFile's disk row (default: the temp dir; its file "
                              "system type is printed)")
+    parser.add_argument("--arena-dir", default=None,
+                        help="where kvpool's cxl arenas go (the same-host writer's and the own pool's; default "
+                             "/dev/shm/kvpool-<uid>): e.g. a tmpfs mounted with huge=within_size")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads for SGLang's page copies (default 1)")
     parser.add_argument("--json", metavar="FILE", help="write the rows and ratios here")

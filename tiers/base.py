@@ -15,6 +15,7 @@ import bisect
 import ctypes
 import ctypes.util
 import functools
+import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -45,6 +46,44 @@ def close_mapping(region: Any) -> None:
         region.close()
     except BufferError:
         pass
+
+
+def advise_huge_pages(region: Any) -> bool:
+    """Ask for transparent huge pages on an ``mmap``; False where the kernel or Python cannot.
+    A file mapping gets them only where its file system gives them (a tmpfs mounted with
+    ``huge=always``, ``within_size``, or ``advise`` with this advice)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return False
+    try:
+        region.madvise(advice)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def tmpfs_huge_pages(path: Any) -> str:
+    """The ``huge=`` option of the tmpfs mount holding ``path`` (``never`` when it has none, as
+    ``/dev/shm`` usually has not), or ``""`` when ``path`` is not on a tmpfs (or /proc/mounts
+    cannot be read)."""
+    real = os.path.realpath(path)
+    best, options = "", None  # the deepest mount holding path, and its options if it is a tmpfs
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                mount_point = parts[1].replace("\\040", " ")
+                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, options = mount_point, (parts[3] if parts[2] == "tmpfs" else None)
+    except OSError:
+        return ""
+    if options is None:
+        return ""
+    huge = [o.split("=", 1)[1] for o in options.split(",") if o.startswith("huge=")]
+    return huge[-1] if huge else "never"
 
 
 @functools.cache

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvpool import errors
 from kvpool.config import format_size
-from tiers.base import ArenaTier, close_mapping, libc
+from tiers.base import ArenaTier, advise_huge_pages, close_mapping, libc
 
 if TYPE_CHECKING:
     from kvpool.config import Config, DramSection
@@ -108,18 +108,6 @@ def munlock_region(address: int, nbytes: int) -> None:
         libc().munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
 
 
-def _advise_huge_pages(region: mmap.mmap) -> bool:
-    """Ask for transparent huge pages; False where the kernel or Python cannot."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return False
-    try:
-        region.madvise(advice)
-        return True
-    except OSError:
-        return False
-
-
 def _cuda_available() -> bool:
     try:
         import cupy
@@ -158,7 +146,7 @@ class DramTier(ArenaTier):
         # Huge pages before the first touch: with THP in "madvise" mode (the common
         # default) the arena would otherwise get 4 KiB pages, and a copy out of it then
         # misses the TLB once per 4 KiB instead of once per 2 MiB.
-        self.huge_pages = _advise_huge_pages(self._mmap)
+        self.huge_pages = advise_huge_pages(self._mmap)
         self._arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.backing = "mmap"
         self._mlock = mlock

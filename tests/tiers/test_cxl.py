@@ -25,7 +25,7 @@ from kvpool import errors
 from kvpool.config import Config
 from kvpool.objformat import LayerRange, ObjectHeader, byte_view
 from kvpool.testing import TierTests, make_object, store
-from tiers.base import madvise
+from tiers.base import madvise, tmpfs_huge_pages
 from tiers.cxl import DATA_OFFSET, CxlArenaReader, CxlTier, default_arena_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -991,3 +991,59 @@ def test_madvise_maps_a_range_without_holding_the_gil() -> None:
     finally:
         os.close(fd)
         path.unlink()
+
+
+# -- huge pages ------------------------------------------------------------------------------
+
+
+def _pmd_mapped_kib(path: Path) -> list[int]:
+    """ShmemPmdMapped (kB) of each of this process's mappings of ``path`` (/proc/self/smaps;
+    madvise of part of a mapping splits it, so one mmap may be several)."""
+    found: list[int] = []
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if len(fields) >= 6 and "-" in fields[0] and ":" in fields[3]:  # a mapping's first line
+                inside = fields[-1] == str(path)
+            elif inside and line.startswith("ShmemPmdMapped:"):
+                found.append(int(fields[1]))
+    return found
+
+
+def test_an_arena_on_a_huge_page_tmpfs_is_mapped_2_mib_at_a_time_by_its_owner_and_readers(
+        tmp_path: Path, arena_path: Path) -> None:
+    """On a tmpfs mounted with huge=within_size the arena's pages are 2 MiB ones: the owner
+    writes into them and a reader maps them a PMD at a time (the arena advises huge pages on
+    both mappings); ``huge_pages`` says which the arena has. On /dev/shm (no huge= option) it
+    says False."""
+    plain = CxlTier(arena_path, 8 << 20)
+    try:
+        assert plain.huge_pages is (tmpfs_huge_pages(arena_path.parent) in ("always", "within_size", "advise"))
+        assert plain.stats()["huge_pages"] is plain.huge_pages
+    finally:
+        plain.close()
+    mount = tmp_path / "huge"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=64m", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        path = mount / "arena"
+        tier = CxlTier(path, 32 << 20)
+        try:
+            assert tier.huge_pages and tier.stats()["huge_pages"]
+            arr, header, payload = make_object(layers=8, tokens=2048)  # 4 MiB
+            extent = store(tier, header, payload)
+            owner_kib = sum(_pmd_mapped_kib(path))
+            assert owner_kib >= 4096  # the object's 4 MiB written through 2 MiB pages
+            with CxlArenaReader.open(path) as reader:
+                got_header, view = reader.read_object(extent.offset)
+                assert got_header == header
+                np.testing.assert_array_equal(view, arr)
+                assert sum(_pmd_mapped_kib(path)) - owner_kib >= 4096  # and read through them
+        finally:
+            tier.close()
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)  # also while a failed assertion holds a view

@@ -26,7 +26,7 @@ from kvpool.objformat import (
     header_nbytes_at,
     stored_header_checksum,
 )
-from tiers.base import close_mapping, madvise
+from tiers.base import advise_huge_pages, close_mapping, madvise
 from tiers.cxl.arena import ARENA, DATA_OFFSET, MAX_HEADER_NBYTES, AccessModel, ArenaHeader, lock_is_free
 from tiers.cxl.index import IndexEntry, SharedIndexReader, index_path
 
@@ -102,6 +102,7 @@ class CxlArenaReader:
                 raise errors.TierError(f"cxl: arena {path} has no live owner (stale file)")
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
             mm = mmap.mmap(fd, file_nbytes, flags=flags, prot=mmap.PROT_READ)
+            advise_huge_pages(mm)  # mapped 2 MiB at a time where the owner's tmpfs gives huge pages
         except BaseException:
             os.close(fd)
             raise

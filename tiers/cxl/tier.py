@@ -20,7 +20,7 @@ import numpy as np
 from kvpool import errors
 from kvpool.config import format_size
 from kvpool.objformat import ObjectHeader
-from tiers.base import ArenaTier, Extent, close_mapping, madvise
+from tiers.base import ArenaTier, Extent, advise_huge_pages, close_mapping, madvise, tmpfs_huge_pages
 from tiers.cxl.arena import (
     ALIGNMENT,
     DATA_OFFSET,
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("tiers.cxl")
+_told_about_huge_pages = threading.Event()  # the hint is logged once a process
 
 #: a starting tier spares the arena of an owner whose heartbeat touched it this recently: the
 #: master declares a node dead after 3 missed beats (3 s by default) and then has a storage node
@@ -145,6 +146,11 @@ class CxlTier(ArenaTier):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise errors.TierError(f"cxl: cannot create the directory of {self.path}: {exc}") from exc
+        self._huge = tmpfs_huge_pages(self.path.parent)
+        if self._huge in ("never", "deny") and not _told_about_huge_pages.is_set():
+            _told_about_huge_pages.set()
+            log.info("cxl arena %s: its tmpfs gives 4 KiB pages; on a tmpfs mounted with huge=within_size "
+                     "its cold writes and same-host reads cost far fewer page faults (docs/tiers.md)", self.path)
         path_fd = self._open_and_lock(self.path)  # held until the new file has replaced the old
         self._fd = -1
         self._mmap: mmap.mmap | None = None
@@ -158,6 +164,8 @@ class CxlTier(ArenaTier):
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
             self._mmap = mmap.mmap(self._fd, file_nbytes, flags=flags,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # 2 MiB pages where the arena's tmpfs gives them (see huge_pages)
+            advise_huge_pages(self._mmap)
             self._file = np.frombuffer(self._mmap, dtype=np.uint8)
             self._arena = self._file[DATA_OFFSET:]
             if prefault and not getattr(mmap, "MAP_POPULATE", 0):
@@ -393,9 +401,17 @@ class CxlTier(ArenaTier):
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the arena's pages are 2 MiB ones: its file is on a tmpfs mounted with
+        ``huge=always``, ``within_size`` or ``advise`` (the arena asks for them). A new page then
+        costs one fault and one zero-fill per 2 MiB for the owner, and one mapping per 2 MiB for
+        a same-host reader, instead of one per 4 KiB (see docs/operating.md)."""
+        return self._huge in ("always", "within_size", "advise")
+
     def stats(self) -> dict[str, Any]:
         index = self.index
-        return {**super().stats(), "path": str(self.path), "shared": True,
+        return {**super().stats(), "path": str(self.path), "shared": True, "huge_pages": self.huge_pages,
                 "instance": self.instance.hex(), "model": self.model.stats(),
                 "shared_index": None if index is None else {
                     "path": str(index.path), "slots": index.slot_count, "live": index.live}}
