@@ -124,9 +124,10 @@ class StatsCollector(Collector):
         remote_hits = CounterMetricFamily("kvpool_remote_hits", "Gets served from another node's replica")
         remote_hits.add_metric([], remote.get("hits_remote", 0))
         yield remote_hits
-        guesses = CounterMetricFamily("kvpool_speculative_pulls", "One-key gets that pulled from the last holder "
-                                      "before the master said where the key is, by outcome: used as the holder "
-                                      "answered, used once the master confirmed it, or wasted", labels=["outcome"])
+        guesses = CounterMetricFamily("kvpool_speculative_pulls", "Keys a get (or get_many's batch) pulled from the "
+                                      "last holder before the master said where they are, by outcome: used as the "
+                                      "holder answered, used once the master confirmed it, or wasted",
+                                      labels=["outcome"])
         unconfirmed = remote.get("speculative_unconfirmed", 0)
         guesses.add_metric(["used"], unconfirmed)
         guesses.add_metric(["confirmed"], remote.get("speculative_hits", 0) - unconfirmed)
