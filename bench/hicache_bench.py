@@ -73,7 +73,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench``, ``tests`` and 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import memory_given_to_host  # noqa: E402  (after the path above)
-from tiers.base import tmpfs_huge_pages  # noqa: E402
+from tiers.base import mount_of, tmpfs_huge_pages  # noqa: E402
 
 BATCH = 128  # pages per call: SGLang's STORAGE_BATCH_SIZE
 KVPOOL_EXTRA = {"backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
@@ -381,16 +381,8 @@ def mooncake_master_binary() -> str | None:
 
 
 def fs_type(path: Path) -> str:
-    """The file system type of the mount holding ``path`` (from /proc/mounts)."""
-    best, kind = "", "?"
-    real = str(path.resolve())
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) > 2 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
-                    and len(parts[1]) > len(best):
-                best, kind = parts[1], parts[2]
-    return kind
+    """The file system type of the mount holding ``path``."""
+    return mount_of(path)[0] or "?"
 
 
 # -- the run -------------------------------------------------------------------------------------------

@@ -62,12 +62,11 @@ def advise_huge_pages(region: Any) -> bool:
         return False
 
 
-def tmpfs_huge_pages(path: Any) -> str:
-    """The ``huge=`` option of the tmpfs mount holding ``path`` (``never`` when it has none, as
-    ``/dev/shm`` usually has not), or ``""`` when ``path`` is not on a tmpfs (or /proc/mounts
-    cannot be read)."""
+def mount_of(path: Any) -> tuple[str, str]:
+    """(file system type, mount options) of the deepest mount holding ``path`` (/proc/mounts),
+    or ``("", "")`` where it cannot be read."""
     real = os.path.realpath(path)
-    best, options = "", None  # the deepest mount holding path, and its options if it is a tmpfs
+    best, found = "", ("", "")
     try:
         with open("/proc/mounts") as mounts:
             for line in mounts:
@@ -77,10 +76,18 @@ def tmpfs_huge_pages(path: Any) -> str:
                 mount_point = parts[1].replace("\\040", " ")
                 inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
                 if inside and len(mount_point) >= len(best):
-                    best, options = mount_point, (parts[3] if parts[2] == "tmpfs" else None)
+                    best, found = mount_point, (parts[2], parts[3])
     except OSError:
-        return ""
-    if options is None:
+        pass
+    return found
+
+
+def tmpfs_huge_pages(path: Any) -> str:
+    """The ``huge=`` option of the tmpfs mount holding ``path`` (``never`` when it has none, as
+    ``/dev/shm`` usually has not), or ``""`` when ``path`` is not on a tmpfs (or /proc/mounts
+    cannot be read)."""
+    kind, options = mount_of(path)
+    if kind != "tmpfs":
         return ""
     huge = [o.split("=", 1)[1] for o in options.split(",") if o.startswith("huge=")]
     return huge[-1] if huge else "never"

@@ -500,16 +500,21 @@ class KeyIndex:
         return self._shape_nbytes[shape_id]
 
     def _decode(self, key: bytes, enc: Enc) -> Replica:
-        idx, sid, header_sum, offset = enc
+        idx, sid, _, _ = enc
         if sid == WHOLE:
             return self._whole[(key, idx)]
+        return Replica(*self._shaped(enc), None)
+
+    def _shaped(self, enc: Enc) -> tuple[str, Any, int, int | None, dict[str, Any]]:
+        """(tier, spec, nbytes, header checksum or None, location) of a record kept by shape."""
+        _, sid, header_sum, offset = enc
         shape = self._shapes[sid]
         assert shape is not None
         tier, spec, nbytes, template, has_sum, has_offset = shape
         location = dict(template)
         if has_offset:
             location["offset"] = offset
-        return Replica(tier, spec, nbytes, header_sum if has_sum else None, location, None)
+        return tier, spec, nbytes, header_sum if has_sum else None, location
 
     # -- questions ---------------------------------------------------------------------------
 
@@ -597,18 +602,13 @@ class KeyIndex:
 
     def _record_map(self, key: bytes, node_id: str, enc: Enc) -> dict[str, Any]:
         """``{**self._decode(key, enc)}`` with its ``node_id``, built straight from the shape."""
-        idx, sid, header_sum, offset = enc
+        idx, sid, _, _ = enc
         if sid == WHOLE:
             return {**self._whole[(key, idx)], "node_id": node_id}
-        shape = self._shapes[sid]
-        assert shape is not None
-        tier, spec, nbytes, template, has_sum, has_offset = shape
+        tier, spec, nbytes, header_sum, location = self._shaped(enc)
         record: dict[str, Any] = {"tier": tier, "spec": spec, "nbytes": nbytes}
-        if has_sum:
+        if header_sum is not None:
             record["header_sum"] = header_sum
-        location = dict(template)
-        if has_offset:
-            location["offset"] = offset
         record["location"] = location
         record["node_id"] = node_id
         return record
