@@ -34,8 +34,10 @@ Rows (one run, taking turns, same layout and page contents):
   imports in this interpreter; otherwise the row says why it is not there
   (``bench/install_peers.sh mooncake`` installs it into ``.venv-sglang`` too, where SGLang lives).
 
-kvpool's set is the writer's (``exists_many`` + ``put_many``: into its arena + one master
-publish); its get is the reader's (one ``get_many``: locate + in-place copy or pull). Ratios
+kvpool's memory is reserved at start (``tiers.cxl.prefault`` / ``tiers.dram.prefault``, as a
+server that owns its memory runs and as SGLang's pinned host pools are); ``--cold-arenas``
+leaves it to the library default (allocated as puts reach it). kvpool's set is the writer's
+(``exists_many`` + ``put_many``: into its arena + one master publish); its get is the reader's (one ``get_many``: locate + in-place copy or pull). Ratios
 kvpool / HiCacheFile and kvpool / Mooncake are printed per page size with issue 43's targets
 (>= 1.5x HiCacheFile, >= 1.0x Mooncake): reported, never asserted. Speed on a shared machine
 is noisy; run it on an idle one. On a VM that hands free memory back to its host, memory used
@@ -471,7 +473,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if name in rows_wanted:
             arena_dir = Path(args.arena_dir) if args.arena_dir else Path("/dev/shm")
             huge = tmpfs_huge_pages(arena_dir)
-            where[name] = f"cxl arena in {arena_dir} ({fs_type(arena_dir)}{f', huge={huge}' if huge else ''})"
+            where[name] = (f"cxl arena in {arena_dir} ({fs_type(arena_dir)}{f', huge={huge}' if huge else ''}), "
+                           f"{'cold (allocated as it fills)' if args.cold_arenas else 'prefaulted at start'}")
     processes: list[subprocess.Popen[bytes]] = []
     writers: dict[str, Writer] = {}
     backends: list[Any] = []
@@ -484,8 +487,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The writers: "shm" saves in a cxl arena only (as the vLLM connector's default pool),
             # "tcp" in dram only (so its pages are pulled, never read in place).
             arena_at = {} if args.arena_dir is None else {"path": str(Path(args.arena_dir) / "kvpool-shm-writer-cxl")}
-            for writer_row, tiers in (("kvpool-shm", {"dram": {"capacity": 0}, "cxl": {"capacity": arena, **arena_at}}),
-                               ("kvpool-tcp", {"dram": {"capacity": arena, "mlock": False},
+            prefault = not args.cold_arenas
+            for writer_row, tiers in (("kvpool-shm", {"dram": {"capacity": 0},
+                                                      "cxl": {"capacity": arena, "prefault": prefault, **arena_at}}),
+                               ("kvpool-tcp", {"dram": {"capacity": arena, "mlock": False, "prefault": prefault},
                                                "cxl": {"capacity": 0}})):
                 if writer_row in rows_wanted:
                     config = {"pool": {"data_dir": str(work / writer_row)},
@@ -522,7 +527,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         own_at = {} if args.arena_dir is None else {
                             "path": str(Path(args.arena_dir) / f"kvpool-own-{page_size}-cxl")}
                         config = {"pool": {"data_dir": str(work / f"own-{page_size}")},
-                                  "tiers": {"dram": {"capacity": 0}, "cxl": {"capacity": arena, **own_at},
+                                  "tiers": {"dram": {"capacity": 0},
+                                            "cxl": {"capacity": arena, "prefault": not args.cold_arenas, **own_at},
                                             "nvme": {"capacity": 0}}}
                         backend = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
                                                                   "config": config}, host)
@@ -681,6 +687,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-dir", default=None,
                         help="where kvpool's cxl arenas go (the same-host writer's and the own pool's; default "
                              "/dev/shm/kvpool-<uid>): e.g. a tmpfs mounted with huge=within_size")
+    parser.add_argument("--cold-arenas", action="store_true",
+                        help="kvpool's memory as the library default leaves it (allocated as puts first reach it) "
+                             "instead of reserved at start (tiers.cxl.prefault / tiers.dram.prefault = true, as a "
+                             "server that owns its memory runs; SGLang's and vLLM's pinned host pools are too)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads for SGLang's page copies (default 1)")
     parser.add_argument("--json", metavar="FILE", help="write the rows and ratios here")

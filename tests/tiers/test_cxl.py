@@ -934,6 +934,44 @@ def _mapping_rss(address: int) -> int:
     raise AssertionError(f"no mapping at {address:x}")
 
 
+def test_map_ahead_maps_what_the_owner_allocated_and_allocates_nothing(arena_path: Path) -> None:
+    """``map_ahead`` maps, in the background, the pages of the owner's arena that are allocated
+    (so a same-host read finds them mapped); the holes beyond stay holes (a read fault there
+    would allocate pages in the owner's file); a second call with nothing new starts nothing,
+    and one after the owner allocated more maps that; close waits for the thread's step."""
+    tier = CxlTier(arena_path, 256 << 20, ready_ahead=0)  # allocated in 16 MiB steps as used
+    try:
+        arr, header, payload = make_object(layers=8, tokens=4096)  # 8 MiB
+        first = store(tier, header, payload)
+        allocated = os.stat(arena_path).st_blocks * 512
+        assert allocated < 64 << 20  # a sparse arena: what the object needed
+        reader = CxlArenaReader.open(arena_path)
+        try:
+            at = reader.arena.ctypes.data - DATA_OFFSET
+            assert _mapping_rss(at) < 1 << 20
+            assert reader.map_ahead()
+            reader._ahead.join(30)
+            mapped = _mapping_rss(at)
+            assert mapped >= tier.ready_bytes - (2 << 20), (mapped, tier.ready_bytes)
+            assert os.stat(arena_path).st_blocks * 512 == allocated  # no hole was filled
+            assert not reader.map_ahead()  # nothing new
+            for _ in range(3):  # 24 MiB more: the owner allocates further steps
+                store(tier, header, payload)
+            assert reader.map_ahead()
+            reader._ahead.join(30)
+            assert _mapping_rss(at) >= tier.ready_bytes - (2 << 20) > mapped
+            got_header, view = reader.read_object(first.offset)
+            assert got_header == header
+            np.testing.assert_array_equal(view, arr)
+            del view
+            assert reader.map_ahead() is False
+        finally:
+            reader.close()
+        assert reader.map_ahead() is False  # closed: nothing
+    finally:
+        tier.close()
+
+
 def test_madvise_maps_a_range_without_holding_the_gil() -> None:
     """``tiers.base.madvise`` populates the range asked for (writable and read-only mappings),
     refuses a start outside the mapping, and lets the process's other threads run while the

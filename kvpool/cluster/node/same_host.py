@@ -144,6 +144,8 @@ class SameHostArenas:
                     if self._located.get(ident) is reader:
                         del self._located[ident]
                     reader.close()
+                else:
+                    reader.map_ahead()  # what the owner allocated since (nothing to do: no thread)
             for node_id, arena in wanted.items():
                 if node_id not in self._neighbours:
                     try:
@@ -155,6 +157,7 @@ class SameHostArenas:
                     self._neighbours[node_id] = reader
                     self._peers[node_id] = (peers[node_id], instance)
                     self._located.setdefault((str(reader.path), instance), reader)
+                    reader.map_ahead()  # its pages mapped before reads need them
             self._indexed = tuple((node_id, reader, self._peers[node_id][0], str(reader.path), self._peers[node_id][1])
                                   for node_id, reader in self._neighbours.items())
 
@@ -221,6 +224,7 @@ class SameHostArenas:
             reader = self._located.get(ident)
             if reader is None:
                 reader = self._located[ident] = CxlArenaReader.from_location({**location, "path": path})
+                reader.map_ahead()
             return reader
 
     def mapped(self) -> int:
