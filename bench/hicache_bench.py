@@ -268,6 +268,11 @@ def writer_main(conn: Any, backend_name: str, extra: dict[str, Any], layout: Lay
                     backend = None  # (a Mooncake store's segment is freed before the next is made)
                     backend = make_backend(backend_name, msg["model"], msg.get("extra", extra), host)
                     conn.send({"ok": True})
+                elif msg["op"] == "detach":  # the row is done: its memory goes back before the next rows
+                    if backend is not None:
+                        backend.close()
+                    backend = None
+                    conn.send({"ok": True})
                 elif msg["op"] == "set":
                     row, page_size, call = msg["row"], msg["page_size"], msg["call"]
                     data = content(row, page_size, call, msg["call_bytes"])
@@ -476,6 +481,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             where[name] = (f"cxl arena in {arena_dir} ({fs_type(arena_dir)}{f', huge={huge}' if huge else ''}), "
                            f"{'cold (allocated as it fills)' if args.cold_arenas else 'prefaulted at start'}")
     processes: list[subprocess.Popen[bytes]] = []
+    master: str | None = None
+
+    def writer_extra(writer_row: str, capacity: int) -> dict[str, Any]:
+        """The writers' pools: "shm" saves in a cxl arena only (as the vLLM connector's default
+        pool), "tcp" in dram only (so its pages are pulled, never read in place)."""
+        prefault = not args.cold_arenas
+        if writer_row == "kvpool-shm":
+            arena_at = {} if args.arena_dir is None else {"path": str(Path(args.arena_dir) / "kvpool-shm-writer-cxl")}
+            tiers = {"dram": {"capacity": 0}, "cxl": {"capacity": capacity, "prefault": prefault, **arena_at}}
+        else:
+            tiers = {"dram": {"capacity": capacity, "mlock": False, "prefault": prefault}, "cxl": {"capacity": 0}}
+        config = {"pool": {"data_dir": str(work / writer_row)}, "tiers": {**tiers, "nvme": {"capacity": 0}}}
+        return {**KVPOOL_EXTRA, "master": master, "config": config}
+
     writers: dict[str, Writer] = {}
     backends: list[Any] = []
     rows: list[Row] = []
@@ -484,19 +503,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if any(r.startswith("kvpool") for r in rows_wanted):
             master, proc = start_kvpool_master(work)
             processes.append(proc)
-            # The writers: "shm" saves in a cxl arena only (as the vLLM connector's default pool),
-            # "tcp" in dram only (so its pages are pulled, never read in place).
-            arena_at = {} if args.arena_dir is None else {"path": str(Path(args.arena_dir) / "kvpool-shm-writer-cxl")}
-            prefault = not args.cold_arenas
-            for writer_row, tiers in (("kvpool-shm", {"dram": {"capacity": 0},
-                                                      "cxl": {"capacity": arena, "prefault": prefault, **arena_at}}),
-                               ("kvpool-tcp", {"dram": {"capacity": arena, "mlock": False, "prefault": prefault},
-                                               "cxl": {"capacity": 0}})):
+            for writer_row in ("kvpool-shm", "kvpool-tcp"):
                 if writer_row in rows_wanted:
-                    config = {"pool": {"data_dir": str(work / writer_row)},
-                              "tiers": {**tiers, "nvme": {"capacity": 0}}}
-                    writers[writer_row] = Writer("dynamic", {**KVPOOL_EXTRA, "master": master, "config": config},
-                                                 layout)
+                    writers[writer_row] = Writer("dynamic", writer_extra(writer_row, arena), layout)
         mooncake_master = None
         wants_mooncake = any(r.startswith("mooncake") for r in rows_wanted)
         mooncake_why = mooncake_missing() if wants_mooncake else None
@@ -517,6 +526,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             page_bytes = page_size * layout.token_bytes()
             # a Mooncake segment holds one page size's calls (each Mooncake row's store lives on)
             segment = int((args.warmup + args.calls) * BATCH * page_bytes * 1.5) + (64 << 20)
+            room = int((args.warmup + args.calls) * BATCH * page_bytes * 1.25) + (64 << 20)  # kvpool's
             for name in rows_wanted:
                 row = Row(name, page_size, page_bytes, BATCH * page_bytes)
                 rows.append(row)
@@ -528,7 +538,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "path": str(Path(args.arena_dir) / f"kvpool-own-{page_size}-cxl")}
                         config = {"pool": {"data_dir": str(work / f"own-{page_size}")},
                                   "tiers": {"dram": {"capacity": 0},
-                                            "cxl": {"capacity": arena, "prefault": not args.cold_arenas, **own_at},
+                                            "cxl": {"capacity": room, "prefault": not args.cold_arenas, **own_at},
                                             "nvme": {"capacity": 0}}}
                         backend = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
                                                                   "config": config}, host)
@@ -544,7 +554,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                          "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
                                                    "cxl": {"capacity": 0, "shared_dirs": args.arena_dir or ""},
                                                    "nvme": {"capacity": 0}}}
-                        attach_writer(writers[name], row, model)
+                        # a pool per page size, its memory sized for that page size's calls
+                        attach_writer(writers[name], row, model, writer_extra(name, room))
                         reader = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
                                                                  "config": reader_config, "transport": transport},
                                               host)
@@ -554,6 +565,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         finally:
                             reader.close()
                             backends.remove(reader)
+                            writers[name].ask({"op": "detach"})  # (its arena, reserved at start, freed)
                     elif name.startswith("file"):
                         backend = make_backend("file", model, {"file_storage_path": str(dirs[name])}, host)
                         measure_local(row, backend, host, args.warmup, args.calls, v1=False)
