@@ -45,8 +45,10 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysna
 # back), and asking again walks the page tables anyway: asked for every layer of every block,
 # those walks add up to a sizeable share of a same-host load's copy time.
 _POPULATE_CHUNK = 2 << 20
-# :meth:`CxlArenaReader.map_ahead` maps this much a call (how long close() may wait for it)
-_MAP_AHEAD_STEP = 32 << 20
+# :meth:`CxlArenaReader.map_ahead` maps this much a call (~2 ms on 4 KiB pages): the call holds
+# the process's memory-map lock, which another thread's mmap (a large allocation) waits for,
+# and close() waits for the step under way
+_MAP_AHEAD_STEP = 8 << 20
 
 # -- same-host readers --------------------------------------------------------------------
 
