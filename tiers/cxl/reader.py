@@ -405,10 +405,15 @@ class CxlArenaReader:
         return True
 
     def _unmapped_chunks(self) -> list[tuple[int, int]]:
-        """[lo, hi) chunk ranges wholly inside what the owner has allocated and not yet mapped."""
+        """[lo, hi) chunk ranges wholly inside what the owner has allocated and not yet mapped,
+        from the first chunk not mapped yet (nothing to seek through once all are: a node asks
+        once a heartbeat, and seeking walks the file's pages)."""
         start_of_data, capacity = self.header.data_offset, self.header.capacity_bytes
         spans: list[tuple[int, int]] = []
-        at = start_of_data
+        first = self._populated.find(0)
+        if first < 0:
+            return spans
+        at = start_of_data + first * _POPULATE_CHUNK
         try:
             while at < start_of_data + capacity:
                 data = os.lseek(self._fd, at, os.SEEK_DATA)
