@@ -37,7 +37,8 @@ Rows (one run, taking turns, same layout and page contents):
 kvpool's memory is reserved at start (``tiers.cxl.prefault`` / ``tiers.dram.prefault``, as a
 server that owns its memory runs and as SGLang's pinned host pools are); ``--cold-arenas``
 leaves it to the library default (allocated as puts reach it). kvpool's set is the writer's
-(``exists_many`` + ``put_many``: into its arena + one master publish); its get is the reader's (one ``get_many``: locate + in-place copy or pull). Ratios
+(``exists_many`` + ``put_many``: into its arena + one master publish); its get is the reader's
+(one ``get_many``: locate + in-place copy or pull). Ratios
 kvpool / HiCacheFile and kvpool / Mooncake are printed per page size with issue 43's targets
 (>= 1.5x HiCacheFile, >= 1.0x Mooncake): reported, never asserted. Speed on a shared machine
 is noisy; run it on an idle one. On a VM that hands free memory back to its host, memory used
@@ -467,8 +468,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}; known: {','.join(ROWS)}")
     given_before = memory_given_to_host()
-    biggest_call = BATCH * max(args.page_sizes) * layout.token_bytes()
-    arena = int((args.warmup + args.calls) * biggest_call * 1.5) + (64 << 20)
     work = Path(tempfile.mkdtemp(prefix="kvpool-hicache-bench-"))
     tmpfs_dir = Path(tempfile.mkdtemp(prefix="kvpool-hicache-bench-", dir="/dev/shm"))
     disk_dir = Path(tempfile.mkdtemp(prefix="kvpool-hicache-bench-", dir=args.disk_dir))
@@ -505,7 +504,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             processes.append(proc)
             for writer_row in ("kvpool-shm", "kvpool-tcp"):
                 if writer_row in rows_wanted:
-                    writers[writer_row] = Writer("dynamic", writer_extra(writer_row, arena), layout)
+                    # (each row's pool comes with its attach: writer_extra sized for its page size)
+                    writers[writer_row] = Writer("dynamic", {}, layout)
         mooncake_master = None
         wants_mooncake = any(r.startswith("mooncake") for r in rows_wanted)
         mooncake_why = mooncake_missing() if wants_mooncake else None
@@ -565,7 +565,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         finally:
                             reader.close()
                             backends.remove(reader)
-                            writers[name].ask({"op": "detach"})  # (its arena, reserved at start, freed)
+                            with contextlib.suppress(RuntimeError, OSError):  # (a failed row says why already)
+                                writers[name].ask({"op": "detach"})  # its memory, reserved at start, freed
                     elif name.startswith("file"):
                         backend = make_backend("file", model, {"file_storage_path": str(dirs[name])}, host)
                         measure_local(row, backend, host, args.warmup, args.calls, v1=False)
