@@ -938,7 +938,7 @@ def test_map_ahead_maps_what_the_owner_allocated_and_allocates_nothing(arena_pat
     """``map_ahead`` maps, in the background, the pages of the owner's arena that are allocated
     (so a same-host read finds them mapped); the holes beyond stay holes (a read fault there
     would allocate pages in the owner's file); a second call with nothing new starts nothing,
-    and one after the owner allocated more maps that; close waits for the thread's step."""
+    and one after the owner allocated more maps that; a closed reader maps nothing."""
     tier = CxlTier(arena_path, 256 << 20, ready_ahead=0)  # allocated in 16 MiB steps as used
     try:
         arr, header, payload = make_object(layers=8, tokens=4096)  # 8 MiB

@@ -361,17 +361,20 @@ class CxlArenaReader:
             wanted.append((offset, header, LayerRange(layer, layer + 1)))
         return self.read_many_into(wanted, [memoryview(out) for out in outs])
 
-    def _populate(self, first: int, nbytes: int) -> None:
+    def _populate(self, first: int, nbytes: int) -> bool:
         """Map the pages of data-area bytes ``first .. first + nbytes`` now, in one call, once
         per chunk (best effort: a kernel without MADV_POPULATE_READ faults them in on first
-        touch as before; a page the kernel took back meanwhile is faulted in the same way)."""
+        touch as before; a page the kernel took back meanwhile is faulted in the same way).
+        False where the call failed (the file shrank, or no such call)."""
         global _MADV_POPULATE_READ
-        if not _MADV_POPULATE_READ or self._mmap is None or nbytes <= 0:
-            return
+        if not _MADV_POPULATE_READ or self._mmap is None:
+            return False
+        if nbytes <= 0:
+            return True
         lo, hi = first // _POPULATE_CHUNK, (first + nbytes - 1) // _POPULATE_CHUNK + 1
         lo = self._populated.find(0, lo, hi)
         if lo < 0:
-            return
+            return True
         hi = self._populated.rfind(0, lo, hi) + 1
         # (chunks end within what the owner has allocated: it grows the arena in 16 MiB steps)
         at = self.header.data_offset + lo * _POPULATE_CHUNK
@@ -383,8 +386,9 @@ class CxlArenaReader:
             if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENOSYS):
                 _MADV_POPULATE_READ = 0  # not in this kernel: never asked again
             log.debug("madvise(MADV_POPULATE_READ) of %d bytes: %s", end - at, exc)
-            return
+            return False
         self._populated[lo:hi] = b"\x01" * (hi - lo)
+        return True
 
     def map_ahead(self) -> bool:
         """Map, in a background thread (``kvpool-cxl-map``), every page the owner has allocated
@@ -437,17 +441,10 @@ class CxlArenaReader:
         step = _MAP_AHEAD_STEP // _POPULATE_CHUNK
         for lo, hi in spans:
             for first in range(lo, hi, step):
-                last = min(hi, first + step)
-                with self._ahead_lock:
-                    if self._mmap is None:
+                with self._ahead_lock:  # (closed meanwhile, shrunk: stop; reads map what they read)
+                    nbytes = (min(hi, first + step) - first) * _POPULATE_CHUNK
+                    if not self._populate(first * _POPULATE_CHUNK, nbytes):
                         return
-                    at = self.header.data_offset + first * _POPULATE_CHUNK
-                    try:
-                        madvise(self._mmap, _MADV_POPULATE_READ, at, (last - first) * _POPULATE_CHUNK)
-                    except (OSError, ValueError) as exc:  # shrunk or gone: reads map what they read
-                        log.debug("mapping %s ahead stopped: %s", self.path, exc)
-                        return
-                    self._populated[first:last] = b"\x01" * (last - first)
 
     def _check_open(self) -> None:
         if self._mmap is None:
