@@ -1,9 +1,9 @@
 """kvpool's optional C extensions, imported in one place.
 
 ``kvpool._layersum`` (per-layer checksums computed while copying), ``kvpool._poll``
-(socket polls without the GIL) and ``kvpool._index`` (the master's index probed in C) are
-built by ``setup.py`` where a C compiler is; without them kvpool computes the same answers
-in Python, slower. A process running without them says so once, in one log line naming
+(socket polls without the GIL) and ``kvpool._index`` (the master's index and a same-host
+arena's shared index probed in C) are built by ``setup.py`` where a C compiler is; without
+them kvpool computes the same answers in Python, slower. A process running without them says so once, in one log line naming
 what is missing and how to build it.
 """
 

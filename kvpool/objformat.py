@@ -366,13 +366,14 @@ class ObjectHeader:
         ``expected``: a spec the header very likely has (a reader's located one); when its dims
         are the header's, the header shares that spec object instead of building one.
         """
-        mv = memoryview(data).cast("B")
+        mv = data if type(data) is bytes else memoryview(data).cast("B")
         if len(mv) < FIXED_HEADER_NBYTES:
             raise errors.TruncatedObjectError(
                 f"{len(mv)} bytes is shorter than the {FIXED_HEADER_NBYTES}-byte header"
             )
-        (magic, version, code, _flags, header_nbytes, layers, kv, tokens, kv_heads,
-         head_dim, _reserved, layer_nbytes, digest, generation, header_sum) = _FIXED.unpack_from(mv, 0)
+        fields = _FIXED.unpack_from(mv, 0)
+        magic, version, layers, digest, generation, header_sum = (fields[0], fields[1], fields[5], fields[12],
+                                                                  fields[13], fields[14])
         if magic != MAGIC:
             raise errors.BadMagicError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
         if version != FORMAT_VERSION:
@@ -386,22 +387,20 @@ class ObjectHeader:
         if xxhash.xxh3_64_intdigest(b"".join((mv[:_CHECKSUM_OFFSET], _ZERO_SUM,
                                               mv[_CHECKSUM_OFFSET + 8:end]))) != header_sum:
             raise errors.ChecksumError("object header checksum mismatch")
-        info = _DTYPE_BY_CODE.get(code)
-        if info is None:
-            raise errors.FormatError(f"unknown dtype code {code}")
-        if kv != 2:
-            raise errors.FormatError(f"kv dimension is {kv}, expected 2")
-        if expected is not None and (expected.dtype, expected.layers, expected.tokens, expected.kv_heads,
-                                     expected.head_dim) == (info.name, layers, tokens, kv_heads, head_dim):
+        dims = fields[2:12]  # dtype code .. layer bytes
+        known = _known_dims.get(dims)
+        if known is None:
+            known = _dims_of(*dims)
+            if len(_known_dims) < 1024:
+                _known_dims[dims] = known
+        spec, sums = known
+        if expected is not None and expected == spec:
             spec = expected
-        else:
-            try:
-                spec = _spec_of_dims(info.name, layers, tokens, kv_heads, head_dim)
-            except errors.ShapeError as exc:
-                raise errors.FormatError(f"impossible dims in header: {exc}") from None
-        if spec.header_nbytes != header_nbytes or spec.layer_nbytes != layer_nbytes:
-            raise errors.FormatError("header sizes disagree with its dims")
-        return cls(spec, _sums_struct(layers).unpack_from(mv, FIXED_HEADER_NBYTES), bytes(digest), generation)
+        # built without __init__'s checks: the struct gave one checksum a layer and a 16-byte digest
+        header = object.__new__(cls)
+        header.__dict__.update(spec=spec, layer_checksums=sums.unpack_from(mv, FIXED_HEADER_NBYTES),
+                               key_digest=bytes(digest), generation=generation)
+        return header
 
     @classmethod
     def unpack_exact(cls, data: Any, expected: ObjectSpec | None = None) -> ObjectHeader:
@@ -479,6 +478,25 @@ class ObjectHeader:
 _ZERO_SUM = bytes(8)
 
 
+def _dims_of(code: int, _flags: int, header_nbytes: int, layers: int, kv: int, tokens: int, kv_heads: int,
+             head_dim: int, _reserved: int, layer_nbytes: int) -> tuple[ObjectSpec, struct.Struct]:
+    """The spec a header's dims name and the struct of its layer checksums (:data:`_known_dims`
+    keeps them: every header of a model has the same dims). Raises FormatError for dims no spec
+    has."""
+    info = _DTYPE_BY_CODE.get(code)
+    if info is None:
+        raise errors.FormatError(f"unknown dtype code {code}")
+    if kv != 2:
+        raise errors.FormatError(f"kv dimension is {kv}, expected 2")
+    try:
+        spec = _spec_of_dims(info.name, layers, tokens, kv_heads, head_dim)
+    except errors.ShapeError as exc:
+        raise errors.FormatError(f"impossible dims in header: {exc}") from None
+    if spec.header_nbytes != header_nbytes or spec.layer_nbytes != layer_nbytes:
+        raise errors.FormatError("header sizes disagree with its dims")
+    return spec, _sums_struct(layers)
+
+
 @functools.lru_cache(maxsize=1024)
 def _spec_of_dims(dtype: str, layers: int, tokens: int, kv_heads: int, head_dim: int) -> ObjectSpec:
     """One shared (immutable) spec per set of dims a header names (building one validates its dims,
@@ -492,6 +510,9 @@ def _sums_struct(layers: int) -> struct.Struct:
     return struct.Struct(f"<{layers}Q")
 
 
+#: a header's dims (its fixed fields from the dtype code to the layer size) -> (spec, the struct
+#: of its layer checksums), for dims that made a valid spec (the first 1,024 sets seen)
+_known_dims: dict[tuple[int, ...], tuple[ObjectSpec, struct.Struct]] = {}
 _PARSED_MAX = 4096  # ~2 KiB each for a 32-layer header (its bytes, the header, 32 checksums)
 _parsed: OrderedDict[bytes, ObjectHeader] = OrderedDict()  # exact header bytes -> header (unpack_exact)
 

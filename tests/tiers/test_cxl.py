@@ -611,6 +611,68 @@ def test_a_batched_read_judges_every_object_on_its_own_copy(cxl: CxlTier, copies
             reader.read_many_into(wanted[:1], [byte_view(np.zeros(7, "float16"))])
 
 
+def test_the_c_probe_finds_what_the_python_probe_finds_and_nothing_else(cxl: CxlTier,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``find_many`` through ``kvpool._index.find_shared`` (one C pass: each slot read under its
+    seqlock, one snapshot of the header checked on that copy) answers key by key what the Python
+    probe answers, over intact objects and every way an entry or its header can be wrong: each
+    damaged one a miss, never another object's header."""
+    import struct
+
+    import tiers.cxl.reader
+    from kvpool.objformat import layer_checksums, spec_of
+    from tiers.cxl.index import IndexEntry
+
+    if tiers.cxl.reader.find_shared is None:
+        pytest.skip("the C extension is not built here")
+
+    def obj(key: bytes, seed: int, layers: int = 4):
+        arr = np.random.default_rng(seed).standard_normal((layers, 2, 16, 2, 32)).astype("float16")
+        spec, arr = spec_of(arr)
+        payload = byte_view(arr)
+        header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))
+        extent = store(cxl, header, payload)
+        cxl.commit(key, extent, header)
+        return header, extent
+
+    # 1 layer: a 88-byte header; 4: 112; 40: 400 (xxh3's short, mid and long inputs alike)
+    made = {name: obj(name.encode(), seed, layers) for seed, (name, layers) in enumerate(
+        [("intact-1", 1), ("intact-4", 4), ("intact-40", 40), ("index-sum", 4), ("header-sum", 4), ("claimed-huge", 4),
+         ("claimed-short", 40), ("digest", 4), ("magic", 4), ("offset-out", 4), ("nbytes", 4), ("reused", 4),
+         ("version", 4)])}
+    assert cxl.index is not None
+
+    def patch(name: str, at: int, data: bytes) -> None:
+        cxl.write(made[name][1], at, data)
+
+    patch("index-sum", 68, struct.pack("<Q", made["index-sum"][0].checksum() ^ 1))  # not the version indexed
+    patch("header-sum", 80, b"\xff")  # a layer checksum: the header's own checksum fails
+    patch("claimed-huge", 8, struct.pack("<I", 1 << 20))
+    patch("claimed-short", 8, struct.pack("<I", 80))  # fewer bytes than its 40 layers' checksums
+    patch("digest", 44, b"\x00")  # names another key
+    patch("magic", 0, b"XXXX")
+    patch("version", 4, struct.pack("<H", 99))
+    header, extent = made["offset-out"]
+    cxl.index.insert(b"offset-out", IndexEntry(cxl.capacity_bytes - 40, extent.nbytes, header.checksum()))
+    header, extent = made["nbytes"]
+    cxl.index.insert(b"nbytes", IndexEntry(extent.offset, extent.nbytes + 64, header.checksum()))
+    header, extent = made["intact-4"]  # an extent reused by another key, its header sum and all
+    cxl.index.insert(b"reused", IndexEntry(extent.offset, extent.nbytes, header.checksum()))
+
+    keys = [name.encode() for name in made] + [b"absent"]
+    with CxlArenaReader.open(cxl.path) as reader:
+        in_c = reader.find_many(keys)
+        monkeypatch.setattr(tiers.cxl.reader, "find_shared", None)
+        in_python = reader.find_many(keys)
+    assert in_c == in_python
+    found = {key.decode() for key, hit in zip(keys, in_c) if hit is not None}
+    assert found == {"intact-1", "intact-4", "intact-40"}
+    for key, hit in zip(keys, in_c):
+        if hit is not None:
+            header, extent = made[key.decode()]
+            assert hit == (extent.offset, header, header.checksum())
+
+
 def test_stale_arenas_of_dead_owners_are_collected(arena_path: Path) -> None:
     from tiers.cxl import collect_stale_arenas
     from tiers.cxl.index import index_path

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import errors
-from tiers.cxl.index import IndexEntry, SharedIndexReader, SharedIndexWriter
+from tiers.cxl.index import SEQ, STATE, IndexEntry, SharedIndexReader, SharedIndexWriter
 
 INSTANCE = b"0123456789abcdef"
 
@@ -102,6 +102,78 @@ def test_a_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path) -> N
             child.wait()
         writer.close()
     assert found > 1000 and bad == 0
+
+
+def _write_field_by_field(self: SharedIndexWriter, base: int, state: int, lo: int, hi: int,
+                          entry: IndexEntry) -> None:
+    """:meth:`SharedIndexWriter._write` one field at a time (a Python step between any two): the
+    same protocol (sequence odd, the fields, sequence even), with a torn slot visible for longer."""
+    words = self._table.words
+    seq = int(words[base + SEQ])
+    words[base + SEQ] = seq + 1
+    for word, value in enumerate((state, lo, hi, entry.offset, entry.nbytes, entry.header_sum), start=STATE):
+        words[base + word] = value
+        time.sleep(0)  # the other process may run here
+    words[base + SEQ] = seq + 2
+
+
+def test_the_c_probe_in_another_process_never_sees_a_torn_slot(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """:meth:`SharedIndexReader.find_snapshots` (the probe in C) against a writer churning
+    entries (a key's entry moves on each write, its size derived from its offset), over an
+    arena the reader built with a header at every offset an entry can name (naming that
+    offset's key, carrying its header sum): every entry it hands back is one version, whole."""
+    from tiers.cxl.index import find_shared
+
+    if find_shared is None:
+        pytest.skip("the C extension is not built here")
+    writer = SharedIndexWriter(tmp_path / "idx", 256, INSTANCE)
+    monkeypatch.setattr(SharedIndexWriter, "_write", _write_field_by_field)  # a wide window for a torn read
+    script = textwrap.dedent(f"""
+        import struct, time
+        import numpy as np, xxhash
+        from tiers.cxl.index import SharedIndexReader
+        reader = SharedIndexReader({str(tmp_path / 'idx')!r}, {INSTANCE!r})
+        slots = 4096
+        arena = np.zeros(slots * 128 + 128, np.uint8)
+        for j in range(slots):  # the header an entry at offset j * 128 names: key j % 64's
+            at = j * 128
+            arena[at + 8:at + 12] = np.frombuffer(struct.pack("<I", 80), np.uint8)
+            arena[at + 44:at + 60] = np.frombuffer(xxhash.xxh3_128_digest(b"key-%d" % (j % 64)), np.uint8)
+            arena[at + 68:at + 76] = np.frombuffer(struct.pack("<Q", (j % 64) ^ 0xABCDEF), np.uint8)
+        digests = b"".join(xxhash.xxh3_128_digest(b"key-%d" % i) for i in range(64))
+        found = bad = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            for i, hit in enumerate(reader.find_snapshots(digests, arena, 4096)):
+                if hit is None:
+                    continue
+                found += 1
+                offset, snapshot, nbytes, header_sum = hit
+                if (nbytes != 80 + offset % 7 or header_sum != i ^ 0xABCDEF or (offset // 128) % 64 != i
+                        or snapshot != arena[offset:offset + 80].tobytes()):
+                    bad += 1
+        print(found, bad)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        version = 0
+        deadline = time.monotonic() + 1.9
+        while time.monotonic() < deadline:
+            version += 1
+            i = version % 64
+            offset = (version % 4096) * 128
+            writer.insert(b"key-%d" % i, IndexEntry(offset, 80 + offset % 7, i ^ 0xABCDEF))
+            if version % 7 == 0:
+                writer.remove(b"key-%d" % ((i + 5) % 64), ((version - 59) % 4096) * 128)
+        found, bad = map(int, child.communicate(timeout=30)[0].split())
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        writer.close()
+    assert found > 1000 and bad == 0, (found, bad)
 
 
 def test_churn_far_beyond_the_slot_count_keeps_working(pair) -> None:

@@ -34,7 +34,13 @@ import numpy as np
 import xxhash
 
 from kvpool import errors
+from kvpool.native import extension
 from tiers.base import close_mapping
+
+_index = extension("_index")  # None without a C compiler: probes go key by key in Python
+# (offset, header snapshot, nbytes, header_sum) per key, found and checked in C; a build older
+# than this file lacks it
+find_shared = getattr(_index, "find_shared", None)
 
 MAGIC = b"KVPLIDX1"
 DEAD = b"KVPLDEAD"  # written over MAGIC when the owner closes the index
@@ -273,6 +279,22 @@ class SharedIndexReader:
         if self._table.mm[:8] != MAGIC:
             return [None] * len(keys)  # the owner closed its arena
         return [self._probe(key) for key in keys]
+
+    def find_snapshots(self, digests: bytes, arena: np.ndarray,
+                       max_header: int) -> list[tuple[int, bytes, int, int] | None]:
+        """Each key's entry and its header, copied once out of ``arena`` (the owner's data area,
+        its file checked by the caller not to have shrunk) and checked on that copy: whole as it
+        claims (at most ``max_header`` bytes), naming the key, the version indexed. ``digests``:
+        the keys' 16-byte xxh3-128 digests, joined. Per key (offset, snapshot, nbytes,
+        header_sum) or None. The snapshot's own checksum and dims are the caller's to check
+        (:meth:`ObjectHeader.unpack_exact`). Only with the C extension (``find_shared`` not None)."""
+        assert find_shared is not None, "kvpool._index is not built"
+        count = len(digests) // 16
+        if os.fstat(self._fd).st_size < self._mapped_nbytes or self._table.mm[:8] != MAGIC:
+            return [None] * count  # shrunk under us, or the owner closed its arena
+        found: list[tuple[int, bytes, int, int] | None] = find_shared(self._table.words, arena, digests, max_header,
+                                                                      _RETRIES)
+        return found
 
     def _probe(self, key: bytes) -> IndexEntry | None:
         lo, hi = _hash(key)

@@ -25,11 +25,12 @@ from kvpool.objformat import (
     copy_layer_checksums,
     decode,
     header_nbytes_at,
+    key_digest,
     stored_header_checksum,
 )
 from tiers.base import advise_huge_pages, close_mapping, madvise
 from tiers.cxl.arena import ARENA, DATA_OFFSET, MAX_HEADER_NBYTES, AccessModel, ArenaHeader, lock_is_free
-from tiers.cxl.index import IndexEntry, SharedIndexReader, index_path
+from tiers.cxl.index import IndexEntry, SharedIndexReader, find_shared, index_path
 
 log = logging.getLogger("tiers.cxl")
 
@@ -190,13 +191,27 @@ class CxlArenaReader:
                 self._index = SharedIndexReader(index_path(self.path), self.header.instance)
             except errors.KVPoolError:
                 return [None] * len(keys)  # an owner without an index (or a dead one): use the master
+        self._check_size()
+        if find_shared is not None:  # found and checked in C: each header is parsed here once
+            snapshots = self._index.find_snapshots(b"".join(map(key_digest, keys)), self.arena, MAX_HEADER_NBYTES)
+            return [None if found is None else self._snapshot_header(*found) for found in snapshots]
         entries = self._index.find_many(keys)
         if all(entry is None for entry in entries):
             return [None] * len(keys)
-        self._check_size()
         capacity = self.header.capacity_bytes
         return [None if entry is None else self._indexed_header(key, entry, capacity)
                 for key, entry in zip(keys, entries)]
+
+    @staticmethod
+    def _snapshot_header(offset: int, snapshot: bytes, nbytes: int,
+                         header_sum: int) -> tuple[int, ObjectHeader, int] | None:
+        """:meth:`_indexed_header` of a snapshot the C probe checked (whole, naming its key, the
+        version indexed, inside the arena): its own checksum and dims, and its size."""
+        try:
+            header = ObjectHeader.unpack_exact(snapshot)
+        except errors.FormatError:
+            return None
+        return (offset, header, header_sum) if header.spec.total_nbytes == nbytes else None
 
     def _indexed_header(self, key: bytes, entry: IndexEntry, capacity: int) -> tuple[int, ObjectHeader, int] | None:
         """The header at an index entry, if it is whole, names ``key`` and is the version indexed."""
