@@ -211,11 +211,11 @@ class SameHostArenas:
 
     def at(self, location: Mapping[str, Any]) -> Any:
         """The reader of the arena a located replica names (mapped once, then kept)."""
-        from tiers.cxl import CxlArenaReader
-
         mapped = self._located.get((str(location["path"]), str(location.get("instance", ""))))
         if mapped is not None:  # a path resolved and allowed when it was mapped
             return mapped
+        from tiers.cxl import CxlArenaReader
+
         path = self.allowed_path(str(location["path"]))
         if path is None:
             raise errors.TierError(f"cxl: {str(location['path'])[:300]!r} is outside the allowed directories")
