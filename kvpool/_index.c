@@ -26,8 +26,9 @@
  *   (tiers.cxl.index.SharedIndexReader._probe), then one private copy of the header the entry
  *   names, checked on that copy (tiers.cxl.reader.CxlArenaReader._indexed_header). The caller
  *   then parses each snapshot (ObjectHeader.unpack_exact: the header's own checksum, its dims)
- *   and checks the spec's size against the entry. tests/tiers/test_cxl_index.py checks this
- *   against the Python path, also on slots torn and headers damaged.
+ *   and checks the spec's size against the entry. tests/tiers/test_cxl.py checks it against the
+ *   Python path over damaged entries and headers; tests/tiers/test_shm_index.py, against a
+ *   writer in another process, that it never hands back a torn slot.
  *
  *   The owner writes a slot as: seq odd, the fields, seq even (x86 keeps stores in order, and
  *   loads in order): a reader's copy between two equal even reads of seq is one version.

@@ -3,8 +3,8 @@
 ``kvpool._layersum`` (per-layer checksums computed while copying), ``kvpool._poll``
 (socket polls without the GIL) and ``kvpool._index`` (the master's index and a same-host
 arena's shared index probed in C) are built by ``setup.py`` where a C compiler is; without
-them kvpool computes the same answers in Python, slower. A process running without them says so once, in one log line naming
-what is missing and how to build it.
+them kvpool computes the same answers in Python, slower. A process running without them
+says so once, in one log line naming what is missing and how to build it.
 """
 
 from __future__ import annotations
