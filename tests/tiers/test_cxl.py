@@ -550,6 +550,20 @@ def test_find_refuses_an_extent_reused_by_another_key(cxl: CxlTier) -> None:
             reader.read_layers_into(found[0], found[1], LayerRange(0, 4), byte_view(out))
 
 
+def committed(cxl: CxlTier, key: bytes, seed: int, layers: int = 4) -> tuple[np.ndarray, ObjectHeader, Any, Any]:
+    """A random float16 object of ``layers`` layers stored and committed under ``key``: (its
+    array, header, payload view, extent)."""
+    from kvpool.objformat import layer_checksums, spec_of
+
+    arr = np.random.default_rng(seed).standard_normal((layers, 2, 16, 2, 32)).astype("float16")
+    spec, arr = spec_of(arr)
+    payload = byte_view(arr)
+    header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))
+    extent = store(cxl, header, payload)
+    cxl.commit(key, extent, header)
+    return arr, header, payload, extent
+
+
 @pytest.mark.parametrize("copies", ["one C call", "one by one"])
 def test_a_batched_read_judges_every_object_on_its_own_copy(cxl: CxlTier, copies: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -559,7 +573,6 @@ def test_a_batched_read_judges_every_object_on_its_own_copy(cxl: CxlTier, copies
     object with key D's) before the copy. Only B is refused; A and C land exact; a stale index
     entry is a miss at find."""
     import tiers.cxl.reader
-    from kvpool.objformat import layer_checksums, spec_of
     from tiers.cxl.index import IndexEntry
 
     if copies == "one by one":  # an install without the C extension
@@ -568,13 +581,7 @@ def test_a_batched_read_judges_every_object_on_its_own_copy(cxl: CxlTier, copies
         pytest.importorskip("kvpool._layersum", reason="the C extension is not built here")
 
     def obj(key: bytes, seed: int, layers: int = 4):
-        arr = np.random.default_rng(seed).standard_normal((layers, 2, 16, 2, 32)).astype("float16")
-        spec, arr = spec_of(arr)
-        payload = byte_view(arr)
-        header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))
-        extent = store(cxl, header, payload)
-        cxl.commit(key, extent, header)
-        return arr, header, payload, extent
+        return committed(cxl, key, seed, layers)
 
     a, b, c = obj(b"key-a", 1), obj(b"key-b", 2, layers=6), obj(b"key-c", 3)
     with CxlArenaReader.open(cxl.path) as reader:
@@ -620,19 +627,13 @@ def test_the_c_probe_finds_what_the_python_probe_finds_and_nothing_else(cxl: Cxl
     import struct
 
     import tiers.cxl.reader
-    from kvpool.objformat import layer_checksums, spec_of
     from tiers.cxl.index import IndexEntry
 
     if tiers.cxl.reader.find_shared is None:
         pytest.skip("the C extension is not built here")
 
     def obj(key: bytes, seed: int, layers: int = 4):
-        arr = np.random.default_rng(seed).standard_normal((layers, 2, 16, 2, 32)).astype("float16")
-        spec, arr = spec_of(arr)
-        payload = byte_view(arr)
-        header = ObjectHeader.for_key(key, spec, layer_checksums(payload, spec.layer_nbytes))
-        extent = store(cxl, header, payload)
-        cxl.commit(key, extent, header)
+        _, header, _, extent = committed(cxl, key, seed, layers)
         return header, extent
 
     # 1 layer: a 88-byte header; 4: 112; 40: 400 (xxh3's short, mid and long inputs alike)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,33 @@ def test_readers_refuse_other_files_and_see_a_closed_owner(tmp_path: Path) -> No
     reader.close()
 
 
+def _churn_against(writer: SharedIndexWriter, script: str, seconds: float,
+                   entry_of: Callable[[int], tuple[int, IndexEntry]],
+                   offset_of: Callable[[int], int]) -> tuple[int, int]:
+    """Run the reader ``script`` (it prints ``found bad``) in another process while ``writer``
+    churns for ``seconds``: write ``v`` puts key ``entry_of(v)[0]``'s entry ``entry_of(v)[1]``, and
+    every seventh also removes the key five on, if still at the offset write ``v - 59`` gave it
+    (``offset_of``). The writer is closed and the child stopped, also on failure."""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        version = 0
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            version += 1
+            i, entry = entry_of(version)
+            writer.insert(b"key-%d" % i, entry)
+            if version % 7 == 0:
+                writer.remove(b"key-%d" % ((i + 5) % 64), offset_of(version - 59))
+        found, bad = map(int, child.communicate(timeout=30)[0].split())
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        writer.close()
+    return found, bad
+
+
 def test_a_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path) -> None:
     """The writer churns entries whose fields all derive from one number; a reader in
     another process checks every entry it finds is self-consistent."""
@@ -83,24 +111,9 @@ def test_a_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path) -> N
                     bad += 1
         print(found, bad)
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[2])
-    try:
-        version = 0
-        deadline = time.monotonic() + 1.7
-        while time.monotonic() < deadline:
-            version += 1
-            i = version % 64
-            offset = version * 64
-            writer.insert(b"key-%d" % i, IndexEntry(offset, offset * 3 + 1, offset ^ 0xABCDEF))
-            if version % 7 == 0:
-                writer.remove(b"key-%d" % ((i + 5) % 64), (version - 59) * 64)
-        found, bad = map(int, child.communicate(timeout=30)[0].split())
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        writer.close()
+    found, bad = _churn_against(
+        writer, script, 1.7,
+        lambda v: (v % 64, IndexEntry(v * 64, v * 64 * 3 + 1, v * 64 ^ 0xABCDEF)), lambda v: v * 64)
     assert found > 1000 and bad == 0
 
 
@@ -155,24 +168,12 @@ def test_the_c_probe_in_another_process_never_sees_a_torn_slot(tmp_path: Path,
                     bad += 1
         print(found, bad)
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[2])
-    try:
-        version = 0
-        deadline = time.monotonic() + 1.9
-        while time.monotonic() < deadline:
-            version += 1
-            i = version % 64
-            offset = (version % 4096) * 128
-            writer.insert(b"key-%d" % i, IndexEntry(offset, 80 + offset % 7, i ^ 0xABCDEF))
-            if version % 7 == 0:
-                writer.remove(b"key-%d" % ((i + 5) % 64), ((version - 59) % 4096) * 128)
-        found, bad = map(int, child.communicate(timeout=30)[0].split())
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        writer.close()
+    def offset_of(version: int) -> int:
+        return (version % 4096) * 128
+
+    found, bad = _churn_against(
+        writer, script, 1.9,
+        lambda v: (v % 64, IndexEntry(offset_of(v), 80 + offset_of(v) % 7, v % 64 ^ 0xABCDEF)), offset_of)
     assert found > 1000 and bad == 0, (found, bad)
 
 
