@@ -150,8 +150,9 @@ def server_groups(log_dir: Path, servers: Sequence[tuple[str, list[str], dict[st
     """Start HTTP servers, each ``(name, argv, env)`` with ``{port}`` in ``argv`` replaced by a
     free port, each in a process group of its own, its output in ``log_dir/NAME.log``; yields
     their ports once ``healthy(port)`` holds for each (a server that exits first fails at
-    once, with its log's end). ``groups``, if given, gets each one's process group. Every
-    group is sent SIGTERM on the way out, and SIGKILL after ``grace_s``."""
+    once, with its log's end). ``groups``, if given, gets each one's process group. A test that
+    fails while they run gets each log's end printed in its report. Every group is sent SIGTERM
+    on the way out, and SIGKILL after ``grace_s``."""
     procs: list[tuple[str, subprocess.Popen[bytes], int]] = []
     try:
         for name, argv, env in servers:
@@ -169,7 +170,12 @@ def server_groups(log_dir: Path, servers: Sequence[tuple[str, list[str], dict[st
                 return healthy(port)
 
             wait_for(up, timeout_s, f"server {name}", interval_s=interval_s)
-        yield [port for _, _, port in procs]
+        try:
+            yield [port for _, _, port in procs]
+        except BaseException:  # the test failed while they ran: what each said goes in its report
+            for name, _, _ in procs:
+                print(f"--- the end of {name}.log ---\n{(log_dir / f'{name}.log').read_text(errors='replace')[-6000:]}")
+            raise
     finally:
         for _, proc, _ in procs:
             with suppress(ProcessLookupError):
