@@ -489,19 +489,12 @@ def _dims_of(code: int, _flags: int, header_nbytes: int, layers: int, kv: int, t
     if kv != 2:
         raise errors.FormatError(f"kv dimension is {kv}, expected 2")
     try:
-        spec = _spec_of_dims(info.name, layers, tokens, kv_heads, head_dim)
+        spec = ObjectSpec(info.name, layers, tokens, kv_heads, head_dim)
     except errors.ShapeError as exc:
         raise errors.FormatError(f"impossible dims in header: {exc}") from None
     if spec.header_nbytes != header_nbytes or spec.layer_nbytes != layer_nbytes:
         raise errors.FormatError("header sizes disagree with its dims")
     return spec, _sums_struct(layers)
-
-
-@functools.lru_cache(maxsize=1024)
-def _spec_of_dims(dtype: str, layers: int, tokens: int, kv_heads: int, head_dim: int) -> ObjectSpec:
-    """One shared (immutable) spec per set of dims a header names (building one validates its dims,
-    and every parsed header would otherwise build one)."""
-    return ObjectSpec(dtype, layers, tokens, kv_heads, head_dim)
 
 
 @functools.lru_cache(maxsize=256)
@@ -511,7 +504,8 @@ def _sums_struct(layers: int) -> struct.Struct:
 
 
 #: a header's dims (its fixed fields from the dtype code to the layer size) -> (spec, the struct
-#: of its layer checksums), for dims that made a valid spec (the first 1,024 sets seen)
+#: of its layer checksums), for dims that made a valid spec (the first 1,024 sets seen): one
+#: shared spec per model, built (and its dims validated) once
 _known_dims: dict[tuple[int, ...], tuple[ObjectSpec, struct.Struct]] = {}
 _PARSED_MAX = 4096  # ~2 KiB each for a 32-layer header (its bytes, the header, 32 checksums)
 _parsed: OrderedDict[bytes, ObjectHeader] = OrderedDict()  # exact header bytes -> header (unpack_exact)

@@ -274,11 +274,14 @@ class SharedIndexReader:
 
     def find_many(self, keys: Sequence[bytes]) -> list[IndexEntry | None]:
         """:meth:`find` of each key, the mapping checked once for them all."""
-        if os.fstat(self._fd).st_size < self._mapped_nbytes:
-            return [None] * len(keys)  # shrunk under us: touching the mapping would fault
-        if self._table.mm[:8] != MAGIC:
-            return [None] * len(keys)  # the owner closed its arena
+        if not self._readable():
+            return [None] * len(keys)
         return [self._probe(key) for key in keys]
+
+    def _readable(self) -> bool:
+        """Whether the table may be read now: not shrunk under the mapping (touching it would
+        fault), not closed by its owner."""
+        return os.fstat(self._fd).st_size >= self._mapped_nbytes and self._table.mm[:8] == MAGIC
 
     def find_snapshots(self, digests: bytes, arena: np.ndarray,
                        max_header: int) -> list[tuple[int, bytes, int, int] | None]:
@@ -289,9 +292,8 @@ class SharedIndexReader:
         header_sum) or None. The snapshot's own checksum and dims are the caller's to check
         (:meth:`ObjectHeader.unpack_exact`). Only with the C extension (``find_shared`` not None)."""
         assert find_shared is not None, "kvpool._index is not built"
-        count = len(digests) // 16
-        if os.fstat(self._fd).st_size < self._mapped_nbytes or self._table.mm[:8] != MAGIC:
-            return [None] * count  # shrunk under us, or the owner closed its arena
+        if not self._readable():
+            return [None] * (len(digests) // 16)
         found: list[tuple[int, bytes, int, int] | None] = find_shared(self._table.words, arena, digests, max_header,
                                                                       _RETRIES)
         return found
