@@ -405,6 +405,52 @@ def test_a_reply_that_does_not_come_whole_in_one_receive_is_read_the_general_way
         assert client.connects == 1 and client.pulls == 4 and client.failures == 1
 
 
+def test_a_holder_that_stalls_mid_payload_costs_the_deadline_or_until_it_is_known_gone() -> None:
+    """Once a reply's status and header are in, its payload is received a piece at a time, each
+    with one receive that waits for the whole piece: a holder that stops sending halfway through
+    still ends the pull at its deadline, or as soon as ``alive`` says it is gone, and the bytes
+    that did land are never taken for a payload. Every piece is checked on arrival (``progress``)."""
+    stall = threading.Event()
+
+    def provider(key: bytes, layer_range: LayerRange) -> ServeSource | None:
+        data = expected(key, layer_range.start, layer_range.stop)
+
+        def read_into(offset: int, out: memoryview) -> int:
+            if key.startswith(b"stall") and offset >= data.nbytes // 2:
+                stall.wait(20)  # (set when the test ends)
+            out[:] = memoryview(data)[offset:offset + len(out)]
+            return len(out)
+
+        return ServeSource(data.nbytes, read_into=read_into, header=key.ljust(16, b"."))
+
+    nbytes = LAYERS * LAYER_NBYTES
+    with TcpPullServer(provider, staging_nbytes=nbytes // 8) as server, TcpPullClient() as client:
+        try:
+            peer = PeerAddress("127.0.0.1", 0, tcp_port=server.port)
+            out = np.zeros(nbytes, np.uint8)
+            seen: list[int] = []
+            (got,) = client.pull_many([PullRequest(peer, b"whole", LayerRange(0, LAYERS), out, header_out=bytearray(16),
+                                                   progress=seen.append)])
+            assert got == nbytes and np.array_equal(out, expected(b"whole", 0, LAYERS))
+            assert seen[-1] == nbytes and seen == sorted(seen)
+            out[:] = 0
+            started = time.monotonic()
+            with pytest.raises(errors.KVTimeoutError):
+                client.pull_into(peer, b"stall-a", LayerRange(0, LAYERS), out, timeout_s=0.5)
+            assert time.monotonic() - started < 5
+            gone = threading.Event()
+            threading.Timer(0.3, gone.set).start()
+            started = time.monotonic()
+            with pytest.raises(errors.TransferError, match="gone"):
+                client.pull_into(peer, b"stall-b", LayerRange(0, LAYERS), out, timeout_s=30,
+                                 alive=lambda: not gone.is_set())
+            assert time.monotonic() - started < 5
+            assert np.any(out[:nbytes // 2]) and not np.any(out[-LAYER_NBYTES:])  # half landed, not taken
+            assert client.failures == 2 and client.pulls == 1
+        finally:
+            stall.set()
+
+
 def test_a_pull_sent_first_whose_buffer_does_not_fit_is_dropped_unread(holder: ServerProcess,
                                                                         client: TcpPullClient) -> None:
     """A buffer smaller than asked for, read-only or strided never takes the reply: finish

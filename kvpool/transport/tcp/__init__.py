@@ -26,11 +26,13 @@ Threads and system calls
     calling thread writes its requests and reads the replies, waking every ``alive_check_s``
     to ask whether the holder is still alive. Connections are kept per holder, one per
     concurrent caller. Sockets are blocking with kernel timeouts, so each read or write is
-    one system call; a server reads every request that has arrived with one ``recv``, and a
-    usual reply (status, header, payload) lands with one ``recvmsg_into``. One pull can go in
-    two steps (``start``, then ``finish``): its request goes out first, and the caller
-    prepares the buffer its reply lands in while the holder answers. Each wait for a reply's
-    bytes, and a server's wait for a connection's next request, is polled for, briefly, before
+    one system call; a server reads every request that has arrived with one ``recv``; a
+    reply's first receive lands its status, header and what came of its payload in place
+    (``recvmsg_into``), and the rest of the payload comes with one receive per MiB that returns
+    once that piece is whole (``MSG_WAITALL``), not one per segment that happened to be there.
+    One pull can go in two steps (``start``, then ``finish``): its request goes out first, and
+    the caller prepares the buffer its reply lands in while the holder answers. Each wait for a
+    reply's first bytes, and a server's wait for a connection's next request, is polled for, briefly, before
     the thread blocks (``poll_s``, :class:`.stream.ReplyPoll`, in C without the GIL: an idle
     vCPU is slow to wake); one thread of a client (of a server) polls at a time, and none
     while polls keep running out or being preempted.
