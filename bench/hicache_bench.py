@@ -34,6 +34,14 @@ Rows (one run, taking turns, same layout and page contents):
   imports in this interpreter; otherwise the row says why it is not there
   (``bench/install_peers.sh mooncake`` installs it into ``.venv-sglang`` too, where SGLang lives).
 
+``kvpool TCP`` and ``Mooncake (writer's segment)``, the two rows whose gets pull between
+processes, take turns get by get (the one going first alternating) rather than one row after
+the other: on this VM the two vCPUs share one physical core for stretches of seconds (a
+CPU-bound loop on one vCPU then runs at half speed while the other is busy), which slows
+either row's gets by up to half, so rows timed at different moments compared the host's
+moods as much as the stores. Their sets still run one row after the other, Mooncake's first,
+each untimed memory touched beforehand (see ``reclaim_from_host``).
+
 kvpool's memory is reserved at start (``tiers.cxl.prefault`` / ``tiers.dram.prefault``, as a
 server that owns its memory runs and as SGLang's pinned host pools are); ``--cold-arenas``
 leaves it to the library default (allocated as puts reach it). kvpool's set is the writer's
@@ -56,6 +64,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -407,29 +416,51 @@ def attach_writer(writer: Writer, row: Row, model: str, writer_extra: dict[str, 
                 **({} if writer_extra is None else {"extra": writer_extra})})
 
 
-def measure_kvpool(row: Row, writer: Writer, reader: Any, host: Any, warmup: int, calls: int) -> None:
-    """A writer process (attached: :func:`attach_writer`) sets, this process's ``reader`` gets
-    (kvpool's rows, Mooncake's remote row)."""
-    total = warmup + calls
-    for call in range(total):
+def reclaim_from_host(nbytes: int) -> None:
+    """Touch ``nbytes`` of new memory, then free it: what a process allocates next comes from
+    this VM's own free pages, not from pages it had handed back to its host, each of which
+    costs a host fault on first use (see :func:`bench.common.memory_given_to_host`). Run before
+    a row whose timed calls touch memory for the first time (Mooncake's writer's segment), as
+    the row freeing its memory just before it did when rows ran one after another."""
+    region = mmap.mmap(-1, nbytes)
+    try:
+        np.frombuffer(region, np.uint8)[::mmap.PAGESIZE] = 1
+    finally:
+        region.close()
+
+
+def set_calls(row: Row, writer: Writer, warmup: int, calls: int) -> None:
+    """A writer process (attached: :func:`attach_writer`) sets ``row``'s calls, timing each itself."""
+    for call in range(warmup + calls):
         answer = writer.ask({"op": "set", "row": row.row, "page_size": row.page_size, "call": call,
                              "call_bytes": row.call_bytes})
         if call >= warmup:
             row.set_s.append(answer["s"])
-    for call in range(total):
-        clear_landing(host)
-        keys = keys_of(row.row, row.page_size, call)
-        start = time.perf_counter()
-        get_v1(reader, keys, host)
-        elapsed = time.perf_counter() - start
-        row.verified_pages += verify(host, content(row.row, row.page_size, call, row.call_bytes))
-        if call >= warmup:
-            row.get_s.append(elapsed)
-    with contextlib.suppress(AttributeError):  # how the reader's pages came: in place, or pulled
-        counters = reader.pool.cluster.reader.counters
-        row.reads = {k: int(v) for k, v in counters.items()
-                     if k in ("hits_same_host", "reads_in_place", "pulls", "hits_remote", "tcp_fallbacks",
-                              "speculative_hits")}
+
+
+def get_calls(sides: list[tuple[Row, Any]], host: Any, warmup: int, calls: int) -> None:
+    """This process's readers get what writer processes set (:func:`set_calls`): kvpool's rows and
+    Mooncake's remote row, each side a ``(row, reader)``. Two sides (kvpool TCP and Mooncake's
+    writer's segment) take turns get by get, the one going first alternating, so both meet the
+    same machine: on this VM the two vCPUs sometimes share one physical core for a while (a
+    CPU-bound loop on one runs half as fast while the other is busy), which slows a row pulling
+    between two processes by up to half, whichever row happens to run then."""
+    for call in range(warmup + calls):
+        for row, reader in sides[call % 2:] + sides[:call % 2]:
+            clear_landing(host)
+            keys = keys_of(row.row, row.page_size, call)
+            start = time.perf_counter()
+            get_v1(reader, keys, host)
+            elapsed = time.perf_counter() - start
+            row.verified_pages += verify(host, content(row.row, row.page_size, call, row.call_bytes))
+            if call >= warmup:
+                row.get_s.append(elapsed)
+    for row, reader in sides:
+        with contextlib.suppress(AttributeError):  # how the reader's pages came: in place, or pulled
+            counters = reader.pool.cluster.reader.counters
+            row.reads = {k: int(v) for k, v in counters.items()
+                         if k in ("hits_same_host", "reads_in_place", "pulls", "hits_remote", "tcp_fallbacks",
+                                  "speculative_hits")}
 
 
 def measure_local(row: Row, backend: Any, host: Any, warmup: int, calls: int, v1: bool) -> None:
@@ -527,11 +558,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # a Mooncake segment holds one page size's calls (each Mooncake row's store lives on)
             segment = int((args.warmup + args.calls) * BATCH * page_bytes * 1.5) + (64 << 20)
             room = int((args.warmup + args.calls) * BATCH * page_bytes * 1.25) + (64 << 20)  # kvpool's
-            for name in rows_wanted:
-                row = Row(name, page_size, page_bytes, BATCH * page_bytes)
-                rows.append(row)
+            page_rows = {name: Row(name, page_size, page_bytes, BATCH * page_bytes) for name in rows_wanted}
+            rows.extend(page_rows.values())
+            # kvpool TCP and Mooncake's writer's segment, the two pulled between processes, take
+            # turns call by call (measure_pulled says why); the rest run one after another
+            paired = ["kvpool-tcp", "mooncake-remote"] if {"kvpool-tcp", "mooncake-remote"} <= set(rows_wanted) \
+                and mooncake_why is None else []
+
+            def pulled_side(name: str, host: Any, stack: contextlib.ExitStack) -> tuple[Row, Writer, Any]:
+                """``name``'s writer attached and this process's reader made (both undone by ``stack``)."""
+                row = page_rows[name]
                 model = f"hicache-bench/{name}/{os.getpid()}"
-                progress(f"page {page_size}: {LABELS[name]}")
+                if name == "mooncake-remote":  # a writer's segment; this process contributes none
+                    assert mooncake_master is not None
+                    # the writer's segment first: the reader's store puts a warm-up object as it
+                    # starts, which fails (10 tries, then RuntimeError) where no segment is mounted
+                    attach_writer(writers[name], row, model, mooncake_extra(mooncake_master, segment))
+                    reader = make_backend("mooncake", model, mooncake_extra(mooncake_master, 0), host)
+                else:
+                    transport = "tcp" if name == "kvpool-tcp" else "auto"
+                    reader_config = {"pool": {"data_dir": str(work / f"reader-{name}-{page_size}")},
+                                     "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
+                                               "cxl": {"capacity": 0, "shared_dirs": args.arena_dir or ""},
+                                               "nvme": {"capacity": 0}}}
+                    # a pool per page size, its memory sized for that page size's calls
+                    attach_writer(writers[name], row, model, writer_extra(name, room))
+
+                    def detach(writer: Writer = writers[name]) -> None:
+                        with contextlib.suppress(RuntimeError, OSError):  # (a failed row says why already)
+                            writer.ask({"op": "detach"})  # its memory, reserved at start, freed
+
+                    stack.callback(detach)
+                    reader = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
+                                                             "config": reader_config, "transport": transport},
+                                          host)
+                backends.append(reader)
+                stack.callback(backends.remove, reader)
+                stack.callback(reader.close)
+                return row, writers[name], reader
+
+            for name in rows_wanted:
+                row = page_rows[name]
+                if name in paired[1:]:
+                    continue  # measured with paired[0]
+                model = f"hicache-bench/{name}/{os.getpid()}"
+                together = paired if name in paired else [name]
+                progress(f"page {page_size}: {' and '.join(LABELS[n] for n in together)}")
                 try:
                     if name == "kvpool-own":  # sets and gets in this process, as Mooncake's own segment
                         own_at = {} if args.arena_dir is None else {
@@ -548,25 +620,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         finally:
                             backend.close()
                             backends.remove(backend)
-                    elif name.startswith("kvpool"):
-                        transport = "tcp" if name == "kvpool-tcp" else "auto"
-                        reader_config = {"pool": {"data_dir": str(work / f"reader-{name}-{page_size}")},
-                                         "tiers": {"dram": {"capacity": "64MiB", "mlock": False, "prefault": False},
-                                                   "cxl": {"capacity": 0, "shared_dirs": args.arena_dir or ""},
-                                                   "nvme": {"capacity": 0}}}
-                        # a pool per page size, its memory sized for that page size's calls
-                        attach_writer(writers[name], row, model, writer_extra(name, room))
-                        reader = make_backend("dynamic", model, {**KVPOOL_EXTRA, "master": master,
-                                                                 "config": reader_config, "transport": transport},
-                                              host)
-                        backends.append(reader)
-                        try:
-                            measure_kvpool(row, writers[name], reader, host, args.warmup, args.calls)
-                        finally:
-                            reader.close()
-                            backends.remove(reader)
-                            with contextlib.suppress(RuntimeError, OSError):  # (a failed row says why already)
-                                writers[name].ask({"op": "detach"})  # its memory, reserved at start, freed
+                    elif name.startswith("kvpool") or name in paired:
+                        with contextlib.ExitStack() as stack:
+                            sides = []
+                            # Mooncake's first: its writer's segment is touched by its sets, kvpool's
+                            # memory when its writer attaches, so Mooncake's sets meet the memory
+                            # the rows before freed, as when the rows ran one after another (the
+                            # other way round, on memory this VM had handed back to its host, they
+                            # took 190-520 ms instead of 42-63)
+                            for side in sorted(together, key=lambda n: n != "mooncake-remote"):
+                                row_of, writer, reader = pulled_side(side, host, stack)
+                                if side == "mooncake-remote":
+                                    reclaim_from_host(segment)
+                                set_calls(row_of, writer, args.warmup, args.calls)
+                                sides.append((row_of, reader))
+                            get_calls(sides, host, args.warmup, args.calls)
                     elif name.startswith("file"):
                         backend = make_backend("file", model, {"file_storage_path": str(dirs[name])}, host)
                         measure_local(row, backend, host, args.warmup, args.calls, v1=False)
@@ -574,25 +642,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             path.unlink()
                     elif mooncake_why is not None:
                         row.status = mooncake_why
-                    elif name == "mooncake-remote":  # a writer's segment; this process contributes none
-                        assert mooncake_master is not None
-                        # the writer's segment first: the reader's store puts a warm-up object as it
-                        # starts, which fails (10 tries, then RuntimeError) where no segment is mounted
-                        attach_writer(writers[name], row, model, mooncake_extra(mooncake_master, segment))
-                        reader = make_backend("mooncake", model, mooncake_extra(mooncake_master, 0), host)
-                        backends.append(reader)
-                        try:
-                            measure_kvpool(row, writers[name], reader, host, args.warmup, args.calls)
-                        finally:
-                            reader.close()
-                            backends.remove(reader)
+                    elif name == "mooncake-remote":
+                        with contextlib.ExitStack() as stack:
+                            row_of, writer, reader = pulled_side(name, host, stack)
+                            set_calls(row_of, writer, args.warmup, args.calls)
+                            get_calls([(row_of, reader)], host, args.warmup, args.calls)
                     else:
                         assert mooncake_master is not None
                         backend = make_backend("mooncake", model, mooncake_extra(mooncake_master, segment), host)
                         backends.append(backend)
                         measure_local(row, backend, host, args.warmup, args.calls, v1=True)
                 except Exception as exc:  # one backend failing is its row's status, not the run's end
-                    row.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    for failed in together:  # (rows taking turns fail together)
+                        page_rows[failed].status = \
+                            f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                     progress(f"{name} page {page_size} failed:\n{traceback.format_exc()}")
             del host
     finally:
