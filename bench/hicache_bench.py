@@ -562,8 +562,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.extend(page_rows.values())
             # kvpool TCP and Mooncake's writer's segment, the two pulled between processes, take
             # turns call by call (measure_pulled says why); the rest run one after another
-            paired = ["kvpool-tcp", "mooncake-remote"] if {"kvpool-tcp", "mooncake-remote"} <= set(rows_wanted) \
-                and mooncake_why is None else []
+            # (at the later one's turn, so the rows between them run in the order they always did)
+            paired = sorted({"kvpool-tcp", "mooncake-remote"}, key=rows_wanted.index) \
+                if {"kvpool-tcp", "mooncake-remote"} <= set(rows_wanted) and mooncake_why is None else []
 
             def pulled_side(name: str, host: Any, stack: contextlib.ExitStack) -> tuple[Row, Writer, Any]:
                 """``name``'s writer attached and this process's reader made (both undone by ``stack``)."""
@@ -599,8 +600,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             for name in rows_wanted:
                 row = page_rows[name]
-                if name in paired[1:]:
-                    continue  # measured with paired[0]
+                if name in paired and name != paired[-1]:
+                    continue  # measured with paired[-1]
                 model = f"hicache-bench/{name}/{os.getpid()}"
                 together = paired if name in paired else [name]
                 progress(f"page {page_size}: {' and '.join(LABELS[n] for n in together)}")
