@@ -32,10 +32,10 @@ Threads and system calls
     once that piece is whole (``MSG_WAITALL``), not one per segment that happened to be there.
     One pull can go in two steps (``start``, then ``finish``): its request goes out first, and
     the caller prepares the buffer its reply lands in while the holder answers. Each wait for a
-    reply's first bytes, and a server's wait for a connection's next request, is polled for, briefly, before
-    the thread blocks (``poll_s``, :class:`.stream.ReplyPoll`, in C without the GIL: an idle
-    vCPU is slow to wake); one thread of a client (of a server) polls at a time, and none
-    while polls keep running out or being preempted.
+    reply's status and header, and a server's wait for a connection's next request, is polled for,
+    briefly, before the thread blocks (``poll_s``, :class:`.stream.ReplyPoll`, in C without the
+    GIL: an idle vCPU is slow to wake); one thread of a client (of a server) polls at a time,
+    and none while polls keep running out or being preempted.
 
 Security
     The server binds ``host`` only (the node's address). A client opens every connection

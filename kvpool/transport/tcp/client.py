@@ -55,7 +55,7 @@ class TcpPullClient:
     holder that fails it gets no pull (AuthenticationError). None: holders are not checked.
     ``prove(nonce)``: this client's answer to the holder's nonce (:meth:`ClusterKey.reader_proof`);
     a holder that accepts it serves this connection's pulls without checking their tokens.
-    None: every pull's token is checked. ``poll_s``: how long each wait for a reply's bytes
+    None: every pull's token is checked. ``poll_s``: how long each wait for a reply's status and header
     is polled for before the caller blocks (:class:`ReplyPoll`; 0: never).
     """
 
