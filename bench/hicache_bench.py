@@ -39,8 +39,9 @@ processes, take turns get by get (the one going first alternating) rather than o
 the other: on this VM the two vCPUs share one physical core for stretches of seconds (a
 CPU-bound loop on one vCPU then runs at half speed while the other is busy), which slows
 either row's gets by up to half, so rows timed at different moments compared the host's
-moods as much as the stores. Their sets still run one row after the other, Mooncake's first,
-each untimed memory touched beforehand (see ``reclaim_from_host``).
+moods as much as the stores. Their sets still run one row after the other: Mooncake's first,
+on memory touched (untimed) just before, as kvpool's is when its writer attaches (see
+``reclaim_from_host``).
 
 kvpool's memory is reserved at start (``tiers.cxl.prefault`` / ``tiers.dram.prefault``, as a
 server that owns its memory runs and as SGLang's pinned host pools are); ``--cold-arenas``
@@ -561,8 +562,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             page_rows = {name: Row(name, page_size, page_bytes, BATCH * page_bytes) for name in rows_wanted}
             rows.extend(page_rows.values())
             # kvpool TCP and Mooncake's writer's segment, the two pulled between processes, take
-            # turns call by call (measure_pulled says why); the rest run one after another
-            # (at the later one's turn, so the rows between them run in the order they always did)
+            # turns get by get (get_calls says why), at the later one's turn, so the rows between
+            # them keep their order; the rest run one after another
             paired = sorted({"kvpool-tcp", "mooncake-remote"}, key=rows_wanted.index) \
                 if {"kvpool-tcp", "mooncake-remote"} <= set(rows_wanted) and mooncake_why is None else []
 
