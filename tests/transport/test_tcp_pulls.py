@@ -610,6 +610,28 @@ def test_a_port_that_refuses_or_turns_connections_away_is_not_reachable_for_a_wh
         assert eager.reachable(gone)  # tried again at once
 
 
+def test_failed_connects_in_a_row_back_off_doubling_and_one_that_opens_ends_the_row() -> None:
+    """One dropped SYN (a flood filled the accept queue) costs ``first_retry_s`` of TCP; a port
+    that keeps turning connections away is tried less often, up to ``retry_after_s``."""
+    with (TcpPullServer(_memory_provider, max_connections=0) as holder,
+          TcpPullClient(first_retry_s=1.0, retry_after_s=3.0) as client):
+        peer = PeerAddress("127.0.0.1", 0, tcp_port=holder.port)
+        waits = []
+        for _ in range(4):
+            with pytest.raises(TcpPathUnusable):
+                client.pull_into(peer, b"a", (0, 1), bytearray(LAYER_NBYTES))
+            waits.append(client.retry_in_s(peer))
+        assert 0 < waits[0] <= 1.0 < waits[1] <= 2.0 < waits[2] <= 3.0 and 2.0 < waits[3] <= 3.0, waits
+        holder.max_connections = 8
+        assert client.pull_into(peer, b"a", (0, 1), bytearray(LAYER_NBYTES)) == LAYER_NBYTES
+        assert client.reachable(peer) and client.retry_in_s(peer) == 0.0
+        holder.max_connections = 0
+        client.sweep(keep=lambda where: False)  # no idle connection left: the next pull opens one
+        with pytest.raises(TcpPathUnusable):
+            client.pull_into(peer, b"a", (0, 1), bytearray(LAYER_NBYTES))
+        assert 0 < client.retry_in_s(peer) <= 1.0  # a new row
+
+
 def test_closing_the_server_fails_a_waiting_pull() -> None:
     release = threading.Event()
 

@@ -49,8 +49,10 @@ class TcpPullClient:
     periodically by its owner, closes those and the ones to holders that left: a pooled
     connection outlives neither its holder's socket nor its node. Errors as :meth:`PullClient.pull_into`.
     A holder whose port cannot be connected to, or which closes a new connection unasked
-    (over its connection limit), is :meth:`reachable` no more for ``retry_after_s``: callers
-    pull from it over UCX meanwhile. ``check_proof(nonce, proof)``: whether a holder's answer
+    (over its connection limit), is :meth:`reachable` no more for a while: callers pull from
+    it over UCX meanwhile. The while is ``first_retry_s`` after a first failure and doubles with
+    each failure in a row up to ``retry_after_s``; a connection that opens ends the row (one
+    dropped SYN under a flood costs seconds of TCP, not half a minute). ``check_proof(nonce, proof)``: whether a holder's answer
     to a new connection's hello proves it is one (:meth:`ClusterKey.check_holder_proof`); a
     holder that fails it gets no pull (AuthenticationError). None: holders are not checked.
     ``prove(nonce)``: this client's answer to the holder's nonce (:meth:`ClusterKey.reader_proof`);
@@ -60,7 +62,7 @@ class TcpPullClient:
     """
 
     def __init__(self, *, connect_timeout_s: float = 1.0, idle_per_peer: int = 8,
-                 retry_after_s: float = 30.0, check_proof: Callable[[bytes, bytes], bool] | None = None,
+                 retry_after_s: float = 30.0, first_retry_s: float = 2.0, check_proof: Callable[[bytes, bytes], bool] | None = None,
                  prove: Callable[[bytes], bytes] | None = None, poll_s: float = 0.0) -> None:
         self.poll = ReplyPoll(poll_s)
         self.check_proof = check_proof
@@ -68,8 +70,10 @@ class TcpPullClient:
         self.connect_timeout_s = connect_timeout_s
         self.idle_per_peer = idle_per_peer
         self.retry_after_s = retry_after_s
+        self.first_retry_s = min(first_retry_s, retry_after_s)
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._unreachable: dict[tuple[str, int], float] = {}  # holder -> when to try it again
+        self._failed_in_a_row: dict[tuple[str, int], int] = {}  # holder -> connects failed since one opened
         self._lock = threading.Lock()
         self._closed = False
         self.pulls = 0
@@ -214,8 +218,12 @@ class TcpPullClient:
         """Whether ``address`` serves TCP pulls that this client can reach (see the class)."""
         if not address.tcp_port:
             return False
+        return self.retry_in_s(address) == 0.0
+
+    def retry_in_s(self, address: PeerAddress) -> float:
+        """Seconds until this client tries ``address``'s TCP port again (0: it is reachable)."""
         until = self._unreachable.get((address.host, address.tcp_port))
-        return until is None or time.monotonic() >= until
+        return 0.0 if until is None else max(0.0, until - time.monotonic())
 
     def sweep(self, keep: Callable[[tuple[str, int]], bool] | None = None) -> int:
         """Close the idle connections whose holder hung up (closed or reset them: each would sit
@@ -237,6 +245,8 @@ class TcpPullClient:
             for where, until in list(self._unreachable.items()):
                 if until <= now:
                     del self._unreachable[where]
+                if until + self.retry_after_s <= now:  # not tried again since: a holder that left
+                    self._failed_in_a_row.pop(where, None)
         for conn in closing:
             conn.close()
         self.swept += len(closing)
@@ -282,7 +292,7 @@ class TcpPullClient:
         outcomes: list[int | BaseException] = []
         while True:
             if not isinstance(conn, _Conn):
-                self._unreachable[where] = time.monotonic() + self.retry_after_s
+                self._mark_unreachable(where)
                 error = (errors.TransferError if isinstance(conn, ConnectionRefusedError) else TcpPathUnusable)
                 return [self._failed(pull, error(f"{pull.label}: TCP port unusable: {describe(conn)}"))
                         for pull in pulls]
@@ -313,6 +323,10 @@ class TcpPullClient:
         if conn.nonce is not None:
             self._check_hello(conn, pulls[0], conn.nonce)
             conn.nonce = None
+            if self._failed_in_a_row:  # it opened: reachable, and the next failure starts a new row
+                with self._lock:
+                    self._failed_in_a_row.pop(pulls[0].where, None)
+                    self._unreachable.pop(pulls[0].where, None)
         sent = 0
         window = 0
         for index, pull in enumerate(pulls):
@@ -401,6 +415,12 @@ class TcpPullClient:
         self.pulls += 1
         self.bytes_received += nbytes
         return int(nbytes)
+
+    def _mark_unreachable(self, where: tuple[str, int]) -> None:
+        with self._lock:
+            row = self._failed_in_a_row[where] = self._failed_in_a_row.get(where, 0) + 1
+            wait_s = min(self.retry_after_s, self.first_retry_s * 2 ** min(row - 1, 16))
+            self._unreachable[where] = time.monotonic() + wait_s
 
     def _failed(self, pull: TcpPull, exc: BaseException) -> BaseException:
         self.failures += 1
