@@ -630,6 +630,18 @@ def test_failed_connects_in_a_row_back_off_doubling_and_one_that_opens_ends_the_
         with pytest.raises(TcpPathUnusable):
             client.pull_into(peer, b"a", (0, 1), bytearray(LAYER_NBYTES))
         assert 0 < client.retry_in_s(peer) <= 1.0  # a new row
+    with (TcpPullServer(_memory_provider, max_connections=0) as holder,
+          TcpPullClient(first_retry_s=0.2, retry_after_s=0.4) as client):
+        peer = PeerAddress("127.0.0.1", 0, tcp_port=holder.port)
+        for _ in range(2):
+            with pytest.raises(TcpPathUnusable):
+                client.pull_into(peer, b"a", (0, 1), bytearray(LAYER_NBYTES))
+        assert client.retry_in_s(peer) > 0.2
+        time.sleep(client.retry_in_s(peer) + 0.45)  # its mark ran out, and retry_after_s more
+        client.sweep()  # not tried for that long: a holder that left; its row is forgotten
+        with pytest.raises(TcpPathUnusable):
+            client.pull_into(peer, b"a", (0, 1), bytearray(LAYER_NBYTES))
+        assert 0 < client.retry_in_s(peer) <= 0.2
 
 
 def test_closing_the_server_fails_a_waiting_pull() -> None:

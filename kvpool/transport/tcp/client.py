@@ -52,9 +52,10 @@ class TcpPullClient:
     (over its connection limit), is :meth:`reachable` no more for a while: callers pull from
     it over UCX meanwhile. The while is ``first_retry_s`` after a first failure and doubles with
     each failure in a row up to ``retry_after_s``; a connection that opens ends the row (one
-    dropped SYN under a flood costs seconds of TCP, not half a minute). ``check_proof(nonce, proof)``: whether a holder's answer
-    to a new connection's hello proves it is one (:meth:`ClusterKey.check_holder_proof`); a
-    holder that fails it gets no pull (AuthenticationError). None: holders are not checked.
+    dropped SYN under a flood costs seconds of TCP, not half a minute).
+    ``check_proof(nonce, proof)``: whether a holder's answer to a new connection's hello
+    proves it is one (:meth:`ClusterKey.check_holder_proof`); a holder that fails it gets no
+    pull (AuthenticationError). None: holders are not checked.
     ``prove(nonce)``: this client's answer to the holder's nonce (:meth:`ClusterKey.reader_proof`);
     a holder that accepts it serves this connection's pulls without checking their tokens.
     None: every pull's token is checked. ``poll_s``: how long each wait for a reply's status and header
@@ -62,7 +63,8 @@ class TcpPullClient:
     """
 
     def __init__(self, *, connect_timeout_s: float = 1.0, idle_per_peer: int = 8,
-                 retry_after_s: float = 30.0, first_retry_s: float = 2.0, check_proof: Callable[[bytes, bytes], bool] | None = None,
+                 retry_after_s: float = 30.0, first_retry_s: float = 2.0,
+                 check_proof: Callable[[bytes, bytes], bool] | None = None,
                  prove: Callable[[bytes], bytes] | None = None, poll_s: float = 0.0) -> None:
         self.poll = ReplyPoll(poll_s)
         self.check_proof = check_proof
@@ -73,7 +75,8 @@ class TcpPullClient:
         self.first_retry_s = min(first_retry_s, retry_after_s)
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._unreachable: dict[tuple[str, int], float] = {}  # holder -> when to try it again
-        self._failed_in_a_row: dict[tuple[str, int], int] = {}  # holder -> connects failed since one opened
+        # holder -> (connects failed in a row since one opened, when the last one's mark ran out)
+        self._failed_in_a_row: dict[tuple[str, int], tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.pulls = 0
@@ -245,8 +248,9 @@ class TcpPullClient:
             for where, until in list(self._unreachable.items()):
                 if until <= now:
                     del self._unreachable[where]
+            for where, (_, until) in list(self._failed_in_a_row.items()):
                 if until + self.retry_after_s <= now:  # not tried again since: a holder that left
-                    self._failed_in_a_row.pop(where, None)
+                    del self._failed_in_a_row[where]
         for conn in closing:
             conn.close()
         self.swept += len(closing)
@@ -418,9 +422,10 @@ class TcpPullClient:
 
     def _mark_unreachable(self, where: tuple[str, int]) -> None:
         with self._lock:
-            row = self._failed_in_a_row[where] = self._failed_in_a_row.get(where, 0) + 1
-            wait_s = min(self.retry_after_s, self.first_retry_s * 2 ** min(row - 1, 16))
-            self._unreachable[where] = time.monotonic() + wait_s
+            row = self._failed_in_a_row.get(where, (0, 0.0))[0] + 1
+            until = time.monotonic() + min(self.retry_after_s, self.first_retry_s * 2 ** min(row - 1, 16))
+            self._failed_in_a_row[where] = row, until
+            self._unreachable[where] = until
 
     def _failed(self, pull: TcpPull, exc: BaseException) -> BaseException:
         self.failures += 1
