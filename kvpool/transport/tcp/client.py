@@ -74,8 +74,7 @@ class TcpPullClient:
         self.retry_after_s = retry_after_s
         self.first_retry_s = min(first_retry_s, retry_after_s)
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
-        self._unreachable: dict[tuple[str, int], float] = {}  # holder -> when to try it again
-        # holder -> (connects failed in a row since one opened, when the last one's mark ran out)
+        # holder -> (connects failed in a row since one opened, when to try it again)
         self._failed_in_a_row: dict[tuple[str, int], tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -225,15 +224,16 @@ class TcpPullClient:
 
     def retry_in_s(self, address: PeerAddress) -> float:
         """Seconds until this client tries ``address``'s TCP port again (0: it is reachable)."""
-        until = self._unreachable.get((address.host, address.tcp_port))
-        return 0.0 if until is None else max(0.0, until - time.monotonic())
+        _, until = self._failed_in_a_row.get((address.host, address.tcp_port), (0, 0.0))
+        return max(0.0, until - time.monotonic())
 
     def sweep(self, keep: Callable[[tuple[str, int]], bool] | None = None) -> int:
         """Close the idle connections whose holder hung up (closed or reset them: each would sit
         in CLOSE-WAIT, holding a descriptor, until reused, and a departed holder's never is)
         and, with ``keep``, those to holders ``keep((host, tcp_port))`` rejects (nodes that
-        left or died); forget the holders' unreachable marks that ran out. Never blocks: one
-        non-blocking peek per idle connection. Returns how many connections it closed."""
+        left or died); forget the failed connects of holders not tried for ``retry_after_s``
+        after their mark ran out (holders that left). Never blocks: one non-blocking peek per
+        idle connection. Returns how many connections it closed."""
         now = time.monotonic()
         closing: list[_Conn] = []
         with self._lock:
@@ -245,9 +245,6 @@ class TcpPullClient:
                     self._idle[where] = usable
                 else:
                     del self._idle[where]
-            for where, until in list(self._unreachable.items()):
-                if until <= now:
-                    del self._unreachable[where]
             for where, (_, until) in list(self._failed_in_a_row.items()):
                 if until + self.retry_after_s <= now:  # not tried again since: a holder that left
                     del self._failed_in_a_row[where]
@@ -330,7 +327,6 @@ class TcpPullClient:
             if self._failed_in_a_row:  # it opened: reachable, and the next failure starts a new row
                 with self._lock:
                     self._failed_in_a_row.pop(pulls[0].where, None)
-                    self._unreachable.pop(pulls[0].where, None)
         sent = 0
         window = 0
         for index, pull in enumerate(pulls):
@@ -425,7 +421,6 @@ class TcpPullClient:
             row = self._failed_in_a_row.get(where, (0, 0.0))[0] + 1
             until = time.monotonic() + min(self.retry_after_s, self.first_retry_s * 2 ** min(row - 1, 16))
             self._failed_in_a_row[where] = row, until
-            self._unreachable[where] = until
 
     def _failed(self, pull: TcpPull, exc: BaseException) -> BaseException:
         self.failures += 1
